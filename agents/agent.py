@@ -1,0 +1,291 @@
+"""The node agent's life: detect the hardware, bind to the node record, heartbeat, and run a
+Celery worker on the node's own queue until stopped, then stop every role it started.
+
+Registration is idempotent by construction: the agent makes up its own agent token, saves it
+in the state dir *before* registering, and sends it along with the join token; the control
+plane stores only its hash. If the answer is lost, a retry with the same pair succeeds, and
+after a restart the saved token is all the agent needs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agents import supervisor as supervision
+from agents.client import ControlPlaneClient, call_with_retry
+from agents.config import AgentSettings
+from agents.errors import AgentAuthError, AgentConfigError, ControlPlaneError
+from agents.hardware import Hardware, detect, measure_samples_per_s
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "agent.json"
+STOP_REASON = "the agent on this node stopped"
+
+
+@dataclass
+class AgentState:
+    """What the agent keeps across restarts (state_dir/agent.json, mode 0600)."""
+
+    server_url: str
+    agent_token: str
+    node_id: int | None = None
+    node_name: str | None = None
+    queue: str | None = None
+
+    @classmethod
+    def load(cls, state_dir: Path) -> AgentState | None:
+        """The saved state, or None when there is none."""
+        path = state_dir / STATE_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+    def save(self, state_dir: Path) -> None:
+        """Write atomically, readable by the owner only (the token is a credential)."""
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = state_dir / (STATE_FILE + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(self.__dict__, fh)
+        os.replace(tmp, state_dir / STATE_FILE)
+
+    @property
+    def registered(self) -> bool:
+        return self.node_id is not None and self.queue is not None
+
+
+def new_agent_token() -> str:
+    """A fresh agent token: 256 random bits, recognisable by its prefix."""
+    return "hta_" + secrets.token_urlsafe(32)
+
+
+class Agent:
+    """One node agent process."""
+
+    def __init__(self, settings: AgentSettings, *, client: ControlPlaneClient | None = None) -> None:
+        if not settings.server_url:
+            raise AgentConfigError("no control plane given: pass --server URL")
+        self.settings = settings
+        self.state_dir = Path(settings.state_dir)
+        self.client = client or ControlPlaneClient(
+            settings.server_url, timeout_s=settings.http_timeout_s
+        )
+        self.state: AgentState | None = None
+        self.hardware: Hardware | None = None
+        self.supervisor: supervision.Supervisor | None = None
+        self._stop = threading.Event()
+        self._fatal: str | None = None
+        self._worker: Any = None
+
+    # -- registration ---------------------------------------------------------------------
+
+    def detect_hardware(self) -> Hardware:
+        """Detect the machine and, unless disabled, measure the reference model."""
+        hw = detect(self.settings.server_url)
+        if self.settings.advertise_address:
+            hw.address = self.settings.advertise_address
+        if self.settings.benchmark_seconds > 0:
+            try:
+                hw.benchmark = measure_samples_per_s(self.settings.benchmark_seconds)
+            except ImportError as exc:
+                log.warning("no torch here, so no speed measurement: %s", exc)
+        self.hardware = hw
+        return hw
+
+    def register(self) -> AgentState:
+        """Bind to the node: reuse the saved agent token, or register with the join token."""
+        assert self.hardware is not None
+        server = self.settings.server_url
+        assert server is not None
+        saved = AgentState.load(self.state_dir)
+        if saved is not None and saved.server_url != server:
+            log.warning("state dir %s belongs to %s, not %s: registering anew",
+                        self.state_dir, saved.server_url, server)
+            saved = None
+        if saved is not None and saved.registered:
+            self.client.set_agent_token(saved.agent_token)
+            try:
+                answer = call_with_retry(
+                    self.client.heartbeat, self._heartbeat_body(first=True), deadline_s=60
+                )
+                self.state = saved
+                self._apply_heartbeat_answer(answer)
+                log.info("resumed as node %s (%s) on queue %s", saved.node_id, saved.node_name, saved.queue)
+                return saved
+            except AgentAuthError as exc:
+                if self.settings.join_token is None:
+                    raise AgentAuthError(
+                        f"the saved agent token was refused ({exc}); pass a new --token"
+                    ) from exc
+                log.warning("saved agent token refused (%s); registering with the join token", exc)
+                saved = None
+        if self.settings.join_token is None:
+            raise AgentConfigError(
+                f"no agent token in {self.state_dir} and no join token: pass --token JOIN_TOKEN"
+            )
+        # A pending state (token, no node yet) is reused so a retry sends the same token.
+        state = saved if saved is not None else AgentState(server_url=server, agent_token=new_agent_token())
+        state.save(self.state_dir)
+        answer = call_with_retry(
+            self.client.register,
+            join_token=self.settings.join_token.get_secret_value(),
+            agent_token=state.agent_token,
+            hardware=self.hardware.to_json(),
+            deadline_s=60,
+        )
+        state.node_id = int(answer["node_id"])
+        state.node_name = answer.get("node_name")
+        state.queue = str(answer["queue"])
+        state.save(self.state_dir)
+        self.client.set_agent_token(state.agent_token)
+        self.state = state
+        log.info("registered as node %s (%s) on queue %s", state.node_id, state.node_name, state.queue)
+        return state
+
+    # -- heartbeat ------------------------------------------------------------------------
+
+    def _heartbeat_body(self, *, first: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "roles": self.supervisor.snapshot() if self.supervisor else [],
+            "load": {
+                "cpu_percent": psutil.cpu_percent(interval=None),
+                "memory_available_gb": round(psutil.virtual_memory().available / 2**30, 2),
+            },
+            "t": time.time(),
+        }
+        if first and self.hardware is not None:
+            body["hardware"] = self.hardware.to_json()
+        return body
+
+    def _apply_heartbeat_answer(self, answer: dict[str, Any]) -> None:
+        # The control plane lists roles it considers finished (a cancel order lost while this
+        # node was offline, a run failed elsewhere): stop them here too.
+        for item in answer.get("stop", []) or []:
+            if self.supervisor is None:
+                continue
+            threading.Thread(
+                target=self.supervisor.cancel,
+                args=(int(item["run_id"]),),
+                kwargs={"reason": item.get("reason") or "stopped by the control plane",
+                        "rank": item.get("rank")},
+                daemon=True,
+            ).start()
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.settings.heartbeat_interval_s
+        failures = 0
+        while not self._stop.wait(interval):
+            try:
+                self._apply_heartbeat_answer(self.client.heartbeat(self._heartbeat_body()))
+                if failures:
+                    log.info("control plane reachable again after %d missed heartbeats", failures)
+                failures = 0
+            except AgentAuthError as exc:
+                # The node was deleted or its token revoked: this agent has no business left.
+                self._fatal = f"heartbeat refused: {exc}"
+                log.error("%s; stopping the agent", self._fatal)
+                self.request_stop()
+                return
+            except ControlPlaneError as exc:
+                failures += 1
+                log.warning("heartbeat failed (%d in a row): %s", failures, exc)
+
+    # -- running --------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask the agent to stop: ends the Celery worker, which ends `run`."""
+        self._stop.set()
+        if self._worker is not None:
+            # The worker runs in the main thread; Celery's SIGTERM handler is its proven
+            # warm-shutdown path, so take it rather than stopping the blueprint from here.
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def run(self) -> int:
+        """Register, then consume the node's queue until stopped; returns the exit status."""
+        from celery import signals as celery_signals
+
+        from agents import tasks  # noqa: F401  (registers the tasks on the app)
+        from agents.celery_app import app, configure, prepare_embedded_broker
+
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)
+        self.detect_hardware()
+        sup = supervision.Supervisor(
+            self.client,
+            state_dir=self.state_dir,
+            trainer_command=self.settings.trainer_command,
+            kill_grace_s=self.settings.kill_grace_s,
+            log_buffer_lines=self.settings.log_buffer_lines,
+            log_flush_interval_s=self.settings.log_flush_interval_s,
+            role_threads=self.settings.role_threads,
+            event_retry_s=self.settings.event_retry_s,
+        )
+        for record in sup.reap_stale():
+            log.warning("a previous agent left run %s rank %s running; killed it",
+                        record.get("run_id"), record.get("rank"))
+        self.supervisor = sup
+        state = self.register()
+        supervision.install(sup)
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeat.start()
+
+        configure(app, self.settings.broker_url)
+        prepare_embedded_broker(self.settings.broker_url)
+
+        def announce_ready(**_: Any) -> None:
+            log.info("agent ready: node %s consuming queue %s", state.node_id, state.queue)
+
+        def stop_roles_now(**_: Any) -> None:
+            # Celery's warm shutdown drains its broker loop first (up to ~4 s on the SQL
+            # transport); stopping the roles meanwhile keeps the agent inside the usual 10 s
+            # stop grace of systemd and docker.
+            threading.Thread(target=sup.stop_all, args=(STOP_REASON,), daemon=True).start()
+
+        celery_signals.worker_ready.connect(announce_ready, weak=False)
+        celery_signals.worker_shutting_down.connect(stop_roles_now, weak=False)
+        try:
+            self._worker = app.Worker(
+                hostname=f"node{state.node_id}@{socket.gethostname()}",
+                queues=[state.queue],
+                pool="threads",
+                concurrency=self.settings.concurrency,
+                loglevel=self.settings.log_level,
+                without_gossip=True,
+                without_mingle=True,
+                without_heartbeat=True,
+                optimization="fair",
+                redirect_stdouts=False,
+                quiet=True,
+            )
+            if not self._stop.is_set():
+                self._worker.start()
+        finally:
+            self._stop.set()
+            log.info("stopping: ending every role this agent started")
+            stopped = sup.stop_all(STOP_REASON)
+            if stopped:
+                log.info("stopped %d role(s): %s", len(stopped), stopped)
+            sup.close()
+            supervision.install(None)
+            try:
+                self.client.heartbeat(self._heartbeat_body())
+            except ControlPlaneError:
+                pass
+            self.client.close()
+        if self._fatal:
+            return 3
+        return int(getattr(self._worker, "exitcode", 0) or 0)

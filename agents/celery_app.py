@@ -1,0 +1,146 @@
+"""The Celery app that carries launch and cancel orders to node agents, and its configuration.
+
+Every node consumes only its own queue (`node.<id>`); the control plane publishes there after
+its database commit. Task names are constants so the control plane can `send_task` them by
+name without importing the agent's tasks (or torch).
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu.transport import sqlalchemy as kombu_sqlalchemy
+
+LAUNCH_ROLE = "hybridtrain.launch_role"
+CANCEL_RUN = "hybridtrain.cancel_run"
+
+# A launch that has not started within this window is dropped by the worker (the control
+# plane passes it as `expires=`): a node that comes back after an outage must not start a
+# role of a run that the control plane has long since failed for not starting.
+LAUNCH_EXPIRES_S = 120.0
+CANCEL_EXPIRES_S = 600.0
+
+# Redis only: how long a delivered but unacknowledged message stays invisible before Redis
+# hands it out again. Only `cancel_run` acks late, and it finishes within the kill grace
+# plus one HTTP report (about a minute at most), so half an hour never re-delivers a cancel
+# that is still running, yet a cancel lost with a dying agent comes back the same day.
+REDIS_VISIBILITY_TIMEOUT_S = 1800
+
+# kombu's SQL transport polls every 1 s by default, which adds about a second to every
+# launch; 50 ms measured about 55 ms per task. It cannot go through `transport_options`
+# (the channel hands those to `create_engine`, which rejects the keyword), hence a subclass.
+SQL_POLLING_INTERVAL_S = 0.05
+
+
+class PollingSQLTransport(kombu_sqlalchemy.Transport):
+    """kombu's SQLAlchemy transport polling every 50 ms instead of every second."""
+
+    polling_interval = SQL_POLLING_INTERVAL_S
+
+
+_SQL_PREFIXES = ("sqla+", "sqlalchemy+")
+
+
+def is_embedded_broker(broker_url: str) -> bool:
+    """Whether the URL names kombu's SQL transport (the no-server default)."""
+    return broker_url.startswith(_SQL_PREFIXES)
+
+
+def prepare_embedded_broker(broker_url: str) -> None:
+    """Create the embedded broker's SQLite file and folder, in WAL mode; no-op for others.
+
+    Called by the processes that use the broker (agent, control plane) rather than at import,
+    so importing this module never writes to the working directory.
+    """
+    # SQLite cannot create the file's folder, and WAL lets the control plane publish while
+    # several agents poll the same file without "database is locked" errors.
+    import sqlite3
+    from pathlib import Path
+
+    if not is_embedded_broker(broker_url):
+        return
+    db_url = broker_url.split("+", 1)[1]
+    if not db_url.startswith("sqlite"):
+        return
+    path = db_url.split(":///", 1)[1] if ":///" in db_url else ""
+    if not path or path == ":memory:":
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path, timeout=30) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+
+
+def configure(celery: Celery, broker_url: str) -> Celery:
+    """Point `celery` at `broker_url` and apply the task settings chosen for long jobs."""
+    conf: dict[str, object] = {
+        "broker_url": broker_url,
+        "broker_connection_retry_on_startup": True,
+        # No result backend: a role's outcome travels over HTTP (run events), no caller ever
+        # waits on a task result, and results would pile up in Redis for nothing.
+        "result_backend": None,
+        "task_ignore_result": True,
+        # JSON only: the broker may be reachable from other hosts, and pickle would turn a
+        # forged message into code execution on every agent.
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        # Early ack by default: `launch_role` starts a process, which is not idempotent; a
+        # re-delivery after an agent crash would start a second copy of a role whose run has
+        # already failed. A launch that never happened is caught by the control plane (the
+        # role never reports "started"). `cancel_run` is idempotent and opts into acks_late.
+        "task_acks_late": False,
+        # One message reserved at a time: a node's queue has one consumer, and with acks_late
+        # tasks a prefetched message sits unacknowledged behind a running cancel for nothing.
+        "worker_prefetch_multiplier": 1,
+        # No time limits: the agent runs the "threads" pool (its tasks share the process
+        # that supervises the roles), which cannot enforce them. Task bodies are bounded by
+        # construction instead: a launch only spawns, a cancel waits at most the kill grace,
+        # and every HTTP call carries a timeout.
+        "task_time_limit": None,
+        "task_soft_time_limit": None,
+        # The agent logs through its own handlers; Celery must not replace them or swallow
+        # the agent's stdout.
+        "worker_hijack_root_logger": False,
+        "worker_redirect_stdouts": False,
+        # Remote control (`celery inspect active`) stays on where the broker supports it;
+        # the agent starts its worker without gossip and mingle (see agents.agent).
+        "worker_enable_remote_control": True,
+        "worker_send_task_events": False,
+        "task_send_sent_event": False,
+        # Queues are named per node and created on first use.
+        "task_create_missing_queues": True,
+    }
+    if is_embedded_broker(broker_url):
+        db_url = broker_url.split("+", 1)[1]
+        conf.update(
+            broker_url=db_url,
+            broker_transport=f"{__name__}:PollingSQLTransport",
+            # Handed to create_engine: wait for SQLite's write lock rather than fail.
+            broker_transport_options=(
+                {"connect_args": {"timeout": 30}} if db_url.startswith("sqlite") else {}
+            ),
+            # The SQL transport has no fanout exchanges, which remote control needs.
+            worker_enable_remote_control=False,
+        )
+    else:
+        conf.update(
+            # Reset what an earlier configure() for the embedded broker may have set.
+            broker_transport=None,
+            broker_transport_options={"visibility_timeout": REDIS_VISIBILITY_TIMEOUT_S},
+        )
+    celery.conf.update(conf)
+    return celery
+
+
+def make_celery(broker_url: str) -> Celery:
+    """A fresh Celery app on `broker_url`, e.g. for the control plane's dispatcher."""
+    return configure(Celery("hybridtrain", set_as_current=False), broker_url)
+
+
+def _default_broker_url() -> str:
+    from agents.config import get_settings
+
+    return get_settings().broker_url
+
+
+# The agent's app; `agents.tasks` registers its tasks here and `hybridtrain agent` may point
+# it at another broker (configure() again) before its worker starts.
+app = make_celery(_default_broker_url())

@@ -1,0 +1,134 @@
+"""The agent's HTTP client for the control plane (see "Agent ↔ control plane" in
+docs/architecture.md): register, heartbeat, role events and logs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from agents.errors import (
+    AgentAuthError,
+    ControlPlaneError,
+    ControlPlaneRejected,
+    ControlPlaneUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/api/v1/agent"
+
+
+class ControlPlaneClient:
+    """Calls the agent endpoints of one control plane; thread-safe (httpx.Client is)."""
+
+    def __init__(
+        self,
+        server_url: str,
+        *,
+        agent_token: str | None = None,
+        timeout_s: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.server_url = server_url.rstrip("/")
+        self._agent_token = agent_token
+        self._http = httpx.Client(
+            base_url=self.server_url + API_PREFIX, timeout=timeout_s, transport=transport
+        )
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self._http.close()
+
+    def set_agent_token(self, token: str) -> None:
+        """Authenticate later calls with the node's agent token."""
+        self._agent_token = token
+
+    def _post(self, path: str, body: Mapping[str, Any], *, auth: bool = True) -> dict[str, Any]:
+        headers = {}
+        if auth:
+            if not self._agent_token:
+                raise AgentAuthError(f"no agent token to call {path}")
+            headers["Authorization"] = f"Bearer {self._agent_token}"
+        try:
+            response = self._http.post(path, json=dict(body), headers=headers)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneUnavailable(
+                f"control plane at {self.server_url} unreachable on {path}: {exc!r}"
+            ) from exc
+        if response.status_code >= 500:
+            raise ControlPlaneUnavailable(
+                f"control plane failed on {path}: {response.status_code} {response.text[:300]}",
+                status_code=response.status_code,
+            )
+        if response.status_code in (401, 403):
+            raise AgentAuthError(
+                f"control plane refused the credentials on {path}: {_detail(response)}",
+                status_code=response.status_code,
+            )
+        if response.status_code >= 400:
+            raise ControlPlaneRejected(
+                f"control plane rejected {path}: {response.status_code} {_detail(response)}",
+                status_code=response.status_code,
+            )
+        if response.status_code == 204 or not response.content:
+            return {}
+        return dict(response.json())
+
+    def register(
+        self, *, join_token: str, agent_token: str, hardware: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Bind this machine to the node of `join_token`; returns node id, name and queue."""
+        body = {"join_token": join_token, "agent_token": agent_token, "hardware": dict(hardware)}
+        return self._post("/register", body, auth=False)
+
+    def heartbeat(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Report liveness and roles; the answer may list roles the agent must stop."""
+        return self._post("/heartbeat", body)
+
+    def role_event(self, run_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Report that a role started or exited."""
+        return self._post(f"/runs/{run_id}/events", body)
+
+    def logs(self, run_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Ship a batch of a role's output lines."""
+        return self._post(f"/runs/{run_id}/logs", body)
+
+
+def call_with_retry(
+    fn: Any,
+    *args: Any,
+    deadline_s: float,
+    first_delay_s: float = 0.5,
+    max_delay_s: float = 5.0,
+    **kwargs: Any,
+) -> Any:
+    """Call `fn`, retrying only ControlPlaneUnavailable with exponential backoff until
+    `deadline_s` has passed; other errors propagate at once."""
+    start = time.monotonic()
+    delay = first_delay_s
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except ControlPlaneUnavailable as exc:
+            if time.monotonic() - start + delay > deadline_s:
+                raise
+            log.warning("%s; retrying in %.1f s", exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300]
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"])
+    return str(body)[:300]
+
+
+__all__ = ["ControlPlaneClient", "ControlPlaneError", "call_with_retry"]

@@ -1,0 +1,74 @@
+"""Settings of the node agent: the one module of `agents/` that reads the environment.
+
+The agent runs on machines that may have neither the control plane's code paths nor its
+environment, so it has its own settings object rather than sharing `app.config`.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The same embedded default as the control plane's `app.config`: a `make run` on one machine
+# needs no broker server, and both processes resolve it against the same working directory.
+EMBEDDED_BROKER_URL = "sqla+sqlite:///./var/broker.db"
+
+
+class AgentSettings(BaseSettings):
+    """Node-agent configuration; `hybridtrain agent` flags override the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="HYBRIDTRAIN_AGENT_", extra="ignore")
+
+    # Where the control plane answers, e.g. http://cp.example:8000 (no /api/v1 suffix).
+    server_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("HYBRIDTRAIN_AGENT_SERVER", "server_url")
+    )
+    # The node's one-time join token; unused once the state directory holds an agent token.
+    join_token: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("HYBRIDTRAIN_AGENT_TOKEN", "join_token")
+    )
+    state_dir: Path = Path("./var/agent")
+    broker_url: str = Field(
+        default=EMBEDDED_BROKER_URL,
+        validation_alias=AliasChoices(
+            "CELERY_BROKER_URL", "HYBRIDTRAIN_AGENT_BROKER_URL", "broker_url"
+        ),
+    )
+    # Five beats fit in the control plane's 30 s offline threshold, so one lost beat is harmless.
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    # The address other nodes use to reach this one (the server rank binds here); found from
+    # the route to the control plane when unset.
+    advertise_address: str | None = None
+    # Threads of the Celery pool: launches and cancels are short, but a cancel may wait out
+    # `kill_grace_s`, and a launch must not queue behind it.
+    concurrency: int = Field(default=4, ge=2)
+    # How long a role gets between SIGTERM and SIGKILL of its process group.
+    kill_grace_s: float = Field(default=10.0, ge=0)
+    # Output lines held for shipping while the control plane is unreachable; oldest dropped.
+    log_buffer_lines: int = Field(default=2000, ge=10)
+    log_flush_interval_s: float = Field(default=1.0, gt=0)
+    # Seconds of the reference-model measurement at start; 0 skips it.
+    benchmark_seconds: float = Field(default=2.0, ge=0)
+    # The command that runs a trainer role; the role's flags are appended.
+    trainer_command: list[str] = Field(default_factory=lambda: [sys.executable, "-m", "trainer"])
+    # Sets OMP_NUM_THREADS/MKL_NUM_THREADS of every role when given (CPU nodes sharing cores).
+    role_threads: int | None = Field(default=None, ge=1)
+    http_timeout_s: float = Field(default=10.0, gt=0)
+    # Seconds a role's start/exit report is retried before it is left to the heartbeat.
+    event_retry_s: float = Field(default=30.0, ge=0)
+    log_level: str = "INFO"
+
+    @field_validator("server_url")
+    @classmethod
+    def _strip_trailing_slash(cls, value: str | None) -> str | None:
+        return value.rstrip("/") if value else value
+
+
+@lru_cache
+def get_settings() -> AgentSettings:
+    """The process-wide agent settings, read once from the environment."""
+    return AgentSettings()

@@ -1,0 +1,103 @@
+"""The node agents' endpoints: register, heartbeat, role events and logs
+(docs/architecture.md, "Agent ↔ control plane")."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Response, status
+
+from app.api.deps import AgentNodeDep, DispatcherDep, IdPath, SessionDep, SettingsDep
+from app.api.responses import CONFLICT, NOT_FOUND_OR_CONFLICT
+from app.dispatch import node_queue
+from app.queries import agents as queries
+from app.run_lock import run_state_lock
+from app.schemas.agent import (
+    AgentRegister,
+    AgentRegistered,
+    Heartbeat,
+    HeartbeatAnswer,
+    LogBatch,
+    LogsStored,
+    RoleEvent,
+    RoleEventAnswer,
+    StopOrder,
+)
+
+router = APIRouter()
+
+# How often agents should beat: five beats inside the offline threshold.
+BEATS_PER_TIMEOUT = 6
+
+
+@router.post(
+    "/register",
+    response_model=AgentRegistered,
+    status_code=status.HTTP_201_CREATED,
+    responses={**CONFLICT, 200: {"model": AgentRegistered, "description": "Already bound to this agent"}},
+)
+def register_agent(
+    session: SessionDep, settings: SettingsDep, body: AgentRegister, response: Response
+) -> AgentRegistered:
+    """Bind the agent that presents a node's join token to that node."""
+    try:
+        node, created = queries.register_agent(
+            session, join_token=body.join_token, agent_token=body.agent_token, hardware=body.hardware
+        )
+    except queries.JoinRefused as exc:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "unknown join token", headers={"WWW-Authenticate": "Bearer"}
+        ) from exc
+    session.commit()
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return AgentRegistered(
+        node_id=node.id, node_name=node.name, queue=node_queue(node.id),
+        heartbeat_interval_s=settings.heartbeat_timeout_s / BEATS_PER_TIMEOUT,
+    )
+
+
+@router.post("/heartbeat", response_model=HeartbeatAnswer)
+def heartbeat(
+    session: SessionDep,
+    settings: SettingsDep,
+    dispatcher: DispatcherDep,
+    node: AgentNodeDep,
+    body: Heartbeat,
+) -> HeartbeatAnswer:
+    """Keep the node online; answer with the roles it should stop."""
+    grace = max(10.0, 2 * settings.heartbeat_timeout_s / BEATS_PER_TIMEOUT)
+    with run_state_lock(settings.is_sqlite):
+        outcome = queries.apply_heartbeat(session, node=node, beat=body, grace_s=grace)
+        session.commit()
+    dispatcher.send_quietly(outcome.orders)
+    return HeartbeatAnswer(
+        node_id=node.id, status=str(node.status), stop=[StopOrder(**s) for s in outcome.stop]
+    )
+
+
+@router.post("/runs/{run_id}/events", response_model=RoleEventAnswer, responses=NOT_FOUND_OR_CONFLICT)
+def report_role_event(
+    session: SessionDep,
+    settings: SettingsDep,
+    dispatcher: DispatcherDep,
+    node: AgentNodeDep,
+    run_id: IdPath,
+    body: RoleEvent,
+) -> RoleEventAnswer:
+    """Record that a rank started or exited; the run moves on (or ends) accordingly."""
+    with run_state_lock(settings.is_sqlite):
+        outcome = queries.apply_role_event(session, node=node, run_id=run_id, event=body)
+        session.commit()
+    dispatcher.send_quietly(outcome.orders)
+    return RoleEventAnswer(
+        run_status=str(outcome.run_status),
+        action="stop" if outcome.stop_reason else None,
+        reason=outcome.stop_reason,
+    )
+
+
+@router.post("/runs/{run_id}/logs", response_model=LogsStored, responses=NOT_FOUND_OR_CONFLICT)
+def ship_logs(session: SessionDep, node: AgentNodeDep, run_id: IdPath, body: LogBatch) -> LogsStored:
+    """Store a batch of a rank's output lines."""
+    stored = queries.store_logs(session, node=node, run_id=run_id, batch=body)
+    session.commit()
+    return LogsStored(stored=stored)

@@ -1,0 +1,151 @@
+"""Runs: plan, launch (idempotently), read, list and cancel."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Header, Query, Response, status
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
+
+from app.api.deps import CiDep, DispatcherDep, IdPath, PaginationDep, ReadDep, SessionDep, SettingsDep
+from app.api.responses import CONFLICT, NOT_FOUND, NOT_FOUND_OR_CONFLICT
+from app.models import Run, RunStatus, RunWorker, WorkerStatus
+from app.models.base import utcnow
+from app.queries import runs as queries
+from app.run_lock import run_state_lock
+from app.schemas.common import Page
+from app.schemas.runs import PlanPublic, RunCancel, RunCreate, RunPublic
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$",
+        description="a repeat of the same request with the same key returns the same run",
+    ),
+]
+
+
+@router.post("/plan", response_model=PlanPublic, responses=NOT_FOUND_OR_CONFLICT)
+def plan_run(session: SessionDep, _: CiDep, body: RunCreate) -> PlanPublic:
+    """Preview the plan of a run (ranks, server, batch sizes) without launching it."""
+    plan = queries.make_plan(session, data=body)
+    return PlanPublic(
+        strategy=plan.strategy, allocation=plan.allocation,
+        global_batch_size=plan.global_batch_size, max_steps=body.steps(),
+        world_size=plan.world_size, ps_node_id=plan.ps_node_id, master_addr=plan.master_addr,
+        workers=[w.__dict__ for w in plan.workers],
+    )
+
+
+@router.post(
+    "",
+    response_model=RunPublic,
+    status_code=status.HTTP_201_CREATED,
+    responses={**NOT_FOUND_OR_CONFLICT, 200: {"model": RunPublic, "description": "A repeat (same Idempotency-Key): the run it created"}},
+)
+def create_run(
+    session: SessionDep,
+    principal: CiDep,
+    settings: SettingsDep,
+    dispatcher: DispatcherDep,
+    body: RunCreate,
+    response: Response,
+    idempotency_key: IdempotencyKey = None,
+) -> RunPublic:
+    """Plan a run, store it, and send each rank's launch order to its node's agent."""
+    fingerprint = queries.request_fingerprint(body)
+    if idempotency_key is not None:
+        earlier = queries.run_by_idempotency_key(session, created_by=principal.name, key=idempotency_key)
+        if earlier is not None:
+            response.status_code = status.HTTP_200_OK
+            return RunPublic.model_validate(
+                queries.check_idempotent_repeat(earlier, fingerprint=fingerprint, key=idempotency_key)
+            )
+    run, metrics_token = queries.create_run(
+        session, data=body, created_by=principal.name,
+        idempotency_key=idempotency_key, fingerprint=fingerprint,
+    )
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same key won the race: answer with its run.
+        session.rollback()
+        earlier = queries.run_by_idempotency_key(session, created_by=principal.name, key=idempotency_key or "")
+        if earlier is None:
+            raise
+        response.status_code = status.HTTP_200_OK
+        return RunPublic.model_validate(
+            queries.check_idempotent_repeat(earlier, fingerprint=fingerprint, key=idempotency_key or "")
+        )
+
+    # Orders go out only after the run is committed, so an agent's first report finds it.
+    orders = queries.launch_orders(run, metrics_token=metrics_token, public_url=settings.public_url)
+    try:
+        dispatcher.send(orders)
+    except Exception as exc:  # noqa: BLE001 - any broker failure fails the run, with its cause
+        log.error("run %s: could not send launch orders: %s", run.id, exc)
+        with run_state_lock(settings.is_sqlite):
+            locked = queries.get_run(session, run_id=run.id, lock=True)
+            cancels = queries.end_run(
+                session, run=locked, status=RunStatus.failed,
+                reason=f"could not send the launch orders to the broker: {exc}",
+            )
+            session.commit()
+        dispatcher.send_quietly(cancels)
+        return RunPublic.model_validate(queries.get_run(session, run_id=run.id))
+    # Conditional updates: a fast agent may already have reported its start.
+    now = utcnow()
+    with run_state_lock(settings.is_sqlite):
+        session.execute(
+            update(Run).where(Run.id == run.id, Run.status == RunStatus.queued)
+            .values(status=RunStatus.launching, launched_at=now)
+        )
+        session.execute(
+            update(RunWorker).where(RunWorker.run_id == run.id, RunWorker.status == WorkerStatus.planned)
+            .values(status=WorkerStatus.launched)
+        )
+        session.commit()
+    session.expire_all()
+    return RunPublic.model_validate(queries.get_run(session, run_id=run.id))
+
+
+@router.get("", response_model=Page[RunPublic])
+def read_runs(
+    session: SessionDep,
+    _: ReadDep,
+    page: PaginationDep,
+    status: Annotated[RunStatus | None, Query()] = None,
+) -> Page[RunPublic]:
+    """List runs, newest first, optionally by status."""
+    rows, count = queries.list_runs(session, skip=page.skip, limit=page.limit, status=status)
+    return Page(data=[RunPublic.model_validate(r) for r in rows], count=count)
+
+
+@router.get("/{run_id}", response_model=RunPublic, responses=NOT_FOUND)
+def read_run(session: SessionDep, _: ReadDep, run_id: IdPath) -> RunPublic:
+    """Show a run with its plan and where each rank stands."""
+    return RunPublic.model_validate(queries.get_run(session, run_id=run_id))
+
+
+@router.post("/{run_id}/cancel", response_model=RunPublic, responses={**NOT_FOUND, **CONFLICT})
+def cancel_run(
+    session: SessionDep,
+    principal: CiDep,
+    settings: SettingsDep,
+    dispatcher: DispatcherDep,
+    run_id: IdPath,
+    body: Annotated[RunCancel | None, Body()] = None,
+) -> RunPublic:
+    """Cancel an active run: its roles are stopped on every node."""
+    reason = (body.reason if body else None) or f"cancelled by {principal.name}"
+    with run_state_lock(settings.is_sqlite):
+        run, orders = queries.cancel_run(session, run_id=run_id, reason=reason)
+        session.commit()
+    dispatcher.send_quietly(orders)
+    return RunPublic.model_validate(run)

@@ -1,0 +1,77 @@
+"""Settings of the control plane: the one place that reads the environment."""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_EXAMPLE_SECRET = "local-development-secret-change-me"
+
+
+class Settings(BaseSettings):
+    """Control-plane configuration; environment variables override the embedded defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="HYBRIDTRAIN_", extra="ignore")
+
+    environment: Literal["local", "production"] = "local"
+    # Embedded defaults let `make run` work on a laptop with no servers at all.
+    database_url: str = Field(
+        default="sqlite+pysqlite:///./var/hybridtrain.db",
+        validation_alias=AliasChoices("DATABASE_URL", "HYBRIDTRAIN_DATABASE_URL"),
+    )
+    celery_broker_url: str = Field(
+        default="sqla+sqlite:///./var/broker.db",
+        validation_alias=AliasChoices("CELERY_BROKER_URL", "HYBRIDTRAIN_CELERY_BROKER_URL"),
+    )
+    admin_token: str | None = None
+    secret_key: str = _EXAMPLE_SECRET
+    # The address agents and trainers use to reach this control plane.
+    public_url: str = "http://127.0.0.1:8000"
+    heartbeat_timeout_s: float = 30.0
+    # A run whose ranks have not all started this long after launch fails; torch's import,
+    # data loading and a slow broker fit well inside.
+    launch_timeout_s: float = 180.0
+    # How often the control plane looks for silent nodes and stuck launches.
+    monitor_interval_s: float = 5.0
+    db_pool_size: int = 10
+
+    @model_validator(mode="after")
+    def _refuse_example_secret_outside_local(self) -> Settings:
+        if self.secret_key == _EXAMPLE_SECRET:
+            if self.environment != "local":
+                raise ValueError(
+                    "HYBRIDTRAIN_SECRET_KEY is the example value; set a real secret in production"
+                )
+            warnings.warn(
+                "using the example HYBRIDTRAIN_SECRET_KEY: fine on a laptop, never in production",
+                stacklevel=2,
+            )
+        return self
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()
+
+
+class ClientSettings(BaseSettings):
+    """Where the `hybridtrain runs|nodes` commands find the control plane, and as whom."""
+
+    model_config = SettingsConfigDict(env_prefix="HYBRIDTRAIN_", extra="ignore")
+
+    url: str = "http://127.0.0.1:8000"
+    token: str | None = None
+
+
+def get_client_settings() -> ClientSettings:
+    """The client settings from the environment (HYBRIDTRAIN_URL, HYBRIDTRAIN_TOKEN)."""
+    return ClientSettings()

@@ -1,0 +1,106 @@
+"""Orders to node agents, published as Celery tasks on each node's own queue.
+
+Queries decide *what* to send and return `LaunchOrder`/`CancelOrder` values; the caller
+commits first and only then hands them to `Dispatcher.send`, so an agent never acts on a run
+the database does not hold (conventions: enqueue after commit).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def node_queue(node_id: int) -> str:
+    """The Celery queue that the agent of `node_id` consumes."""
+    return f"node.{node_id}"
+
+
+@dataclass(frozen=True)
+class LaunchOrder:
+    """Start one rank of a run on a node."""
+
+    node_id: int
+    run_id: int
+    rank: int
+    spec: dict[str, Any] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class CancelOrder:
+    """Stop every role of a run on a node."""
+
+    node_id: int
+    run_id: int
+    reason: str
+
+
+Order = LaunchOrder | CancelOrder
+
+
+class Dispatcher:
+    """Publishes orders to the broker; thread-safe (Celery's producer pool)."""
+
+    def __init__(self, broker_url: str) -> None:
+        self.broker_url = broker_url
+        self._celery: Any = None
+        self._lock = threading.Lock()
+
+    def _app(self) -> Any:
+        # Made on first use: building the app touches the embedded broker's file, which an
+        # app that never launches anything (tests of the inventory) should not create.
+        with self._lock:
+            if self._celery is None:
+                from agents.celery_app import make_celery, prepare_embedded_broker
+
+                prepare_embedded_broker(self.broker_url)
+                self._celery = make_celery(self.broker_url)
+            return self._celery
+
+    def send(self, orders: Iterable[Order]) -> None:
+        """Publish the orders; raises kombu's OperationalError when the broker is down."""
+        from agents.celery_app import (
+            CANCEL_EXPIRES_S,
+            CANCEL_RUN,
+            LAUNCH_EXPIRES_S,
+            LAUNCH_ROLE,
+        )
+
+        # A broker that is briefly away is retried a few times, then the error surfaces: the
+        # caller fails the run with it rather than hanging the request.
+        retry = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2}
+        celery = self._app()
+        for order in orders:
+            queue = node_queue(order.node_id)
+            if isinstance(order, LaunchOrder):
+                celery.send_task(
+                    LAUNCH_ROLE, args=[order.run_id, order.rank, order.spec], queue=queue,
+                    expires=LAUNCH_EXPIRES_S, retry=True, retry_policy=retry,
+                )
+            else:
+                celery.send_task(
+                    CANCEL_RUN, args=[order.run_id, order.reason], queue=queue,
+                    expires=CANCEL_EXPIRES_S, retry=True, retry_policy=retry,
+                )
+            log.info("sent %s to %s", order.__class__.__name__, queue)
+
+    def send_quietly(self, orders: Iterable[Order]) -> None:
+        """Publish best-effort orders (cancels after a failure); log instead of raising.
+
+        A cancel that cannot be published is not lost for good: the node's next heartbeat
+        learns that the run has ended and stops its roles.
+        """
+        try:
+            self.send(list(orders))
+        except Exception as exc:  # noqa: BLE001 - any broker failure; heartbeats catch up
+            log.warning("could not publish orders (heartbeats will catch up): %s", exc)
+
+    def close(self) -> None:
+        """Release the broker connections."""
+        if self._celery is not None:
+            self._celery.close()

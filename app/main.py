@@ -1,0 +1,118 @@
+"""The control plane's FastAPI application, built by `create_app(settings)`."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, status
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from app.api.main import api_router
+from app.api.routes import health
+from app.config import Settings, get_settings
+from app.db import make_engine, make_sessionmaker
+from app.errors import (
+    ConflictError,
+    HybridtrainError,
+    InvalidFieldError,
+    NotFoundError,
+)
+from app.dispatch import Dispatcher
+from app.monitor import Monitor
+from app.web import install_dashboard
+
+logger = logging.getLogger(__name__)
+
+API_PREFIX = "/api/v1"
+
+
+def _error(status_code: int, detail: Any) -> JSONResponse:
+    return JSONResponse(status_code=status_code, content={"detail": detail})
+
+
+def _loc(field: str) -> list[str | int]:
+    # "gpus.0.model" -> ["body", "gpus", 0, "model"], the shape of FastAPI's own 422s.
+    return ["body", *(int(part) if part.isdigit() else part for part in field.split("."))]
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Translate domain and database errors into HTTP answers, at the boundary."""
+
+    @app.exception_handler(NotFoundError)
+    def not_found(_: Request, exc: NotFoundError) -> JSONResponse:
+        detail = f"{exc.field}: {exc.message}" if exc.field else exc.message
+        return _error(status.HTTP_404_NOT_FOUND, detail)
+
+    @app.exception_handler(ConflictError)
+    def conflict(_: Request, exc: ConflictError) -> JSONResponse:
+        return _error(status.HTTP_409_CONFLICT, exc.message)
+
+    @app.exception_handler(InvalidFieldError)
+    def invalid_field(_: Request, exc: InvalidFieldError) -> JSONResponse:
+        detail = [{"type": "value_error", "loc": _loc(exc.field), "msg": exc.message}]
+        return _error(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+
+    @app.exception_handler(HybridtrainError)
+    def other_domain_error(_: Request, exc: HybridtrainError) -> JSONResponse:
+        return _error(status.HTTP_400_BAD_REQUEST, exc.message)
+
+    @app.exception_handler(IntegrityError)
+    def integrity(_: Request, exc: IntegrityError) -> JSONResponse:
+        # The queries check uniqueness first; this catches the race between two requests.
+        logger.info("integrity error answered as 409: %s", exc.orig)
+        return _error(status.HTTP_409_CONFLICT, "conflicts with a concurrent change; retry")
+
+    @app.exception_handler(OperationalError)
+    def database_unavailable(_: Request, exc: OperationalError) -> JSONResponse:
+        logger.warning("database unavailable: %s", exc.orig)
+        return _error(status.HTTP_503_SERVICE_UNAVAILABLE, "the database is unavailable")
+
+    @app.exception_handler(DBAPIError)
+    def database_error(_: Request, exc: DBAPIError) -> JSONResponse:
+        logger.error("database error: %s", exc.orig)
+        return _error(status.HTTP_503_SERVICE_UNAVAILABLE, "the database refused the request")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """A control-plane app on `settings` (default: the environment's). It does not migrate."""
+    settings = settings or get_settings()
+    engine = make_engine(settings)
+    factory = make_sessionmaker(engine)
+    # Runs: orders to the agents, and the periodic check for silent nodes (app/monitor.py).
+    dispatcher = Dispatcher(settings.celery_broker_url)
+    monitor = Monitor(factory, settings, dispatcher)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Move everything loaded at start-up (modules, the OpenAPI schema, validators) out of
+        # the collector's reach: otherwise each full collection walks them all and stalls a
+        # request for ~100 ms (it set the p99 of a node page in bench/api.py).
+        gc.collect()
+        gc.freeze()
+        monitor.start()
+        yield
+        monitor.stop()
+        dispatcher.close()
+        engine.dispose()
+
+    app = FastAPI(
+        title="hybridtrain control plane",
+        summary="Inventory, prices and runs of data-parallel training across sites.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessionmaker = factory
+    app.state.dispatcher = dispatcher
+    app.state.monitor = monitor
+    _install_error_handlers(app)
+    app.include_router(health.router, tags=["health"])
+    app.include_router(api_router, prefix=API_PREFIX)
+    install_dashboard(app)
+    return app

@@ -1,0 +1,41 @@
+"""ORM models of the control plane; importing this package registers every table on `Base`."""
+
+from app.models.base import Base
+from app.models.enums import (
+    Continent,
+    NodeStatus,
+    Provider,
+    SiteKind,
+    TokenScope,
+    TrafficClass,
+)
+from app.models.inventory import Cluster, GpuModel, Node, NodeGpu, Site, cluster_nodes
+from app.models.prices import EgressPrice, InstancePrice
+from app.models.runs import NodeAgent, Run, RunLog, RunMetric, RunStatus, RunWorker, WorkerStatus
+from app.models.tokens import ApiToken
+
+__all__ = [
+    "ApiToken",
+    "Base",
+    "Cluster",
+    "Continent",
+    "EgressPrice",
+    "GpuModel",
+    "InstancePrice",
+    "Node",
+    "NodeAgent",
+    "NodeGpu",
+    "NodeStatus",
+    "Provider",
+    "Run",
+    "RunLog",
+    "RunMetric",
+    "RunStatus",
+    "RunWorker",
+    "Site",
+    "SiteKind",
+    "TokenScope",
+    "TrafficClass",
+    "WorkerStatus",
+    "cluster_nodes",
+]

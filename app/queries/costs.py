@@ -1,0 +1,255 @@
+"""A run's bill from what the database holds: its plan, its nodes' sites and its metrics.
+
+`app.billing` does the arithmetic on plain figures; this module gathers those figures (bytes
+per link, each node's time in the run, compute and communication seconds per worker) and
+supplies the prices in force through `DbPriceLookup`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+
+from app.billing import (
+    Bill,
+    EgressKey,
+    InstanceKey,
+    InstancePrice,
+    LinkBytes,
+    NodeUsage,
+    RunUsage,
+    Site,
+    SiteKind,
+    WorkerTime,
+    compute_bill,
+)
+from app.models import EgressPrice, GpuModel, Node
+from app.models import Site as SiteRow
+from app.models import InstancePrice as InstancePriceRow
+from app.models.runs import Run, RunMetric, RunWorker
+from app.queries.prices import EgressKey as EgressSeries
+from app.queries.prices import egress_price_in_force
+
+
+class DbPriceLookup:
+    """`app.billing.PriceLookup` over the price tables: the versions in force at a given time."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def egress_usd_per_gb(self, key: EgressKey, at: datetime) -> Decimal | None:
+        """The sender's $/GB in force at `at` (its continent's row, else the any-continent row)."""
+        series = EgressSeries(key.provider.value, key.traffic_class.value, key.scope)  # type: ignore[arg-type]
+        row: EgressPrice | None = egress_price_in_force(self.session, key=series, at=at)
+        return None if row is None else Decimal(str(row.usd_per_gb))
+
+    def instance_price(self, key: InstanceKey, at: datetime) -> InstancePrice | None:
+        """The spot and on-demand $/h in force at `at` for this instance type and its GPUs."""
+        stmt = (
+            select(InstancePriceRow)
+            .where(
+                InstancePriceRow.provider == key.provider.value,
+                InstancePriceRow.instance_type == key.instance_type,
+                InstancePriceRow.region.is_not_distinct_from(key.region),
+                InstancePriceRow.effective_from <= at,
+            )
+            .order_by(InstancePriceRow.effective_from.desc())
+            .limit(1)
+        )
+        if key.gpu_model is not None:
+            stmt = stmt.join(GpuModel, GpuModel.id == InstancePriceRow.gpu_model_id).where(
+                GpuModel.name == key.gpu_model, InstancePriceRow.gpu_count == key.gpu_count
+            )
+        row = self.session.scalar(stmt)
+        if row is None:
+            return None
+        spot = None if row.spot_usd_per_h is None else Decimal(str(row.spot_usd_per_h))
+        return InstancePrice(spot, Decimal(str(row.on_demand_usd_per_h)))
+
+
+def billing_site(site: SiteRow) -> Site:
+    """A stored site as `app.billing` classifies it.
+
+    An on-prem site run by provider 'other' (a colocation) bills as on-prem: its uplink is not
+    metered per byte, which is what `app.billing` means by an on-prem sender.
+    """
+    kind = SiteKind(site.kind)
+    provider = "onprem" if kind is SiteKind.onprem else str(site.provider)
+    return Site(site.name, kind.value, provider, str(site.continent), site.region, site.zone)
+
+
+def run_priced_at(run: Run) -> datetime:
+    """The instant whose prices bill a run: its start, else its launch or creation (docs/costs.md)."""
+    return run.started_at or run.launched_at or run.created_at
+
+
+def run_sites_by_rank(session: Session, *, run: Run) -> dict[int, Site]:
+    """The billing site of every rank whose node still exists."""
+    node_ids = {w.node_id for w in run.workers if w.node_id is not None}
+    if not node_ids:
+        return {}
+    nodes = {
+        n.id: n
+        for n in session.scalars(
+            select(Node).where(Node.id.in_(node_ids)).options(selectinload(Node.site))
+        )
+    }
+    return {
+        w.rank: billing_site(nodes[w.node_id].site)
+        for w in run.workers
+        if w.node_id is not None and w.node_id in nodes
+    }
+
+
+def link_totals(session: Session, *, run_id: int) -> dict[tuple[int, int], int]:
+    """Bytes sent per (rank, peer) over the whole run so far."""
+    rows = session.execute(
+        select(RunMetric.rank, RunMetric.peer, func.sum(RunMetric.value))
+        .where(RunMetric.run_id == run_id, RunMetric.name == "bytes_sent", RunMetric.peer >= 0)
+        .group_by(RunMetric.rank, RunMetric.peer)
+    )
+    return {(int(rank), int(peer)): int(total or 0) for rank, peer, total in rows}
+
+
+def worker_label(worker: RunWorker) -> str:
+    """How a rank is named in a bill: its rank, role and node."""
+    return f"rank {worker.rank} {worker.role} on {worker.node_name}"
+
+
+def run_usage(
+    session: Session,
+    *,
+    run: Run,
+    now: datetime | None = None,
+    links: dict[tuple[int, int], int] | None = None,
+    samples: int | None = None,
+) -> RunUsage:
+    """Everything `run` used so far, from its plan and metrics (live until it finishes).
+
+    A caller that has already summed the bytes per (rank, peer) or the samples passes them in
+    to save the scan.
+    """
+    now = now or datetime.now(UTC)
+    end = run.finished_at or now
+    workers = list(run.workers)
+    nodes = _node_usages(session, workers, run.started_at or run.launched_at, end)
+    node_by_rank = {w.rank: w.node_name for w in workers if w.node_id is not None}
+    if links is None:
+        links = link_totals(session, run_id=run.id)
+    sums = _sums_by_rank(session, run.id, ("compute_s", "comm_s", "batch_size"))
+    worker_ranks = [w for w in workers if w.role == "worker"]
+    if samples is None:
+        # Only workers' batches are samples: the server reports the global batch it aggregated.
+        samples = int(sum(sums[w.rank].get("batch_size", 0.0) for w in worker_ranks))
+    tta = session.scalar(
+        select(func.min(RunMetric.value)).where(
+            RunMetric.run_id == run.id, RunMetric.name == "time_to_accuracy_s"
+        )
+    )
+    started = run.started_at or run.launched_at
+    return RunUsage(
+        priced_at=run_priced_at(run),
+        nodes=nodes,
+        links=[
+            LinkBytes(node_by_rank[rank], node_by_rank[peer], total)
+            for (rank, peer), total in links.items()
+            if rank in node_by_rank and peer in node_by_rank and total
+        ],
+        workers=[
+            WorkerTime(
+                worker_label(w),
+                sums[w.rank].get("compute_s", 0.0),
+                sums[w.rank].get("comm_s", 0.0),
+            )
+            for w in worker_ranks
+        ],
+        samples=samples,
+        duration_s=max(0.0, (end - started).total_seconds()) if started else 0.0,
+        time_to_accuracy_s=tta,
+    )
+
+
+def run_bill(
+    session: Session,
+    *,
+    run: Run,
+    now: datetime | None = None,
+    links: dict[tuple[int, int], int] | None = None,
+    samples: int | None = None,
+) -> Bill:
+    """The bill of `run` so far at the prices in force at its start; unpriced items count as $0."""
+    usage = run_usage(session, run=run, now=now, links=links, samples=samples)
+    # strict=False: a live view must not fail for one missing price; the bill lists it instead.
+    return compute_bill(usage, DbPriceLookup(session), strict=False)
+
+
+def _sums_by_rank(
+    session: Session, run_id: int, names: tuple[str, ...]
+) -> defaultdict[int, dict[str, float]]:
+    rows = session.execute(
+        select(RunMetric.rank, RunMetric.name, func.sum(RunMetric.value))
+        .where(RunMetric.run_id == run_id, RunMetric.name.in_(names))
+        .group_by(RunMetric.rank, RunMetric.name)
+    ).all()
+    sums: defaultdict[int, dict[str, float]] = defaultdict(dict)
+    for rank, name, total in rows:
+        sums[rank][name] = float(total or 0.0)
+    return sums
+
+
+def _node_usages(
+    session: Session, workers: list[RunWorker], run_start: datetime | None, end: datetime
+) -> list[NodeUsage]:
+    """Each node's time in the run: from its first rank's start to its last rank's end.
+
+    A node none of whose ranks reported a start is held for the run's whole span: it was
+    reserved for the run whether or not its process came up.
+    """
+    spans: dict[int, tuple[datetime | None, datetime | None]] = {}
+    for w in workers:
+        if w.node_id is None:
+            continue  # the node was deleted since: nothing left to price it by
+        first, last = spans.get(w.node_id, (None, None))
+        started = w.started_at
+        finished = w.finished_at or (end if started else None)
+        if started and (first is None or started < first):
+            first = started
+        if finished and (last is None or finished > last):
+            last = finished
+        spans[w.node_id] = (first, last)
+    if not spans:
+        return []
+    rows = session.scalars(
+        select(Node)
+        .where(Node.id.in_(spans))
+        .options(selectinload(Node.site), selectinload(Node.gpus))
+    ).all()
+    usages = []
+    for node in rows:
+        first, last = spans[node.id]
+        if first is None:
+            first, last = run_start, end
+        seconds = max(0.0, (last - first).total_seconds()) if first and last else 0.0
+        usages.append(_node_usage(node, seconds))
+    return usages
+
+
+def _node_usage(node: Node, seconds: float) -> NodeUsage:
+    site = billing_site(node.site)
+    onprem = site.kind is SiteKind.onprem
+    # An instance is priced by its one kind of GPU; a mixed node is priced by instance type only.
+    gpu = node.gpus[0] if len(node.gpus) == 1 else None
+    return NodeUsage(
+        name=node.name,
+        site=site,
+        seconds=seconds,
+        spot=node.spot,
+        instance_type=None if onprem else node.instance_type,
+        gpu_model=gpu.gpu_model.name if gpu else None,
+        gpu_count=gpu.count if gpu else 1,
+        amortised_usd_per_hour=Decimal(str(node.amortised_usd_per_h)) if onprem else None,
+    )

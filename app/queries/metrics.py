@@ -1,0 +1,159 @@
+"""Metric ingestion (bulk, deduplicated) and series reads (server-side downsampling)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import Float, cast, func, select, text
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from app.errors import NotFoundError
+from app.models import Run, RunMetric
+from app.schemas.runs import MetricRecord, MetricSeries
+from app.security import hash_secret, secrets_equal
+
+NO_PEER = -1
+
+# Postgres: one statement for the whole batch, the columns as arrays. It beats a multi-row
+# VALUES (one bind parameter per array instead of seven per row) and lets the unique key
+# skip re-delivered records without a round trip per row.
+#
+# Metrics are telemetry that the trainer may resend (and keeps in its own JSON-lines file), so
+# this transaction commits without waiting for the WAL flush (synchronous_commit off, for it
+# alone): a Postgres crash may lose the last fraction of a second of metrics, and ingestion
+# stops paying a disk flush per batch. The setting rides in a CTE to save a round trip.
+_PG_INSERT = text(
+    """
+    WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true))
+    INSERT INTO run_metrics (run_id, name, rank, peer, step, t, value)
+    SELECT :run_id, m.name, m.rank, m.peer, m.step, m.t, m.value
+    FROM unnest(CAST(:names AS text[]), CAST(:ranks AS integer[]), CAST(:peers AS integer[]),
+                CAST(:steps AS integer[]), CAST(:ts AS double precision[]),
+                CAST(:vals AS double precision[]))
+         AS m(name, rank, peer, step, t, value)
+         CROSS JOIN async_commit
+    ON CONFLICT ON CONSTRAINT uq_run_metrics_run_id_name_rank_peer_step DO NOTHING
+    """
+)
+
+
+def metrics_token_valid(session: Session, *, run_id: int, token: str) -> bool:
+    """Whether `token` is the run's metrics token (NotFoundError when there is no such run).
+
+    Verified pairs are remembered: a run's token never changes, and this saves a query on
+    every batch of the ingestion hot path.
+    """
+    digest = hash_secret(token)
+    if (run_id, digest) in _verified:
+        return True
+    run_hash = session.scalar(select(Run.metrics_token_hash).where(Run.id == run_id))
+    if run_hash is None:
+        raise NotFoundError("run", run_id)
+    if not secrets_equal(digest, run_hash):
+        return False
+    if len(_verified) > 10_000:
+        _verified.clear()
+    _verified.add((run_id, digest))
+    return True
+
+
+_verified: set[tuple[int, str]] = set()
+
+
+def store_metrics(session: Session, *, run_id: int, records: Sequence[MetricRecord]) -> int:
+    """Insert the records once per (run, rank, step, name, peer); returns how many were new."""
+    if not records:
+        return 0
+    if session.get_bind().dialect.name == "postgresql":
+        result = session.execute(
+            _PG_INSERT,
+            {
+                "run_id": run_id,
+                "names": [r.name for r in records],
+                "ranks": [r.rank for r in records],
+                "peers": [NO_PEER if r.peer is None else r.peer for r in records],
+                "steps": [r.step for r in records],
+                "ts": [r.t for r in records],
+                "vals": [r.value for r in records],
+            },
+        )
+        return result.rowcount or 0
+    stmt = sqlite_insert(RunMetric.__table__).on_conflict_do_nothing(
+        index_elements=["run_id", "name", "rank", "peer", "step"]
+    )
+    rows = [
+        {
+            "run_id": run_id, "name": r.name, "rank": r.rank,
+            "peer": NO_PEER if r.peer is None else r.peer, "step": r.step, "t": r.t, "value": r.value,
+        }
+        for r in records
+    ]
+    # Core, not ORM, execution: its result counts the rows the statement really inserted.
+    return session.connection().execute(stmt, rows).rowcount or 0
+
+
+def read_metrics(
+    session: Session,
+    *,
+    run_id: int,
+    names: Sequence[str] = (),
+    rank: int | None = None,
+    since: float | None = None,
+    max_points: int = 1000,
+) -> tuple[list[MetricSeries], float | None]:
+    """The run's series (name, rank, peer), each at most `max_points` long, and the newest t.
+
+    A longer series is cut into `max_points` equal step ranges; each becomes one point with
+    the range's last step and t and its mean value, all in one grouped query.
+    """
+    if session.get(Run, run_id) is None:
+        raise NotFoundError("run", run_id)
+    m = RunMetric.__table__
+    conds = [m.c.run_id == run_id]
+    if names:
+        conds.append(m.c.name.in_(list(names)))
+    if rank is not None:
+        conds.append(m.c.rank == rank)
+    if since is not None:
+        conds.append(m.c.t > since)
+    # Window functions give each row its series' step range and size in the same scan, so
+    # the plan does not depend on table statistics (a join against a grouped subquery
+    # did: 6 s instead of 40 ms on a freshly filled, not yet analysed table).
+    series_key = [m.c.name, m.c.rank, m.c.peer]
+    lo = func.min(m.c.step).over(partition_by=series_key)
+    hi = func.max(m.c.step).over(partition_by=series_key)
+    inner = (
+        select(
+            m.c.name, m.c.rank, m.c.peer, m.c.step, m.c.t, m.c.value,
+            # `//` is integer division on both backends (`/` divides as NUMERIC on Postgres).
+            ((m.c.step - lo) * max_points // (hi - lo + 1)).label("b"),
+            func.count().over(partition_by=series_key).label("n"),
+        )
+        .where(*conds)
+        .subquery("x")
+    )
+    x = inner.c
+    rows = session.execute(
+        select(
+            x.name, x.rank, x.peer, x.b,
+            func.max(x.step), func.max(x.t), func.avg(cast(x.value, Float)), x.n,
+        )
+        .group_by(x.name, x.rank, x.peer, x.b, x.n)
+        .order_by(x.name, x.rank, x.peer, x.b)
+    ).all()
+
+    series: list[MetricSeries] = []
+    last_t: float | None = None
+    current: MetricSeries | None = None
+    for name, rank_, peer, _b, step, t, value, n in rows:
+        key = (name, rank_, None if peer == NO_PEER else peer)
+        if current is None or (current.name, current.rank, current.peer) != key:
+            current = MetricSeries(name=name, rank=rank_, peer=key[2], count=int(n),
+                                   downsampled=False, points=[])
+            series.append(current)
+        current.points.append((int(step), float(t), None if value is None else float(value)))
+        last_t = t if last_t is None or t > last_t else last_t
+    for s in series:
+        s.downsampled = len(s.points) < s.count
+    return series, last_t

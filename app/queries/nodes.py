@@ -1,0 +1,193 @@
+"""Queries of nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy import Select, func, select
+from sqlalchemy.orm import Session, selectinload
+
+from app.errors import DuplicateError, NotFoundError
+from app.models import GpuModel, Node, NodeGpu, NodeStatus, Provider, Site, SiteKind
+from app.queries.common import apply_changes, paginate
+from app.queries.gpu_models import gpu_models_by_name
+from app.queries.sites import get_site
+from app.schemas.nodes import GpuCount, NodeCreate, NodeUpdate
+from app.security import JOIN_TOKEN_PREFIX, hash_secret, new_secret
+
+T = TypeVar("T", bound=tuple[Any, ...])
+
+
+def get_node(session: Session, *, node_id: int, field: str | None = None) -> Node:
+    """The node with this id (its GPUs loaded), or NotFoundError."""
+    node = session.get(Node, node_id, options=[selectinload(Node.gpus)])
+    if node is None:
+        raise NotFoundError("node", node_id, field=field)
+    return node
+
+
+def _filtered(
+    stmt: Select[T],
+    *,
+    site_id: int | None,
+    status: NodeStatus | None,
+    spot: bool | None,
+    provider: Provider | None,
+    kind: SiteKind | None,
+) -> Select[T]:
+    if site_id is not None:
+        stmt = stmt.where(Node.site_id == site_id)
+    if status is not None:
+        stmt = stmt.where(Node.status == status)
+    if spot is not None:
+        stmt = stmt.where(Node.spot == spot)
+    if provider is not None or kind is not None:
+        stmt = stmt.join(Site, Site.id == Node.site_id)
+        if provider is not None:
+            stmt = stmt.where(Site.provider == provider)
+        if kind is not None:
+            stmt = stmt.where(Site.kind == kind)
+    return stmt
+
+
+def list_nodes(
+    session: Session,
+    *,
+    skip: int,
+    limit: int,
+    site_id: int | None = None,
+    status: NodeStatus | None = None,
+    spot: bool | None = None,
+    provider: Provider | None = None,
+    kind: SiteKind | None = None,
+) -> tuple[Sequence[Node], int]:
+    """A page of nodes (ORM objects, GPUs loaded) matching every given filter, ordered by id."""
+    stmt = _filtered(
+        select(Node).options(selectinload(Node.gpus)).order_by(Node.id),
+        site_id=site_id, status=status, spot=spot, provider=provider, kind=kind,
+    )
+    return paginate(session, stmt, skip=skip, limit=limit)
+
+
+_NODE_COLUMNS = [
+    column for column in Node.__table__.columns if column.key != "join_token_hash"
+]
+
+
+def list_node_rows(
+    session: Session,
+    *,
+    skip: int,
+    limit: int,
+    site_id: int | None = None,
+    status: NodeStatus | None = None,
+    spot: bool | None = None,
+    provider: Provider | None = None,
+    kind: SiteKind | None = None,
+) -> tuple[list[dict[str, Any]], int]:
+    """Like `list_nodes`, as plain dicts (with `gpus` as [{model, count}]) for the REST list.
+
+    The API's busiest read: two statements and no ORM objects. The GPUs are fetched by joining
+    the page's own statement as a subquery, not with an `IN` list of ids that SQLAlchemy would
+    have to render anew for every page.
+    """
+    filters = {"site_id": site_id, "status": status, "spot": spot, "provider": provider, "kind": kind}
+    page = _filtered(select(*_NODE_COLUMNS), **filters).order_by(Node.id).offset(skip).limit(limit)
+    count = session.scalar(_filtered(select(func.count(Node.id)), **filters))
+    rows = [dict(row) for row in session.execute(page).mappings()]
+    if not rows:
+        return rows, int(count or 0)
+    page_ids = page.with_only_columns(Node.id).subquery()
+    gpus = session.execute(
+        select(NodeGpu.node_id, GpuModel.name, NodeGpu.count)
+        .join(GpuModel, GpuModel.id == NodeGpu.gpu_model_id)
+        .join(page_ids, page_ids.c.id == NodeGpu.node_id)
+        .order_by(NodeGpu.node_id, NodeGpu.gpu_model_id)
+    )
+    by_node: dict[int, list[dict[str, Any]]] = {}
+    for node_id, model, gpu_count in gpus:
+        by_node.setdefault(node_id, []).append({"model": model, "count": gpu_count})
+    for row in rows:
+        row["gpus"] = by_node.get(row["id"], [])
+    return rows, int(count or 0)
+
+
+def _check_name_free(
+    session: Session, *, site_id: int, name: str, except_id: int | None = None
+) -> None:
+    clash = session.scalar(select(Node.id).where(Node.site_id == site_id, Node.name == name))
+    if clash is not None and clash != except_id:
+        raise DuplicateError("node", "name", name, within=f"in site {site_id}")
+
+
+def _declared_gpus(session: Session, gpus: list[GpuCount]) -> list[NodeGpu]:
+    catalog = gpu_models_by_name(session, names=(gpu.model for gpu in gpus))
+    declared = []
+    for index, gpu in enumerate(gpus):
+        if gpu.model not in catalog:
+            raise NotFoundError("GPU model", gpu.model, field=f"gpus.{index}.model")
+        declared.append(NodeGpu(gpu_model=catalog[gpu.model], count=gpu.count))
+    return declared
+
+
+def create_node(session: Session, *, data: NodeCreate) -> tuple[Node, str]:
+    """Declare a node; returns it with its join token, whose hash alone is stored."""
+    get_site(session, site_id=data.site_id, field="site_id")
+    _check_name_free(session, site_id=data.site_id, name=data.name)
+    join_token = new_secret(JOIN_TOKEN_PREFIX)
+    node = Node(
+        **data.model_dump(exclude={"gpus"}),
+        gpus=_declared_gpus(session, data.gpus),
+        status=NodeStatus.pending,
+        join_token_hash=hash_secret(join_token),
+    )
+    session.add(node)
+    session.flush()
+    return node, join_token
+
+
+def update_node(session: Session, *, node_id: int, data: NodeUpdate) -> Node:
+    """Change some fields of a node; `gpus`, when given, replaces the declared list."""
+    node = get_node(session, node_id=node_id)
+    changes = data.model_dump(exclude_unset=True, exclude={"gpus"})
+    if changes.get("site_id") is not None:
+        get_site(session, site_id=changes["site_id"], field="site_id")
+    if changes.get("site_id") is not None or changes.get("name") is not None:
+        _check_name_free(
+            session,
+            site_id=changes.get("site_id") or node.site_id,
+            name=changes.get("name") or node.name,
+            except_id=node.id,
+        )
+    if "gpus" in data.model_fields_set:
+        if data.gpus is None:
+            changes["gpus"] = None  # refused by apply_changes, naming the field
+        else:
+            node.gpus.clear()
+            session.flush()  # the old rows go before new ones reuse their keys
+            node.gpus.extend(_declared_gpus(session, data.gpus))
+    apply_changes(node, changes, nullable={"address", "instance_type"})
+    session.flush()
+    return node
+
+
+def rotate_join_token(session: Session, *, node_id: int) -> str:
+    """Replace a node's join token (the old one stops working) and return the new secret."""
+    node = get_node(session, node_id=node_id)
+    join_token = new_secret(JOIN_TOKEN_PREFIX)
+    node.join_token_hash = hash_secret(join_token)
+    session.flush()
+    return join_token
+
+
+def node_by_join_token(session: Session, *, join_token: str) -> Node | None:
+    """The node this join token belongs to, if any (for the agent's registration)."""
+    return session.scalar(select(Node).where(Node.join_token_hash == hash_secret(join_token)))
+
+
+def delete_node(session: Session, *, node_id: int) -> None:
+    """Remove a node (its declared GPUs and cluster memberships go with it)."""
+    node = get_node(session, node_id=node_id)
+    session.delete(node)
+    session.flush()

@@ -1,0 +1,316 @@
+"""Queries of runs: planning, creation (idempotent), launch orders and the lifecycle.
+
+Lifecycle: queued (stored) -> launching (orders sent) -> running (every rank started) ->
+succeeded (every rank exited 0) | failed (a rank failed, a node went offline, a rank never
+started) | cancelled (asked). The first reason to end a run wins; the functions that end one
+return the cancel orders for its other nodes, which the caller sends after committing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from app.dispatch import CancelOrder, LaunchOrder
+from app.errors import ConflictError, InvalidFieldError, NotFoundError
+from app.models import Cluster, Node, NodeGpu, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
+from app.models.base import utcnow
+from app.models.runs import FINISHED_WORKER_STATUSES
+from app.planner import GpuSpec, Plan, PlanError, PlanNode, plan_run
+from app.queries.common import paginate
+from app.schemas.runs import RunCreate
+from app.security import hash_secret, new_secret
+
+METRICS_TOKEN_PREFIX = "htr_"
+MASTER_PORT_BASE = 29500
+MASTER_PORT_SPAN = 2000
+
+
+# -- planning --------------------------------------------------------------------------------
+
+
+def plan_node(node: Node) -> PlanNode:
+    """The planner's view of a node: declared GPUs with catalog FLOPs, measured speed."""
+    detected = node.detected_hardware or {}
+    return PlanNode(
+        id=node.id,
+        name=node.name,
+        site_id=node.site_id,
+        site_kind=str(node.site.kind),
+        provider=str(node.site.provider),
+        region=node.site.region,
+        continent=str(node.site.continent),
+        address=node.address or detected.get("address"),
+        gpus=tuple(
+            GpuSpec(model=g.gpu_model.name, count=g.count, fp32_tflops=g.gpu_model.fp32_tflops)
+            for g in node.gpus
+        ),
+        measured_samples_per_s=node.measured_samples_per_s,
+        cpu_cores=detected.get("cpu_cores") if isinstance(detected.get("cpu_cores"), int) else None,
+    )
+
+
+def _load_nodes(session: Session, ids: Sequence[int], *, field: str) -> list[Node]:
+    rows = session.scalars(
+        select(Node)
+        .where(Node.id.in_(ids))
+        .options(selectinload(Node.gpus).joinedload(NodeGpu.gpu_model), selectinload(Node.site))
+    ).all()
+    by_id = {n.id: n for n in rows}
+    for i, node_id in enumerate(ids):
+        if node_id not in by_id:
+            raise NotFoundError("node", node_id, field=f"{field}.{i}" if field == "node_ids" else field)
+    return [by_id[i] for i in ids]
+
+
+def _check_usable(nodes: Iterable[Node]) -> None:
+    for node in nodes:
+        if node.status != NodeStatus.online:
+            raise ConflictError(
+                f"node {node.name} (id {node.id}) is {node.status}: runs need online nodes "
+                "(start its agent, or wait for its heartbeat)"
+            )
+
+
+def make_plan(session: Session, *, data: RunCreate) -> Plan:
+    """Plan `data` over its nodes (or cluster) without storing anything."""
+    if data.cluster_id is not None:
+        cluster = session.get(Cluster, data.cluster_id)
+        if cluster is None:
+            raise NotFoundError("cluster", data.cluster_id, field="cluster_id")
+        ids = cluster.node_ids
+        if not ids:
+            raise InvalidFieldError("cluster_id", f"cluster {cluster.name} has no nodes")
+        nodes = _load_nodes(session, ids, field="cluster_id")
+    else:
+        assert data.node_ids is not None
+        nodes = _load_nodes(session, data.node_ids, field="node_ids")
+    ps_node = None
+    if data.ps_node_id is not None:
+        ps_node = _load_nodes(session, [data.ps_node_id], field="ps_node_id")[0]
+    _check_usable([*nodes, *([ps_node] if ps_node else [])])
+    try:
+        return plan_run(
+            strategy=data.strategy,
+            global_batch_size=data.global_batch_size,
+            nodes=[plan_node(n) for n in nodes],
+            allocation=data.allocation,
+            ps_node=plan_node(ps_node) if ps_node else None,
+        )
+    except PlanError as exc:
+        raise InvalidFieldError(exc.field, exc.message) from exc
+
+
+# -- creation ----------------------------------------------------------------------------------
+
+
+def request_fingerprint(data: RunCreate) -> str:
+    """sha256 of the request's canonical JSON: what an Idempotency-Key is bound to."""
+    canonical = json.dumps(data.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def run_by_idempotency_key(session: Session, *, created_by: str, key: str) -> Run | None:
+    """The run an earlier request with this key created, if any."""
+    return session.scalar(
+        select(Run)
+        .where(Run.created_by == created_by, Run.idempotency_key == key)
+        .options(selectinload(Run.workers))
+    )
+
+
+def check_idempotent_repeat(run: Run, *, fingerprint: str, key: str) -> Run:
+    """`run` if the repeated request is the same; ConflictError if the key is reused."""
+    if run.request_fingerprint != fingerprint:
+        raise ConflictError(
+            f"Idempotency-Key {key!r} was used for a different request (run {run.id}); "
+            "use a new key for a new run"
+        )
+    return run
+
+
+def create_run(
+    session: Session,
+    *,
+    data: RunCreate,
+    created_by: str,
+    idempotency_key: str | None,
+    fingerprint: str,
+) -> tuple[Run, str]:
+    """Plan and store a queued run; returns it with its metrics token (shown only here)."""
+    plan = make_plan(session, data=data)
+    token = new_secret(METRICS_TOKEN_PREFIX)
+    run = Run(
+        name=data.name,
+        status=RunStatus.queued,
+        strategy=data.strategy,
+        model=data.model,
+        dataset=data.dataset,
+        global_batch_size=data.global_batch_size,
+        lr=data.lr,
+        max_steps=data.steps(),
+        epochs=data.epochs,
+        target_accuracy=data.target_accuracy,
+        seed=data.seed,
+        allocation=plan.allocation,
+        device=data.device,
+        compression=data.compression.model_dump(exclude_none=True) if data.compression else {},
+        cluster_id=data.cluster_id,
+        ps_node_id=plan.ps_node_id,
+        master_addr=plan.master_addr,
+        metrics_token_hash=hash_secret(token),
+        created_by=created_by,
+        idempotency_key=idempotency_key,
+        request_fingerprint=fingerprint,
+        workers=[
+            RunWorker(
+                rank=w.rank, role=w.role, node_id=w.node_id, node_name=w.node_name,
+                batch_size=w.batch_size, gpu_model=w.gpu_model, gpu_index=w.gpu_index,
+                speed=w.speed, speed_unit=w.speed_unit, status=WorkerStatus.planned,
+            )
+            for w in plan.workers
+        ],
+    )
+    session.add(run)
+    session.flush()
+    # Spread concurrent runs over ports so two servers on one node do not collide.
+    run.master_port = MASTER_PORT_BASE + run.id % MASTER_PORT_SPAN
+    session.flush()
+    return run, token
+
+
+def _trainer_options(run: Run) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "strategy": run.strategy,
+        "model": run.model,
+        "dataset": run.dataset,
+        "global-batch": run.global_batch_size,
+        "lr": run.lr,
+        "max-steps": run.max_steps,
+        "seed": run.seed,
+        "device": run.device,
+        # Each node keeps its own copy of the metrics next to the role's log.
+        "metrics-out": "metrics.jsonl",
+    }
+    if run.target_accuracy is not None:
+        options["target-accuracy"] = run.target_accuracy
+    for key, value in (run.compression or {}).items():
+        if key == "error_feedback":
+            # The trainer's flag is --error-feedback / --no-error-feedback.
+            options["error-feedback" if value else "no-error-feedback"] = True
+        else:
+            options[key.replace("_", "-")] = value
+    return options
+
+
+def launch_orders(run: Run, *, metrics_token: str, public_url: str) -> list[LaunchOrder]:
+    """One launch order per rank, carrying everything the role's command line needs."""
+    batch_sizes = [w.batch_size for w in run.workers if w.role == "worker" and w.batch_size]
+    orders = []
+    for worker in run.workers:
+        assert worker.node_id is not None
+        env = {}
+        if worker.gpu_index is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(worker.gpu_index)
+        spec = {
+            "run_id": run.id,
+            "rank": worker.rank,
+            "role": worker.role,
+            "world_size": len(run.workers),
+            "master_addr": run.master_addr,
+            "master_port": run.master_port,
+            "batch_sizes": batch_sizes,
+            "report_url": f"{public_url.rstrip('/')}/api/v1/runs/{run.id}/metrics",
+            "report_token": metrics_token,
+            "options": _trainer_options(run),
+            "env": env,
+        }
+        orders.append(LaunchOrder(node_id=worker.node_id, run_id=run.id, rank=worker.rank, spec=spec))
+    return orders
+
+
+def mark_launching(session: Session, *, run: Run) -> None:
+    """Record that the launch orders went out."""
+    now = utcnow()
+    run.status = RunStatus.launching
+    run.launched_at = now
+    for worker in run.workers:
+        if worker.status == WorkerStatus.planned:
+            worker.status = WorkerStatus.launched
+    session.flush()
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def get_run(session: Session, *, run_id: int, lock: bool = False) -> Run:
+    """The run with its workers, or NotFoundError; `lock` takes its row for an update."""
+    stmt = select(Run).where(Run.id == run_id).options(selectinload(Run.workers))
+    if lock:
+        # populate_existing: a row already in the session is refreshed from the locked read.
+        stmt = stmt.with_for_update().execution_options(populate_existing=True)
+    run = session.scalar(stmt)
+    if run is None:
+        raise NotFoundError("run", run_id)
+    return run
+
+
+def list_runs(
+    session: Session, *, skip: int, limit: int, status: RunStatus | None = None
+) -> tuple[Sequence[Run], int]:
+    """A page of runs, newest first."""
+    stmt = select(Run).options(selectinload(Run.workers)).order_by(Run.id.desc())
+    if status is not None:
+        stmt = stmt.where(Run.status == status)
+    return paginate(session, stmt, skip=skip, limit=limit)
+
+
+# -- ending ----------------------------------------------------------------------------------
+
+
+def _cancel_orders(run: Run, reason: str, *, skip_nodes: Iterable[int] = ()) -> list[CancelOrder]:
+    skip = set(skip_nodes)
+    nodes = sorted({w.node_id for w in run.workers if w.node_id is not None} - skip)
+    return [CancelOrder(node_id=n, run_id=run.id, reason=reason) for n in nodes]
+
+
+def end_run(
+    session: Session,
+    *,
+    run: Run,
+    status: RunStatus,
+    reason: str | None,
+    now: datetime | None = None,
+    skip_nodes: Iterable[int] = (),
+) -> list[CancelOrder]:
+    """End an active run; its unfinished ranks become cancelled. Returns the cancel orders
+    for its nodes (none for a success, whose ranks have all exited)."""
+    if run.status.finished:
+        return []
+    now = now or utcnow()
+    run.status = status
+    run.reason = reason
+    run.finished_at = now
+    for worker in run.workers:
+        if worker.status not in FINISHED_WORKER_STATUSES:
+            worker.status = WorkerStatus.cancelled
+            worker.finished_at = worker.finished_at or now
+    session.flush()
+    if status == RunStatus.succeeded:
+        return []
+    return _cancel_orders(run, reason or str(status), skip_nodes=skip_nodes)
+
+
+def cancel_run(session: Session, *, run_id: int, reason: str) -> tuple[Run, list[CancelOrder]]:
+    """Cancel an active run; ConflictError if it has already ended."""
+    run = get_run(session, run_id=run_id, lock=True)
+    if run.status.finished:
+        raise ConflictError(f"run {run.id} has already ended ({run.status}); nothing to cancel")
+    orders = end_run(session, run=run, status=RunStatus.cancelled, reason=reason)
+    return run, orders

@@ -1,0 +1,1 @@
+"""Pydantic schemas of the REST API, one module per resource."""

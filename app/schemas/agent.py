@@ -1,0 +1,138 @@
+"""Schemas of the agent endpoints (docs/architecture.md, "Agent ↔ control plane")."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field
+
+from app.schemas.common import PublicSchema, Schema
+
+Secret = Annotated[str, Field(min_length=16, max_length=256, pattern=r"^[A-Za-z0-9_\-.~+/=]+$")]
+Rank = Annotated[int, Field(ge=0, le=1_000_000)]
+Seconds = Annotated[float, Field(ge=0, le=7.3e9, allow_inf_nan=False)]
+SmallText = Annotated[str, Field(max_length=255)]
+MAX_LINE = 4000
+
+
+def _clean_line(value: object) -> object:
+    # Output is whatever a process printed: Postgres text cannot hold NUL, and one line must
+    # not be able to fill the table.
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")[:MAX_LINE]
+    return value
+
+
+CleanLine = Annotated[str, BeforeValidator(_clean_line), Field(max_length=MAX_LINE)]
+
+
+class DetectedGpu(Schema):
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, Field(min_length=1, max_length=128)]
+    count: Annotated[int, Field(ge=1, le=1024)]
+    memory_gb: Annotated[float, Field(ge=0, le=100_000)] | None = None
+
+
+class Benchmark(Schema):
+    model_config = ConfigDict(extra="allow")
+
+    samples_per_s: Annotated[float, Field(gt=0, le=1e12, allow_inf_nan=False)]
+
+
+class HardwareReport(Schema):
+    """What the agent found; kept whole on the node, the known fields read by the planner."""
+
+    model_config = ConfigDict(extra="allow")
+
+    hostname: SmallText | None = None
+    address: SmallText | None = None
+    cpu_cores: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    memory_gb: Annotated[float, Field(ge=0, le=1e9)] | None = None
+    gpus: Annotated[list[DetectedGpu], Field(max_length=64)] = []
+    benchmark: Benchmark | None = None
+
+
+class AgentRegister(Schema):
+    join_token: Secret
+    agent_token: Secret = Field(description="made up by the agent; only its hash is stored")
+    hardware: HardwareReport
+
+
+class AgentRegistered(PublicSchema):
+    node_id: int
+    node_name: str
+    queue: str
+    heartbeat_interval_s: float
+
+
+class RoleState(Schema):
+    model_config = ConfigDict(extra="ignore")
+
+    run_id: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    rank: Rank
+    role: Literal["ps", "worker"]
+    pid: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    state: Literal["running", "exited"]
+    exit_code: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
+    signal: Annotated[int, Field(ge=0, le=255)] | None = None
+    cancelled: bool = False
+    reason: Annotated[str, BeforeValidator(_clean_line), Field(max_length=MAX_LINE)] | None = None
+
+
+class Heartbeat(Schema):
+    model_config = ConfigDict(extra="ignore")
+
+    t: Seconds | None = None
+    hardware: HardwareReport | None = None
+    load: dict[str, Any] | None = None
+    roles: Annotated[list[RoleState], Field(max_length=1024)] = []
+
+
+class StopOrder(PublicSchema):
+    run_id: int
+    rank: int | None
+    reason: str
+
+
+class HeartbeatAnswer(PublicSchema):
+    node_id: int
+    status: str
+    stop: list[StopOrder]
+
+
+class RoleEvent(Schema):
+    model_config = ConfigDict(extra="ignore")
+
+    rank: Rank
+    role: Literal["ps", "worker"]
+    event: Literal["started", "exited"]
+    pid: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    exit_code: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
+    signal: Annotated[int, Field(ge=0, le=255)] | None = None
+    cancelled: bool = False
+    reason: CleanLine | None = None
+    tail: Annotated[list[CleanLine], Field(max_length=200)] = []
+    t: Seconds | None = None
+
+
+class RoleEventAnswer(PublicSchema):
+    run_status: str
+    action: Literal["stop"] | None = None
+    reason: str | None = None
+
+
+class LogLine(Schema):
+    seq: Annotated[int, Field(ge=0, le=2**62)]
+    t: Seconds
+    line: CleanLine
+
+
+class LogBatch(Schema):
+    rank: Rank
+    lines: Annotated[list[LogLine], Field(max_length=5000)]
+    dropped: Annotated[int, Field(ge=0, le=2**62)] = 0
+
+
+class LogsStored(PublicSchema):
+    stored: int

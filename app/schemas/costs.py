@@ -1,0 +1,66 @@
+"""The bill of a run (GET /api/v1/runs/{id}/cost): spend by link, class and node, and throughput.
+
+Dollar figures are numbers rounded to a micro-dollar (app.billing rounds them once, from the
+exact sum); JSON numbers keep that precision for any bill a run can run up.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from app.schemas.common import PublicSchema
+
+
+class LinkSpend(PublicSchema):
+    """One directed node-to-node link: its bytes, their traffic class and what the sender paid."""
+
+    src: str
+    dst: str
+    bytes: int
+    traffic_class: str
+    continent: str | None
+    payer: str | None
+    usd_per_gb: float
+    usd: float
+
+
+class NodeSpend(PublicSchema):
+    """One node's compute spend: its seconds in the run at the rate of its pricing basis."""
+
+    node: str
+    seconds: float
+    basis: Literal["spot", "on_demand", "amortised"]
+    usd_per_hour: float
+    usd: float
+
+
+class GranularityPublic(PublicSchema):
+    """Compute seconds over communication seconds (seed 003); `ratio` is null with no communication."""
+
+    compute_s: float
+    comm_s: float
+    ratio: float | None
+
+
+class RunCost(PublicSchema):
+    """What a run cost and delivered, live while it runs and final once it has finished."""
+
+    run_id: int
+    status: str
+    final: bool
+    priced_at: datetime
+    egress_usd: float
+    egress_by_class: dict[str, float]
+    bytes_by_class: dict[str, int]
+    egress_by_link: list[LinkSpend]
+    compute_usd: float
+    compute_by_node: list[NodeSpend]
+    total_usd: float
+    samples: int
+    usd_per_million_samples: float | None
+    samples_per_s: float | None
+    time_to_accuracy_s: float | None
+    granularity: GranularityPublic
+    granularity_by_worker: dict[str, GranularityPublic]
+    unpriced: list[str]

@@ -1,0 +1,305 @@
+"""The dashboard's charts as Plotly figure dicts, built by small pure functions.
+
+Every function takes plain series (name, rank, peer and `points` of (step, t, value)) and
+returns `{"data": [...], "layout": {...}}`, so it is tested without a browser. Traces carry a
+`uid` that the live stream (`app.web.live`) names when it appends points, and x is seconds
+since the run's start `t0`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+Point = tuple[int, float, float | None]
+Figure = dict[str, Any]
+
+# A palette that stays readable for up to ten workers on white.
+PALETTE = (
+    "#2f6fed", "#e4572e", "#17a398", "#f3a712", "#7b5ea7",
+    "#db3a7a", "#4c9f38", "#8c6d46", "#3fa7d6", "#6c757d",
+)
+CLASS_COLORS = {
+    "intra_zone": "#9aa5b1",
+    "inter_zone": "#3fa7d6",
+    "inter_region": "#2f6fed",
+    "inter_continent": "#7b5ea7",
+    "to_oceania": "#db3a7a",
+    "internet": "#e4572e",
+}
+TOTAL_COLOR = "#1c2433"
+
+
+class SeriesLike(Protocol):
+    name: str
+    rank: int
+    peer: int | None
+    points: Sequence[Point]
+
+
+@dataclass(frozen=True)
+class Series:
+    """One metric series of one rank (and link peer, for byte counts)."""
+
+    name: str
+    rank: int
+    points: Sequence[Point]
+    peer: int | None = None
+
+
+def color(index: int) -> str:
+    """The palette colour of the `index`-th worker."""
+    return PALETTE[index % len(PALETTE)]
+
+
+def worker_label(rank: int) -> str:
+    """'worker 1' (ranks are what the trainer and its logs call them)."""
+    return f"worker {rank}"
+
+
+def base_layout(title: str, x_title: str, y_title: str, **extra: Any) -> dict[str, Any]:
+    """The layout every chart shares: compact margins, legend below, unified hover."""
+    layout: dict[str, Any] = {
+        "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
+        "margin": {"l": 56, "r": 16, "t": 40, "b": 36},
+        "font": {"family": "-apple-system, Segoe UI, Roboto, Helvetica, Arial, sans-serif", "size": 12, "color": "#1c2433"},
+        "paper_bgcolor": "#ffffff",
+        "plot_bgcolor": "#ffffff",
+        "hovermode": "x unified",
+        "legend": {"orientation": "h", "y": -0.14, "x": 0, "yanchor": "top", "font": {"size": 11}},
+        # Units on the ticks, not in an axis title that the legend below would collide with.
+        "xaxis": {"ticksuffix": x_title, "gridcolor": "#eef1f6", "zeroline": False},
+        "yaxis": {"title": {"text": y_title}, "gridcolor": "#eef1f6", "zeroline": False, "rangemode": "tozero"},
+    }
+    layout.update(extra)
+    return layout
+
+
+def elapsed(points: Iterable[Point], t0: float) -> tuple[list[float], list[float | None], list[int]]:
+    """(seconds since t0, values, steps) of `points`, rounded for a compact payload."""
+    xs, ys, steps = [], [], []
+    for step, t, value in points:
+        xs.append(round(t - t0, 3))
+        ys.append(None if value is None else float(f"{value:.6g}"))
+        steps.append(step)
+    return xs, ys, steps
+
+
+def line(uid: str, name: str, points: Iterable[Point], t0: float, colour: str, **extra: Any) -> dict[str, Any]:
+    """A line trace with its step numbers in the hover text."""
+    xs, ys, steps = elapsed(points, t0)
+    trace = {
+        "type": "scatter", "mode": "lines", "uid": uid, "name": name, "x": xs, "y": ys,
+        "customdata": steps, "hovertemplate": "%{y:.4g} (step %{customdata})",
+        "line": {"color": colour, "width": 1.8},
+    }
+    trace.update(extra)
+    return trace
+
+
+def by_name(series: Iterable[SeriesLike], name: str, *, skip: Collection[int] = ()) -> list[SeriesLike]:
+    """The series of metric `name`, in rank order, leaving out the ranks in `skip`."""
+    return sorted(
+        (s for s in series if s.name == name and s.rank not in skip), key=lambda s: (s.rank, s.peer or -1)
+    )
+
+
+def total_throughput(series: Sequence[SeriesLike]) -> list[Point]:
+    """Samples/s of all workers together: at each step, the sum of every worker's latest value.
+
+    A point is emitted only once every worker has reported, so the total never dips because
+    one worker's report is late.
+    """
+    events: list[tuple[int, float, int, float | None]] = []
+    for s in series:
+        events.extend((step, t, s.rank, value) for step, t, value in s.points)
+    events.sort(key=lambda e: (e[0], e[1]))
+    latest: dict[int, float] = {}
+    ranks = {s.rank for s in series}
+    total: list[Point] = []
+    for step, t, rank, value in events:
+        if value is not None:
+            latest[rank] = value
+        if len(latest) == len(ranks) and ranks:
+            point = (step, t, sum(latest.values()))
+            if total and total[-1][0] == step:
+                total[-1] = (step, max(t, total[-1][1]), point[2])
+            else:
+                total.append(point)
+    return total
+
+
+def throughput_figure(series: Sequence[SeriesLike], t0: float, *, servers: Collection[int] = ()) -> Figure:
+    """Throughput: samples/s of every worker and of the run in total (a parameter server's
+    own figure, rank in `servers`, would count the workers twice and is left out)."""
+    workers = by_name(series, "samples_per_s", skip=servers)
+    traces = [
+        line(f"sps:{s.rank}", worker_label(s.rank), s.points, t0, color(i))
+        for i, s in enumerate(workers)
+    ]
+    traces.insert(0, line("sps:total", "total", total_throughput(workers), t0, TOTAL_COLOR, line={"color": TOTAL_COLOR, "width": 2.6}))
+    return {"data": traces, "layout": base_layout("Throughput (samples/s)", " s", "samples/s")}
+
+
+def loss_figure(series: Sequence[SeriesLike], t0: float, *, servers: Collection[int] = ()) -> Figure:
+    """Loss of every worker (and the server's, if it reports one), and accuracy per evaluation
+    on a second axis."""
+    traces = [
+        line(f"loss:{s.rank}", loss_label(s.rank, servers), s.points, t0, color(i))
+        for i, s in enumerate(by_name(series, "loss"))
+    ]
+    for s in by_name(series, "accuracy"):
+        traces.append(
+            line(f"acc:{s.rank}", "accuracy", s.points, t0, "#17a398",
+                 mode="lines+markers", yaxis="y2", marker={"size": 5},
+                 line={"color": "#17a398", "width": 2, "dash": "dot"},
+                 hovertemplate="%{y:.2%} (step %{customdata})")
+        )
+    layout = base_layout(
+        "Loss and accuracy", " s", "loss",
+        yaxis2={"title": {"text": "accuracy"}, "overlaying": "y", "side": "right", "range": [0, 1],
+                "tickformat": ".0%", "showgrid": False},
+    )
+    layout["margin"]["r"] = 56
+    layout["yaxis"]["type"] = "log" if _spans_decades(traces) else "linear"
+    return {"data": traces, "layout": layout}
+
+
+def loss_label(rank: int, servers: Collection[int] = ()) -> str:
+    """'loss, worker 2', or 'loss, server' for the parameter server's rank."""
+    return "loss, server" if rank in servers else f"loss, {worker_label(rank)}"
+
+
+def _spans_decades(traces: list[dict[str, Any]]) -> bool:
+    values = [y for t in traces if t.get("yaxis") != "y2" for y in t["y"] if y is not None and y > 0]
+    return bool(values) and max(values) / min(values) > 100
+
+
+def compression_figure(series: Sequence[SeriesLike], t0: float, *, servers: Collection[int] = ()) -> Figure:
+    """Compression: the density each worker sent (1/density is its compression ratio)."""
+    density = by_name(series, "density", skip=servers)
+    traces = [
+        line(f"density:{s.rank}", worker_label(s.rank), s.points, t0, color(i),
+             hovertemplate="density %{y:.3g} (step %{customdata})")
+        for i, s in enumerate(density)
+    ]
+    layout = base_layout("Compression: gradient density per worker", " s", "density (sent / dense)")
+    layout["yaxis"].update(type="log", rangemode="normal")
+    if not traces:
+        layout["annotations"] = [_no_data("no compression in this run (dense gradients)")]
+    return {"data": traces, "layout": layout}
+
+
+def batch_figure(
+    series: Sequence[SeriesLike], t0: float, planned: Mapping[int, int] | None = None, *, servers: Collection[int] = ()
+) -> Figure:
+    """Batch size per worker as reported, or the planned constant until a worker reports."""
+    reported = by_name(series, "batch_size", skip=servers)
+    seen = {s.rank for s in reported}
+    traces = [
+        line(f"batch:{s.rank}", worker_label(s.rank), s.points, t0, color(i), line={"color": color(i), "width": 1.8, "shape": "hv"})
+        for i, s in enumerate(reported)
+    ]
+    layout = base_layout("Batch size per worker", " s", "samples per step")
+    for i, (rank, size) in enumerate(sorted((planned or {}).items())):
+        if rank not in seen:
+            traces.append({"type": "scatter", "mode": "lines", "uid": f"batch:{rank}", "name": f"{worker_label(rank)} (planned)",
+                           "x": [0], "y": [size], "customdata": [0], "hovertemplate": "%{y} (planned)",
+                           "line": {"color": color(len(reported) + i), "width": 1.8, "shape": "hv", "dash": "dash"}})
+    return {"data": traces, "layout": layout}
+
+
+@dataclass
+class EgressSeries:
+    """Cumulative egress dollars of one traffic class: (step, t, cumulative usd) points."""
+
+    traffic_class: str
+    points: list[Point] = field(default_factory=list)
+
+
+def egress_figure(classes: Sequence[EgressSeries], t0: float, *, unpriced: Sequence[str] = ()) -> Figure:
+    """Egress: cumulative spend by traffic class (the last point is the bill's figure)."""
+    traces = [
+        line(f"egress:{c.traffic_class}", c.traffic_class.replace("_", " "), c.points, t0,
+             CLASS_COLORS.get(c.traffic_class, "#6c757d"),
+             hovertemplate="$%{y:.6f} (step %{customdata})",
+             line={"color": CLASS_COLORS.get(c.traffic_class, "#6c757d"), "width": 2, "shape": "hv"})
+        for c in classes
+    ]
+    layout = base_layout("Egress spend by traffic class (cumulative)", " s", "USD")
+    layout["yaxis"]["tickprefix"] = "$"
+    notes = []
+    if not traces:
+        notes.append(_no_data("no bytes between nodes reported yet"))
+    if unpriced:
+        notes.append({**_no_data("unpriced: " + "; ".join(unpriced)), "y": 1.0, "yanchor": "top", "font": {"size": 11, "color": "#c77700"}})
+    if notes:
+        layout["annotations"] = notes
+    return {"data": traces, "layout": layout}
+
+
+def _no_data(text: str) -> dict[str, Any]:
+    return {"text": text, "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5, "showarrow": False,
+            "font": {"size": 13, "color": "#6b7585"}}
+
+
+# --- comparing runs --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What the comparison shows of one run."""
+
+    run_id: int
+    label: str
+    t0: float
+    loss: Sequence[Point]
+    throughput: Sequence[Point]
+    time_to_accuracy_s: float | None
+    egress_usd: float
+    compute_usd: float
+    target_accuracy: float | None = None
+    samples_per_s: float | None = None
+    usd_per_million_samples: float | None = None
+    granularity: float | None = None
+
+
+def compare_loss_figure(runs: Sequence[RunSummary]) -> Figure:
+    """Loss against time, one line per run."""
+    traces = [line(f"run:{r.run_id}", r.label, r.loss, r.t0, color(i)) for i, r in enumerate(runs)]
+    layout = base_layout("Loss against time", " s", "loss (mean over workers)")
+    layout["yaxis"]["type"] = "log" if _spans_decades(traces) else "linear"
+    return {"data": traces, "layout": layout}
+
+
+def compare_throughput_figure(runs: Sequence[RunSummary]) -> Figure:
+    """Throughput (total samples/s) against time, one line per run."""
+    traces = [line(f"run:{r.run_id}", r.label, r.throughput, r.t0, color(i)) for i, r in enumerate(runs)]
+    return {"data": traces, "layout": base_layout("Throughput (samples/s, all workers)", " s", "samples/s")}
+
+
+def time_to_accuracy_figure(runs: Sequence[RunSummary]) -> Figure:
+    """Time to the target accuracy, one bar per run (runs that never reached it are marked)."""
+    labels = [r.label for r in runs]
+    values = [r.time_to_accuracy_s for r in runs]
+    text = ["not reached" if v is None else f"{v:.0f} s" for v in values]
+    trace = {"type": "bar", "uid": "tta", "x": labels, "y": [v or 0 for v in values], "text": text,
+             "textposition": "outside", "marker": {"color": [color(i) for i in range(len(runs))]},
+             "hovertemplate": "%{x}: %{text}<extra></extra>"}
+    layout = base_layout("Time to accuracy", "", "seconds", hovermode="closest", showlegend=False)
+    return {"data": [trace], "layout": layout}
+
+
+def spend_figure(runs: Sequence[RunSummary]) -> Figure:
+    """Spend per run, stacked: compute and egress."""
+    labels = [r.label for r in runs]
+    traces = [
+        {"type": "bar", "uid": "spend:compute", "name": "compute", "x": labels, "y": [round(r.compute_usd, 6) for r in runs],
+         "marker": {"color": "#2f6fed"}, "hovertemplate": "compute $%{y:.4f}<extra></extra>"},
+        {"type": "bar", "uid": "spend:egress", "name": "egress", "x": labels, "y": [round(r.egress_usd, 6) for r in runs],
+         "marker": {"color": "#e4572e"}, "hovertemplate": "egress $%{y:.4f}<extra></extra>"},
+    ]
+    layout = base_layout("Spend", "", "USD", barmode="stack", hovermode="closest")
+    layout["yaxis"]["tickprefix"] = "$"
+    return {"data": traces, "layout": layout}

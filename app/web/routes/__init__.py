@@ -1,0 +1,1 @@
+"""Page routers of the dashboard, one per page family."""

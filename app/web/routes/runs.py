@@ -1,0 +1,270 @@
+"""Run pages: the list, the launch form with its plan preview, one run's live page (charts fed
+by server-sent events, plan, status, logs, cancel).
+
+Launching, previewing and cancelling call the REST handlers of `app.api.routes.runs` as plain
+functions, so the pages and the API plan, launch and cancel runs the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+from starlette.responses import Response
+
+from app.api.deps import DispatcherDep, SessionDep, SettingsDep
+from app.api.routes import runs as runs_api
+from app.errors import HybridtrainError, NotFoundError
+from app.models import Cluster, Node
+from app.queries import dashboard
+from app.queries import runs as run_queries
+from app.queries.agents import read_logs
+from app.schemas.common import MAX_ID
+from app.schemas.runs import DATASET_TRAIN_SIZES, MODELS, STRATEGIES, RunCancel
+from app.web import run_data, run_form
+from app.web.auth import CiViewerDep, FormDep, StreamViewerDep, Viewer, ViewerDep
+from app.web.live import IdCursor, MetricRow
+from app.web.pages import PageNotFound, Paging
+from app.web.templating import redirect, render
+
+router = APIRouter()
+
+RunIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
+PER_PAGE = 25
+# How often an open run page looks for new rows: well under the 1 s a new point may take.
+POLL_S = 0.25
+LOG_TAIL = 100
+
+
+# --- list -----------------------------------------------------------------------------------
+
+
+@router.get("/runs")
+def read_runs_page(
+    request: Request, session: SessionDep, viewer: ViewerDep, page: Annotated[int, Query(ge=1, le=100_000)] = 1
+) -> Response:
+    """Every run, newest first, with progress and spend; tick runs to compare them."""
+    runs, total = run_queries.list_runs(session, skip=(page - 1) * PER_PAGE, limit=PER_PAGE)
+    context = {
+        "viewer": viewer,
+        "runs": run_data.run_rows(session, list(runs)),
+        "paging": Paging(page=page, per_page=PER_PAGE, total=total),
+    }
+    return render(request, "runs.html", context, cookie=viewer.session)
+
+
+# --- launch ---------------------------------------------------------------------------------
+
+
+def _form_page(
+    request: Request, session: Session, viewer: Viewer, *, values: dict[str, Any], errors: dict[str, str],
+    status_code: int = 200,
+) -> Response:
+    nodes = session.scalars(select(Node).options(selectinload(Node.site), selectinload(Node.gpus)).order_by(Node.name)).all()
+    context = {
+        "viewer": viewer,
+        "values": values,
+        "errors": errors,
+        "nodes": nodes,
+        "cluster_options": [(c.id, c.name) for c in session.scalars(select(Cluster).order_by(Cluster.name))],
+        "ps_options": [(n.id, f"{n.name} ({n.site.name})") for n in nodes],
+        "strategy_options": [(s, s) for s in STRATEGIES],
+        "model_options": [(m, m) for m in MODELS],
+        "dataset_options": [(d, f"{d} ({n:,} samples)") for d, n in DATASET_TRAIN_SIZES.items()],
+    }
+    return render(request, "run_new.html", context, cookie=viewer.session, status_code=status_code)
+
+
+@router.get("/runs/new")
+def read_launch_form(request: Request, session: SessionDep, viewer: CiViewerDep) -> Response:
+    """The launch form."""
+    values: dict[str, Any] = run_form.DEFAULTS | {"node_ids": [], "idempotency_key": uuid.uuid4().hex}
+    return _form_page(request, session, viewer, values=values, errors={})
+
+
+@router.post("/runs/plan")
+def preview_plan(session: SessionDep, viewer: CiViewerDep, form: FormDep) -> JSONResponse:
+    """The plan the form would launch (batch split, server placement), or its errors, as JSON."""
+    body, errors = run_form.run_create(run_form.echoed(form))
+    if body is None:
+        return JSONResponse({"errors": errors}, status_code=422)
+    try:
+        plan = runs_api.plan_run(session=session, _=viewer.principal, body=body)
+    except HybridtrainError as exc:
+        return JSONResponse({"errors": run_form.launch_errors(exc)}, status_code=422)
+    return JSONResponse({"plan": plan.model_dump(mode="json")})
+
+
+@router.post("/runs")
+def launch_run(
+    request: Request, session: SessionDep, settings: SettingsDep, dispatcher: DispatcherDep,
+    viewer: CiViewerDep, form: FormDep,
+) -> Response:
+    """Launch the run the form describes; on any error, the form again with it beside its field."""
+    values = run_form.echoed(form)
+    body, errors = run_form.run_create(values)
+    if body is not None:
+        try:
+            # The form's one-time key makes a double-click launch one run, not two.
+            run = runs_api.create_run(
+                session=session, principal=viewer.principal, settings=settings, dispatcher=dispatcher,
+                body=body, response=Response(), idempotency_key=values.get("idempotency_key") or None,
+            )
+        except HybridtrainError as exc:
+            session.rollback()
+            errors = run_form.launch_errors(exc)
+        else:
+            return redirect(request, f"/runs/{run.id}", cookie=viewer.session, flash=("ok", f"Run #{run.id} launched."))
+    return _form_page(request, session, viewer, values=values, errors=errors, status_code=422)
+
+
+# --- one run --------------------------------------------------------------------------------
+
+
+def _run_or_404(session: Session, run_id: int):  # type: ignore[no-untyped-def]
+    try:
+        return run_queries.get_run(session, run_id=run_id)
+    except NotFoundError as exc:
+        raise PageNotFound(f"There is no run {run_id}.") from exc
+
+
+def _log_line(line: Any) -> dict[str, Any]:
+    return {"rank": line.rank, "t": line.t, "line": line.line}
+
+
+@router.get("/runs/{run_id}")
+def read_run_page(request: Request, session: SessionDep, viewer: ViewerDep, run_id: RunIdPath) -> Response:
+    """A run: live charts, plan, status, logs and (while active) a cancel button."""
+    run = _run_or_404(session, run_id)
+    charts = run_data.run_charts(session, run)
+    logs = sorted(read_logs(session, run_id=run.id, rank=None, tail=LOG_TAIL), key=lambda line: (line.t, line.id))
+    context = {
+        "viewer": viewer,
+        "run": run,
+        "charts": charts,
+        "bill": charts.bill,
+        "logs": [_log_line(line) for line in logs],
+        "active": run.status in run_data.ACTIVE,
+        "live": {
+            "run_id": run.id,
+            "metrics_after": charts.metrics_after,
+            "logs_after": charts.logs_after,
+            "active": run.status in run_data.ACTIVE,
+        },
+    }
+    return render(request, "run_detail.html", context, cookie=viewer.session)
+
+
+@router.post("/runs/{run_id}/cancel")
+def cancel_run(
+    request: Request, session: SessionDep, settings: SettingsDep, dispatcher: DispatcherDep,
+    viewer: CiViewerDep, form: FormDep, run_id: RunIdPath,
+) -> Response:
+    """Cancel an active run (its roles are stopped on every node)."""
+    _run_or_404(session, run_id)
+    reason = str(form.get("reason") or "").strip()[:500] or None
+    try:
+        runs_api.cancel_run(
+            session=session, principal=viewer.principal, settings=settings, dispatcher=dispatcher,
+            run_id=run_id, body=RunCancel(reason=reason),
+        )
+    except HybridtrainError as exc:
+        session.rollback()
+        return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("error", exc.message))
+    return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("ok", f"Run #{run_id} cancelled."))
+
+
+# --- the live stream ------------------------------------------------------------------------
+
+
+def _status(run: Any) -> dict[str, Any]:
+    return {
+        "status": str(run.status),
+        "reason": run.reason,
+        "finished": run.status not in run_data.ACTIVE,
+        "workers": [
+            {"rank": w.rank, "status": str(w.status), "exit_code": w.exit_code, "reason": w.reason}
+            for w in run.workers
+        ],
+    }
+
+
+class _Stream:
+    """One open run page: its cursors and chart state, polled in a worker thread."""
+
+    def __init__(self, request: Request, run_id: int, metrics_after: int, logs_after: int) -> None:
+        self.factory = request.app.state.sessionmaker
+        self.run_id = run_id
+        self.metrics = IdCursor(metrics_after)
+        self.logs = IdCursor(logs_after)
+        self.last_status: dict[str, Any] | None = None
+        # The highest ids passed on: a client that reconnects resumes from them.
+        self.sent_metrics = metrics_after
+        self.sent_logs = logs_after
+        with self.factory() as session:
+            run = run_queries.get_run(session, run_id=run_id)
+            self.state = run_data.live_state(
+                session, run, t0=run_data.run_t0(session, run), metrics_after=metrics_after
+            )
+
+    def poll(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None, bool]:
+        """New chart points, new log lines, the status if it changed, and whether it ended."""
+        now = time.monotonic()
+        with self.factory() as session:
+            run = run_queries.get_run(session, run_id=self.run_id)
+            rows = dashboard.metrics_after(session, run_id=self.run_id, after_id=self.metrics.floor)
+            lines = dashboard.logs_after(session, run_id=self.run_id, after_id=self.logs.floor)
+            status = _status(run)
+        fresh = self.metrics.fresh(
+            ((r.id, MetricRow(r.id, r.name, r.rank, r.peer, r.step, r.t, r.value)) for r in rows), now
+        )
+        new_lines = self.logs.fresh(((line.id, (line.id, _log_line(line))) for line in lines), now)
+        self.sent_metrics = max([self.sent_metrics, *(r.id for r in fresh)])
+        self.sent_logs = max([self.sent_logs, *(i for i, _ in new_lines)])
+        changed = status if status != self.last_status else None
+        self.last_status = status
+        return self.state.apply(fresh), [line for _, line in new_lines], changed, status["finished"]
+
+
+def open_stream(
+    request: Request,
+    _: StreamViewerDep,
+    run_id: RunIdPath,
+    metrics_after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+    logs_after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+) -> _Stream:
+    """The stream of a run the viewer may see, from the rows the page already showed."""
+    try:
+        return _Stream(request, run_id, metrics_after, logs_after)
+    except NotFoundError as exc:
+        raise PageNotFound(f"There is no run {run_id}.") from exc
+
+
+@router.get("/runs/{run_id}/stream", response_class=EventSourceResponse)
+async def stream_run(stream: Annotated[_Stream, Depends(open_stream)]) -> AsyncIterator[ServerSentEvent]:
+    """Server-sent events of a run: `metrics` (points to append), `logs`, `status`, `end`."""
+    ended_at: float | None = None
+    while True:
+        appends, lines, status, finished = await run_in_threadpool(stream.poll)
+        if appends:
+            yield ServerSentEvent(event="metrics", data={"appends": appends, "after": stream.sent_metrics})
+        if lines:
+            yield ServerSentEvent(event="logs", data={"lines": lines, "after": stream.sent_logs})
+        if status is not None:
+            yield ServerSentEvent(event="status", data=status)
+        if finished:
+            # Reports sent just before the end may still be committing: drain for a moment.
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > stream.metrics.settle_s:
+                yield ServerSentEvent(event="end", data={"status": stream.last_status})
+                return
+        await asyncio.sleep(POLL_S)

@@ -1,0 +1,201 @@
+"""Runs as the pages show them: the overview's runs in flight and spend, the runs table, and a
+run's charts as initial figures plus the state its live stream continues from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from app.models import Run, RunMetric, RunStatus
+from app.models.base import utcnow
+from app.queries import costs, dashboard
+from app.web import figures
+from app.web.egress import LinkBucket, cumulative_by_class, link_rates
+from app.web.live import LiveState
+
+# A chart of more points than a screen is wide shows nothing more and costs the browser time.
+MAX_POINTS = 600
+SERIES_NAMES = ("samples_per_s", "loss", "accuracy", "density", "batch_size")
+# Byte counts are summed, not averaged, and feed the egress chart and the bill.
+SUMMED_NAMES = ("bytes_sent",)
+ACTIVE = (RunStatus.queued, RunStatus.launching, RunStatus.running)
+
+
+@dataclass
+class RunRow:
+    """One run in a table: what it is, how far it got, and its spend so far."""
+
+    id: int
+    name: str
+    status: str
+    strategy: str
+    model: str
+    dataset: str
+    workers: int
+    step: int | None
+    max_steps: int
+    created_at: Any
+    duration_s: float | None
+    spend_usd: Decimal
+    unpriced: bool
+
+    @property
+    def progress(self) -> float | None:
+        return None if self.step is None else min(1.0, (self.step + 1) / max(1, self.max_steps))
+
+    @property
+    def progress_label(self) -> str:
+        return f"step {0 if self.step is None else self.step + 1} of {self.max_steps}"
+
+
+@dataclass
+class RunsOverview:
+    """What the overview shows of runs: those in flight and the spend of all runs so far."""
+
+    in_flight: list[RunRow] = field(default_factory=list)
+    spend_usd: Decimal = Decimal(0)
+    run_count: int = 0
+    unpriced: bool = False
+
+
+def run_rows(session: Session, runs: list[Run]) -> list[RunRow]:
+    """Table rows of `runs` (one grouped query for their progress, one bill per run)."""
+    steps = dashboard.last_steps(session, run_ids=[r.id for r in runs])
+    now = utcnow()
+    rows = []
+    for run in runs:
+        bill = costs.run_bill(session, run=run, now=now)
+        start = run.started_at or run.launched_at
+        rows.append(RunRow(
+            id=run.id, name=run.name, status=str(run.status), strategy=run.strategy, model=run.model,
+            dataset=run.dataset, workers=sum(1 for w in run.workers if w.role == "worker"),
+            step=steps.get(run.id), max_steps=run.max_steps, created_at=run.created_at,
+            duration_s=None if start is None else ((run.finished_at or now) - start).total_seconds(),
+            spend_usd=bill.total_usd, unpriced=bool(bill.unpriced),
+        ))
+    return rows
+
+
+def overview(session: Session) -> RunsOverview:
+    """Runs in flight and what every run has spent so far."""
+    in_flight = run_rows(session, dashboard.active_runs(session))
+    all_runs = list(session.scalars(select(Run)))
+    now = utcnow()
+    bills = [costs.run_bill(session, run=run, now=now) for run in all_runs]
+    return RunsOverview(
+        in_flight=in_flight,
+        spend_usd=sum((b.total_usd for b in bills), Decimal(0)),
+        run_count=len(all_runs),
+        unpriced=any(b.unpriced for b in bills),
+    )
+
+
+def run_t0(session: Session, run: Run) -> float:
+    """Where a run's time axis starts: its start, else its first metric, else its creation."""
+    if run.started_at is not None:
+        return run.started_at.timestamp()
+    first = session.scalar(select(func.min(RunMetric.t)).where(RunMetric.run_id == run.id))
+    if first is not None:
+        return float(first)
+    return (run.launched_at or run.created_at).timestamp()
+
+
+def server_ranks(run: Run) -> set[int]:
+    """The parameter server's rank(s)."""
+    return {w.rank for w in run.workers if w.role == "ps"}
+
+
+def worker_ranks(run: Run) -> list[int]:
+    """The ranks that train (not the parameter server)."""
+    return [w.rank for w in run.workers if w.role == "worker"]
+
+
+@dataclass
+class RunSeries:
+    """A run's series from one grouped scan: drawable series, link bytes and bill inputs."""
+
+    series: list[figures.Series]
+    link_buckets: list[LinkBucket]
+    link_totals: dict[tuple[int, int], int]
+    samples: int
+
+
+def run_series(session: Session, run: Run, *, names: tuple[str, ...] = SERIES_NAMES, max_points: int = MAX_POINTS) -> RunSeries:
+    """Every series of the run on one grid of at most `max_points` step buckets."""
+    width = dashboard.bucket_width(run.max_steps, max_points)
+    rows = dashboard.run_series(session, run_id=run.id, names=(*names, *SUMMED_NAMES, "batch_size"), width=width)
+    points: dict[tuple[str, int], list[figures.Point]] = {}
+    buckets: list[LinkBucket] = []
+    totals: dict[tuple[int, int], int] = {}
+    samples = 0
+    # Only workers' batches are samples: the server reports the global batch it aggregated.
+    worker_ranks = {w.rank for w in run.workers if w.role == "worker"}
+    for row in rows:
+        if row.name == "bytes_sent":
+            if row.peer >= 0 and row.total:
+                buckets.append(LinkBucket(row.rank, row.peer, row.bucket, row.step, row.t, int(row.total)))
+                totals[(row.rank, row.peer)] = totals.get((row.rank, row.peer), 0) + int(row.total)
+            continue
+        if row.name == "batch_size" and row.rank in worker_ranks:
+            samples += int(row.total or 0)
+        if row.name in names:
+            points.setdefault((row.name, row.rank), []).append((row.step, row.t, row.mean))
+    series = [figures.Series(name, rank, pts) for (name, rank), pts in points.items()]
+    return RunSeries(series, buckets, totals, samples)
+
+
+@dataclass
+class RunCharts:
+    """A run's five charts, its bill so far, and what the live stream continues from."""
+
+    figures: dict[str, figures.Figure]
+    t0: float
+    metrics_after: int
+    logs_after: int
+    bill: Any
+    unpriced: list[str]
+
+
+def run_charts(session: Session, run: Run) -> RunCharts:
+    """The run's charts as of now, every series downsampled in the database."""
+    # Only a run in flight is streamed; a finished one needs no cursor (and no scan for it).
+    active = run.status in ACTIVE
+    metrics_after = dashboard.max_metric_id(session, run_id=run.id) if active else 0
+    logs_after = dashboard.max_log_id(session, run_id=run.id) if active else 0
+    t0 = run_t0(session, run)
+    data = run_series(session, run)
+    rates, unpriced = link_rates(
+        costs.run_sites_by_rank(session, run=run), costs.DbPriceLookup(session), costs.run_priced_at(run)
+    )
+    egress_series, _ = cumulative_by_class(data.link_buckets, rates)
+    planned = {w.rank: w.batch_size for w in run.workers if w.role == "worker" and w.batch_size}
+    servers = server_ranks(run)
+    charts = {
+        "throughput": figures.throughput_figure(data.series, t0, servers=servers),
+        "loss": figures.loss_figure(data.series, t0, servers=servers),
+        "compression": figures.compression_figure(data.series, t0, servers=servers),
+        "egress": figures.egress_figure(egress_series, t0, unpriced=unpriced),
+        "batch": figures.batch_figure(data.series, t0, planned, servers=servers),
+    }
+    bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples)
+    return RunCharts(charts, t0, metrics_after, logs_after, bill, unpriced)
+
+
+def live_state(session: Session, run: Run, *, t0: float, metrics_after: int) -> LiveState:
+    """The stream's starting state: link prices and the egress dollars up to `metrics_after`."""
+    rates, _ = link_rates(
+        costs.run_sites_by_rank(session, run=run), costs.DbPriceLookup(session), costs.run_priced_at(run)
+    )
+    buckets = [
+        LinkBucket(rank, peer, 0, 0, 0.0, total)
+        for rank, peer, total in dashboard.link_bytes_until(session, run_id=run.id, max_id=metrics_after)
+    ]
+    _, totals = cumulative_by_class(buckets, rates)
+    return LiveState(
+        t0=t0, worker_ranks=worker_ranks(run), server_ranks=server_ranks(run), link_rates=rates,
+        egress_usd_by_class=totals,
+    )

@@ -1,0 +1,108 @@
+"""The launch form: from the posted fields to a `RunCreate`, and errors back to their fields.
+
+Which of node_ids / cluster_id and of max_steps / epochs is sent follows the form's radio
+buttons, so the schema's "give exactly one" rules surface as a message beside the field the
+user left empty rather than above the form.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from starlette.datastructures import FormData
+
+from app.errors import ConflictError, HybridtrainError
+from app.schemas.runs import RunCreate
+from app.web import forms
+
+TEXT_FIELDS = (
+    "name", "target", "cluster_id", "strategy", "model", "dataset", "global_batch_size", "lr",
+    "length", "max_steps", "epochs", "target_accuracy", "allocation", "ps_node_id", "device", "seed",
+    "compression_compressor", "compression_value_dtype", "compression_select", "compression_density",
+    "compression_density_min", "compression_density_max", "compression_server_k_fraction",
+    "compression_error_feedback", "compression_warmup_steps", "compression_powersgd_rank",
+    "idempotency_key",
+)
+COMPRESSION_INTS = ("warmup_steps", "powersgd_rank")
+COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction")
+DEFAULTS = {
+    "target": "nodes", "strategy": "ps-bz-gc", "model": "smallcnn", "dataset": "digits",
+    "global_batch_size": "64", "lr": "0.1", "length": "steps", "max_steps": "300", "device": "auto",
+    "seed": "0", "allocation": "", "compression_error_feedback": "",
+}
+
+
+def field_name(loc: str) -> str:
+    """The form field of a schema location: 'compression.density' -> 'compression_density'."""
+    if loc.startswith("node_ids"):
+        return "node_ids"
+    return loc.replace(".", "_") if loc.startswith("compression") else loc
+
+
+def echoed(form: FormData) -> dict[str, Any]:
+    """What the user typed, to show again beside any error (node_ids as a list of strings)."""
+    values: dict[str, Any] = forms.values(form, TEXT_FIELDS)
+    values["node_ids"] = [str(v) for v in form.getlist("node_ids")]
+    return values
+
+
+def run_create(values: dict[str, Any]) -> tuple[RunCreate | None, dict[str, str]]:
+    """The launch request the form describes, or the errors by field."""
+    data, errors = forms.typed(
+        {k: v for k, v in values.items() if isinstance(v, str)},
+        ints=("cluster_id", "global_batch_size", "max_steps", "epochs", "ps_node_id", "seed"),
+        floats=("lr", "target_accuracy"),
+    )
+    body: dict[str, Any] = {
+        k: data[k] for k in ("name", "strategy", "model", "dataset", "global_batch_size", "lr",
+                             "target_accuracy", "allocation", "ps_node_id", "device", "seed")
+    }
+    if values.get("target") == "cluster":
+        body["cluster_id"] = data["cluster_id"]
+        if data["cluster_id"] == "":
+            errors.setdefault("cluster_id", "choose a cluster")
+    else:
+        ids: list[int] = []
+        for raw in values["node_ids"]:
+            if not re.fullmatch(r"\d{1,10}", raw):
+                errors["node_ids"] = f"not a node id: {raw[:20]!r}"
+                break
+            ids.append(int(raw))
+        body["node_ids"] = ids
+        if not ids:
+            errors.setdefault("node_ids", "choose at least one node")
+    if values.get("length") == "epochs":
+        body["epochs"] = data["epochs"]
+        if data["epochs"] == "":
+            errors.setdefault("epochs", "enter the number of epochs")
+    else:
+        body["max_steps"] = data["max_steps"]
+        if data["max_steps"] == "":
+            errors.setdefault("max_steps", "enter the number of steps")
+    compression, compression_errors = _compression(values)
+    errors |= compression_errors
+    if compression:
+        body["compression"] = compression
+    model, schema_errors = forms.parse(RunCreate, forms.non_blank(body), field_name)
+    if errors:
+        # Every field's error at once; the schema's "give exactly one" message only restates
+        # the choice the checks above have already named beside its field.
+        schema_errors.pop(forms.FORM_ERROR, None)
+        return None, {**schema_errors, **errors}
+    return model, schema_errors
+
+
+def _compression(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    raw = {k.removeprefix("compression_"): v for k, v in values.items() if k.startswith("compression_") and isinstance(v, str)}
+    data, errors = forms.typed(raw, ints=COMPRESSION_INTS, floats=COMPRESSION_FLOATS)
+    flag = raw.get("error_feedback", "")
+    data["error_feedback"] = {"on": True, "off": False}.get(flag, "")
+    return forms.non_blank(data), {f"compression_{k}": v for k, v in errors.items()}
+
+
+def launch_errors(exc: HybridtrainError) -> dict[str, str]:
+    """A planning or launch error beside its field; a node that cannot run goes by the nodes."""
+    if isinstance(exc, ConflictError) and "node" in exc.message:
+        return {"node_ids": exc.message}
+    return forms.domain_errors(exc, field_name)

@@ -1,0 +1,106 @@
+// The launch form: show the fields of the chosen options, and preview the plan (batch split
+// and server placement) from the server's planner as the form changes.
+(function () {
+  "use strict";
+  var form = document.getElementById("launch-form");
+  if (!form) return;
+  var state = document.getElementById("plan-state");
+  var body = document.getElementById("plan-body");
+  var colors = ["#2f6fed", "#e4572e", "#17a398", "#f3a712", "#7b5ea7", "#db3a7a", "#4c9f38", "#8c6d46", "#3fa7d6", "#6c757d"];
+  var timer = null;
+  var sequence = 0;
+
+  function syncSections() {
+    var target = form.querySelector("input[name=target]:checked").value;
+    form.querySelectorAll("[data-target]").forEach(function (el) { el.hidden = el.getAttribute("data-target") !== target; });
+    var length = form.querySelector("input[name=length]:checked").value;
+    form.querySelectorAll("[data-length]").forEach(function (el) { el.hidden = el.getAttribute("data-length") !== length; });
+  }
+
+  function el(tag, attrs, text) {
+    var node = document.createElement(tag);
+    Object.keys(attrs || {}).forEach(function (k) { node.setAttribute(k, attrs[k]); });
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function renderErrors(errors) {
+    body.replaceChildren();
+    var list = el("ul", { "class": "plan-errors" });
+    Object.keys(errors).forEach(function (field) {
+      var label = field === "__form__" ? "" : field.replace(/_/g, " ") + ": ";
+      list.appendChild(el("li", {}, label + errors[field]));
+    });
+    body.appendChild(list);
+    state.textContent = "cannot plan this yet";
+  }
+
+  function renderPlan(plan) {
+    body.replaceChildren();
+    var workers = plan.workers.filter(function (w) { return w.role === "worker"; });
+    var server = plan.workers.filter(function (w) { return w.role === "ps"; })[0];
+    var summary = el("p", { "class": "small" });
+    summary.textContent = workers.length + " worker" + (workers.length === 1 ? "" : "s") +
+      ", global batch " + plan.global_batch_size + " split " + plan.allocation +
+      ", " + plan.max_steps + " steps. " +
+      (server ? "Parameter server on " + server.node_name + "." : "All-reduce between the workers (no server).");
+    body.appendChild(summary);
+    var bar = el("div", { "class": "split-bar", "id": "plan-split" });
+    workers.forEach(function (w, i) {
+      var part = el("span", { "title": "rank " + w.rank + ": " + w.batch_size }, String(w.batch_size));
+      part.style.flex = String(w.batch_size);
+      part.style.background = colors[i % colors.length];
+      bar.appendChild(part);
+    });
+    body.appendChild(bar);
+    var table = el("table", { "class": "table plan-table", "id": "plan-table" });
+    var head = el("tr");
+    ["Rank", "Role", "Node", "GPU", "Batch", "Speed"].forEach(function (h) { head.appendChild(el("th", {}, h)); });
+    table.appendChild(el("thead")).appendChild(head);
+    var tbody = el("tbody");
+    plan.workers.forEach(function (w) {
+      var row = el("tr", { "data-rank": String(w.rank) });
+      row.appendChild(el("td", {}, String(w.rank)));
+      row.appendChild(el("td", {}, w.role === "ps" ? "server" : "worker"));
+      row.appendChild(el("td", {}, w.node_name));
+      row.appendChild(el("td", {}, w.gpu_model ? w.gpu_model + (w.gpu_index !== null ? " #" + w.gpu_index : "") : "—"));
+      row.appendChild(el("td", { "class": "num" }, w.batch_size === null ? "—" : String(w.batch_size)));
+      row.appendChild(el("td", { "class": "num" }, w.speed === null ? "—" : w.speed + " " + (w.speed_unit || "")));
+      tbody.appendChild(row);
+    });
+    table.appendChild(tbody);
+    body.appendChild(table);
+    state.textContent = "what Launch will start";
+  }
+
+  function preview() {
+    var mine = ++sequence;
+    state.textContent = "planning…";
+    var data = new URLSearchParams(new FormData(form));
+    fetch("/runs/plan", {
+      method: "POST", body: data, credentials: "same-origin",
+      headers: { "Accept": "application/json", "Content-Type": "application/x-www-form-urlencoded" }
+    }).then(function (response) {
+      return response.json().then(function (json) { return { ok: response.ok, json: json }; });
+    }).then(function (result) {
+      if (mine !== sequence) return;  // a newer preview is on its way
+      if (result.ok) renderPlan(result.json.plan);
+      else renderErrors(result.json.errors || { "__form__": result.json.detail || "cannot plan" });
+    }).catch(function () {
+      if (mine === sequence) state.textContent = "preview unavailable";
+    });
+  }
+
+  function schedule() {
+    clearTimeout(timer);
+    timer = setTimeout(preview, 250);
+  }
+
+  form.addEventListener("change", function () { syncSections(); schedule(); });
+  form.addEventListener("input", schedule);
+  form.addEventListener("submit", function () {
+    document.getElementById("launch-button").disabled = true;
+  });
+  syncSections();
+  if (form.querySelector("input[name=node_ids]:checked") || form.querySelector("#f-cluster_id").value) preview();
+})();

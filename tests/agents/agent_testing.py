@@ -1,0 +1,202 @@
+"""Helpers of the agent tests: a recording control plane on the HTTP seam, agent processes,
+and checks that processes are really gone."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE_STUB = Path(__file__).with_name("role_stub.py")
+STUB_COMMAND = [sys.executable, str(ROLE_STUB)]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a running (not zombie) process."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes whose process group is `pgid`."""
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            continue
+    return out
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def pids_from_logs(lines: list[str]) -> dict[str, int]:
+    """The pids a role stub prints on its first line: role, child, pgid."""
+    for line in lines:
+        if line.startswith("PIDS "):
+            return {k: int(v) for k, v in (p.split("=") for p in line.split()[1:])}
+    return {}
+
+
+class FakeControlPlane:
+    """Records what agents send to the agent endpoints of docs/architecture.md and answers as
+    the control plane does: a stand-in at the HTTP seam for tests of the agent alone."""
+
+    JOIN_TOKEN = "join-" + uuid.uuid4().hex
+
+    def __init__(self) -> None:
+        self.node_id = 7
+        self.queue = f"node.test-{uuid.uuid4().hex[:8]}"
+        self.agent_token_hash: str | None = None
+        self.registrations: list[dict[str, Any]] = []
+        self.heartbeats: list[dict[str, Any]] = []
+        self.events: list[tuple[int, dict[str, Any]]] = []
+        self.logs: list[tuple[int, dict[str, Any]]] = []
+        self.stop_orders: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        plane = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                status, answer = plane.handle(self.path, self.headers.get("Authorization"), body)
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def _authorized(self, auth: str | None) -> bool:
+        if not auth or not auth.startswith("Bearer ") or self.agent_token_hash is None:
+            return False
+        return hashlib.sha256(auth[7:].encode()).hexdigest() == self.agent_token_hash
+
+    def handle(self, path: str, auth: str | None, body: dict[str, Any]) -> tuple[int, Any]:
+        with self.lock:
+            if path == "/api/v1/agent/register":
+                if body.get("join_token") != self.JOIN_TOKEN:
+                    return 401, {"detail": "unknown join token"}
+                digest = hashlib.sha256(body["agent_token"].encode()).hexdigest()
+                if self.agent_token_hash not in (None, digest):
+                    return 409, {"detail": "join token already used"}
+                self.agent_token_hash = digest
+                self.registrations.append(body)
+                return 201, {"node_id": self.node_id, "node_name": "n1", "queue": self.queue}
+            if not self._authorized(auth):
+                return 401, {"detail": "bad agent token"}
+            if path == "/api/v1/agent/heartbeat":
+                self.heartbeats.append(body)
+                stop, self.stop_orders = self.stop_orders, []
+                return 200, {"node_id": self.node_id, "status": "online", "stop": stop}
+            parts = path.strip("/").split("/")
+            if len(parts) == 6 and parts[3] == "runs" and parts[5] in ("events", "logs"):
+                run_id = int(parts[4])
+                (self.events if parts[5] == "events" else self.logs).append((run_id, body))
+                return 200, {"run_status": "running"}
+            return 404, {"detail": "not found"}
+
+    def events_of(self, run_id: int, event: str | None = None) -> list[dict[str, Any]]:
+        with self.lock:
+            return [b for r, b in self.events if r == run_id and (event is None or b["event"] == event)]
+
+    def lines_of(self, run_id: int, rank: int) -> list[str]:
+        with self.lock:
+            batches = [b for r, b in self.logs if r == run_id and b["rank"] == rank]
+        lines = sorted((line for b in batches for line in b["lines"]), key=lambda x: x["seq"])
+        return [x["line"] for x in lines]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class AgentProcess:
+    """A real `hybridtrain agent` in its own process, as an operator would start it."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "agent", *argv],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"agent ignored signal {sig} for {timeout} s:\n{self.output()[-3000:]}")
+        finally:
+            self._log.close()
+
+
+def role_spec(run_id: int, rank: int = 1, **options: Any) -> dict[str, Any]:
+    """A launch order as the control plane sends it, for the role stub."""
+    return {
+        "run_id": run_id,
+        "rank": rank,
+        "role": "ps" if rank == 0 else "worker",
+        "world_size": 4,
+        "master_addr": "127.0.0.1",
+        "master_port": 29500,
+        "batch_sizes": [20, 8, 4],
+        "report_url": f"http://127.0.0.1:1/api/v1/runs/{run_id}/metrics",
+        "report_token": "run-secret",
+        "options": {"strategy": "ps-bz-gc", **options},
+        "env": {"OMP_NUM_THREADS": "1"},
+    }
+
+
+def private_redis(redis_url: str, db: int) -> str:
+    """`redis_url` on database `db`, flushed: other suites flush the shared database at their
+    start, and agents of theirs consuming `node.<id>` there would take this suite's orders."""
+    import redis
+
+    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
+    redis.Redis.from_url(url).flushdb()
+    return url

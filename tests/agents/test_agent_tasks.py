@@ -1,0 +1,224 @@
+"""The task bodies called directly (no broker), starting and stopping real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.errors import ControlPlaneUnavailable, LaunchError
+from agents.supervisor import Supervisor
+from agents.tasks import cancel_run, launch_role
+from agent_testing import STUB_COMMAND, alive, group_members, pids_from_logs, role_spec, wait_until
+
+
+class RecordingReporter:
+    """Collects what the supervisor reports; can pretend the control plane is down."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, dict[str, Any]]] = []
+        self.batches: list[tuple[int, dict[str, Any]]] = []
+        self.down = False
+        self.lock = threading.Lock()
+
+    def role_event(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        if self.down:
+            raise ControlPlaneUnavailable("down")
+        with self.lock:
+            self.events.append((run_id, body))
+        return {}
+
+    def logs(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        if self.down:
+            raise ControlPlaneUnavailable("down")
+        with self.lock:
+            self.batches.append((run_id, body))
+        return {}
+
+    def event(self, run_id: int, kind: str) -> dict[str, Any] | None:
+        with self.lock:
+            return next((b for r, b in self.events if r == run_id and b["event"] == kind), None)
+
+    def lines(self, run_id: int, rank: int) -> list[str]:
+        with self.lock:
+            items = [x for r, b in self.batches if r == run_id and b["rank"] == rank for x in b["lines"]]
+        return [x["line"] for x in sorted(items, key=lambda x: x["seq"])]
+
+
+@pytest.fixture
+def reporter() -> RecordingReporter:
+    return RecordingReporter()
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path, reporter: RecordingReporter) -> Supervisor:
+    sup = Supervisor(
+        reporter,
+        state_dir=tmp_path / "state",
+        trainer_command=STUB_COMMAND,
+        kill_grace_s=2.0,
+        log_flush_interval_s=0.1,
+        event_retry_s=0.0,
+    )
+    yield sup
+    sup.stop_all("test teardown")
+
+
+def test_launch_role_runs_the_role_and_reports_start_exit_and_logs(supervisor, reporter):
+    result = launch_role(11, 1, role_spec(11, 1, lines=5), supervisor=supervisor)
+
+    exited = wait_until(lambda: reporter.event(11, "exited"), 20, "the exit event")
+    started = reporter.event(11, "started")
+    assert started["pid"] == result["pid"] and started["rank"] == 1
+    assert exited["exit_code"] == 0 and exited["signal"] is None and exited["reason"] is None
+    assert exited["cancelled"] is False
+    lines = reporter.lines(11, 1)
+    assert lines[2:] == ["line 0", "line 1", "line 2", "line 3", "line 4", "bye"]
+    assert exited["tail"][-1] == "bye"
+    argv = lines[1].split()
+    assert argv[argv.index("--batch-sizes") + 1] == "20,8,4"
+    assert argv[argv.index("--strategy") + 1] == "ps-bz-gc"
+    log_file = supervisor.state_dir / "runs" / "11" / "rank1.log"
+    assert log_file.read_text().endswith("bye\n")
+
+
+def test_failing_role_reports_its_code_and_last_line(supervisor, reporter):
+    launch_role(12, 2, role_spec(12, 2, exit_code=3), supervisor=supervisor)
+
+    exited = wait_until(lambda: reporter.event(12, "exited"), 20, "the exit event")
+    assert exited["exit_code"] == 3
+    assert exited["reason"] == "rank 2 (worker) exited with code 3: bye"
+
+
+def test_cancel_run_kills_the_role_and_its_children(supervisor, reporter):
+    launch_role(13, 1, role_spec(13, 1, sleep=60, spawn_child=True), supervisor=supervisor)
+    pids = wait_until(lambda: pids_from_logs(reporter.lines(13, 1)), 20, "the role's pids")
+    assert alive(pids["role"]) and alive(pids["child"])
+
+    result = cancel_run(13, "user asked", supervisor=supervisor)
+
+    assert result == {"run_id": 13, "cancelled_ranks": [1]}
+    # cancel returns once the group is gone: the child ignores SIGTERM, so only the sweep
+    # with SIGKILL after the role's exit can have ended it.
+    assert not alive(pids["role"]) and not alive(pids["child"])
+    assert group_members(pids["pgid"]) == []
+    exited = wait_until(lambda: reporter.event(13, "exited"), 10, "the exit event")
+    assert exited["cancelled"] is True
+    assert exited["signal"] == signal.SIGTERM
+    assert exited["reason"] == "rank 1 (worker) stopped: user asked"
+
+
+def test_cancel_escalates_to_sigkill_after_the_grace(supervisor, reporter):
+    launch_role(14, 1, role_spec(14, 1, sleep=60, ignore_term=True), supervisor=supervisor)
+    pids = wait_until(lambda: pids_from_logs(reporter.lines(14, 1)), 20, "the role's pids")
+
+    start = time.monotonic()
+    cancel_run(14, "stop", supervisor=supervisor)
+
+    assert 1.5 < time.monotonic() - start < 8
+    assert group_members(pids["pgid"]) == []
+    exited = wait_until(lambda: reporter.event(14, "exited"), 10, "the exit event")
+    assert exited["signal"] == signal.SIGKILL
+
+
+def test_repeated_launch_of_a_rank_starts_nothing_new(supervisor, reporter):
+    first = launch_role(15, 1, role_spec(15, 1, sleep=60), supervisor=supervisor)
+    second = launch_role(15, 1, role_spec(15, 1, sleep=60), supervisor=supervisor)
+
+    assert second["pid"] == first["pid"]
+    assert len([r for r in supervisor.roles() if r.spec.run_id == 15]) == 1
+
+
+def test_launch_rejects_an_invalid_order(supervisor):
+    with pytest.raises(LaunchError, match="rank 9 is outside world_size 4"):
+        launch_role(16, 9, role_spec(16, 9), supervisor=supervisor)
+    with pytest.raises(LaunchError, match="carries a spec for run 99"):
+        launch_role(16, 1, {**role_spec(16, 1), "run_id": 99}, supervisor=supervisor)
+    bad = role_spec(16, 1)
+    bad["env"] = {"LD_PRELOAD": "/tmp/evil.so"}
+    with pytest.raises(LaunchError, match="LD_PRELOAD"):
+        launch_role(16, 1, bad, supervisor=supervisor)
+    assert supervisor.roles() == []
+
+
+def test_cancel_of_a_run_with_nothing_running_is_a_no_op(supervisor):
+    assert cancel_run(404, "nothing", supervisor=supervisor) == {"run_id": 404, "cancelled_ranks": []}
+
+
+def test_stop_all_ends_every_role(supervisor, reporter):
+    launch_role(17, 1, role_spec(17, 1, sleep=60), supervisor=supervisor)
+    launch_role(18, 2, role_spec(18, 2, sleep=60), supervisor=supervisor)
+    pids = [
+        wait_until(lambda r=r, k=k: pids_from_logs(reporter.lines(r, k)), 20, "pids")["pgid"]
+        for r, k in ((17, 1), (18, 2))
+    ]
+
+    stopped = supervisor.stop_all("agent stopping")
+
+    assert sorted(stopped) == [(17, 1), (18, 2)]
+    assert all(group_members(p) == [] for p in pids)
+    assert reporter.event(17, "exited")["reason"] == "rank 1 (worker) stopped: agent stopping"
+    with pytest.raises(LaunchError, match="stopping"):
+        launch_role(19, 1, role_spec(19, 1), supervisor=supervisor)
+
+
+def test_logs_are_kept_bounded_while_the_control_plane_is_down(tmp_path, reporter):
+    sup = Supervisor(
+        reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND,
+        log_buffer_lines=10, log_flush_interval_s=0.05, event_retry_s=0.0,
+    )
+    try:
+        reporter.down = True
+        launch_role(20, 1, role_spec(20, 1, lines=50, sleep=1.0), supervisor=sup)
+        role = sup.roles()[0]
+        wait_until(lambda: role.next_seq >= 50, 20, "the output to be read")
+        reporter.down = False
+        wait_until(lambda: reporter.event(20, "exited"), 20, "the exit event")
+        lines = reporter.lines(20, 1)
+        # Only the newest lines survive, the rest are counted as dropped, none duplicated.
+        assert lines[-1] == "bye" and len(lines) <= 10 + 1
+        assert len(lines) == len(set(lines))
+        dropped = sum(b["dropped"] for _, b in reporter.batches)
+        assert dropped + len(lines) == role.next_seq
+    finally:
+        sup.stop_all()
+
+
+def test_reap_stale_kills_what_a_dead_agent_left_behind(tmp_path, reporter):
+    # A "previous agent" started a role group and died without cleaning up; its record stays.
+    leftover = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(600)']); time.sleep(600)"],
+        start_new_session=True,
+    )
+    wait_until(lambda: len(group_members(leftover.pid)) == 2, 10, "the leftover group")
+    records = tmp_path / "s" / "roles"
+    records.mkdir(parents=True)
+    import psutil
+
+    (records / "21-1.json").write_text(json.dumps({
+        "run_id": 21, "rank": 1, "role": "worker", "pid": leftover.pid,
+        "create_time": psutil.Process(leftover.pid).create_time(),
+    }))
+    # And a record whose pid now belongs to another process: must be left alone.
+    (records / "22-1.json").write_text(json.dumps({
+        "run_id": 22, "rank": 1, "role": "worker", "pid": os.getpid(), "create_time": 1.0,
+    }))
+
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+    try:
+        stale = sup.reap_stale()
+    finally:
+        sup.close()
+
+    leftover.wait(timeout=5)
+    assert [s["run_id"] for s in stale] == [21]
+    wait_until(lambda: group_members(leftover.pid) == [], 5, "the leftover group to die")
+    assert list(records.glob("*.json")) == []

@@ -1,0 +1,151 @@
+"""Real agent processes running real Celery workers, on the real Redis and on the embedded
+SQLite broker: launch and cancel through the broker, and no role outliving its agent."""
+
+from __future__ import annotations
+
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from agent_testing import AgentProcess, FakeControlPlane, alive, group_members, pids_from_logs, role_spec, wait_until
+
+from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE, make_celery, prepare_embedded_broker
+
+
+@pytest.fixture
+def sqlite_broker(tmp_path: Path) -> str:
+    url = f"sqla+sqlite:///{tmp_path / 'broker.db'}"
+    prepare_embedded_broker(url)
+    return url
+
+
+def _registered(plane: FakeControlPlane, agent: AgentProcess, timeout: float = 60) -> None:
+    def ready() -> bool:
+        if agent.proc.poll() is not None:
+            pytest.fail(f"agent exited with {agent.proc.returncode}:\n{agent.output()[-3000:]}")
+        return bool(plane.heartbeats) and "ready" in agent.output()
+
+    wait_until(ready, timeout, "the agent to register, heartbeat and start its worker")
+
+
+def _launch(broker_url: str, plane: FakeControlPlane, run_id: int, rank: int = 1, **options) -> float:
+    celery = make_celery(broker_url)
+    sent = time.time()
+    celery.send_task(LAUNCH_ROLE, args=[run_id, rank, role_spec(run_id, rank, **options)], queue=plane.queue)
+    celery.close()
+    return sent
+
+
+def _cancel(broker_url: str, plane: FakeControlPlane, run_id: int) -> None:
+    celery = make_celery(broker_url)
+    celery.send_task(CANCEL_RUN, args=[run_id, "cancelled by the user"], queue=plane.queue)
+    celery.close()
+
+
+def _launch_then_cancel(broker_url: str, plane: FakeControlPlane, agent: AgentProcess) -> float:
+    sent = _launch(broker_url, plane, 31, sleep=120, spawn_child=True)
+    started = wait_until(lambda: plane.events_of(31, "started"), 30, "the role to start")[0]
+    pids = wait_until(lambda: pids_from_logs(plane.lines_of(31, 1)), 15, "the role's first log lines")
+    assert started["pid"] == pids["pgid"]
+    assert alive(pids["role"]) and alive(pids["child"])
+
+    _cancel(broker_url, plane, 31)
+
+    exited = wait_until(lambda: plane.events_of(31, "exited"), 30, "the cancelled role's exit")[0]
+    assert exited["cancelled"] is True
+    assert exited["reason"] == "rank 1 (worker) stopped: cancelled by the user"
+    assert group_members(pids["pgid"]) == []
+    assert not alive(pids["role"]) and not alive(pids["child"])
+    return started["t"] - sent
+
+
+def test_agent_on_redis_launches_and_cancels_a_role(agent_redis_url, control_plane, start_agent, tmp_path):
+    agent = start_agent(control_plane, agent_redis_url)
+    _registered(control_plane, agent)
+
+    _launch_then_cancel(agent_redis_url, control_plane, agent)
+
+    assert agent.stop(signal.SIGTERM) == 0
+    registration = control_plane.registrations[0]
+    assert registration["hardware"]["cpu_cores"] >= 1
+    assert registration["agent_token"].startswith("hta_")
+    state_file = tmp_path / "agent-state" / "agent.json"
+    assert stat.S_IMODE(state_file.stat().st_mode) == 0o600
+
+
+def test_agent_on_the_embedded_sqlite_broker_launches_and_cancels_fast(
+    sqlite_broker, control_plane, start_agent
+):
+    agent = start_agent(control_plane, sqlite_broker)
+    _registered(control_plane, agent)
+
+    latency = _launch_then_cancel(sqlite_broker, control_plane, agent)
+
+    # kombu's 1 s default polling would make this about a second; 50 ms polling plus the
+    # guard's and the role's start leave it well under half of that.
+    assert latency < 0.5, f"launch took {latency:.3f} s from publish to the role's start"
+    assert agent.stop(signal.SIGTERM) == 0
+
+
+def test_stopping_the_agent_stops_its_roles(agent_redis_url, control_plane, start_agent):
+    agent = start_agent(control_plane, agent_redis_url)
+    _registered(control_plane, agent)
+    _launch(agent_redis_url, control_plane, 41, sleep=120, spawn_child=True)
+    pids = wait_until(lambda: pids_from_logs(control_plane.lines_of(41, 1)), 30, "the role to run")
+
+    assert agent.stop(signal.SIGTERM) == 0
+
+    assert group_members(pids["pgid"]) == []
+    exited = control_plane.events_of(41, "exited")
+    assert exited and exited[0]["reason"] == "rank 1 (worker) stopped: the agent on this node stopped"
+
+
+def test_a_killed_agent_leaves_no_orphans_and_resumes_with_its_saved_token(
+    sqlite_broker, control_plane, start_agent
+):
+    agent = start_agent(control_plane, sqlite_broker)
+    _registered(control_plane, agent)
+    _launch(sqlite_broker, control_plane, 51, sleep=120, spawn_child=True)
+    pids = wait_until(lambda: pids_from_logs(control_plane.lines_of(51, 1)), 30, "the role to run")
+
+    agent.stop(signal.SIGKILL)
+
+    wait_until(lambda: group_members(pids["pgid"]) == [], 10, "the role's group to die with the agent")
+    assert not alive(pids["child"])
+
+    beats = len(control_plane.heartbeats)
+    again = start_agent(control_plane, sqlite_broker, join=False)
+    wait_until(lambda: len(control_plane.heartbeats) > beats + 1, 60, "the restarted agent's heartbeats")
+    assert len(control_plane.registrations) == 1  # the saved agent token was enough
+    assert again.stop(signal.SIGTERM) == 0
+
+
+def test_agent_stops_roles_the_control_plane_lists_in_a_heartbeat_answer(
+    agent_redis_url, control_plane, start_agent
+):
+    agent = start_agent(control_plane, agent_redis_url)
+    _registered(control_plane, agent)
+    _launch(agent_redis_url, control_plane, 61, sleep=120)
+    pids = wait_until(lambda: pids_from_logs(control_plane.lines_of(61, 1)), 30, "the role to run")
+
+    with control_plane.lock:
+        control_plane.stop_orders.append({"run_id": 61, "reason": "run 61 failed on another node"})
+
+    exited = wait_until(lambda: control_plane.events_of(61, "exited"), 20, "the role to stop")[0]
+    assert exited["reason"] == "rank 1 (worker) stopped: run 61 failed on another node"
+    assert group_members(pids["pgid"]) == []
+    # Later heartbeats carry the exit too, for a control plane that missed the event.
+    wait_until(
+        lambda: any(r["run_id"] == 61 and r["state"] == "exited" for r in control_plane.heartbeats[-1]["roles"]),
+        10, "a heartbeat with the exited role",
+    )
+    assert agent.stop(signal.SIGTERM) == 0
+
+
+def test_agent_with_an_unknown_join_token_exits_with_a_clear_error(control_plane, start_agent, agent_redis_url):
+    agent = start_agent(control_plane, agent_redis_url, join=False, extra=["--token", "not-the-join-token"])
+
+    assert agent.proc.wait(timeout=60) == 2
+    assert "control plane refused the credentials on /register: unknown join token" in agent.output()

@@ -1,0 +1,77 @@
+"""The benchmark's reductions: figures from metric records, targets, the docs section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from agents.testbed.paperbench import FULL, check_targets, run_body, summarise
+from agents.testbed.report import SECTION, markdown_table, replace_section
+
+
+def _records(step_s: float, steps: int, *, ps: bool) -> list[dict[str, Any]]:
+    recs: list[dict[str, Any]] = []
+    workers = [1, 2] if ps else [0, 1]
+    for k in range(1, steps + 1):
+        t = 1000.0 + k * step_s
+        recs.append({"rank": 0, "peer": None, "name": "loss", "step": k, "t": t, "value": 1.0 / k})
+        for w in workers:
+            recs.append({"rank": w, "peer": None, "name": "compute_s", "step": k, "t": t, "value": step_s / 2})
+            # Rank 2 is in the cloud: what it sends to rank 0 (on-prem) is egress.
+            recs.append({"rank": w, "peer": 0 if ps else 1 - w, "name": "bytes_sent", "step": k, "t": t,
+                         "value": 1000.0})
+    recs.append({"rank": 0, "peer": None, "name": "accuracy", "step": steps, "t": t, "value": 0.9})
+    recs.append({"rank": 0, "peer": None, "name": "time_to_accuracy_s", "step": steps, "t": t, "value": 42.0})
+    return recs  # fmt: skip
+
+
+def test_summarise_turns_step_times_into_throughput_and_granularity() -> None:
+    out = summarise(
+        _records(2.0, 12, ps=True), strategy="ps-bz-gc", global_batch=512, skip_steps=6,
+        rank_site={0: "onprem", 1: "onprem", 2: "cloud"},
+        egress_usd_per_gb=lambda src, dst: 0.12 if src == "cloud" else 0.0,
+        standalone={1: (256, 256.0), 2: (256, 512.0)},
+    )  # fmt: skip
+    assert out["samples_per_s"] == pytest.approx(256.0)
+    # The slowest worker needs 1 s alone of the 2 s step: as much compute as communication.
+    assert out["granularity"] == pytest.approx(1.0)
+    assert out["bytes_per_step"] == 2000
+    assert out["tta_s"] == 42.0 and out["final_accuracy"] == 0.9
+    assert out["egress_usd"] == pytest.approx(12 * 1000 / 2**30 * 0.12, abs=1e-8)
+
+
+def test_targets_compare_ps_bz_gc_with_each_baseline() -> None:
+    results = {
+        "ps-bz-gc": {"samples_per_s": 250.0, "tta_s": 40.0, "final_accuracy": 0.955},
+        "ps": {"samples_per_s": 80.0, "tta_s": 100.0, "final_accuracy": 0.96},
+        "allreduce": {"samples_per_s": 130.0},
+        "allreduce-powersgd": {"samples_per_s": 140.0},
+    }
+    targets = check_targets(results, ideal=300.0)
+    assert targets["throughput vs ps"]["met"] and targets["tta reduction vs ps"]["met"]
+    assert not targets["throughput vs allreduce"]["met"]  # 1.92x
+    assert targets["accuracy vs ps (points)"]["value"] == pytest.approx(-0.5)
+    assert targets["share of ideal"]["value"] == pytest.approx(0.833)
+
+
+def test_every_strategy_gets_the_same_hyperparameters() -> None:
+    bodies = [run_body(s, FULL, [1, 2, 3, 4], 5, "x") for s in ("ps", "ps-bz-gc", "allreduce")]
+    shared = ("model", "dataset", "global_batch_size", "lr", "max_steps", "target_accuracy", "seed")
+    assert len({tuple(b[k] for k in shared) for b in bodies}) == 1
+    assert "ps_node_id" not in bodies[2] and bodies[0]["ps_node_id"] == 5
+
+
+def test_docs_section_is_replaced_and_the_rest_kept() -> None:
+    doc = f"# Benchmarks\n\n## Other\nkeep me\n\n{SECTION}\nold\n\n## After\nkeep too\n"
+    out = replace_section(doc, f"{SECTION}\nnew\n")
+    assert "old" not in out and "new" in out and "keep me" in out and "keep too" in out
+    assert replace_section("# Benchmarks\n", f"{SECTION}\nnew\n").endswith(f"{SECTION}\nnew\n")
+
+
+def test_markdown_table_has_a_row_per_strategy_and_the_ideal() -> None:
+    doc = {"results": {"ps": {"samples_per_s": 80.0, "steps": 10, "status": "succeeded"},
+                       "ps-bz-gc": {"samples_per_s": 240.0, "steps": 10, "status": "succeeded"}},
+           "ideal_samples_per_s": 300.0}  # fmt: skip
+    table = markdown_table(doc)
+    assert "| PS | 80.0 | 3.00 |" in table and "ideal" in table

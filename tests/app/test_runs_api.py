@@ -1,0 +1,314 @@
+"""Runs over REST on the real Postgres, with orders published to the real Redis: agents
+joining, planning, idempotent launch, the lifecycle driven by role events, cancel, heartbeats
+and the liveness check."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
+from sqlalchemy import select
+
+from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE
+from app.models import Node, NodeStatus
+from app.models.base import utcnow
+from app.queries.agents import check_liveness
+from app.queries.runs import get_run
+
+
+def _create(client, body, key=None):
+    headers = {"Idempotency-Key": key} if key else {}
+    response = client.post(f"{API}/runs", json=body, headers=headers)
+    assert response.status_code in (200, 201), response.text
+    return response
+
+
+# -- agents joining ------------------------------------------------------------------------
+
+
+def test_agent_registration_brings_the_node_online_and_shows_a_hardware_mismatch(online_node, client):
+    node = online_node("RTX 3090", detected=[], samples_per_s=812.5)
+
+    shown = client.get(f"{API}/nodes/{node.id}").json()
+    assert shown["status"] == "online" and shown["last_heartbeat"] is not None
+    assert shown["measured_samples_per_s"] == 812.5
+    assert shown["gpus"] == [{"model": "RTX 3090", "count": 1}]
+    assert shown["detected_hardware"]["mismatch"] == (
+        "declared 1x RTX 3090 but the agent detected no GPU; runs are planned with the declared "
+        "GPUs unless allocation 'measured' is asked for"
+    )
+
+
+def test_matching_hardware_shows_no_warning(online_node, client):
+    node = online_node("T4", detected=[{"model": "T4", "count": 1, "memory_gb": 15.0}])
+    assert client.get(f"{API}/nodes/{node.id}").json()["detected_hardware"]["mismatch"] is None
+
+
+def test_registration_is_idempotent_for_the_same_agent_and_refused_for_another(online_node, client):
+    node = online_node()
+    hardware = {"hostname": "h", "gpus": []}
+
+    again = client.post(f"{API}/agent/register", json={
+        "join_token": node.join_token, "agent_token": node.agent_token, "hardware": hardware})
+    other = client.post(f"{API}/agent/register", json={
+        "join_token": node.join_token, "agent_token": "hta_" + "x" * 40, "hardware": hardware})
+    unknown = client.post(f"{API}/agent/register", json={
+        "join_token": "htj_" + "y" * 40, "agent_token": "hta_" + "z" * 40, "hardware": hardware})
+
+    assert again.status_code == 200 and again.json()["node_id"] == node.id
+    assert again.json()["queue"] == f"node.{node.id}"
+    assert other.status_code == 409 and "already used by another agent" in other.json()["detail"]
+    assert unknown.status_code == 401
+
+
+def test_a_rotated_join_token_moves_the_node_to_a_new_agent(online_node, client, make_client):
+    node = online_node()
+    new_join = client.post(f"{API}/nodes/{node.id}/join-token").json()["join_token"]
+
+    moved = client.post(f"{API}/agent/register", json={
+        "join_token": new_join, "agent_token": "hta_" + "n" * 40, "hardware": {"gpus": []}})
+
+    assert moved.status_code == 201
+    assert node.agent.post(f"{API}/agent/heartbeat", json={"roles": []}).status_code == 401
+    assert make_client("hta_" + "n" * 40).post(f"{API}/agent/heartbeat", json={"roles": []}).status_code == 200
+
+
+# -- planning and launching ----------------------------------------------------------------
+
+
+def test_plan_preview_places_the_server_and_splits_the_batch_by_catalog_flops(online_node, client, make_site):
+    onprem = make_site(kind="onprem", provider="onprem", region=None, zone=None)["id"]
+    cloud = make_site()["id"]
+    a = online_node("RTX 3090 Ti", site_id=onprem)
+    b = online_node("RTX 3090", site_id=onprem)
+    c = online_node("V100 PCIe", site_id=cloud)
+
+    plan = client.post(f"{API}/runs/plan", json=run_body([a, b, c], global_batch_size=256)).json()
+
+    assert plan["allocation"] == "flops" and plan["world_size"] == 4
+    assert plan["workers"][0]["role"] == "ps" and plan["ps_node_id"] in (a.id, b.id)
+    workers = plan["workers"][1:]
+    assert [w["speed"] for w in workers] == [40.0, 35.6, 14.0]
+    assert sum(w["batch_size"] for w in workers) == 256
+    # 253 samples left after one each, split 40 : 35.6 : 14 by largest remainder.
+    assert [w["batch_size"] for w in workers] == [114, 101, 41]
+
+
+def test_plan_refuses_offline_nodes_and_unknown_ones(online_node, client, session):
+    a = online_node()
+    node = session.get(Node, a.id)
+    node.status = NodeStatus.offline
+    session.commit()
+
+    offline = client.post(f"{API}/runs/plan", json=run_body([a]))
+    unknown = client.post(f"{API}/runs/plan", json={**run_body([a]), "node_ids": [a.id, 2_000_000_000]})
+
+    assert offline.status_code == 409 and "is offline" in offline.json()["detail"]
+    assert unknown.status_code == 404 and unknown.json()["detail"].startswith("node_ids.1:")
+
+
+def test_create_run_stores_the_plan_and_sends_each_rank_to_its_node(online_node, client, dispatched):
+    a, b = online_node("RTX 3090"), online_node("T4")
+
+    run = _create(client, run_body([a, b], compression={"density": 0.02, "error_feedback": False})).json()
+
+    assert run["status"] == "launching" and run["launched_at"] is not None
+    assert [(w["rank"], w["role"], w["status"]) for w in run["workers"]] == [
+        (0, "ps", "launched"), (1, "worker", "launched"), (2, "worker", "launched")]
+    orders_a, orders_b = dispatched.take(a.id), dispatched.take(b.id)
+    assert {task for task, _ in orders_a + orders_b} == {LAUNCH_ROLE}
+    by_rank = {args[1]: args for _, args in orders_a + orders_b}
+    assert sorted(by_rank) == [0, 1, 2]
+    assert {args[1] for _, args in orders_b} == {2}
+    spec = by_rank[1][2]
+    assert spec["world_size"] == 3 and spec["master_port"] == run["master_port"]
+    assert spec["batch_sizes"] == [w["batch_size"] for w in run["workers"][1:]]
+    assert spec["report_url"].endswith(f"/api/v1/runs/{run['id']}/metrics")
+    assert spec["report_token"].startswith("htr_")
+    assert spec["options"]["strategy"] == "ps-bz-gc" and spec["options"]["max-steps"] == 20
+    assert spec["options"]["density"] == 0.02 and spec["options"]["no-error-feedback"] is True
+    assert spec["env"] == {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_a_repeated_post_with_the_same_idempotency_key_makes_no_second_run(online_node, client, dispatched):
+    a = online_node()
+    body = run_body([a])
+
+    first = _create(client, body, key="ci-build-42")
+    dispatched.take(a.id)
+    second = _create(client, body, key="ci-build-42")
+    reused = client.post(f"{API}/runs", json={**body, "name": "other"}, headers={"Idempotency-Key": "ci-build-42"})
+
+    assert first.status_code == 201 and second.status_code == 200
+    assert second.json()["id"] == first.json()["id"]
+    assert dispatched.take(a.id) == []  # no second launch
+    assert reused.status_code == 409 and "used for a different request" in reused.json()["detail"]
+    runs = client.get(f"{API}/runs").json()["data"]
+    assert [r["id"] for r in runs].count(first.json()["id"]) == 1
+
+
+def test_run_request_is_validated(online_node, client):
+    a = online_node()
+    both = client.post(f"{API}/runs", json={**run_body([a]), "cluster_id": 1})
+    steps = client.post(f"{API}/runs", json={**run_body([a]), "epochs": 2})
+    model = client.post(f"{API}/runs", json={**run_body([a]), "model": "gpt5"})
+    assert both.status_code == steps.status_code == model.status_code == 422
+
+
+def test_epochs_become_steps_of_the_data_set(online_node, client):
+    a = online_node()
+    body = {**run_body([a]), "epochs": 3}
+    del body["max_steps"]
+    plan = client.post(f"{API}/runs/plan", json=body).json()
+    assert plan["max_steps"] == 3 * (1438 // 64)
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+def _two_rank_run(online_node, client):
+    a, b = online_node(), online_node()
+    run = _create(client, run_body([a, b], strategy="ps", ps_node_id=a.id)).json()
+    return run, a, b
+
+
+def test_role_events_drive_a_run_to_success(online_node, client, dispatched):
+    run, a, b = _two_rank_run(online_node, client)
+    rid = run["id"]
+
+    for node, rank in ((a, 0), (a, 1), (b, 2)):
+        answer = node.event(rid, rank=rank, role="ps" if rank == 0 else "worker", event="started", pid=100 + rank)
+        assert answer.status_code == 200, answer.text
+    assert client.get(f"{API}/runs/{rid}").json()["status"] == "running"
+
+    for node, rank in ((b, 2), (a, 1), (a, 0)):
+        node.event(rid, rank=rank, role="ps" if rank == 0 else "worker", event="exited", exit_code=0)
+    done = client.get(f"{API}/runs/{rid}").json()
+
+    assert done["status"] == "succeeded" and done["reason"] is None
+    assert done["started_at"] and done["finished_at"]
+    assert {w["status"] for w in done["workers"]} == {"succeeded"}
+    assert [w["pid"] for w in done["workers"]] == [100, 101, 102]
+
+
+def test_a_failing_rank_fails_the_run_with_its_reason_and_stops_the_others(online_node, client, dispatched):
+    run, a, b = _two_rank_run(online_node, client)
+    rid = run["id"]
+    dispatched.take(a.id), dispatched.take(b.id)
+
+    b.event(rid, rank=2, role="worker", event="exited", exit_code=1,
+            reason="rank 2 (worker) exited with code 1: RuntimeError: boom")
+    failed = client.get(f"{API}/runs/{rid}").json()
+
+    assert failed["status"] == "failed"
+    assert failed["reason"] == f"rank 2 (worker) exited with code 1: RuntimeError: boom on node {b.name}"
+    assert [w["status"] for w in failed["workers"]] == ["cancelled", "cancelled", "failed"]
+    assert dispatched.take(a.id) == [(CANCEL_RUN, [rid, failed["reason"]])]
+    # A late start of a rank of the failed run is told to stop.
+    late = a.event(rid, rank=0, role="ps", event="started", pid=9)
+    assert late.json()["action"] == "stop"
+
+
+def test_cancel_stops_every_node_and_a_second_cancel_conflicts(online_node, client, dispatched):
+    run, a, b = _two_rank_run(online_node, client)
+    rid = run["id"]
+    dispatched.take(a.id), dispatched.take(b.id)
+
+    cancelled = client.post(f"{API}/runs/{rid}/cancel", json={"reason": "not needed"})
+    again = client.post(f"{API}/runs/{rid}/cancel")
+
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert cancelled.json()["reason"] == "not needed"
+    assert dispatched.take(a.id) == [(CANCEL_RUN, [rid, "not needed"])]
+    assert dispatched.take(b.id) == [(CANCEL_RUN, [rid, "not needed"])]
+    assert again.status_code == 409
+    # The agents' exit reports of the cancelled ranks keep the run cancelled.
+    b.event(rid, rank=2, role="worker", event="exited", signal=15, cancelled=True, reason="stopped")
+    assert client.get(f"{API}/runs/{rid}").json()["workers"][2]["signal"] == 15
+
+
+def test_events_from_the_wrong_node_or_without_token_are_refused(online_node, client, make_client):
+    run, a, b = _two_rank_run(online_node, client)
+    wrong = b.event(run["id"], rank=0, role="ps", event="started")
+    anonymous = make_client(None).post(f"{API}/agent/runs/{run['id']}/events",
+                                       json={"rank": 0, "role": "ps", "event": "started"})
+    admin = client.post(f"{API}/agent/runs/{run['id']}/events", json={"rank": 0, "role": "ps", "event": "started"})
+    assert wrong.status_code == 409 and anonymous.status_code == 401 and admin.status_code == 401
+
+
+# -- heartbeats and liveness ---------------------------------------------------------------
+
+
+def test_heartbeat_lists_roles_of_ended_runs_to_stop(online_node, client, dispatched):
+    run, a, b = _two_rank_run(online_node, client)
+    client.post(f"{API}/runs/{run['id']}/cancel")
+
+    beat = a.agent.post(f"{API}/agent/heartbeat", json={"roles": [
+        {"run_id": run["id"], "rank": 1, "role": "worker", "pid": 5, "state": "running"}]})
+
+    assert beat.status_code == 200
+    assert beat.json()["stop"] == [{"run_id": run["id"], "rank": 1, "reason": f"cancelled by {'HYBRIDTRAIN_ADMIN_TOKEN'}"}]
+
+
+def test_heartbeat_carries_an_exit_whose_event_was_lost(online_node, client, dispatched):
+    run, a, b = _two_rank_run(online_node, client)
+    rid = run["id"]
+
+    a.agent.post(f"{API}/agent/heartbeat", json={"roles": [
+        {"run_id": rid, "rank": 1, "role": "worker", "pid": 5, "state": "exited", "exit_code": 3,
+         "reason": "rank 1 (worker) exited with code 3"}]})
+
+    failed = client.get(f"{API}/runs/{rid}").json()
+    assert failed["status"] == "failed" and failed["reason"].startswith("rank 1 (worker) exited with code 3")
+
+
+def test_a_rank_its_agent_no_longer_reports_fails_the_run(online_node, client, dispatched, session):
+    run, a, b = _two_rank_run(online_node, client)
+    rid = run["id"]
+    a.event(rid, rank=1, role="worker", event="started", pid=5)
+    worker = next(w for w in get_run(session, run_id=rid).workers if w.rank == 1)
+    worker.started_at = utcnow() - timedelta(minutes=5)
+    session.commit()
+
+    a.agent.post(f"{API}/agent/heartbeat", json={"roles": []})
+
+    failed = client.get(f"{API}/runs/{rid}").json()
+    assert failed["status"] == "failed"
+    assert failed["reason"] == f"rank 1 (worker) is no longer running on node {a.name} (agent restarted?)"
+
+
+def test_a_node_silent_for_the_timeout_goes_offline_and_fails_its_runs(online_node, client, dispatched, session):
+    run, a, b = _two_rank_run(online_node, client)
+    rid = run["id"]
+    dispatched.take(a.id), dispatched.take(b.id)
+    later = utcnow() + timedelta(seconds=31)
+    # Node a keeps beating; node b fell silent 31 s ago.
+    session.get(Node, a.id).last_heartbeat = later
+
+    orders = check_liveness(session, heartbeat_timeout_s=30, launch_timeout_s=600, now=later)
+    session.commit()
+
+    assert session.get(Node, b.id).status == NodeStatus.offline
+    failed = client.get(f"{API}/runs/{rid}").json()
+    assert failed["status"] == "failed"
+    assert failed["reason"].startswith(f"node {b.name} went offline: no heartbeat for 30 s")
+    assert failed["reason"].endswith("rank(s) 2 lost")
+    assert [(o.node_id, o.run_id) for o in orders] == [(a.id, rid)]
+    # Its next heartbeat brings the node back online.
+    assert b.agent.post(f"{API}/agent/heartbeat", json={"roles": []}).json()["status"] == "online"
+
+
+def test_ranks_that_never_start_fail_the_run_after_the_launch_timeout(online_node, client, dispatched, session):
+    run, a, b = _two_rank_run(online_node, client)
+    rid = run["id"]
+    a.event(rid, rank=0, role="ps", event="started")
+    a.event(rid, rank=1, role="worker", event="started")
+    for node in session.scalars(select(Node).where(Node.id.in_([a.id, b.id]))):
+        node.last_heartbeat = utcnow() + timedelta(seconds=200)
+
+    check_liveness(session, heartbeat_timeout_s=30, launch_timeout_s=180, now=utcnow() + timedelta(seconds=181))
+    session.commit()
+
+    failed = client.get(f"{API}/runs/{rid}").json()
+    assert failed["status"] == "failed"
+    assert failed["reason"] == f"rank(s) 2 did not start within 180 s (on {b.name})"

@@ -1,0 +1,56 @@
+"""The chart builders: pure functions from series to Plotly figure dicts."""
+
+from __future__ import annotations
+
+from app.web import figures
+from app.web.figures import Series
+
+
+def _series(name: str, rank: int, values: list[float], t0: float = 0.0) -> Series:
+    return Series(name, rank, [(step, t0 + step, v) for step, v in enumerate(values)])
+
+
+def test_total_throughput_sums_the_workers_latest_values_once_all_reported() -> None:
+    total = figures.total_throughput([_series("samples_per_s", 1, [10, 11, 12]), Series("samples_per_s", 2, [(1, 1.0, 5.0), (2, 2.0, 6.0)])])
+    assert total == [(1, 1.0, 16.0), (2, 2.0, 18.0)]
+
+
+def test_throughput_figure_labels_and_leaves_out_the_server() -> None:
+    fig = figures.throughput_figure([_series("samples_per_s", 0, [99]), _series("samples_per_s", 1, [10])], t0=0.0, servers={0})
+    assert [t["uid"] for t in fig["data"]] == ["sps:total", "sps:1"]
+    assert "Throughput" in fig["layout"]["title"]["text"]
+
+
+def test_loss_figure_puts_accuracy_on_a_second_axis_and_goes_log_over_decades() -> None:
+    fig = figures.loss_figure([_series("loss", 1, [100.0, 1.0, 0.1]), _series("accuracy", 1, [0.5])], t0=0.0)
+    assert fig["data"][1]["yaxis"] == "y2" and fig["layout"]["yaxis"]["type"] == "log"
+    assert "Loss" in fig["layout"]["title"]["text"]
+
+
+def test_compression_and_egress_figures_say_when_there_is_nothing_to_draw() -> None:
+    compression = figures.compression_figure([], t0=0.0)
+    egress = figures.egress_figure([], t0=0.0, unpriced=["aws internet egress"])
+    assert "Compression" in compression["layout"]["title"]["text"] and compression["layout"]["annotations"]
+    assert "Egress" in egress["layout"]["title"]["text"]
+    assert any("aws internet egress" in a["text"] for a in egress["layout"]["annotations"])
+
+
+def test_batch_figure_shows_the_plan_until_a_worker_reports() -> None:
+    fig = figures.batch_figure([_series("batch_size", 1, [32, 30])], t0=0.0, planned={1: 32, 2: 32})
+    assert [t["name"] for t in fig["data"]] == ["worker 1", "worker 2 (planned)"]
+
+
+def test_elapsed_rounds_and_keeps_missing_values() -> None:
+    assert figures.elapsed([(3, 101.23456, None), (4, 102.0, 1.23456789)], 100.0) == ([1.235, 2.0], [None, 1.23457], [3, 4])
+
+
+def test_comparison_figures_one_trace_or_bar_per_run() -> None:
+    runs = [
+        figures.RunSummary(1, "#1 a", 0.0, [(0, 1.0, 2.0)], [(0, 1.0, 100.0)], 42.0, 0.5, 1.0),
+        figures.RunSummary(2, "#2 b", 0.0, [(0, 1.0, 3.0)], [(0, 1.0, 90.0)], None, 0.1, 2.0),
+    ]
+    assert len(figures.compare_loss_figure(runs)["data"]) == 2
+    assert len(figures.compare_throughput_figure(runs)["data"]) == 2
+    assert figures.time_to_accuracy_figure(runs)["data"][0]["text"] == ["42 s", "not reached"]
+    spend = figures.spend_figure(runs)
+    assert [t["name"] for t in spend["data"]] == ["compute", "egress"] and spend["layout"]["barmode"] == "stack"

@@ -1,0 +1,108 @@
+"""Pages without a browser: nodes, prices, runs and the static files (the rolled-back session)."""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from app.models import TokenScope
+from app.queries.nodes import node_by_join_token
+from app.web.assets import plotly_js_path
+from tests.app.web.conftest import ROOT, PageClient, field_errors
+from tests.app.web.run_seed import seed_run
+
+
+def test_add_site_keeps_what_was_typed_and_names_the_bad_field(admin_page: PageClient) -> None:
+    response = admin_page.post("/nodes/sites", {"name": "room-1", "kind": "onprem", "provider": "gcp", "continent": "europe"})
+    assert response.status_code == 422
+    assert "onprem site" in field_errors(response.text)["provider"]
+    assert 'value="room-1"' in response.text
+
+
+def test_add_node_shows_the_agent_command_with_a_working_join_token(
+    admin_page: PageClient, make_site: Callable[..., dict], session: Session
+) -> None:
+    site = make_site()
+    response = admin_page.post("/nodes", {"site_id": str(site["id"]), "name": "box-1", "gpu_model_0": "T4", "gpu_count_0": "2", "labels": "rack=b2"})
+    assert response.status_code == 201
+    token = response.text.split("data-join-token>")[1].split("<")[0]
+    assert f"hybridtrain agent --server http://127.0.0.1:8000 --token {token}" in response.text
+    node = node_by_join_token(session, join_token=token)
+    assert node is not None and node.labels == {"rack": "b2"} and node.gpus[0].count == 2
+
+
+def test_node_form_errors_land_beside_their_fields(admin_page: PageClient, make_site: Callable[..., dict]) -> None:
+    site = make_site()
+    response = admin_page.post("/nodes", {"site_id": str(site["id"]), "name": "", "gpu_model_0": "No-Such-GPU", "gpu_count_0": "x", "labels": "oops"})
+    errors = field_errors(response.text)
+    assert response.status_code == 422
+    assert set(errors) == {"gpu_count_0", "labels"}  # text that is not a number is caught first
+    response = admin_page.post("/nodes", {"site_id": str(site["id"]), "name": "", "gpu_model_0": "No-Such-GPU", "gpu_count_0": "1"})
+    assert set(field_errors(response.text)) == {"name"}
+    response = admin_page.post("/nodes", {"site_id": str(site["id"]), "name": "n", "gpu_model_0": "No-Such-GPU", "gpu_count_0": "1"})
+    assert "not found" in field_errors(response.text)["gpu_model_0"]
+
+
+def test_edit_and_drain_a_node(admin_page: PageClient, make_node: Callable[..., dict], client: TestClient) -> None:
+    node = make_node()
+    response = admin_page.post(f"/nodes/{node['id']}", {"site_id": str(node["site_id"]), "name": "renamed", "gpu_model_0": "T4", "gpu_count_0": "4", "amortised_usd_per_h": "0"})
+    assert response.status_code == 303, response.text
+    assert admin_page.post(f"/nodes/{node['id']}/drain").status_code == 303
+    stored = client.get(f"/api/v1/nodes/{node['id']}").json()
+    assert (stored["name"], stored["gpus"][0]["count"], stored["status"]) == ("renamed", 4, "draining")
+
+
+def test_read_scope_sees_pages_but_may_not_change_anything(
+    sign_in: Callable[[str], PageClient], token_with_scope: Callable[[TokenScope], str]
+) -> None:
+    page = sign_in(token_with_scope(TokenScope.read))
+    nodes = page.get("/nodes")
+    assert nodes.status_code == 200 and 'id="add-node"' not in nodes.text
+    assert page.post("/nodes/sites", {"name": "x"}).status_code == 403
+    assert page.get("/runs/new").status_code == 403
+
+
+def test_revising_a_price_publishes_a_new_version_and_a_bad_one_is_refused(admin_page: PageClient, client: TestClient) -> None:
+    price = client.get("/api/v1/prices/egress").json()["data"][0]
+    bad = admin_page.post(f"/prices/egress/{price['id']}", {"usd_per_gb": "abc"})
+    assert field_errors(bad.text) == {"usd_per_gb": "must be a number, not 'abc'"}
+    past = admin_page.post(f"/prices/egress/{price['id']}", {"usd_per_gb": "0.5", "effective_from": "2020-01-01T00:00"})
+    assert "in the past" in field_errors(past.text)["effective_from"]
+    assert admin_page.post(f"/prices/egress/{price['id']}", {"usd_per_gb": "0.5"}).status_code == 303
+    versions = client.get("/api/v1/prices/egress", params={"all_versions": True, "provider": price["provider"], "traffic_class": price["traffic_class"]}).json()["data"]
+    assert [v["usd_per_gb"] for v in versions][-1] == 0.5 and len(versions) >= 2
+
+
+def test_invalid_launch_keeps_input_and_shows_errors(admin_page: PageClient) -> None:
+    response = admin_page.post("/runs", {"name": "r", "target": "nodes", "length": "steps", "max_steps": "-5", "global_batch_size": "64", "lr": "0.1", "compression_density": "2"})
+    errors = field_errors(response.text)
+    assert response.status_code == 422
+    assert set(errors) >= {"node_ids", "max_steps", "compression_density"}
+    assert 'value="-5"' in response.text
+
+
+def test_run_and_compare_pages_of_a_seeded_run(admin_page: PageClient, session: Session) -> None:
+    run = seed_run(session, steps=300, workers=2, finished=True)
+    session.commit()
+    page = admin_page.get(f"/runs/{run.run_id}")
+    assert page.status_code == 200
+    for word in ("Throughput", "Loss", "Compression", "Egress"):
+        assert word in page.text
+    assert admin_page.get(f"/compare?runs={run.run_id},x").status_code == 200
+
+
+def test_plotly_comes_from_the_installed_package_gzipped(admin_page: PageClient) -> None:
+    response = admin_page.http.get("/static/vendor/plotly.min.js?v=1", headers={"Accept-Encoding": "gzip"})
+    assert response.status_code == 200 and response.headers["content-encoding"] == "gzip"
+    assert response.content == plotly_js_path().read_bytes()  # httpx undoes the gzip
+    assert len(gzip.compress(response.content)) < len(response.content)
+
+
+def test_templates_and_static_files_reach_nothing_outside() -> None:
+    for path in [*Path(ROOT, "templates").rglob("*.html"), *Path(ROOT, "static").rglob("*.*")]:
+        text = path.read_text()
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text, path

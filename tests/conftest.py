@@ -1,0 +1,55 @@
+"""Fixtures for the real services every integration test uses: Postgres and Redis on this machine.
+
+A missing service fails the test (never skips it): CI must not pass by testing nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+POSTGRES_ADMIN_DSN = os.environ.get(
+    "HYBRIDTRAIN_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+REDIS_URL = os.environ.get("HYBRIDTRAIN_TEST_REDIS", "redis://127.0.0.1:6379/9")
+
+
+def _sqlalchemy_url(dsn: str) -> str:
+    return dsn.replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty Postgres database for this test session, dropped at the end."""
+    import psycopg
+
+    name = f"hybridtrain_test_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = psycopg.connect(POSTGRES_ADMIN_DSN, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"Postgres is required at {POSTGRES_ADMIN_DSN}: {exc}")
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    base = POSTGRES_ADMIN_DSN.rsplit("/", 1)[0]
+    try:
+        yield _sqlalchemy_url(f"{base}/{name}")
+    finally:
+        with psycopg.connect(POSTGRES_ADMIN_DSN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The URL of the real Redis on this machine, on a database the tests may flush."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is required at {REDIS_URL}: {exc}")
+    client.flushdb()
+    return REDIS_URL

@@ -1,0 +1,57 @@
+"""Step 1: batch sizes proportional to speed, summing exactly to B, each at least 1."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainer.allocation import (
+    aggregation_weights,
+    equal_batch_sizes,
+    proportional_batch_sizes,
+    rebalance,
+)
+
+
+def test_batch_sizes_sum_exactly_to_global_batch_with_every_share_at_least_one():
+    rng = random.Random(0)
+    for _ in range(2000):
+        m = rng.randint(1, 12)
+        b = rng.randint(m, 1024)
+        speeds = [rng.choice([rng.uniform(1e-4, 1), rng.uniform(1, 1e4)]) for _ in range(m)]
+        sizes = proportional_batch_sizes(b, speeds)
+        assert sum(sizes) == b and min(sizes) >= 1 and len(sizes) == m
+
+
+def test_batch_sizes_follow_speeds_within_one_sample():
+    speeds = [1, 0.89, 0.39, 0.39]
+    sizes = proportional_batch_sizes(256, speeds)
+    assert sizes == [95, 85, 38, 38]
+    for n, s in zip(sizes, speeds):
+        assert abs(n - 256 * s / sum(speeds)) < 1.0 + 1e-9
+
+
+def test_a_very_slow_worker_still_gets_one_sample():
+    assert proportional_batch_sizes(8, [1000, 1000, 1e-6]) == [4, 3, 1]
+
+
+def test_equal_allocation_differs_by_at_most_one():
+    sizes = equal_batch_sizes(10, 4)
+    assert sum(sizes) == 10 and max(sizes) - min(sizes) == 1
+
+
+def test_allocation_rejects_impossible_requests():
+    with pytest.raises(ValueError):
+        proportional_batch_sizes(3, [1, 1, 1, 1])
+    with pytest.raises(ValueError):
+        proportional_batch_sizes(16, [1, 0])
+
+
+def test_aggregation_weights_are_batch_shares():
+    assert aggregation_weights([96, 85, 38, 37]) == [96 / 256, 85 / 256, 38 / 256, 37 / 256]
+
+
+def test_measured_rebalance_moves_samples_to_the_faster_worker():
+    # Equal batches, but worker 0 computes its batch in half the time.
+    assert rebalance(64, [32, 32], [0.1, 0.2]) == [42, 22]

@@ -1,0 +1,120 @@
+"""End to end: real processes over gloo on 127.0.0.1, launched by the CLI."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import torch
+from trainer_testing import read_metrics, run_cli, series
+
+from trainer.launch import free_port
+
+pytestmark = pytest.mark.e2e
+
+FAST = ["--dataset", "digits", "--model", "smallcnn", "--global-batch", "48", "--lr", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def gc_run(tmp_path_factory) -> tuple:
+    """One 3-worker ps-bz-gc run with a final checkpoint per rank, shared by several tests."""
+    out = tmp_path_factory.mktemp("gc")
+    proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--speeds", "1,0.6,0.3",
+                   "--max-steps", "150", "--eval-every", "75", "--checkpoint-every", "150",
+                   "--checkpoint-dir", str(out / "ckpt"), "--metrics-out", str(out / "run.jsonl"))
+    return proc, out
+
+
+def test_cli_exits_zero_and_writes_wire_format_metrics(gc_run):
+    proc, out = gc_run
+    assert proc.returncode == 0, proc.stderr
+    assert "done." in proc.stderr and "final accuracy" in proc.stderr
+    records = read_metrics(out / "run.jsonl")
+    assert {r["rank"] for r in records} == {0, 1, 2, 3}
+    for r in records:
+        assert set(r) - {"peer"} == {"rank", "role", "step", "t", "name", "value"}
+        assert ("peer" in r) == r["name"].startswith("bytes_")
+        assert r["role"] == ("ps" if r["rank"] == 0 else "worker")
+    assert series(records, "batch_size", 1)[10] == 25 and series(records, "batch_size", 3)[10] == 8
+    # Every byte a worker sent to the server was received by it, step by step.
+    sent = {(r["step"], r["rank"]): r["value"] for r in records if r["name"] == "bytes_sent" and r["rank"] > 0}
+    recv = {(r["step"], r["peer"]): r["value"] for r in records if r["name"] == "bytes_recv" and r["rank"] == 0}
+    assert sent == recv
+
+
+def test_replicas_stay_identical_after_compressed_steps(gc_run):
+    proc, out = gc_run
+    assert proc.returncode == 0, proc.stderr
+    states = [torch.load(out / "ckpt" / "step-00000150" / f"rank-{r}.pt", weights_only=False) for r in (1, 2, 3)]
+    for s in states[1:]:
+        for k, v in states[0]["model"].items():
+            assert torch.equal(v, s["model"][k]), k
+    # The residuals differ per worker: identical replicas are not a trivial consequence.
+    assert not torch.equal(states[0]["residual"], states[1]["residual"])
+
+
+def test_ps_bz_gc_reaches_within_one_point_of_ps_accuracy(gc_run, tmp_path):
+    proc, out = gc_run
+    ps = run_cli(*FAST, "--strategy", "ps", "--workers", "3", "--max-steps", "150",
+                 "--eval-every", "75", "--metrics-out", str(tmp_path / "ps.jsonl"))
+    assert ps.returncode == 0, ps.stderr
+    acc_ps = series(read_metrics(tmp_path / "ps.jsonl"), "accuracy")[150]
+    acc_gc = series(read_metrics(out / "run.jsonl"), "accuracy")[150]
+    assert acc_ps > 0.9
+    assert acc_gc >= acc_ps - 0.01, (acc_gc, acc_ps)
+
+
+def test_resume_from_a_checkpoint_continues_the_loss_curve(tmp_path):
+    # A fixed density (min = max) makes the run deterministic, so the curves must coincide.
+    args = [*FAST, "--strategy", "ps-gc", "--workers", "2", "--max-steps", "30", "--eval-every", "30",
+            "--density-min", "0.01", "--density-max", "0.01", "--checkpoint-every", "15",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    full = run_cli(*args, "--metrics-out", str(tmp_path / "full.jsonl"))
+    assert full.returncode == 0, full.stderr
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000030")
+    resumed = run_cli(*args, "--resume", "--metrics-out", str(tmp_path / "resumed.jsonl"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from step 15" in resumed.stderr
+    a = series(read_metrics(tmp_path / "full.jsonl"), "loss")
+    b = series(read_metrics(tmp_path / "resumed.jsonl"), "loss")
+    assert min(b) == 16 and max(b) == 30
+    for step in range(16, 31):
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    assert b[16] < a[1] - 0.5  # continued from step 15, not restarted
+
+
+def test_cli_exits_nonzero_promptly_when_a_role_fails(tmp_path):
+    t0 = time.monotonic()
+    proc = run_cli(*FAST, "--strategy", "ps-gc", "--workers", "2", "--max-steps", "50",
+                   "--inject-failure", "2:5", "--timeout-s", "60")
+    assert proc.returncode == 1
+    assert "worker rank 2 exited with status 1" in proc.stderr
+    assert "injected failure at step 5" in proc.stderr
+    assert time.monotonic() - t0 < 45  # not the 60 s peer timeout
+
+
+def test_a_role_whose_peers_never_come_times_out_with_a_message():
+    proc = run_cli("--strategy", "ps", "--role", "worker", "--rank", "1", "--world-size", "2",
+                   "--master-port", str(free_port()), "--timeout-s", "3", timeout=60)
+    assert proc.returncode == 1
+    assert "[worker rank 1] failed" in proc.stderr and "timed out" in proc.stderr
+
+
+def test_usage_errors_exit_two_with_the_offending_option():
+    proc = run_cli("--workers", "3", "--batch-sizes", "10,20")
+    assert proc.returncode == 2 and "--batch-sizes" in proc.stderr
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "allreduce-powersgd"])
+def test_peer_baselines_train_and_count_bytes(strategy, tmp_path):
+    proc = run_cli(*FAST, "--strategy", strategy, "--workers", "2", "--max-steps", "40",
+                   "--eval-every", "40", "--powersgd-start", "10", "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert series(records, "accuracy")[40] > 0.8
+    sent = series(records, "bytes_sent")
+    if strategy == "allreduce-powersgd":
+        assert sent[20] < sent[5] / 3  # PowerSGD took over from plain all-reduce at step 10
+    else:
+        assert sent[20] == sent[5]

@@ -1,0 +1,131 @@
+"""The PS step's arithmetic, in one process: workers and server driven piece by piece."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from trainer_testing import tiny_dataset, tiny_mlp
+
+from trainer.config import TrainConfig, lr_at
+from trainer.data import batch_indices
+from trainer.metrics import MetricsLogger
+from trainer.ps import GRAD, Layout, ParameterServer, PSWorker
+from trainer.transport import InMemoryHub
+from trainer.wire import Message, decode, encode
+
+
+def _setup(cfg: TrainConfig, batch_sizes: list[int]):
+    data = tiny_dataset()
+    hub = InMemoryHub()
+    workers = [
+        PSWorker(cfg, r, tiny_mlp(), data, hub.transport(r), MetricsLogger(r, "worker"), batch_sizes)
+        for r in range(1, cfg.workers + 1)
+    ]
+    server = ParameterServer(cfg, Layout.of(tiny_mlp(), cfg.dense_numel), hub.transport(0),
+                             MetricsLogger(0, "ps"), batch_sizes, has_buffers=False)
+    return data, workers, server
+
+
+def _ps_step(step: int, workers: list[PSWorker], server: ParameterServer) -> Message:
+    msgs = []
+    for w in workers:
+        loss, n, _ = w.compute(step)
+        msgs.append(decode(encode(Message(GRAD, step, w.rank, [loss, n, 0.0, 0.0], w.compress(step)))))
+    reply = decode(encode(server.aggregate(step, msgs)))
+    for w in workers:
+        w.apply(step, reply)
+    return reply
+
+
+def _reference_grad(model, data, cfg, step, batch_sizes):
+    idx = torch.cat([batch_indices(step, m, tuple(batch_sizes), len(data.y_train), cfg.seed)
+                     for m in range(len(batch_sizes))])
+    model.zero_grad()
+    F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.grad.add_(p, alpha=cfg.weight_decay)
+
+
+def test_uncompressed_ps_step_equals_one_dense_sgd_step_on_the_global_batch():
+    cfg = TrainConfig(strategy="ps", workers=3, global_batch=48, lr=0.1, lr_warmup_steps=0,
+                      lr_schedule="constant", weight_decay=1e-3, max_steps=10)
+    data, workers, server = _setup(cfg, [16, 16, 16])
+    ref = tiny_mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=cfg.momentum)
+    for step in (1, 2, 3):
+        _ps_step(step, workers, server)
+        _reference_grad(ref, data, cfg, step, [16, 16, 16])
+        opt.step()
+        for w in workers:
+            for (name, p), q in zip(w.model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_weighted_aggregation_equals_the_gradient_of_the_concatenated_unequal_batch():
+    sizes = [5, 17, 42]
+    cfg = TrainConfig(strategy="ps", workers=3, global_batch=sum(sizes), batch_sizes=tuple(sizes),
+                      weight_decay=1e-3, dense_numel=100)
+    data, workers, server = _setup(cfg, sizes)
+    msgs = []
+    for w in workers:
+        loss, n, _ = w.compute(1)
+        msgs.append(Message(GRAD, 1, w.rank, [loss, n, 0.0, 0.0], w.compress(1)))
+    dense, sparse = server.aggregate(1, msgs).payloads
+    flat = torch.cat([dense.values, sparse.values])
+    ref = tiny_mlp()
+    _reference_grad(ref, data, cfg, 1, sizes)
+    layout = Layout.of(ref, cfg.dense_numel)
+    params = dict(ref.named_parameters())
+    for name, off, n in zip(layout.names, layout.offsets, layout.numels):
+        torch.testing.assert_close(flat[off : off + n], params[name].grad.reshape(-1), rtol=1e-5, atol=1e-7)
+    # A plain mean of the three gradients would be a different (biased) update.
+    plain = sum(torch.cat([p.values for p in decode(encode(m)).payloads]) for m in msgs) / 3
+    assert sparse.numel > 0 and not torch.allclose(plain, flat, atol=1e-4)
+
+
+def test_compressed_step_keeps_server_k_and_replicas_identical():
+    cfg = TrainConfig(strategy="ps-bz-gc", workers=3, global_batch=48, speeds=(1.0, 0.5, 0.25),
+                      dense_numel=100, warmup_steps=1, density=0.05, density_min=0.01,
+                      density_max=0.2, server_k_fraction=0.1)
+    _, workers, server = _setup(cfg, [27, 14, 7])
+    sparse_numel = server.layout.sparse_numel
+    for step in range(1, 8):
+        reply = _ps_step(step, workers, server)
+        if step > cfg.warmup_steps:
+            assert reply.payloads[1].count == round(0.1 * sparse_numel)
+    first = workers[0].model.state_dict()
+    for w in workers[1:]:
+        for k, v in w.model.state_dict().items():
+            assert torch.equal(v, first[k]), k
+    assert server.codec_state.residual is not None and server.codec_state.residual.abs().sum() > 0
+
+
+def test_warm_up_steps_travel_dense():
+    cfg = TrainConfig(strategy="ps-gc", workers=2, global_batch=32, warmup_steps=2, dense_numel=100)
+    _, workers, server = _setup(cfg, [16, 16])
+    assert workers[0].compress(1)[1].indices is None
+    workers[0].compute(3)
+    assert workers[0].compress(3)[1].indices is not None
+
+
+def test_weight_decay_enters_the_local_gradient_only_for_matrices():
+    cfg = TrainConfig(strategy="ps", workers=1, global_batch=8, weight_decay=0.5)
+    _, (worker,), _ = _setup(cfg, [8])
+    plain = copy.deepcopy(worker.model)
+    worker.compute(1)
+    idx = batch_indices(1, 0, (8,), 256, cfg.seed)
+    data = tiny_dataset()
+    F.cross_entropy(plain(data.x_train[idx]), data.y_train[idx]).backward()
+    for (name, p), q in zip(worker.model.named_parameters(), plain.parameters()):
+        expected = q.grad + (0.5 * q.detach() if q.dim() > 1 else 0)
+        torch.testing.assert_close(p.grad, expected, msg=name)
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_zero():
+    cfg = TrainConfig(lr=0.2, lr_warmup_steps=10, max_steps=110)
+    assert lr_at(5, cfg) == 0.1 and lr_at(10, cfg) == 0.2
+    assert abs(lr_at(60, cfg) - 0.1) < 1e-9 and lr_at(110, cfg) < 1e-12

@@ -1,0 +1,263 @@
+"""Gradient compressors: small typed classes composed by wrapping (step 3 of the algorithm).
+
+A compressor turns a flat fp32 tensor into a `Payload` and back. State that outlives a step (the
+density, the step and seed a random codec draws from, the error-feedback residual) lives in an
+explicit `CompressionState` that the caller owns and checkpoints. Behaviours compose by wrapping:
+`ErrorFeedback(FP16Values(TopK()))` is the paper's worker codec with fp16 values on the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import torch
+
+FP16_MAX = 65504.0
+SELECT_METHODS = ("threshold", "topk", "sort")
+
+
+@dataclass
+class Payload:
+    """A compressed tensor: `values` at `indices` of a flat tensor of `numel` elements.
+
+    `indices` is None for a dense payload. `seed` is set when the indices can be regenerated from
+    it (random-k), so the wire carries the seed instead of the indices. Indices are sorted.
+    """
+
+    numel: int
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+    seed: int | None = None
+
+    @property
+    def count(self) -> int:
+        """How many values the payload carries."""
+        return int(self.values.numel())
+
+
+@dataclass
+class CompressionState:
+    """What a codec carries from one step to the next: density, step, seed, residual."""
+
+    density: float = 1.0
+    step: int = 0
+    seed: int = 0
+    residual: torch.Tensor | None = field(default=None, repr=False)
+
+
+def k_for(numel: int, density: float) -> int:
+    """How many elements a density keeps: at least one, at most all."""
+    return max(1, min(numel, int(round(density * numel))))
+
+
+def _sorted_topk(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(magnitude, k, sorted=False).indices.sort().values
+
+
+def _threshold_topk(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact top-k from a strided-sample threshold, then a selection among the candidates.
+
+    1. Estimate the threshold from a strided 1/stride sample, aiming 25% above k so that one pass
+       nearly always yields enough candidates.
+    2. Keep every element at or above it (`nonzero` returns them already sorted).
+    3. Correct to exactly k: the k-th largest candidate via `kthvalue` (linear time) and a
+       cumulative count that breaks ties by position. Every element outside the candidate set
+       is below the threshold, so the result equals a full top-k.
+    """
+    n = magnitude.numel()
+    stride = max(1, n // 65536)
+    sample = magnitude[::stride]
+    s = sample.numel()
+    want = min(s, max(1, math.ceil(1.25 * k / n * s) + 1))
+    threshold = torch.kthvalue(sample, s - want + 1).values
+    candidates = (magnitude >= threshold).nonzero().squeeze(1)
+    if candidates.numel() < k:
+        return _sorted_topk(magnitude, k)
+    if candidates.numel() == k:
+        return candidates
+    cand_mag = magnitude[candidates]
+    kth = torch.kthvalue(cand_mag, candidates.numel() - k + 1).values
+    above = cand_mag > kth
+    need = k - int(above.sum())
+    ties = cand_mag == kth
+    keep = above | (ties & (ties.cumsum(0) <= need))
+    return candidates[keep]
+
+
+def select_topk(
+    tensor: torch.Tensor, k: int, method: str = "threshold", workspace: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sorted indices of the k largest-magnitude elements of a flat tensor.
+
+    `workspace` (same size, fp32) receives |tensor|: reusing it saves allocating and faulting in
+    a gradient-sized buffer every step, which on CPU costs as much as the selection itself.
+    """
+    n = tensor.numel()
+    if k >= n:
+        return torch.arange(n, device=tensor.device)
+    if workspace is not None and workspace.numel() == n and workspace.device == tensor.device:
+        magnitude = torch.abs(tensor, out=workspace)
+    else:
+        magnitude = tensor.abs()
+    if method == "sort":
+        return torch.sort(magnitude, descending=True, stable=True).indices[:k].sort().values
+    # Below ~64k elements or above 1/4 density the candidate pass cannot beat one topk call.
+    if method == "topk" or n < 65536 or k * 4 > n:
+        return _sorted_topk(magnitude, k)
+    if method == "threshold":
+        return _threshold_topk(magnitude, k)
+    raise ValueError(f"select method {method!r}: expected one of {SELECT_METHODS}")
+
+
+class Compressor(ABC):
+    """compress(tensor, state) -> Payload; decompress(payload, like) -> Tensor."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
+        """Encode a flat fp32 tensor; may read and update `state`."""
+
+    def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
+        """A dense fp32 tensor shaped like `like` holding the payload's values."""
+        values = payload.values.to(device=like.device, dtype=torch.float32)
+        if payload.indices is None:
+            return values.reshape(like.shape).clone()
+        out = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        out.index_add_(0, payload.indices.to(like.device), values)
+        return out.reshape(like.shape)
+
+    @staticmethod
+    def ratio(payload: Payload) -> float:
+        """Bytes on the wire over the bytes of the dense fp32 tensor (lower is better)."""
+        from trainer.wire import payload_nbytes
+
+        return payload_nbytes(payload) / max(1, 4 * payload.numel)
+
+
+class Identity(Compressor):
+    """No compression: the dense tensor."""
+
+    name = "none"
+
+    def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
+        """The whole tensor as a dense payload."""
+        return Payload(numel=tensor.numel(), values=tensor.reshape(-1).float())
+
+
+class TopK(Compressor):
+    """Top-k by magnitude at the state's density (seed 000, III-B)."""
+
+    name = "topk"
+
+    def __init__(self, method: str = "threshold") -> None:
+        if method not in SELECT_METHODS:
+            raise ValueError(f"select method {method!r}: expected one of {SELECT_METHODS}")
+        self.method = method
+        self._workspace: torch.Tensor | None = None  # scratch only: holds nothing between steps
+
+    def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
+        """The k = density * numel largest-magnitude elements."""
+        flat = tensor.reshape(-1)
+        k = k_for(flat.numel(), state.density)
+        ws = self._workspace
+        if ws is None or ws.numel() != flat.numel() or ws.device != flat.device:
+            ws = self._workspace = torch.empty(flat.numel(), device=flat.device)
+        indices = select_topk(flat, k, self.method, ws)
+        return Payload(numel=flat.numel(), values=flat[indices].float(), indices=indices)
+
+
+def random_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sorted prefix of a permutation drawn from `seed`: every replica derives the same set."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randperm(numel, generator=gen)[:k].sort().values.to(device)
+
+
+class RandomK(Compressor):
+    """k uniformly random elements; all replicas draw the same ones at a step, so the wire
+    carries a seed instead of indices."""
+
+    name = "randomk"
+
+    def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
+        """k random elements chosen by (state.seed, state.step)."""
+        flat = tensor.reshape(-1)
+        k = k_for(flat.numel(), state.density)
+        seed = (state.seed * 1_000_003 + state.step) % (2**62)
+        indices = random_indices(flat.numel(), k, seed, flat.device)
+        return Payload(numel=flat.numel(), values=flat[indices].float(), indices=indices, seed=seed)
+
+
+class FP16Values(Compressor):
+    """Wraps a codec and ships its values as fp16 (saturating, never inf)."""
+
+    def __init__(self, inner: Compressor) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
+        """The inner payload with values rounded to fp16."""
+        payload = self.inner.compress(tensor, state)
+        return replace(payload, values=payload.values.clamp(-FP16_MAX, FP16_MAX).half())
+
+    def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
+        """Decoded by the inner codec after widening to fp32."""
+        return self.inner.decompress(payload, like)
+
+
+class ErrorFeedback(Compressor):
+    """Wraps a codec with error feedback: compress(g + r), keep r <- (g + r) - sent.
+
+    The residual is taken against the *decoded* payload, so rounding to fp16 is fed back too and
+    sent + residual equals the accumulated tensor up to one fp32 rounding.
+    """
+
+    def __init__(self, inner: Compressor) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
+        """Compress gradient + residual; what is not sent stays in `state.residual`."""
+        flat = tensor.reshape(-1).float()
+        if state.residual is not None and state.residual.shape == flat.shape:
+            # In place: the residual buffer becomes the accumulator, no gradient-sized allocation.
+            acc = state.residual.add_(flat)
+        else:
+            acc = flat.clone()
+        payload = self.inner.compress(acc, state)
+        sent = payload.values.to(torch.float32)
+        if payload.indices is None:
+            acc.sub_(sent)
+        else:
+            acc.index_add_(0, payload.indices, sent, alpha=-1.0)
+        state.residual = acc
+        return payload
+
+    def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
+        """Decoded by the inner codec."""
+        return self.inner.decompress(payload, like)
+
+
+COMPRESSORS: dict[str, type[Compressor]] = {c.name: c for c in (Identity, TopK, RandomK)}
+VALUE_DTYPES = ("fp32", "fp16")
+
+
+def build_compressor(
+    name: str, *, value_dtype: str = "fp16", error_feedback: bool = True, select: str = "threshold"
+) -> Compressor:
+    """Compose a codec from CLI names: error feedback around fp16 values around the selector."""
+    try:
+        cls = COMPRESSORS[name]
+    except KeyError as exc:
+        raise ValueError(f"compressor {name!r}: expected one of {sorted(COMPRESSORS)}") from exc
+    codec: Compressor = TopK(select) if cls is TopK else cls()
+    if value_dtype not in VALUE_DTYPES:
+        raise ValueError(f"value dtype {value_dtype!r}: expected one of {VALUE_DTYPES}")
+    if value_dtype == "fp16" and cls is not Identity:
+        codec = FP16Values(codec)
+    if error_feedback and cls is not Identity:
+        codec = ErrorFeedback(codec)
+    return codec

@@ -1,0 +1,124 @@
+"""Local launcher: every role of a run as a subprocess on 127.0.0.1, supervised like torchrun.
+
+If a role exits non-zero the others are stopped at once (they would otherwise wait for it until
+their timeout), and the launcher exits 1 naming the role. Per-rank metric files are merged into
+--metrics-out, ordered by time, when the run ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trainer.config import TrainConfig
+
+_TRAINER_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _role_of(cfg: TrainConfig, rank: int) -> str:
+    return "ps" if cfg.is_ps and rank == 0 else "worker"
+
+
+def _merge_metrics(out: str, parts: list[str]) -> list[dict]:
+    records = []
+    for part in parts:
+        if os.path.exists(part):
+            with open(part) as fh:
+                records.extend(json.loads(line) for line in fh if line.strip())
+            os.unlink(part)
+    records.sort(key=lambda r: (r["t"], r["rank"]))
+    with open(out, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+    return records
+
+
+def _summary(cfg: TrainConfig, records: list[dict], wall_s: float) -> str:
+    accs = [r for r in records if r["name"] == "accuracy"]
+    tta = [r["value"] for r in records if r["name"] == "time_to_accuracy_s"]
+    sent = sum(r["value"] for r in records if r["name"] == "bytes_sent")
+    steps = max((r["step"] for r in records if r["name"] == "loss"), default=0)
+    parts = [f"{cfg.strategy}: {steps} steps in {wall_s:.1f}s"]
+    if accs:
+        parts.append(f"final accuracy {accs[-1]['value']:.4f}")
+    if tta:
+        parts.append(f"time to {cfg.target_accuracy} accuracy {tta[0]:.1f}s")
+    elif cfg.target_accuracy is not None:
+        parts.append(f"target accuracy {cfg.target_accuracy} not reached")
+    parts.append(f"{sent / 1e6:.2f} MB sent in total")
+    return "; ".join(parts)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
+    """Start all roles of `cfg`, wait for them, and return 0 only if every role succeeded."""
+    port = free_port()
+    world = cfg.world_size
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_TRAINER_ROOT, env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = str(cfg.threads)
+    # Roles always write metrics, so the summary has numbers even without --metrics-out.
+    out = cfg.metrics_out or os.path.join(tempfile.mkdtemp(prefix="hybridtrain-"), "metrics.jsonl")
+    parts = [f"{out}.rank{r}" for r in range(world)]
+    for part in parts:
+        Path(part).unlink(missing_ok=True)
+    procs: list[subprocess.Popen] = []
+    start = time.monotonic()
+    print(f"hybridtrain train: {cfg.strategy}, {cfg.workers} worker(s), world size {world}, "
+          f"127.0.0.1:{port}", file=sys.stderr, flush=True)
+    try:
+        for rank in range(world):
+            cmd = [sys.executable, "-m", "trainer", *argv, "--role", _role_of(cfg, rank),
+                   "--rank", str(rank), "--world-size", str(world),
+                   "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            cmd += ["--metrics-out", parts[rank]]
+            procs.append(subprocess.Popen(cmd, env=env))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                print(f"hybridtrain train: error: {_role_of(cfg, rank)} rank {rank} exited with status "
+                      f"{code}; stopping the other roles", file=sys.stderr, flush=True)
+                _stop(procs)
+                return 1
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _stop(procs)
+        print("hybridtrain train: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        records = _merge_metrics(out, parts)
+        if not cfg.metrics_out:
+            shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+    print(f"hybridtrain train: done. {_summary(cfg, records, time.monotonic() - start)}",
+          file=sys.stderr, flush=True)
+    return 0

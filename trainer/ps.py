@@ -1,0 +1,482 @@
+"""The parameter-server strategies (`ps`, `ps-gc`, `ps-bz-gc`): one worker class, one server class.
+
+Per step t (seed 000, section III):
+ 1. Worker m computes the gradient of its mean loss on its n_m samples and adds weight decay to
+    it (pitfall: before accumulation, so decay is compressed and fed back like the gradient).
+ 2. Tiny and 1-D tensors go dense; the rest is compressed (Top-k of gradient + residual, error
+    feedback, per-worker density d_m^t), unless it is a warm-up step.
+ 3. The server aggregates with alpha_m = n_m / B (eq. 1-2), adds its own residual, keeps the top
+    k_s = params * server_k_fraction, keeps the rest as its residual, and sends one reply to all.
+ 4. Every worker applies the same update with the same SGD-momentum optimizer (eq. 3 plus
+    momentum), so the replicas stay identical; momentum lives after compression, on the workers.
+ 5. The reply also carries next step's densities (adapted from the transmission times) and batch
+    sizes (re-balanced from compute times under `--allocation measured`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import checkpoint
+from trainer.allocation import aggregation_weights, rebalance
+from trainer.compression import (
+    CompressionState,
+    Compressor,
+    Identity,
+    Payload,
+    build_compressor,
+)
+from trainer.config import TrainConfig, adapt_densities, lr_at
+from trainer.data import Dataset, batch_indices, eval_slice
+from trainer.metrics import MetricsLogger
+from trainer.transport import Transport
+from trainer.wire import Message, decode, encode
+
+log = logging.getLogger("trainer.ps")
+
+CPU = torch.device("cpu")
+GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT = range(1, 7)
+SERVER = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each parameter lives in the flat gradient: dense tensors first, then compressed ones."""
+
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    decay: tuple[bool, ...]
+    dense_numel: int
+    sparse_numel: int
+
+    @classmethod
+    def of(cls, model: nn.Module, dense_numel: int) -> Layout:
+        """1-D tensors (biases, norms) and tensors under `dense_numel` elements travel dense."""
+        params = list(model.named_parameters())
+        is_dense = [p.dim() <= 1 or p.numel() < dense_numel for _, p in params]
+        order = [i for i, d in enumerate(is_dense) if d] + [i for i, d in enumerate(is_dense) if not d]
+        names, offsets, numels, decay, off = [], [], [], [], 0
+        for i in order:
+            name, p = params[i]
+            names.append(name)
+            offsets.append(off)
+            numels.append(p.numel())
+            decay.append(p.dim() > 1)
+            off += p.numel()
+        nd = sum(p.numel() for (_, p), d in zip(params, is_dense) if d)
+        return cls(tuple(names), tuple(offsets), tuple(numels), tuple(decay), nd, off - nd)
+
+    @property
+    def numel(self) -> int:
+        """All parameters."""
+        return self.dense_numel + self.sparse_numel
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """BatchNorm running statistics and other float buffers (not trained, so never in gradients)."""
+    return [b for _, b in model.named_buffers() if b.dtype.is_floating_point]
+
+
+class PSWorker:
+    """A worker: `run_step`, `run_epoch`, `evaluate`, `save_checkpoint`, `train`."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        model: nn.Module,
+        data: Dataset,
+        transport: Transport,
+        metrics: MetricsLogger,
+        batch_sizes: list[int],
+        device: torch.device = CPU,
+    ) -> None:
+        self.cfg, self.rank, self.index = cfg, rank, rank - 1
+        self.model, self.data, self.transport, self.metrics = model.to(device), data, transport, metrics
+        self.device = device
+        self.layout = Layout.of(model, cfg.dense_numel)
+        self.batch_sizes = list(batch_sizes)
+        self.densities = [cfg.density] * cfg.workers
+        self.codec: Compressor = (
+            build_compressor(cfg.compressor, value_dtype=cfg.value_dtype,
+                             error_feedback=cfg.error_feedback, select=cfg.select)
+            if cfg.compresses else Identity()
+        )
+        self.codec_state = CompressionState(density=cfg.density, seed=cfg.seed)
+        self.last_tx_s = 0.0
+        self.step = 0
+        self.stopped = False
+        self._params = dict(model.named_parameters())
+        self.flat_grad = torch.zeros(self.layout.numel, device=device)
+        self._bind_grads()
+        # weight_decay=0: decay is added to the local gradient in step 1 instead.
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        self.x_train, self.y_train = data.x_train.to(device), data.y_train.to(device)
+
+    # -- flat gradient -----------------------------------------------------------------------
+    def _bind_grads(self) -> None:
+        for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
+            p = self._params[name]
+            p.grad = self.flat_grad[off : off + n].view_as(p)
+
+    def _grads_are_views(self) -> bool:
+        base = self.flat_grad.data_ptr()
+        end = base + self.flat_grad.numel() * self.flat_grad.element_size()
+        return all(p.grad is not None and base <= p.grad.data_ptr() < end for p in self._params.values())
+
+    def _collect_grads(self) -> None:
+        """Autograd accumulates into the bound views; copy back if it ever replaced one."""
+        if self._grads_are_views():
+            return
+        for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
+            g = self._params[name].grad
+            self.flat_grad[off : off + n].copy_(g.reshape(-1) if g is not None else 0)
+        self._bind_grads()
+
+    # -- one step ----------------------------------------------------------------------------
+    def compute(self, step: int) -> tuple[float, int, float]:
+        """Step 1: local loss, its gradient plus weight decay in `flat_grad`; (loss, n, seconds)."""
+        t0 = time.perf_counter()
+        idx = batch_indices(step, self.index, tuple(self.batch_sizes), len(self.y_train), self.cfg.seed)
+        idx = idx.to(self.device)
+        x, y = self.x_train[idx], self.y_train[idx]
+        self.model.train()
+        self.flat_grad.zero_()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self._collect_grads()
+        if self.cfg.weight_decay:
+            with torch.no_grad():
+                for name, decays in zip(self.layout.names, self.layout.decay):
+                    if decays:
+                        p = self._params[name]
+                        p.grad.add_(p, alpha=self.cfg.weight_decay)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        if self.cfg.emulate_speeds and self.cfg.speeds:
+            # Stretch compute to what a device of relative speed s_m would take.
+            slow = max(self.cfg.speeds) / self.cfg.speeds[self.index]
+            time.sleep(elapsed * (slow - 1.0))
+            elapsed *= slow
+        return float(loss.item()), len(idx), elapsed
+
+    def compress(self, step: int) -> list[Payload]:
+        """Step 2: the dense part as is, the rest through the codec (dense in warm-up)."""
+        dense = Payload(self.layout.dense_numel, self.flat_grad[: self.layout.dense_numel].cpu())
+        sparse = self.flat_grad[self.layout.dense_numel :]
+        if step <= self.cfg.warmup_steps or not self.cfg.compresses:
+            return [dense, Payload(sparse.numel(), sparse.cpu())]
+        self.codec_state.density = self.densities[self.index]
+        self.codec_state.step = step
+        p = self.codec.compress(sparse, self.codec_state)
+        return [dense, Payload(p.numel, p.values.cpu(), None if p.indices is None else p.indices.cpu(), p.seed)]
+
+    def apply(self, step: int, reply: Message) -> None:
+        """Step 4: the server's update into `flat_grad`, then one optimizer step."""
+        dense, sparse = reply.payloads
+        nd = self.layout.dense_numel
+        self.flat_grad[:nd].copy_(dense.values.to(self.device, torch.float32))
+        tail = self.flat_grad[nd:]
+        if sparse.indices is None:
+            tail.copy_(sparse.values.to(self.device, torch.float32))
+        else:
+            tail.zero_()
+            tail.index_add_(0, sparse.indices.to(self.device), sparse.values.to(self.device, torch.float32))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.cfg)
+        self.optimizer.step()
+        m = self.cfg.workers
+        self.densities = [float(d) for d in reply.scalars[1 : 1 + m]]
+        self.batch_sizes = [int(n) for n in reply.scalars[1 + m : 1 + 2 * m]]
+
+    def run_step(self, step: int) -> float:
+        """One synchronous step (and the evaluation when due); returns the local loss."""
+        loss, n, compute_s = self.compute(step)
+        t0 = time.perf_counter()
+        payloads = self.compress(step)
+        frame = encode(Message(GRAD, step, self.rank, [loss, n, compute_s, self.last_tx_s], payloads))
+        compress_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.transport.send(SERVER, frame)
+        t2 = time.perf_counter()
+        reply = decode(self.transport.recv(SERVER))
+        t3 = time.perf_counter()
+        if reply.kind != UPDATE or reply.step != step:
+            raise RuntimeError(f"rank {self.rank}: expected the update of step {step}, got kind {reply.kind} step {reply.step}")
+        density = self.densities[self.index] if step > self.cfg.warmup_steps and self.cfg.compresses else 1.0
+        self.apply(step, reply)
+        self.last_tx_s = t2 - t1
+        self.step = step
+        total = time.perf_counter() - t0 + compute_s
+        mlog = self.metrics.log
+        mlog(step, "loss", loss)
+        mlog(step, "batch_size", n)
+        mlog(step, "samples_per_s", n / total)
+        mlog(step, "compute_s", compute_s)
+        mlog(step, "compress_s", compress_s)
+        mlog(step, "comm_s", t2 - t1)
+        mlog(step, "wait_s", t3 - t2)
+        mlog(step, "density", density)
+        if self.eval_due(step):
+            self.evaluate(step)
+        # After the evaluation, so its bytes count in this step's single record per link.
+        self.metrics.log_bytes(step, *self.transport.take_counts())
+        return loss
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate every `eval_every` steps and at the last one."""
+        return step % self.cfg.eval_every == 0 or step == self.cfg.max_steps
+
+    def run_epoch(self, epoch: int) -> None:
+        """The steps of 0-based `epoch` (an epoch is n_train // B steps)."""
+        per_epoch = len(self.y_train) // sum(self.batch_sizes)
+        for step in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1):
+            self.run_step(step)
+
+    # -- evaluation --------------------------------------------------------------------------
+    def sync_buffers(self, step: int) -> None:
+        """Pitfall: BatchNorm statistics are averaged by batch share before evaluation."""
+        buffers = float_buffers(self.model)
+        if not buffers:
+            return
+        flat = torch.cat([b.reshape(-1).float().cpu() for b in buffers])
+        n = self.batch_sizes[self.index]
+        self.transport.send(SERVER, encode(Message(BUFFERS, step, self.rank, [n], [Payload(flat.numel(), flat)])))
+        avg = decode(self.transport.recv(SERVER)).payloads[0].values
+        off = 0
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(avg[off : off + b.numel()].view_as(b))
+                off += b.numel()
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> float:
+        """Held-out accuracy of the (identical) replicas; each worker scores one slice."""
+        self.sync_buffers(step)
+        part = eval_slice(len(self.data.y_test), self.index, self.cfg.workers)
+        x, y = self.data.x_test[part], self.data.y_test[part]
+        self.model.eval()
+        correct = 0
+        for i in range(0, len(y), 1024):
+            logits = self.model(x[i : i + 1024].to(self.device))
+            correct += int((logits.argmax(1).cpu() == y[i : i + 1024]).sum())
+        self.transport.send(SERVER, encode(Message(EVAL, step, self.rank, [correct, len(y)])))
+        accuracy, stop = decode(self.transport.recv(SERVER)).scalars[:2]
+        self.stopped = bool(stop)
+        return accuracy
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Model, optimizer (momentum), residual, densities, batch sizes, last transmission time."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "residual": self.codec_state.residual,
+            "densities": self.densities,
+            "batch_sizes": self.batch_sizes,
+            "last_tx_s": self.last_tx_s,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`; the flat-gradient views are re-bound afterwards."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        residual = state["residual"]
+        self.codec_state.residual = None if residual is None else residual.to(self.device)
+        self.densities = list(state["densities"])
+        self.batch_sizes = list(state["batch_sizes"])
+        self.last_tx_s = state["last_tx_s"]
+        self.step = state["step"]
+        self._bind_grads()
+
+    def save_checkpoint(self, step: int) -> None:
+        """This rank's state of `step`."""
+        checkpoint.save(self.cfg.checkpoint_dir, step, self.rank, self.state_dict(), self.cfg)
+
+    def train(self, start_step: int = 0) -> None:
+        """Steps start_step+1 .. max_steps, evaluating and checkpointing on schedule."""
+        for step in range(start_step + 1, self.cfg.max_steps + 1):
+            self.run_step(step)
+            last = self.stopped or step == self.cfg.max_steps
+            if self.cfg.checkpoint_every and (step % self.cfg.checkpoint_every == 0 or last):
+                self.save_checkpoint(step)
+            if self.stopped:
+                break
+
+
+class ParameterServer:
+    """Rank 0: owns the aggregation state (server residual, densities, batch sizes, timings)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        layout: Layout,
+        transport: Transport,
+        metrics: MetricsLogger,
+        batch_sizes: list[int],
+        has_buffers: bool = True,
+    ) -> None:
+        self.cfg, self.layout, self.transport, self.metrics = cfg, layout, transport, metrics
+        self.workers = list(range(1, cfg.workers + 1))
+        self.batch_sizes = list(batch_sizes)
+        self.densities = [cfg.density] * cfg.workers
+        self.has_buffers = has_buffers
+        self.codec: Compressor = (
+            build_compressor("topk", value_dtype=cfg.value_dtype, error_feedback=cfg.error_feedback,
+                             select=cfg.select)
+            if cfg.compresses else Identity()
+        )
+        self.codec_state = CompressionState(density=cfg.server_k_fraction, seed=cfg.seed)
+        self.compute_window: list[list[float]] = []
+        self.elapsed_s = 0.0
+        self.reached_at: float | None = None
+        self.step = 0
+        self.stopped = False
+        self._t0 = time.time()
+        self._last_print = 0.0
+
+    def aggregate(self, step: int, msgs: list[Message]) -> Message:
+        """Steps 3 and 5: the alpha-weighted sum (eq. 1-2), server compression, next step's plan."""
+        ns = [m.scalars[1] for m in msgs]
+        alphas = aggregation_weights(ns)
+        dense = torch.zeros(self.layout.dense_numel)
+        sparse = torch.zeros(self.layout.sparse_numel)
+        for alpha, m in zip(alphas, msgs):
+            d, s = m.payloads
+            # Widen to fp32 before weighting and summing (fp16 values would lose the small terms).
+            dense.add_(d.values.float(), alpha=alpha)
+            if s.indices is None:
+                sparse.add_(s.values.float(), alpha=alpha)
+            else:
+                sparse.index_add_(0, s.indices, s.values.float(), alpha=alpha)
+        if step <= self.cfg.warmup_steps or not self.cfg.compresses:
+            update = Payload(sparse.numel(), sparse)
+        else:
+            self.codec_state.step = step
+            update = self.codec.compress(sparse, self.codec_state)
+        loss = sum(a * m.scalars[0] for a, m in zip(alphas, msgs))
+        self._plan(step, msgs)
+        scalars = [loss, *self.densities, *self.batch_sizes]
+        return Message(UPDATE, step, SERVER, scalars, [Payload(dense.numel(), dense), update])
+
+    def _plan(self, step: int, msgs: list[Message]) -> None:
+        """Densities from last transmission times (step 3); batch sizes from compute times."""
+        if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
+            self.densities = adapt_densities(
+                self.densities, [m.scalars[3] for m in msgs], target=self.cfg.density,
+                low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,
+            )
+        if self.cfg.allocation == "measured" and not self.cfg.batch_sizes:
+            self.compute_window.append([m.scalars[2] for m in msgs])
+            if len(self.compute_window) >= self.cfg.rebalance_every:
+                means = [sum(col) / len(col) for col in zip(*self.compute_window)]
+                self.batch_sizes = rebalance(sum(self.batch_sizes), self.batch_sizes, means)
+                self.compute_window = []
+
+    def run_step(self, step: int) -> float:
+        """Receive every worker's gradient, aggregate, send one update to all (then evaluate when
+        due); returns the global loss."""
+        t0 = time.perf_counter()
+        frames = self.transport.recv_many(self.workers)
+        t1 = time.perf_counter()
+        msgs = [decode(frames[r]) for r in self.workers]
+        bad = [(r, m.kind, m.step) for r, m in zip(self.workers, msgs) if m.kind != GRAD or m.step != step]
+        if bad:
+            raise RuntimeError(f"server: expected gradients of step {step}, got (rank, kind, step) {bad}")
+        reply = self.aggregate(step, msgs)
+        frame = encode(reply)
+        t2 = time.perf_counter()
+        self.transport.send_many(self.workers, frame)
+        t3 = time.perf_counter()
+        self.step = step
+        loss = reply.scalars[0]
+        mlog = self.metrics.log
+        mlog(step, "loss", loss)
+        mlog(step, "batch_size", sum(self.batch_sizes))
+        mlog(step, "samples_per_s", sum(m.scalars[1] for m in msgs) / max(t3 - t0, 1e-9))
+        mlog(step, "wait_s", t1 - t0)
+        mlog(step, "compress_s", t2 - t1)
+        mlog(step, "comm_s", t3 - t2)
+        mlog(step, "density", reply.payloads[1].count / max(1, self.layout.sparse_numel))
+        self._progress(step, loss)
+        if step % self.cfg.eval_every == 0 or step == self.cfg.max_steps:
+            self.evaluate(step)
+        self.metrics.log_bytes(step, *self.transport.take_counts())
+        return loss
+
+    def _progress(self, step: int, loss: float, accuracy: float | None = None) -> None:
+        now = time.time()
+        if accuracy is None and now - self._last_print < 2.0 and step != self.cfg.max_steps:
+            return
+        self._last_print = now
+        acc = f" accuracy {accuracy:.4f}" if accuracy is not None else ""
+        print(f"[ps] step {step}/{self.cfg.max_steps} loss {loss:.4f}{acc} elapsed {self.elapsed():.1f}s",
+              file=sys.stderr, flush=True)
+
+    def elapsed(self) -> float:
+        """Training seconds so far, across resumes."""
+        return self.elapsed_s + time.time() - self._t0
+
+    def evaluate(self, step: int) -> float:
+        """Average buffers by batch share, then combine the workers' counts into one accuracy."""
+        if self.has_buffers:
+            msgs = [decode(f) for f in self.transport.recv_many(self.workers).values()]
+            alphas = aggregation_weights([m.scalars[0] for m in msgs])
+            avg = sum(a * m.payloads[0].values for a, m in zip(alphas, msgs))
+            self.transport.send_many(self.workers, encode(Message(BUFFERS_AVG, step, SERVER, [], [Payload(avg.numel(), avg)])))
+        msgs = [decode(f) for f in self.transport.recv_many(self.workers).values()]
+        accuracy = sum(m.scalars[0] for m in msgs) / max(1.0, sum(m.scalars[1] for m in msgs))
+        target = self.cfg.target_accuracy
+        reached = target is not None and accuracy >= target
+        self.stopped = reached
+        self.transport.send_many(self.workers, encode(Message(EVAL_RESULT, step, SERVER, [accuracy, float(reached)])))
+        self.metrics.log(step, "accuracy", accuracy)
+        if reached and self.reached_at is None:
+            self.reached_at = self.elapsed()
+            self.metrics.log(step, "time_to_accuracy_s", self.reached_at)
+        self._progress(step, self.metrics.last.get("loss", float("nan")), accuracy)
+        return accuracy
+
+    def state_dict(self) -> dict:
+        """Server residual, densities, batch sizes, timing window, elapsed time."""
+        return {
+            "residual": self.codec_state.residual,
+            "densities": self.densities,
+            "batch_sizes": self.batch_sizes,
+            "compute_window": self.compute_window,
+            "elapsed_s": self.elapsed(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`."""
+        self.codec_state.residual = state["residual"]
+        self.densities = list(state["densities"])
+        self.batch_sizes = list(state["batch_sizes"])
+        self.compute_window = [list(r) for r in state["compute_window"]]
+        self.elapsed_s = state["elapsed_s"]
+        self._t0 = time.time()
+        self.step = state["step"]
+
+    def save_checkpoint(self, step: int) -> None:
+        """The server's state of `step`."""
+        checkpoint.save(self.cfg.checkpoint_dir, step, SERVER, self.state_dict(), self.cfg)
+
+    def train(self, start_step: int = 0) -> None:
+        """Serve steps start_step+1 .. max_steps in lockstep with the workers."""
+        self._t0 = time.time()
+        for step in range(start_step + 1, self.cfg.max_steps + 1):
+            self.run_step(step)
+            last = self.stopped or step == self.cfg.max_steps
+            if self.cfg.checkpoint_every and (step % self.cfg.checkpoint_every == 0 or last):
+                self.save_checkpoint(step)
+            if self.stopped:
+                break

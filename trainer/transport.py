@@ -1,0 +1,164 @@
+"""Point-to-point transports that carry encoded frames between ranks, counting every byte.
+
+The algorithm (`trainer.ps`) only sees this interface, so a later relay (one hop per site for
+the server's reply) or a test fake replaces the torch.distributed one without touching it.
+Bytes are counted as they go on the wire: the 8-byte length prefix plus the frame.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+_LEN_BYTES = 8
+
+
+class Transport(ABC):
+    """Sends and receives uint8 frames to and from peers; counts bytes per peer."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.bytes_sent: defaultdict[int, int] = defaultdict(int)
+        self.bytes_recv: defaultdict[int, int] = defaultdict(int)
+
+    @abstractmethod
+    def send(self, peer: int, frame: torch.Tensor) -> None:
+        """Send one frame to `peer`; returns once the frame is handed over."""
+
+    @abstractmethod
+    def recv(self, peer: int) -> torch.Tensor:
+        """Receive the next frame from `peer`."""
+
+    def recv_many(self, peers: Iterable[int]) -> dict[int, torch.Tensor]:
+        """The next frame from each of `peers`."""
+        return {p: self.recv(p) for p in peers}
+
+    def send_many(self, peers: Iterable[int], frame: torch.Tensor) -> None:
+        """The same frame to each of `peers` (the server's reply; a relay may fan it out)."""
+        for p in peers:
+            self.send(p, frame)
+
+    def take_counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Bytes sent and received per peer since the last call, and reset the counters."""
+        sent, recv = dict(self.bytes_sent), dict(self.bytes_recv)
+        self.bytes_sent.clear()
+        self.bytes_recv.clear()
+        return sent, recv
+
+    def _count(self, counter: defaultdict[int, int], peer: int, frame: torch.Tensor) -> None:
+        counter[peer] += _LEN_BYTES + frame.numel()
+
+
+class TorchTransport(Transport):
+    """torch.distributed isend/irecv (gloo) with a length prefix; receives from many at once."""
+
+    def send(self, peer: int, frame: torch.Tensor) -> None:
+        """Length prefix, then the frame."""
+        self.send_many([peer], frame)
+
+    def send_many(self, peers: Iterable[int], frame: torch.Tensor) -> None:
+        """Post every send before waiting, so the links run in parallel."""
+        length = torch.tensor([frame.numel()], dtype=torch.int64)
+        works = []
+        for p in peers:
+            works.append(dist.isend(length, p))
+            works.append(dist.isend(frame, p))
+            self._count(self.bytes_sent, p, frame)
+        for w in works:
+            w.wait()
+
+    def recv(self, peer: int) -> torch.Tensor:
+        """The next frame from `peer`."""
+        return self.recv_many([peer])[peer]
+
+    def recv_many(self, peers: Iterable[int]) -> dict[int, torch.Tensor]:
+        """Post all length receives, then all frame receives, so slow peers do not serialise."""
+        peers = list(peers)
+        lengths = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
+        for w in [dist.irecv(lengths[p], p) for p in peers]:
+            w.wait()
+        frames = {p: torch.empty(int(lengths[p].item()), dtype=torch.uint8) for p in peers}
+        for w in [dist.irecv(frames[p], p) for p in peers]:
+            w.wait()
+        for p in peers:
+            self._count(self.bytes_recv, p, frames[p])
+        return frames
+
+
+class ThrottledTransport(Transport):
+    """Wraps a worker's transport to emulate its link: sleeps bytes*8/bandwidth per frame.
+
+    Applied on the worker for both directions of its own link, so the server never serialises
+    the sleeps of several workers. Used by `--link-mbps` and the wire benchmark.
+    """
+
+    def __init__(self, inner: Transport, mbps: float, latency_s: float = 0.0) -> None:
+        super().__init__(inner.rank)
+        if mbps <= 0:
+            raise ValueError(f"link bandwidth must be > 0 Mbit/s, got {mbps}")
+        self.inner = inner
+        self.bytes_sent = inner.bytes_sent
+        self.bytes_recv = inner.bytes_recv
+        self.seconds_per_byte = 8.0 / (mbps * 1e6)
+        self.latency_s = latency_s
+
+    def _delay(self, nbytes: int) -> None:
+        time.sleep(self.latency_s + (nbytes + _LEN_BYTES) * self.seconds_per_byte)
+
+    def send(self, peer: int, frame: torch.Tensor) -> None:
+        """Send, then wait out the emulated transmission time."""
+        self.inner.send(peer, frame)
+        self._delay(frame.numel())
+
+    def recv(self, peer: int) -> torch.Tensor:
+        """Receive, then wait out the emulated transmission time."""
+        frame = self.inner.recv(peer)
+        self._delay(frame.numel())
+        return frame
+
+
+class InMemoryHub:
+    """Queues between in-process ranks (threads), for tests that fake the network seam."""
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self._queues: defaultdict[tuple[int, int], queue.Queue] = defaultdict(queue.Queue)
+        self._lock = threading.Lock()
+
+    def queue(self, src: int, dst: int) -> queue.Queue:
+        """The queue of frames from `src` to `dst`."""
+        with self._lock:
+            return self._queues[(src, dst)]
+
+    def transport(self, rank: int) -> InMemoryTransport:
+        """A transport endpoint for `rank`."""
+        return InMemoryTransport(rank, self)
+
+
+class InMemoryTransport(Transport):
+    """One rank's end of an `InMemoryHub`."""
+
+    def __init__(self, rank: int, hub: InMemoryHub) -> None:
+        super().__init__(rank)
+        self.hub = hub
+
+    def send(self, peer: int, frame: torch.Tensor) -> None:
+        """Enqueue a copy of the frame for `peer`."""
+        self._count(self.bytes_sent, peer, frame)
+        self.hub.queue(self.rank, peer).put(frame.clone())
+
+    def recv(self, peer: int) -> torch.Tensor:
+        """Dequeue the next frame from `peer`, or raise TimeoutError."""
+        try:
+            frame = self.hub.queue(peer, self.rank).get(timeout=self.hub.timeout_s)
+        except queue.Empty as exc:
+            raise TimeoutError(f"rank {self.rank}: no frame from rank {peer}") from exc
+        self._count(self.bytes_recv, peer, frame)
+        return frame

@@ -1,0 +1,196 @@
+"""The binary wire format of trainer messages: a small header, float64 scalars, payloads.
+
+Each payload picks the cheapest index encoding for its own sparsity, so a sent element costs
+at most 6 bytes (int32 index + fp16 value) and usually less:
+
+| code | encoding | bytes for k of n elements (v = 2 for fp16, 4 for fp32) |
+| ---- | -------- | ------------------------------------------------------- |
+| 0 | dense    | n*v |
+| 1 | int32    | k*(4+v) |
+| 2 | bitmap   | ceil(n/8) + k*v |
+| 3 | delta8   | (k+f8)*(1+v), f8 = filler entries for gaps over 255 |
+| 4 | delta16  | (k+f16)*(2+v), f16 = filler entries for gaps over 65535 |
+| 5 | seed     | 8 + k*v (random-k: indices regenerated from the seed) |
+
+A delta filler is a zero value at an intermediate position, so decoding by summation is exact.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from trainer.compression import Payload, random_indices
+
+MAGIC = 0x4854
+VERSION = 2
+_MSG = struct.Struct("<HBBqiHB")
+# numel and count as uint32: no single tensor reaches 2**32 elements, and on a small model the
+# per-payload header is a visible share of a compressed frame (version 1 used int64 here).
+_PAYLOAD = struct.Struct("<BBII")
+_MAX_NUMEL = 2**32 - 1
+_SEED = struct.Struct("<q")
+
+DENSE, INT32, BITMAP, DELTA8, DELTA16, SEED = range(6)
+_VALUE_DTYPES = {0: torch.float32, 1: torch.float16}
+_VALUE_CODES = {v: k for k, v in _VALUE_DTYPES.items()}
+_NP = {torch.float32: np.float32, torch.float16: np.float16}
+
+
+@dataclass
+class Message:
+    """One frame: what it is (`kind`), the step, the sender, named-by-position scalars, payloads."""
+
+    kind: int
+    step: int
+    sender: int
+    scalars: list[float] = field(default_factory=list)
+    payloads: list[Payload] = field(default_factory=list)
+
+
+def _fillers(gaps: torch.Tensor, max_gap: int) -> torch.Tensor:
+    return torch.div(gaps - 1, max_gap, rounding_mode="floor")
+
+
+def _gaps(indices: torch.Tensor) -> torch.Tensor:
+    prev = torch.cat([indices.new_full((1,), -1), indices[:-1]])
+    return indices - prev
+
+
+def _index_costs(p: Payload, vbytes: int) -> dict[int, int]:
+    k = p.count
+    if p.seed is not None:
+        return {SEED: 8 + k * vbytes}
+    gaps = _gaps(p.indices)
+    f8 = int(_fillers(gaps, 255).sum())
+    f16 = int(_fillers(gaps, 65535).sum())
+    return {
+        INT32: k * (4 + vbytes),
+        BITMAP: (p.numel + 7) // 8 + k * vbytes,
+        DELTA8: (k + f8) * (1 + vbytes),
+        DELTA16: (k + f16) * (2 + vbytes),
+    }
+
+
+def _encoding(p: Payload) -> tuple[int, int]:
+    vbytes = p.values.element_size()
+    if p.indices is None:
+        return DENSE, p.numel * vbytes
+    costs = _index_costs(p, vbytes)
+    enc = min(costs, key=lambda c: (costs[c], c))
+    return enc, costs[enc]
+
+
+def payload_nbytes(p: Payload) -> int:
+    """Exact encoded size of a payload, header included."""
+    return _PAYLOAD.size + _encoding(p)[1]
+
+
+def _delta(indices: torch.Tensor, values: torch.Tensor, max_gap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gaps = _gaps(indices)
+    fill = _fillers(gaps, max_gap)
+    reps = fill + 1
+    total = int(reps.sum())
+    out_gaps = torch.full((total,), max_gap, dtype=torch.int64)
+    last = reps.cumsum(0) - 1
+    out_gaps[last] = gaps - fill * max_gap
+    out_values = torch.zeros(total, dtype=values.dtype)
+    out_values[last] = values
+    return out_gaps, out_values
+
+
+def _encode_payload(p: Payload, out: list[bytes]) -> None:
+    if p.numel > _MAX_NUMEL:
+        raise ValueError(f"a tensor of {p.numel} elements is over the wire format's 2**32 - 1")
+    enc, _ = _encoding(p)
+    values = p.values.detach().reshape(-1).cpu()
+    if values.dtype not in _VALUE_CODES:
+        values = values.float()
+    vcode = _VALUE_CODES[values.dtype]
+    count = values.numel()
+    if enc in (DELTA8, DELTA16):
+        gaps, values = _delta(p.indices.cpu(), values, 255 if enc == DELTA8 else 65535)
+        count = values.numel()
+        out.append(_PAYLOAD.pack(enc, vcode, p.numel, count))
+        out.append(gaps.numpy().astype(np.uint8 if enc == DELTA8 else np.uint16).tobytes())
+    else:
+        out.append(_PAYLOAD.pack(enc, vcode, p.numel, count))
+        if enc == INT32:
+            out.append(p.indices.cpu().numpy().astype(np.int32).tobytes())
+        elif enc == BITMAP:
+            bits = torch.zeros(((p.numel + 7) // 8) * 8, dtype=torch.uint8)
+            bits[p.indices.cpu()] = 1
+            weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+            out.append((bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8).numpy().tobytes())
+        elif enc == SEED:
+            out.append(_SEED.pack(p.seed))
+    out.append(values.numpy().tobytes())
+
+
+def _take(buf: memoryview, offset: int, dtype: np.dtype, count: int) -> tuple[np.ndarray, int]:
+    arr = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).copy()
+    return arr, offset + arr.nbytes
+
+
+def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
+    enc, vcode, numel, count = _PAYLOAD.unpack_from(buf, offset)
+    offset += _PAYLOAD.size
+    vdtype = _VALUE_DTYPES[vcode]
+    indices: torch.Tensor | None = None
+    seed = None
+    if enc == INT32:
+        arr, offset = _take(buf, offset, np.int32, count)
+        indices = torch.from_numpy(arr).long()
+    elif enc == BITMAP:
+        arr, offset = _take(buf, offset, np.uint8, (numel + 7) // 8)
+        bits = (torch.from_numpy(arr).unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        indices = bits.reshape(-1)[:numel].nonzero().squeeze(1)
+    elif enc in (DELTA8, DELTA16):
+        arr, offset = _take(buf, offset, np.uint8 if enc == DELTA8 else np.uint16, count)
+        gaps = torch.from_numpy(arr.astype(np.int64))
+        indices = gaps.cumsum(0) - 1
+    elif enc == SEED:
+        (seed,) = _SEED.unpack_from(buf, offset)
+        offset += _SEED.size
+        indices = random_indices(numel, count, seed)
+    elif enc != DENSE:
+        raise ValueError(f"unknown payload index encoding {enc}")
+    arr, offset = _take(buf, offset, _NP[vdtype], count)
+    values = torch.from_numpy(arr)
+    if enc in (DELTA8, DELTA16):
+        # Drop the fillers (zero values at a full-width gap); a real zero there adds nothing.
+        real = (gaps != (255 if enc == DELTA8 else 65535)) | (values != 0)
+        if not bool(real.all()):
+            indices, values = indices[real], values[real]
+            count = values.numel()
+    return Payload(numel=numel, values=values, indices=indices, seed=seed), offset
+
+
+def encode(msg: Message) -> torch.Tensor:
+    """The frame as a uint8 tensor, ready for a point-to-point send."""
+    out = [_MSG.pack(MAGIC, VERSION, msg.kind, msg.step, msg.sender, len(msg.scalars), len(msg.payloads))]
+    out.append(np.asarray(msg.scalars, dtype=np.float64).tobytes())
+    for p in msg.payloads:
+        _encode_payload(p, out)
+    return torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8)
+
+
+def decode(frame: torch.Tensor) -> Message:
+    """Parse a frame produced by `encode`; raises ValueError on a foreign or truncated frame."""
+    buf = memoryview(frame.numpy().tobytes())
+    if len(buf) < _MSG.size:
+        raise ValueError(f"frame of {len(buf)} bytes is shorter than the header")
+    magic, version, kind, step, sender, nscalars, npayloads = _MSG.unpack_from(buf, 0)
+    if magic != MAGIC or version != VERSION:
+        raise ValueError(f"not a trainer frame (magic {magic:#x}, version {version})")
+    scalars, offset = _take(buf, _MSG.size, np.float64, nscalars)
+    payloads = []
+    for _ in range(npayloads):
+        p, offset = _decode_payload(buf, offset)
+        payloads.append(p)
+    if offset != len(buf):
+        raise ValueError(f"frame has {len(buf) - offset} trailing bytes")
+    return Message(kind, step, sender, scalars.tolist(), payloads)
