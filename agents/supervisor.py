@@ -277,10 +277,11 @@ class Supervisor:
             _killpg(role.pid, signal.SIGKILL)
             code = role.proc.wait()
             role.reaped = True
-        # SIGKILL is delivered asynchronously: "gone" must mean gone, so wait (briefly) until
-        # no member of the group is left. Zombies count as members, and a container whose
-        # PID 1 never reaps orphans would keep them forever, hence the bound.
-        _wait_group_empty(role.pid, timeout_s=3.0)
+        # SIGKILL is delivered asynchronously: "gone" must mean gone, so wait until no live
+        # member of the group is left.
+        if not _wait_group_empty(role.pid, timeout_s=15.0):
+            log.warning("run %s rank %s: processes of group %s outlived SIGKILL for 15 s",
+                        *role.key, role.pid)
         role.gone.set()
         if role.reader is not None:
             role.reader.join(timeout=5)
@@ -405,7 +406,7 @@ class Supervisor:
                         _killpg(role.pid, signal.SIGKILL)
         for role in stopped:
             # The watcher sweeps the group and reaps; a stop returns once the processes are gone.
-            role.gone.wait(timeout=10)
+            role.gone.wait(timeout=20)
         return [r.spec.rank for r in stopped]
 
     # -- state -----------------------------------------------------------------------------
@@ -492,26 +493,34 @@ def _killpg(pgid: int, signum: int) -> None:
 
 
 def _wait_group_empty(pgid: int, *, timeout_s: float) -> bool:
-    """Poll until process group `pgid` has no member left; False if some remain."""
+    """Poll until process group `pgid` has no live member left; False if some remain.
+
+    Zombies do not count: an orphan killed by SIGKILL stays a zombie until PID 1 reaps it,
+    which a container's PID 1 may never do. A loaded machine can take seconds to deliver a
+    SIGKILL to a process in uninterruptible sleep, hence a bound of several seconds.
+    """
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return True
         except PermissionError:
             return False
-        time.sleep(0.01)
-    return False
+        if not _group_members(pgid, live_only=True):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
-def _group_members(pgid: int) -> list[int]:
+def _group_members(pgid: int, *, live_only: bool = False) -> list[int]:
     members = []
     for proc in psutil.process_iter():
         try:
-            if os.getpgid(proc.pid) == pgid:
+            if os.getpgid(proc.pid) == pgid and not (live_only and proc.status() == psutil.STATUS_ZOMBIE):
                 members.append(proc.pid)
-        except (ProcessLookupError, PermissionError):
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             continue
     return members
 
