@@ -62,6 +62,9 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     create.add_argument("--allocation", choices=("equal", "flops", "measured"), default=None)
     create.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None)
     create.add_argument("--ps-node", type=int, default=None, help="node id of the server")
+    create.add_argument("--rebalance-every", type=int, default=None,
+                        help="PS strategies: re-split the batch every N steps from compute times")
+    create.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps")
     create.add_argument("--compressor", choices=("none", "topk", "randomk"), default=None)
     create.add_argument("--density", type=float, default=None)
     create.add_argument("--value-dtype", choices=("fp32", "fp16"), default=None)
@@ -159,6 +162,7 @@ def _run_body(args: argparse.Namespace) -> dict[str, Any]:
         ("global_batch_size", args.global_batch), ("lr", args.lr), ("max_steps", args.max_steps),
         ("epochs", args.epochs), ("target_accuracy", args.target_accuracy), ("seed", args.seed),
         ("allocation", args.allocation), ("device", args.device), ("ps_node_id", args.ps_node),
+        ("rebalance_every", args.rebalance_every), ("eval_every", args.eval_every),
     ]:
         if value is not None:
             body[key] = value

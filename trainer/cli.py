@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--density-min", type=float, default=d.density_min)
     gc.add_argument("--density-max", type=float, default=d.density_max)
     gc.add_argument("--density-gamma", type=float, default=d.density_gamma)
+    gc.add_argument("--density-time-floor", type=float, default=d.density_time_floor_s,
+                    help="transmission times below this many seconds count as equal")
     gc.add_argument("--server-k-fraction", type=float, default=d.server_k_fraction)
     gc.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback)
     gc.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="uncompressed first steps")
@@ -137,8 +139,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError("need 0 < --density-min <= --density <= --density-max <= 1")
     if not 0 < args.server_k_fraction <= 1:
         raise UsageError(f"--server-k-fraction must be in (0, 1], got {args.server_k_fraction}")
-    if args.max_steps < 1 or args.eval_every < 1:
-        raise UsageError("--max-steps and --eval-every must be >= 1")
+    if args.max_steps < 1 or args.eval_every < 1 or args.rebalance_every < 1:
+        raise UsageError("--max-steps, --eval-every and --rebalance-every must be >= 1")
     return TrainConfig(
         strategy=args.strategy, workers=workers, global_batch=global_batch,
         batch_sizes=tuple(args.batch_sizes), speeds=tuple(args.speeds),
@@ -149,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         momentum=args.momentum, weight_decay=args.weight_decay, compressor=args.compressor,
         value_dtype=args.value_dtype, select=args.select, density=args.density,
         density_min=args.density_min, density_max=args.density_max, density_gamma=args.density_gamma,
+        density_time_floor_s=args.density_time_floor,
         server_k_fraction=args.server_k_fraction, error_feedback=args.error_feedback,
         warmup_steps=args.warmup_steps, dense_numel=args.dense_numel, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,

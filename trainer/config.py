@@ -46,6 +46,9 @@ class TrainConfig:
     density_min: float = 0.002
     density_max: float = 0.05
     density_gamma: float = 0.5
+    # Transmission times below this count as equal: a few milliseconds on a fast link are
+    # scheduling noise, and adapting to them swings densities between the bounds for nothing.
+    density_time_floor_s: float = 0.05
     server_k_fraction: float = 1 / 32
     error_feedback: bool = True
     warmup_steps: int = 5
@@ -119,7 +122,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def adapt_densities(
-    densities: list[float], times: list[float], *, target: float, low: float, high: float, gamma: float
+    densities: list[float],
+    times: list[float],
+    *,
+    target: float,
+    low: float,
+    high: float,
+    gamma: float,
+    floor: float = 0.0,
 ) -> list[float]:
     """Step 3, the per-worker density rule: d_m <- d_m * (mean(T) / T_m)^gamma, renormalised.
 
@@ -127,12 +137,15 @@ def adapt_densities(
     lighter. The geometric mean is then pinned to `target` so the total budget does not drift
     (the arithmetic mean in the ratio would otherwise push every density up), and each density is
     clipped to [low, high]. With bytes proportional to density the fixed point is d_m
-    proportional to the link's bandwidth. Missing or non-positive times leave densities as they are.
+    proportional to the link's bandwidth. Times are raised to `floor` first, so links too fast
+    for their time to matter keep the target. Missing or non-positive times leave densities as
+    they are.
     """
     if len(densities) != len(times):
         raise ValueError(f"{len(densities)} densities but {len(times)} transmission times")
     if not densities or any(not (t > 0) for t in times):
         return [min(high, max(low, d)) for d in densities]
+    times = [max(t, floor) for t in times]
     mean = sum(times) / len(times)
     proposed = [d * (mean / t) ** gamma for d, t in zip(densities, times)]
     geo = math.exp(sum(math.log(p) for p in proposed) / len(proposed))

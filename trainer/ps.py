@@ -374,8 +374,12 @@ class ParameterServer:
             self.densities = adapt_densities(
                 self.densities, [m.scalars[3] for m in msgs], target=self.cfg.density,
                 low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,
+                floor=self.cfg.density_time_floor_s,
             )
-        if self.cfg.allocation == "measured" and not self.cfg.batch_sizes:
+        # `measured` refines whatever split the run started from (--batch-sizes from the
+        # control plane's plan, or the speeds): the plan's FLOPs ignore that a device is
+        # less efficient on a smaller batch, which only observed compute times reveal.
+        if self.cfg.allocation == "measured" and self.cfg.workers > 1:
             self.compute_window.append([m.scalars[2] for m in msgs])
             if len(self.compute_window) >= self.cfg.rebalance_every:
                 means = [sum(col) / len(col) for col in zip(*self.compute_window)]

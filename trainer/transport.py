@@ -79,17 +79,47 @@ class TorchTransport(Transport):
         return self.recv_many([peer])[peer]
 
     def recv_many(self, peers: Iterable[int]) -> dict[int, torch.Tensor]:
-        """Post all length receives, then all frame receives, so slow peers do not serialise."""
+        """The next frame from each of `peers`, each received on its own thread.
+
+        A peer's frame receive is posted as soon as its own length prefix arrives. gloo
+        completes a send only once the receiver has posted the matching receive, so posting
+        every frame receive after the slowest peer's prefix (as one wait-all would) made an
+        early peer's send time include the slowest peer's compute: the adaptive density then
+        read a fast link as a slow one (docs/trainer.md, "Transmission time").
+        """
         peers = list(peers)
-        lengths = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
-        for w in [dist.irecv(lengths[p], p) for p in peers]:
-            w.wait()
-        frames = {p: torch.empty(int(lengths[p].item()), dtype=torch.uint8) for p in peers}
-        for w in [dist.irecv(frames[p], p) for p in peers]:
-            w.wait()
+        if len(peers) == 1:
+            frames = {peers[0]: self._recv_one(peers[0])}
+        else:
+            done: queue.Queue[tuple[int, torch.Tensor | BaseException]] = queue.Queue()
+
+            def receive(peer: int) -> None:
+                try:
+                    done.put((peer, self._recv_one(peer)))
+                except BaseException as exc:  # handed to the caller, raised there
+                    done.put((peer, exc))
+
+            # Daemon threads: a peer that never sends must not keep the process alive once
+            # the caller has given up on it (gloo's own timeout ends the wait).
+            for p in peers:
+                threading.Thread(target=receive, args=(p,), daemon=True, name=f"recv-{p}").start()
+            frames = {}
+            for _ in peers:
+                peer, result = done.get()
+                if isinstance(result, BaseException):
+                    raise result
+                frames[peer] = result
         for p in peers:
             self._count(self.bytes_recv, p, frames[p])
         return frames
+
+    @staticmethod
+    def _recv_one(peer: int) -> torch.Tensor:
+        length = torch.zeros(1, dtype=torch.int64)
+        dist.irecv(length, peer).wait()
+        frame = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.irecv(frame, peer).wait()
+        return frame
 
 
 class ThrottledTransport(Transport):

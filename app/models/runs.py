@@ -116,6 +116,10 @@ class Run(TimestampMixin, Base):
     allocation: Mapped[str] = mapped_column(String(16))  # equal, flops, measured
     device: Mapped[str] = mapped_column(String(8), default="auto")
     compression: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Re-split the global batch every N steps from observed compute times (None: never).
+    rebalance_every: Mapped[int | None]
+    # Evaluate every N steps (None: the trainer's default).
+    eval_every: Mapped[int | None]
     cluster_id: Mapped[int | None] = mapped_column(ForeignKey("clusters.id", ondelete="SET NULL"))
     ps_node_id: Mapped[int | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
     master_addr: Mapped[str | None] = mapped_column(String(255))

@@ -161,6 +161,8 @@ def create_run(
         allocation=plan.allocation,
         device=data.device,
         compression=data.compression.model_dump(exclude_none=True) if data.compression else {},
+        rebalance_every=data.rebalance_every,
+        eval_every=data.eval_every,
         cluster_id=data.cluster_id,
         ps_node_id=plan.ps_node_id,
         master_addr=plan.master_addr,
@@ -200,6 +202,13 @@ def _trainer_options(run: Run) -> dict[str, Any]:
     }
     if run.target_accuracy is not None:
         options["target-accuracy"] = run.target_accuracy
+    if run.eval_every is not None:
+        options["eval-every"] = run.eval_every
+    if run.rebalance_every is not None:
+        # The trainer's `measured` allocation starts from --batch-sizes (the plan) and
+        # re-splits from observed compute times.
+        options["allocation"] = "measured"
+        options["rebalance-every"] = run.rebalance_every
     for key, value in (run.compression or {}).items():
         if key == "error_feedback":
             # The trainer's flag is --error-feedback / --no-error-feedback.

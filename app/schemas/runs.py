@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from app.models.runs import RunStatus, WorkerStatus
+from app.planner import PS_STRATEGIES
 from app.schemas.common import Flag, Id, Name, PublicSchema, Schema
 
 # The trainer's choices (trainer/cli.py), repeated here so the control plane, which does not
@@ -72,6 +73,14 @@ class RunCreate(Schema):
     )
     device: Literal["cpu", "cuda", "auto"] = "auto"
     compression: CompressionOptions | None = None
+    rebalance_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
+        default=None,
+        description="PS strategies with unequal batches: re-split the global batch every N steps "
+        "from the workers' observed compute times (straggler mitigation); off by default",
+    )
+    eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = Field(
+        default=None, description="evaluate held-out accuracy every N steps (trainer default 50)"
+    )
     ps_node_id: Id | None = Field(default=None, description="where the server goes (PS strategies)")
 
     @model_validator(mode="after")
@@ -82,6 +91,8 @@ class RunCreate(Schema):
             raise ValueError("give max_steps or epochs, not both")
         if self.node_ids is not None and len(set(self.node_ids)) != len(self.node_ids):
             raise ValueError("node_ids: each node may appear once")
+        if self.rebalance_every is not None and self.strategy not in PS_STRATEGIES:
+            raise ValueError(f"rebalance_every: only PS strategies re-balance, not {self.strategy}")
         return self
 
     def steps(self) -> int:
@@ -146,6 +157,8 @@ class RunPublic(PublicSchema):
     allocation: str
     device: str
     compression: dict[str, Any]
+    rebalance_every: int | None
+    eval_every: int | None
     cluster_id: int | None
     ps_node_id: int | None
     master_addr: str | None

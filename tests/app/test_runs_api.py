@@ -312,3 +312,21 @@ def test_ranks_that_never_start_fail_the_run_after_the_launch_timeout(online_nod
     failed = client.get(f"{API}/runs/{rid}").json()
     assert failed["status"] == "failed"
     assert failed["reason"] == f"rank(s) 2 did not start within 180 s (on {b.name})"
+
+
+def test_rebalancing_and_evaluation_period_reach_the_trainer(online_node, client, dispatched):
+    a, b = online_node("RTX 3090"), online_node("T4")
+
+    run = _create(client, run_body([a, b], rebalance_every=10, eval_every=5)).json()
+
+    assert run["rebalance_every"] == 10 and run["eval_every"] == 5
+    orders = dispatched.take(a.id) + dispatched.take(b.id)
+    options = next(args[2]["options"] for _, args in orders if args[1] == 1)
+    assert options["allocation"] == "measured" and options["rebalance-every"] == 10
+    assert options["eval-every"] == 5
+
+
+def test_only_parameter_server_runs_rebalance(online_node, client):
+    a = online_node()
+    response = client.post(f"{API}/runs", json=run_body([a], strategy="allreduce", rebalance_every=10))
+    assert response.status_code == 422 and "rebalance_every" in response.text

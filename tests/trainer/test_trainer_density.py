@@ -38,3 +38,13 @@ def test_repeated_adaptation_converges_to_density_proportional_to_bandwidth():
 
 def test_missing_times_leave_densities_unchanged():
     assert adapt_densities([0.02, 0.005], [0.0, 0.3], **KW) == [0.02, 0.005]
+
+
+def test_times_below_the_floor_count_as_equal():
+    # Loopback jitter of a few milliseconds is not a slower link.
+    assert adapt_densities([0.01] * 3, [0.0004, 0.009, 0.02], floor=0.05, **KW) == pytest.approx([0.01] * 3)
+
+
+def test_a_slow_link_above_the_floor_still_compresses_harder():
+    new = adapt_densities([0.01] * 3, [0.001, 0.002, 0.4], floor=0.05, **KW)
+    assert new[0] == new[1] > 0.01 > new[2]

@@ -129,3 +129,17 @@ def test_learning_rate_schedule_warms_up_then_decays_to_zero():
     cfg = TrainConfig(lr=0.2, lr_warmup_steps=10, max_steps=110)
     assert lr_at(5, cfg) == 0.1 and lr_at(10, cfg) == 0.2
     assert abs(lr_at(60, cfg) - 0.1) < 1e-9 and lr_at(110, cfg) < 1e-12
+
+
+def test_measured_allocation_rebalances_a_planned_split_from_compute_times():
+    # The control plane passes its plan as --batch-sizes; `measured` must still refine it.
+    cfg = TrainConfig(strategy="ps-bz-gc", workers=2, global_batch=48, batch_sizes=(24, 24),
+                      allocation="measured", rebalance_every=2, dense_numel=100)
+    _, workers, server = _setup(cfg, [24, 24])
+    for step in (1, 2):
+        msgs = []
+        for w, compute_s in zip(workers, (0.1, 0.3)):  # worker 1 takes 3x as long per sample
+            loss, n, _ = w.compute(step)
+            msgs.append(Message(GRAD, step, w.rank, [loss, n, compute_s, 0.0], w.compress(step)))
+        reply = server.aggregate(step, msgs)
+    assert reply.scalars[-2:] == [36.0, 12.0]
