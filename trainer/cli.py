@@ -141,6 +141,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--server-k-fraction must be in (0, 1], got {args.server_k_fraction}")
     if args.max_steps < 1 or args.eval_every < 1 or args.rebalance_every < 1:
         raise UsageError("--max-steps, --eval-every and --rebalance-every must be >= 1")
+    if args.density_time_floor < 0:
+        raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
     return TrainConfig(
         strategy=args.strategy, workers=workers, global_batch=global_batch,
         batch_sizes=tuple(args.batch_sizes), speeds=tuple(args.speeds),

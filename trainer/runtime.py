@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import traceback
@@ -103,6 +104,11 @@ def run_role(cfg: TrainConfig, spec: RoleSpec) -> int:
         return 1
     finally:
         metrics.close()
+    # DDP's reducer holds the process group and gloo work; left to interpreter finalisation it
+    # is torn down after the group and aborts the process ("terminate called without an active
+    # exception", about one run in three on torch 2.14). Release it while the group is alive.
+    del obj, model
+    gc.collect()
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the run is over; a teardown hiccup must not fail it

@@ -106,6 +106,11 @@ def test_usage_errors_exit_two_with_the_offending_option():
     assert proc.returncode == 2 and "--batch-sizes" in proc.stderr
 
 
+def test_a_negative_density_time_floor_is_a_usage_error():
+    proc = run_cli("--density-time-floor", "-1")
+    assert proc.returncode == 2 and "--density-time-floor" in proc.stderr
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "allreduce-powersgd"])
 def test_peer_baselines_train_and_count_bytes(strategy, tmp_path):
     proc = run_cli(*FAST, "--strategy", strategy, "--workers", "2", "--max-steps", "40",
