@@ -32,6 +32,10 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
 
 
+def _labels(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(","))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's options; defaults give a one-minute CPU run on the bundled digits."""
     d = TrainConfig()
@@ -91,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a peer silent this long fails the role instead of hanging it")
     sysg.add_argument("--link-mbps", type=_floats, default=(),
                       help="emulated per-worker link bandwidth (Mbit/s), worker order")
+    sysg.add_argument("--sites", type=_labels, default=(),
+                      help="site label per rank, server first (PS strategies): the server's update "
+                           "crosses to each remote site once and a worker there relays it")
     sysg.add_argument("--emulate-speeds", action="store_true",
                       help="stretch each worker's compute to its --speeds share (local demos)")
     sysg.add_argument("--verbose", action="store_true")
@@ -141,6 +148,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--server-k-fraction must be in (0, 1], got {args.server_k_fraction}")
     if args.max_steps < 1 or args.eval_every < 1 or args.rebalance_every < 1:
         raise UsageError("--max-steps, --eval-every and --rebalance-every must be >= 1")
+    if args.sites:
+        if not ps:
+            raise UsageError(f"--sites relays a parameter server's update; {args.strategy} has none")
+        if len(args.sites) != workers + 1 or not all(args.sites):
+            raise UsageError(f"--sites {list(args.sites)}: need {workers + 1} non-empty labels, the server's first")
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
     return TrainConfig(
@@ -159,7 +171,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         metrics_out=args.metrics_out, report_url=args.report_url, report_token=args.report_token,
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,
-        link_mbps=tuple(args.link_mbps), emulate_speeds=args.emulate_speeds,
+        link_mbps=tuple(args.link_mbps), sites=tuple(args.sites), emulate_speeds=args.emulate_speeds,
         powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
     )
 

@@ -14,7 +14,8 @@ PS_STRATEGIES = ("ps", "ps-gc", "ps-bz-gc")
 # must match the checkpoint's or the run would silently continue a different experiment.
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "target_accuracy", "checkpoint_every", "checkpoint_dir", "metrics_out",
-     "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume"}
+     "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume",
+     "sites"}
 )
 
 
@@ -65,6 +66,8 @@ class TrainConfig:
     timeout_s: float = 300.0
     log_every: int = 0
     link_mbps: tuple[float, ...] = ()
+    # Site label per rank (0 the server): the server's update crosses to each remote site once.
+    sites: tuple[str, ...] = ()
     emulate_speeds: bool = False
     powersgd_rank: int = 2
     powersgd_start: int = 10

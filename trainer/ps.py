@@ -6,7 +6,8 @@ Per step t (seed 000, section III):
  2. Tiny and 1-D tensors go dense; the rest is compressed (Top-k of gradient + residual, error
     feedback, per-worker density d_m^t), unless it is a warm-up step.
  3. The server aggregates with alpha_m = n_m / B (eq. 1-2), adds its own residual, keeps the top
-    k_s = params * server_k_fraction, keeps the rest as its residual, and sends one reply to all.
+    k_s = params * server_k_fraction, keeps the rest as its residual, and sends one reply to all
+    (through one relay worker per remote site when the run knows its sites: `trainer.relay`).
  4. Every worker applies the same update with the same SGD-momentum optimizer (eq. 3 plus
     momentum), so the replicas stay identical; momentum lives after compression, on the workers.
  5. The reply also carries next step's densities (adapted from the transmission times) and batch
@@ -36,6 +37,7 @@ from trainer.compression import (
 from trainer.config import TrainConfig, adapt_densities, lr_at
 from trainer.data import Dataset, batch_indices, eval_slice
 from trainer.metrics import MetricsLogger
+from trainer.relay import SERVER, plan_relay
 from trainer.transport import Transport
 from trainer.wire import Message, decode, encode
 
@@ -43,7 +45,6 @@ log = logging.getLogger("trainer.ps")
 
 CPU = torch.device("cpu")
 GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT = range(1, 7)
-SERVER = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class PSWorker:
             if cfg.compresses else Identity()
         )
         self.codec_state = CompressionState(density=cfg.density, seed=cfg.seed)
+        self.relay = plan_relay(cfg.sites, cfg.workers)
         self.last_tx_s = 0.0
         self.step = 0
         self.stopped = False
@@ -208,8 +210,12 @@ class PSWorker:
         t1 = time.perf_counter()
         self.transport.send(SERVER, frame)
         t2 = time.perf_counter()
-        reply = decode(self.transport.recv(SERVER))
+        raw = self.transport.recv(self.relay.source(self.rank))
         t3 = time.perf_counter()
+        # Forward the frame as received, before decoding: the site's peers wait on it.
+        self.transport.send_many(self.relay.forwards_of(self.rank), raw)
+        t4 = time.perf_counter()
+        reply = decode(raw)
         if reply.kind != UPDATE or reply.step != step:
             raise RuntimeError(f"rank {self.rank}: expected the update of step {step}, got kind {reply.kind} step {reply.step}")
         density = self.densities[self.index] if step > self.cfg.warmup_steps and self.cfg.compresses else 1.0
@@ -223,7 +229,7 @@ class PSWorker:
         mlog(step, "samples_per_s", n / total)
         mlog(step, "compute_s", compute_s)
         mlog(step, "compress_s", compress_s)
-        mlog(step, "comm_s", t2 - t1)
+        mlog(step, "comm_s", (t2 - t1) + (t4 - t3))
         mlog(step, "wait_s", t3 - t2)
         mlog(step, "density", density)
         if self.eval_due(step):
@@ -327,6 +333,7 @@ class ParameterServer:
     ) -> None:
         self.cfg, self.layout, self.transport, self.metrics = cfg, layout, transport, metrics
         self.workers = list(range(1, cfg.workers + 1))
+        self.relay = plan_relay(cfg.sites, cfg.workers)
         self.batch_sizes = list(batch_sizes)
         self.densities = [cfg.density] * cfg.workers
         self.has_buffers = has_buffers
@@ -387,8 +394,8 @@ class ParameterServer:
                 self.compute_window = []
 
     def run_step(self, step: int) -> float:
-        """Receive every worker's gradient, aggregate, send one update to all (then evaluate when
-        due); returns the global loss."""
+        """Receive every worker's gradient, aggregate, send one update to all (or to the relays;
+        then evaluate when due); returns the global loss."""
         t0 = time.perf_counter()
         frames = self.transport.recv_many(self.workers)
         t1 = time.perf_counter()
@@ -399,7 +406,7 @@ class ParameterServer:
         reply = self.aggregate(step, msgs)
         frame = encode(reply)
         t2 = time.perf_counter()
-        self.transport.send_many(self.workers, frame)
+        self.transport.send_many(self.relay.server_sends, frame)
         t3 = time.perf_counter()
         self.step = step
         loss = reply.scalars[0]

@@ -82,7 +82,7 @@ def run_role(cfg: TrainConfig, spec: RoleSpec) -> int:
         elif cfg.is_ps:
             transport = TorchTransport(spec.rank)
             if cfg.link_mbps:
-                transport = ThrottledTransport(transport, cfg.link_mbps[spec.rank - 1])
+                transport = ThrottledTransport(transport, cfg.link_mbps[spec.rank - 1], peer=0)
             obj = PSWorker(cfg, spec.rank, model, data, transport, metrics, batch_sizes, device)
         else:
             obj = DDPWorker(cfg, spec.rank, model, data, metrics, batch_sizes, device)

@@ -1,7 +1,7 @@
 """Point-to-point transports that carry encoded frames between ranks, counting every byte.
 
-The algorithm (`trainer.ps`) only sees this interface, so a later relay (one hop per site for
-the server's reply) or a test fake replaces the torch.distributed one without touching it.
+The algorithm (`trainer.ps`) only sees this interface, so a test fake replaces the
+torch.distributed one without touching it.
 Bytes are counted as they go on the wire: the 8-byte length prefix plus the frame.
 """
 
@@ -126,10 +126,12 @@ class ThrottledTransport(Transport):
     """Wraps a worker's transport to emulate its link: sleeps bytes*8/bandwidth per frame.
 
     Applied on the worker for both directions of its own link, so the server never serialises
-    the sleeps of several workers. Used by `--link-mbps` and the wire benchmark.
+    the sleeps of several workers. Used by `--link-mbps` and the wire benchmark. With `peer`
+    set, only traffic with that rank (the server) is shaped: a relay's forwards to its site's
+    peers stay on the fast local network.
     """
 
-    def __init__(self, inner: Transport, mbps: float, latency_s: float = 0.0) -> None:
+    def __init__(self, inner: Transport, mbps: float, latency_s: float = 0.0, peer: int | None = None) -> None:
         super().__init__(inner.rank)
         if mbps <= 0:
             raise ValueError(f"link bandwidth must be > 0 Mbit/s, got {mbps}")
@@ -138,19 +140,22 @@ class ThrottledTransport(Transport):
         self.bytes_recv = inner.bytes_recv
         self.seconds_per_byte = 8.0 / (mbps * 1e6)
         self.latency_s = latency_s
+        self.peer = peer
 
-    def _delay(self, nbytes: int) -> None:
+    def _delay(self, peer: int, nbytes: int) -> None:
+        if self.peer is not None and peer != self.peer:
+            return
         time.sleep(self.latency_s + (nbytes + _LEN_BYTES) * self.seconds_per_byte)
 
     def send(self, peer: int, frame: torch.Tensor) -> None:
         """Send, then wait out the emulated transmission time."""
         self.inner.send(peer, frame)
-        self._delay(frame.numel())
+        self._delay(peer, frame.numel())
 
     def recv(self, peer: int) -> torch.Tensor:
         """Receive, then wait out the emulated transmission time."""
         frame = self.inner.recv(peer)
-        self._delay(frame.numel())
+        self._delay(peer, frame.numel())
         return frame
 
 
@@ -160,6 +165,7 @@ class InMemoryHub:
     def __init__(self, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
         self._queues: defaultdict[tuple[int, int], queue.Queue] = defaultdict(queue.Queue)
+        self.sent: defaultdict[tuple[int, int], int] = defaultdict(int)  # frames per (src, dst)
         self._lock = threading.Lock()
 
     def queue(self, src: int, dst: int) -> queue.Queue:
@@ -182,6 +188,7 @@ class InMemoryTransport(Transport):
     def send(self, peer: int, frame: torch.Tensor) -> None:
         """Enqueue a copy of the frame for `peer`."""
         self._count(self.bytes_sent, peer, frame)
+        self.hub.sent[(self.rank, peer)] += 1
         self.hub.queue(self.rank, peer).put(frame.clone())
 
     def recv(self, peer: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from app.errors import ConflictError, InvalidFieldError, NotFoundError
 from app.models import Cluster, Node, NodeGpu, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import FINISHED_WORKER_STATUSES
-from app.planner import GpuSpec, Plan, PlanError, PlanNode, plan_run
+from app.planner import PS_STRATEGIES, GpuSpec, Plan, PlanError, PlanNode, plan_run
 from app.queries.common import paginate
 from app.schemas.runs import RunCreate
 from app.security import hash_secret, new_secret
@@ -187,7 +187,15 @@ def create_run(
     return run, token
 
 
-def _trainer_options(run: Run) -> dict[str, Any]:
+def rank_sites(session: Session, *, run: Run) -> list[str]:
+    """The site id of each rank's node, as text, in rank order (the trainer's --sites labels)."""
+    node_ids = [w.node_id for w in run.workers]
+    rows = session.execute(select(Node.id, Node.site_id).where(Node.id.in_(node_ids))).all()
+    site_of = {node_id: site_id for node_id, site_id in rows}
+    return [str(site_of.get(w.node_id, "")) for w in sorted(run.workers, key=lambda w: w.rank)]
+
+
+def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
     options: dict[str, Any] = {
         "strategy": run.strategy,
         "model": run.model,
@@ -215,11 +223,17 @@ def _trainer_options(run: Run) -> dict[str, Any]:
             options["error-feedback" if value else "no-error-feedback"] = True
         else:
             options[key.replace("_", "-")] = value
+    if run.strategy in PS_STRATEGIES and len(set(sites)) > 1 and all(sites):
+        # The server's update then crosses to each remote site once (trainer/relay.py).
+        options["sites"] = ",".join(sites)
     return options
 
 
-def launch_orders(run: Run, *, metrics_token: str, public_url: str) -> list[LaunchOrder]:
-    """One launch order per rank, carrying everything the role's command line needs."""
+def launch_orders(
+    run: Run, *, metrics_token: str, public_url: str, sites: Sequence[str] = ()
+) -> list[LaunchOrder]:
+    """One launch order per rank, carrying everything the role's command line needs; `sites`
+    (one label per rank, `rank_sites`) lets a PS run relay its update once per remote site."""
     batch_sizes = [w.batch_size for w in run.workers if w.role == "worker" and w.batch_size]
     orders = []
     for worker in run.workers:
@@ -237,7 +251,7 @@ def launch_orders(run: Run, *, metrics_token: str, public_url: str) -> list[Laun
             "batch_sizes": batch_sizes,
             "report_url": f"{public_url.rstrip('/')}/api/v1/runs/{run.id}/metrics",
             "report_token": metrics_token,
-            "options": _trainer_options(run),
+            "options": _trainer_options(run, sites),
             "env": env,
         }
         orders.append(LaunchOrder(node_id=worker.node_id, run_id=run.id, rank=worker.rank, spec=spec))

@@ -330,3 +330,30 @@ def test_only_parameter_server_runs_rebalance(online_node, client):
     a = online_node()
     response = client.post(f"{API}/runs", json=run_body([a], strategy="allreduce", rebalance_every=10))
     assert response.status_code == 422 and "rebalance_every" in response.text
+
+
+def _options_by_rank(dispatched, nodes) -> dict[int, dict]:
+    orders = [o for n in nodes for o in dispatched.take(n.id)]
+    return {args[1]: args[2]["options"] for _, args in orders}
+
+
+def test_a_ps_run_across_sites_tells_the_trainer_each_ranks_site(online_node, client, dispatched, make_site):
+    onprem, cloud = make_site()["id"], make_site()["id"]
+    a, b = online_node("RTX 3090 Ti", site_id=onprem), online_node("RTX 3090", site_id=onprem)
+    c, d = online_node("V100 PCIe", site_id=cloud), online_node("V100 PCIe", site_id=cloud)
+
+    run = _create(client, run_body([a, b, c, d])).json()
+
+    site_of = {a.id: onprem, b.id: onprem, c.id: cloud, d.id: cloud}
+    expected = ",".join(str(site_of[w["node_id"]]) for w in run["workers"])
+    options = _options_by_rank(dispatched, [a, b, c, d])
+    assert {o.get("sites") for o in options.values()} == {expected}
+
+
+def test_a_run_within_one_site_needs_no_relay(online_node, client, dispatched, make_site):
+    site = make_site()["id"]
+    a, b = online_node("RTX 3090", site_id=site), online_node("T4", site_id=site)
+
+    _create(client, run_body([a, b]))
+
+    assert all("sites" not in o for o in _options_by_rank(dispatched, [a, b]).values())

@@ -76,3 +76,17 @@ def test_run_request_compression_fields_map_to_trainer_flags():
     spec = launch_orders(run, metrics_token="t", public_url="http://cp")[0].spec
     assert spec["options"]["density"] == 0.02 and spec["options"]["error-feedback"] is True
     assert SimpleNamespace(**spec).role == "ps"
+
+
+def test_rank_sites_become_the_trainers_relay_plan():
+    run = _run("ps-bz-gc", {})
+    sites = ["4", "4", "9", "9"]
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp", sites=sites):
+        args = trainer_cli.build_parser().parse_args(trainer_argv(RoleSpec.model_validate(order.spec), command=[]))
+        assert trainer_cli.config_from_args(args).sites == ("4", "4", "9", "9")
+
+
+def test_an_all_reduce_run_gets_no_sites_even_across_sites():
+    run = _run("allreduce", {})
+    orders = launch_orders(run, metrics_token="t", public_url="http://cp", sites=["4", "4", "9"])
+    assert all("sites" not in o.spec["options"] for o in orders)

@@ -111,6 +111,23 @@ def test_a_negative_density_time_floor_is_a_usage_error():
     assert proc.returncode == 2 and "--density-time-floor" in proc.stderr
 
 
+def test_sites_for_a_strategy_without_a_server_are_a_usage_error():
+    proc = run_cli("--strategy", "allreduce", "--workers", "2", "--sites", "a,a")
+    assert proc.returncode == 2 and "--sites" in proc.stderr
+
+
+def test_a_relayed_run_forwards_each_update_inside_the_remote_site(tmp_path):
+    proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30",
+                   "--eval-every", "30", "--sites", "onprem,onprem,cloud,cloud",
+                   "--link-mbps", "1000,100,100", "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(tmp_path / "m.jsonl")
+    links = {(r["rank"], r["peer"]) for r in records if r["name"] == "bytes_sent" and r["step"] == 10}
+    # The server's update of step 10 went to ranks 1 and 2; rank 2 handed it on to rank 3.
+    assert links == {(0, 1), (0, 2), (1, 0), (2, 0), (2, 3), (3, 0)}
+    assert series(records, "accuracy")[30] > 0.5
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "allreduce-powersgd"])
 def test_peer_baselines_train_and_count_bytes(strategy, tmp_path):
     proc = run_cli(*FAST, "--strategy", strategy, "--workers", "2", "--max-steps", "40",

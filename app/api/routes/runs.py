@@ -85,7 +85,8 @@ def create_run(
         )
 
     # Orders go out only after the run is committed, so an agent's first report finds it.
-    orders = queries.launch_orders(run, metrics_token=metrics_token, public_url=settings.public_url)
+    orders = queries.launch_orders(run, metrics_token=metrics_token, public_url=settings.public_url,
+                                   sites=queries.rank_sites(session, run=run))
     try:
         dispatcher.send(orders)
     except Exception as exc:  # noqa: BLE001 - any broker failure fails the run, with its cause
