@@ -13,12 +13,13 @@ from typing import Any
 from starlette.datastructures import FormData
 
 from app.errors import ConflictError, HybridtrainError
+from app.planner import PS_STRATEGIES
 from app.schemas.runs import RunCreate
 from app.web import forms
 
 TEXT_FIELDS = (
     "name", "target", "cluster_id", "strategy", "model", "dataset", "global_batch_size", "lr",
-    "length", "max_steps", "epochs", "target_accuracy", "allocation", "ps_node_id", "device", "seed",
+    "length", "max_steps", "epochs", "target_accuracy", "eval_every", "rebalance_every", "allocation", "ps_node_id", "device", "seed",
     "compression_compressor", "compression_value_dtype", "compression_select", "compression_density",
     "compression_density_min", "compression_density_max", "compression_server_k_fraction",
     "compression_error_feedback", "compression_warmup_steps", "compression_powersgd_rank",
@@ -51,13 +52,18 @@ def run_create(values: dict[str, Any]) -> tuple[RunCreate | None, dict[str, str]
     """The launch request the form describes, or the errors by field."""
     data, errors = forms.typed(
         {k: v for k, v in values.items() if isinstance(v, str)},
-        ints=("cluster_id", "global_batch_size", "max_steps", "epochs", "ps_node_id", "seed"),
+        ints=("cluster_id", "global_batch_size", "max_steps", "epochs", "ps_node_id", "seed",
+              "eval_every", "rebalance_every"),
         floats=("lr", "target_accuracy"),
     )
     body: dict[str, Any] = {
         k: data[k] for k in ("name", "strategy", "model", "dataset", "global_batch_size", "lr",
-                             "target_accuracy", "allocation", "ps_node_id", "device", "seed")
+                             "target_accuracy", "eval_every", "rebalance_every", "allocation",
+                             "ps_node_id", "device", "seed")
     }
+    if data["rebalance_every"] != "" and values.get("strategy") not in PS_STRATEGIES:
+        # The schema refuses this too, but only above the form; the user should see it here.
+        errors["rebalance_every"] = "only parameter-server strategies re-balance; leave it blank"
     if values.get("target") == "cluster":
         body["cluster_id"] = data["cluster_id"]
         if data["cluster_id"] == "":

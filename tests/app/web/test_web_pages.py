@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from app.models import TokenScope
 from app.queries.nodes import node_by_join_token
+from app.web import run_form
 from app.web.assets import plotly_js_path
 from tests.app.web.conftest import ROOT, PageClient, field_errors
 from tests.app.web.run_seed import seed_run
@@ -83,6 +84,21 @@ def test_invalid_launch_keeps_input_and_shows_errors(admin_page: PageClient) -> 
     assert response.status_code == 422
     assert set(errors) >= {"node_ids", "max_steps", "compression_density"}
     assert 'value="-5"' in response.text
+
+
+def test_launch_form_carries_evaluation_and_rebalancing_periods() -> None:
+    values = {**run_form.DEFAULTS, "name": "r", "node_ids": ["1", "2"], "eval_every": "25", "rebalance_every": "10"}
+    body, errors = run_form.run_create(values)
+    assert errors == {} and body is not None
+    assert (body.eval_every, body.rebalance_every) == (25, 10)
+
+
+def test_rebalancing_an_all_reduce_run_is_refused_beside_the_field(admin_page: PageClient) -> None:
+    response = admin_page.post("/runs", {"name": "r", "target": "nodes", "strategy": "allreduce", "length": "steps",
+                                         "max_steps": "10", "global_batch_size": "64", "lr": "0.1", "rebalance_every": "10"})
+    assert response.status_code == 422
+    assert "rebalance_every" in field_errors(response.text)
+    assert 'value="10"' in response.text
 
 
 def test_run_and_compare_pages_of_a_seeded_run(admin_page: PageClient, session: Session) -> None:
