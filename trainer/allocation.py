@@ -54,6 +54,23 @@ def measured_speeds(batch_sizes: Sequence[int], compute_s: Sequence[float]) -> l
     return [n / max(t, 1e-9) for n, t in zip(batch_sizes, compute_s, strict=True)]
 
 
-def rebalance(global_batch: int, batch_sizes: Sequence[int], compute_s: Sequence[float]) -> list[int]:
-    """`measured` allocation: re-split B from the compute times observed with `batch_sizes`."""
-    return proportional_batch_sizes(global_batch, measured_speeds(batch_sizes, compute_s))
+def rebalance(
+    global_batch: int,
+    batch_sizes: Sequence[int],
+    compute_s: Sequence[float],
+    overhead_s: Sequence[float] = (),
+) -> list[int]:
+    """`measured` allocation: re-split B from the compute times observed with `batch_sizes`, so
+    that every worker's gradient is ready at once, counting its per-step `overhead_s` too.
+
+    A worker takes c_m + n_m / s_m for a batch of n_m (s_m its measured speed, c_m a cost that
+    does not grow with the batch: compressing a gradient of fixed size). Equal finishing times
+    T give n_m = s_m (T - c_m) with T = (B + sum s_m c_m) / sum s_m; a worker whose overhead
+    alone exceeds T keeps the one-sample minimum.
+    """
+    speeds = measured_speeds(batch_sizes, compute_s)
+    if not overhead_s:
+        return proportional_batch_sizes(global_batch, speeds)
+    finish = (global_batch + sum(s * c for s, c in zip(speeds, overhead_s, strict=True))) / sum(speeds)
+    shares = [max(s * (finish - c), 1e-9) for s, c in zip(speeds, overhead_s)]
+    return proportional_batch_sizes(global_batch, shares)

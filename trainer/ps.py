@@ -205,7 +205,8 @@ class PSWorker:
         loss, n, compute_s = self.compute(step)
         t0 = time.perf_counter()
         payloads = self.compress(step)
-        frame = encode(Message(GRAD, step, self.rank, [loss, n, compute_s, self.last_tx_s], payloads))
+        topk_s = time.perf_counter() - t0
+        frame = encode(Message(GRAD, step, self.rank, [loss, n, compute_s, self.last_tx_s, topk_s], payloads))
         compress_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.transport.send(SERVER, frame)
@@ -344,6 +345,7 @@ class ParameterServer:
         )
         self.codec_state = CompressionState(density=cfg.server_k_fraction, seed=cfg.seed)
         self.compute_window: list[list[float]] = []
+        self.overhead_window: list[list[float]] = []
         self.elapsed_s = 0.0
         self.reached_at: float | None = None
         self.step = 0
@@ -386,12 +388,16 @@ class ParameterServer:
         # `measured` refines whatever split the run started from (--batch-sizes from the
         # control plane's plan, or the speeds): the plan's FLOPs ignore that a device is
         # less efficient on a smaller batch, which only observed compute times reveal.
+        # Compression time counts as a fixed per-step cost: a slow node spends longer on the same
+        # top-k, so balancing compute alone leaves its frame last (trainer.allocation.rebalance).
         if self.cfg.allocation == "measured" and self.cfg.workers > 1:
             self.compute_window.append([m.scalars[2] for m in msgs])
+            self.overhead_window.append([m.scalars[4] if len(m.scalars) > 4 else 0.0 for m in msgs])
             if len(self.compute_window) >= self.cfg.rebalance_every:
                 means = [sum(col) / len(col) for col in zip(*self.compute_window)]
-                self.batch_sizes = rebalance(sum(self.batch_sizes), self.batch_sizes, means)
-                self.compute_window = []
+                overheads = [sum(col) / len(col) for col in zip(*self.overhead_window)]
+                self.batch_sizes = rebalance(sum(self.batch_sizes), self.batch_sizes, means, overheads)
+                self.compute_window, self.overhead_window = [], []
 
     def run_step(self, step: int) -> float:
         """Receive every worker's gradient, aggregate, send one update to all (or to the relays;
@@ -464,6 +470,7 @@ class ParameterServer:
             "densities": self.densities,
             "batch_sizes": self.batch_sizes,
             "compute_window": self.compute_window,
+            "overhead_window": self.overhead_window,
             "elapsed_s": self.elapsed(),
         }
 
@@ -473,6 +480,9 @@ class ParameterServer:
         self.densities = list(state["densities"])
         self.batch_sizes = list(state["batch_sizes"])
         self.compute_window = [list(r) for r in state["compute_window"]]
+        # A checkpoint from before the overhead window was kept has none: that window then
+        # re-balances from compute alone.
+        self.overhead_window = [list(r) for r in state.get("overhead_window", [])]
         self.elapsed_s = state["elapsed_s"]
         self._t0 = time.time()
         self.step = state["step"]

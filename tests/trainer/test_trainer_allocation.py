@@ -55,3 +55,18 @@ def test_aggregation_weights_are_batch_shares():
 def test_measured_rebalance_moves_samples_to_the_faster_worker():
     # Equal batches, but worker 0 computes its batch in half the time.
     assert rebalance(64, [32, 32], [0.1, 0.2]) == [42, 22]
+
+
+def test_rebalance_evens_out_finishing_times_including_a_fixed_per_step_cost():
+    # Same speed (320 samples/s), but worker 1 spends 50 ms more per step compressing.
+    sizes = rebalance(64, [32, 32], [0.1, 0.1], [0.0, 0.05])
+    assert sizes == [40, 24]
+    assert 40 / 320 == 24 / 320 + 0.05
+
+
+def test_rebalance_with_equal_overheads_is_the_compute_only_split():
+    assert rebalance(64, [32, 32], [0.1, 0.2], [0.03, 0.03]) == rebalance(64, [32, 32], [0.1, 0.2]) == [42, 22]
+
+
+def test_a_worker_whose_overhead_exceeds_the_step_keeps_one_sample():
+    assert rebalance(64, [32, 32], [0.1, 0.1], [0.0, 5.0]) == [63, 1]

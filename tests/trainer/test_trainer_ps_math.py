@@ -131,15 +131,27 @@ def test_learning_rate_schedule_warms_up_then_decays_to_zero():
     assert abs(lr_at(60, cfg) - 0.1) < 1e-9 and lr_at(110, cfg) < 1e-12
 
 
-def test_measured_allocation_rebalances_a_planned_split_from_compute_times():
+def _batch_sizes_after_a_window(timings: list[tuple[float, float]]) -> list[float]:
+    """Two steps of a 48-sample run planned as 24 + 24, the workers reporting (compute_s,
+    compress_s); the batch sizes the server's reply then carries."""
     # The control plane passes its plan as --batch-sizes; `measured` must still refine it.
     cfg = TrainConfig(strategy="ps-bz-gc", workers=2, global_batch=48, batch_sizes=(24, 24),
                       allocation="measured", rebalance_every=2, dense_numel=100)
     _, workers, server = _setup(cfg, [24, 24])
     for step in (1, 2):
         msgs = []
-        for w, compute_s in zip(workers, (0.1, 0.3)):  # worker 1 takes 3x as long per sample
+        for w, (compute_s, compress_s) in zip(workers, timings):
             loss, n, _ = w.compute(step)
-            msgs.append(Message(GRAD, step, w.rank, [loss, n, compute_s, 0.0], w.compress(step)))
+            msgs.append(Message(GRAD, step, w.rank, [loss, n, compute_s, 0.0, compress_s], w.compress(step)))
         reply = server.aggregate(step, msgs)
-    assert reply.scalars[-2:] == [36.0, 12.0]
+    return reply.scalars[-2:]
+
+
+def test_measured_allocation_rebalances_a_planned_split_from_compute_times():
+    # Worker 2 takes 3x as long per sample.
+    assert _batch_sizes_after_a_window([(0.1, 0.0), (0.3, 0.0)]) == [36.0, 12.0]
+
+
+def test_measured_allocation_counts_each_workers_compression_time():
+    # 200 samples/s each, but worker 2 compresses for 60 ms: 30 samples in 0.15 s, 18 in 0.09 + 0.06 s.
+    assert _batch_sizes_after_a_window([(0.12, 0.0), (0.12, 0.06)]) == [30.0, 18.0]
