@@ -380,8 +380,12 @@ class ParameterServer:
     def _plan(self, step: int, msgs: list[Message]) -> None:
         """Densities from last transmission times (step 3); batch sizes from compute times."""
         if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
+            # A link's time is the longer of the worker's own send time (previous step) and the
+            # frame's arrival time seen here (this step): the first alone misses a shaped link
+            # whose bytes sit in a socket buffer, the second alone an emulated --link-mbps.
+            times = [max(m.scalars[3], self.transport.wire_s.get(m.sender, 0.0)) for m in msgs]
             self.densities = adapt_densities(
-                self.densities, [m.scalars[3] for m in msgs], target=self.cfg.density,
+                self.densities, times, target=self.cfg.density,
                 low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,
                 floor=self.cfg.density_time_floor_s,
             )

@@ -27,6 +27,9 @@ class Transport(ABC):
         self.rank = rank
         self.bytes_sent: defaultdict[int, int] = defaultdict(int)
         self.bytes_recv: defaultdict[int, int] = defaultdict(int)
+        # Seconds each peer's last frame took to arrive, from its length prefix to its last
+        # byte; empty where the transport cannot tell (in-memory queues).
+        self.wire_s: dict[int, float] = {}
 
     @abstractmethod
     def send(self, peer: int, frame: torch.Tensor) -> None:
@@ -113,12 +116,15 @@ class TorchTransport(Transport):
             self._count(self.bytes_recv, p, frames[p])
         return frames
 
-    @staticmethod
-    def _recv_one(peer: int) -> torch.Tensor:
+    def _recv_one(self, peer: int) -> torch.Tensor:
         length = torch.zeros(1, dtype=torch.int64)
         dist.irecv(length, peer).wait()
+        t0 = time.perf_counter()
         frame = torch.empty(int(length.item()), dtype=torch.uint8)
         dist.irecv(frame, peer).wait()
+        # The sender's own clock stops once the frame sits in its socket buffer, which holds
+        # megabytes: on a shaped link only the receiver sees how long the bytes took.
+        self.wire_s[peer] = time.perf_counter() - t0
         return frame
 
 

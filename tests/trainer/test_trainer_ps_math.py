@@ -155,3 +155,18 @@ def test_measured_allocation_rebalances_a_planned_split_from_compute_times():
 def test_measured_allocation_counts_each_workers_compression_time():
     # 200 samples/s each, but worker 2 compresses for 60 ms: 30 samples in 0.15 s, 18 in 0.09 + 0.06 s.
     assert _batch_sizes_after_a_window([(0.12, 0.0), (0.12, 0.06)]) == [30.0, 18.0]
+
+
+def test_the_server_adapts_densities_to_the_arrival_times_it_sees():
+    # Worker 1's send returned at once (its frame sat in a socket buffer), but the server saw
+    # its bytes take 0.4 s against worker 2's 0.1 s: worker 1's link is the slow one.
+    cfg = TrainConfig(strategy="ps-bz-gc", workers=2, global_batch=48, warmup_steps=0, dense_numel=100)
+    _, workers, server = _setup(cfg, [24, 24])
+    server.transport.wire_s.update({1: 0.4, 2: 0.1})
+    msgs = []
+    for w in workers:
+        loss, n, _ = w.compute(2)
+        msgs.append(Message(GRAD, 2, w.rank, [loss, n, 0.1, 0.0, 0.0], w.compress(2)))
+    reply = server.aggregate(2, msgs)
+    d1, d2 = reply.scalars[1:3]
+    assert d1 < cfg.density < d2

@@ -22,7 +22,7 @@ def _role(rank: int, port: int, out: "mp.Queue") -> None:
         transport = TorchTransport(rank)
         if rank == 0:
             frames = transport.recv_many([1, 2])
-            out.put((0, {p: f.numel() for p, f in frames.items()}))
+            out.put((0, ({p: f.numel() for p, f in frames.items()}, dict(transport.wire_s))))
         else:
             if rank == 2:
                 time.sleep(LATE_S)
@@ -53,7 +53,11 @@ def test_a_peers_send_completes_without_waiting_for_a_late_peer():
         p.join(timeout=30)
         assert p.exitcode == 0
 
-    assert results[0] == {1: 2_000_000, 2: 4_000_000}
+    sizes, wire_s = results[0]
+    assert sizes == {1: 2_000_000, 2: 4_000_000}
     # The early peer's send time is its own transfer over loopback, which the adaptive density
     # reads as its link's speed: it must not include the late peer's 1.5 s.
     assert results[1] < LATE_S / 3
+    # The receiver times each frame from its length prefix on: the late peer's lateness is not
+    # its link's time either.
+    assert set(wire_s) == {1, 2} and max(wire_s.values()) < LATE_S / 3
