@@ -87,7 +87,9 @@ def test_invalid_launch_keeps_input_and_shows_errors(admin_page: PageClient) -> 
 
 
 def test_launch_form_carries_evaluation_and_rebalancing_periods() -> None:
-    values = {**run_form.DEFAULTS, "name": "r", "node_ids": ["1", "2"], "eval_every": "25", "rebalance_every": "10"}
+    # As `echoed` gives them: every text field, blank unless typed.
+    values = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
+        "name": "r", "node_ids": ["1", "2"], "eval_every": "25", "rebalance_every": "10"}
     body, errors = run_form.run_create(values)
     assert errors == {} and body is not None
     assert (body.eval_every, body.rebalance_every) == (25, 10)
