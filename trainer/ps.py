@@ -11,7 +11,7 @@ Per step t (seed 000, section III):
  4. Every worker applies the same update with the same SGD-momentum optimizer (eq. 3 plus
     momentum), so the replicas stay identical; momentum lives after compression, on the workers.
  5. The reply also carries next step's densities (adapted from the transmission times) and batch
-    sizes (re-balanced from compute times under `--allocation measured`).
+    sizes (re-balanced from compute and compression times under `--allocation measured`).
 """
 
 from __future__ import annotations
@@ -378,7 +378,8 @@ class ParameterServer:
         return Message(UPDATE, step, SERVER, scalars, [Payload(dense.numel(), dense), update])
 
     def _plan(self, step: int, msgs: list[Message]) -> None:
-        """Densities from last transmission times (step 3); batch sizes from compute times."""
+        """Densities from last transmission times (step 3); batch sizes from compute and
+        compression times."""
         if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
             # A link's time is the longer of the worker's own send time (previous step) and the
             # frame's arrival time seen here (this step): the first alone misses a shaped link
@@ -396,7 +397,7 @@ class ParameterServer:
         # top-k, so balancing compute alone leaves its frame last (trainer.allocation.rebalance).
         if self.cfg.allocation == "measured" and self.cfg.workers > 1:
             self.compute_window.append([m.scalars[2] for m in msgs])
-            self.overhead_window.append([m.scalars[4] if len(m.scalars) > 4 else 0.0 for m in msgs])
+            self.overhead_window.append([m.scalars[4] for m in msgs])
             if len(self.compute_window) >= self.cfg.rebalance_every:
                 means = [sum(col) / len(col) for col in zip(*self.compute_window)]
                 overheads = [sum(col) / len(col) for col in zip(*self.overhead_window)]

@@ -76,7 +76,8 @@ class RunCreate(Schema):
     rebalance_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
         default=None,
         description="PS strategies: re-split the global batch every N steps from the workers' "
-        "observed compute times, starting from the plan (straggler mitigation); off by default",
+        "observed compute and compression times, starting from the plan (straggler mitigation); "
+        "off by default",
     )
     eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = Field(
         default=None, description="evaluate held-out accuracy every N steps (trainer default 50)"

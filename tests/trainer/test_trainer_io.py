@@ -31,6 +31,20 @@ def test_throttled_transport_takes_bytes_over_bandwidth():
     assert slow.take_counts()[0] == {0: 100_008}
 
 
+def test_a_throttle_for_one_peer_leaves_the_others_unshaped():
+    # A relay's link to the server is slow; its forwards to its own site are not.
+    hub = InMemoryHub(timeout_s=5)
+    relay = ThrottledTransport(hub.transport(2), mbps=8.0, peer=0)  # 1 MB/s to the server
+    frame = torch.zeros(100_000, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    relay.send(3, frame)
+    local_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    relay.send(0, frame)
+    shaped_s = time.perf_counter() - t1
+    assert local_s < 0.05 and shaped_s > 0.09
+
+
 def _client(handler) -> httpx.Client:
     return httpx.Client(transport=httpx.MockTransport(handler))
 

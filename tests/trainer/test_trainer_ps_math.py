@@ -32,7 +32,7 @@ def _ps_step(step: int, workers: list[PSWorker], server: ParameterServer) -> Mes
     msgs = []
     for w in workers:
         loss, n, _ = w.compute(step)
-        msgs.append(decode(encode(Message(GRAD, step, w.rank, [loss, n, 0.0, 0.0], w.compress(step)))))
+        msgs.append(decode(encode(Message(GRAD, step, w.rank, [loss, n, 0.0, 0.0, 0.0], w.compress(step)))))
     reply = decode(encode(server.aggregate(step, msgs)))
     for w in workers:
         w.apply(step, reply)
@@ -73,7 +73,7 @@ def test_weighted_aggregation_equals_the_gradient_of_the_concatenated_unequal_ba
     msgs = []
     for w in workers:
         loss, n, _ = w.compute(1)
-        msgs.append(Message(GRAD, 1, w.rank, [loss, n, 0.0, 0.0], w.compress(1)))
+        msgs.append(Message(GRAD, 1, w.rank, [loss, n, 0.0, 0.0, 0.0], w.compress(1)))
     dense, sparse = server.aggregate(1, msgs).payloads
     flat = torch.cat([dense.values, sparse.values])
     ref = tiny_mlp()
