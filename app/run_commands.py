@@ -58,6 +58,8 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     steps.add_argument("--max-steps", type=int, default=None)
     steps.add_argument("--epochs", type=int, default=None)
     create.add_argument("--target-accuracy", type=float, default=None)
+    create.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=None,
+                        help="stop once the target accuracy is reached (the default)")
     create.add_argument("--seed", type=int, default=None)
     create.add_argument("--allocation", choices=("equal", "flops", "measured"), default=None)
     create.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None)
@@ -163,6 +165,7 @@ def _run_body(args: argparse.Namespace) -> dict[str, Any]:
         ("epochs", args.epochs), ("target_accuracy", args.target_accuracy), ("seed", args.seed),
         ("allocation", args.allocation), ("device", args.device), ("ps_node_id", args.ps_node),
         ("rebalance_every", args.rebalance_every), ("eval_every", args.eval_every),
+        ("stop_at_target", args.stop_at_target),
     ]:
         if value is not None:
             body[key] = value

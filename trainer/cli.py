@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "default flops for ps-bz-gc, equal otherwise")
     run.add_argument("--rebalance-every", type=int, default=d.rebalance_every)
     run.add_argument("--max-steps", type=int, default=d.max_steps)
-    run.add_argument("--target-accuracy", type=float, default=None, help="stop once reached")
+    run.add_argument("--target-accuracy", type=float, default=None,
+                     help="record the time to reach it; stop there unless --no-stop-at-target")
+    run.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=d.stop_at_target,
+                     help="stop once --target-accuracy is reached")
     run.add_argument("--seed", type=int, default=d.seed)
     run.add_argument("--model", choices=MODELS, default=d.model)
     run.add_argument("--dataset", choices=DATASETS, default=d.dataset)
@@ -76,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--server-k-fraction", type=float, default=d.server_k_fraction)
     gc.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback)
     gc.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="uncompressed first steps")
+    gc.add_argument("--pipeline-chunks", type=int, default=d.pipeline_chunks,
+                    help="PS strategies: compress, send, aggregate and answer the gradient in this many "
+                         "chunks, one on the wire and at the server while the next is compressed")
     gc.add_argument("--dense-numel", type=int, default=d.dense_numel,
                     help="tensors with fewer elements (and all 1-D ones) travel dense")
     gc.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
@@ -153,6 +159,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise UsageError(f"--sites relays a parameter server's update; {args.strategy} has none")
         if len(args.sites) != workers + 1 or not all(args.sites):
             raise UsageError(f"--sites {list(args.sites)}: need {workers + 1} non-empty labels, the server's first")
+    if not 1 <= args.pipeline_chunks <= 64:
+        raise UsageError(f"--pipeline-chunks must be in 1..64, got {args.pipeline_chunks}")
+    if args.pipeline_chunks > 1 and not ps:
+        raise UsageError(f"--pipeline-chunks pipelines a parameter server's step; {args.strategy} has none")
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
     return TrainConfig(
@@ -160,14 +170,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         batch_sizes=tuple(args.batch_sizes), speeds=tuple(args.speeds),
         allocation=args.allocation or default_allocation(args.strategy),
         rebalance_every=args.rebalance_every, max_steps=args.max_steps,
-        target_accuracy=args.target_accuracy, seed=args.seed, model=args.model, dataset=args.dataset,
+        target_accuracy=args.target_accuracy, stop_at_target=args.stop_at_target, seed=args.seed, model=args.model, dataset=args.dataset,
         lr=args.lr, lr_schedule=args.lr_schedule, lr_warmup_steps=args.lr_warmup_steps,
         momentum=args.momentum, weight_decay=args.weight_decay, compressor=args.compressor,
         value_dtype=args.value_dtype, select=args.select, density=args.density,
         density_min=args.density_min, density_max=args.density_max, density_gamma=args.density_gamma,
         density_time_floor_s=args.density_time_floor,
         server_k_fraction=args.server_k_fraction, error_feedback=args.error_feedback,
-        warmup_steps=args.warmup_steps, dense_numel=args.dense_numel, eval_every=args.eval_every,
+        warmup_steps=args.warmup_steps, pipeline_chunks=args.pipeline_chunks, dense_numel=args.dense_numel, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         metrics_out=args.metrics_out, report_url=args.report_url, report_token=args.report_token,
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,

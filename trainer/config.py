@@ -15,7 +15,7 @@ PS_STRATEGIES = ("ps", "ps-gc", "ps-bz-gc")
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "target_accuracy", "checkpoint_every", "checkpoint_dir", "metrics_out",
      "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume",
-     "sites"}
+     "sites", "stop_at_target"}
 )
 
 
@@ -32,6 +32,9 @@ class TrainConfig:
     rebalance_every: int = 50
     max_steps: int = 300
     target_accuracy: float | None = None
+    # False: record the time to accuracy and train on to max_steps (to compare final accuracies
+    # of runs at the same step budget).
+    stop_at_target: bool = True
     seed: int = 0
     model: str = "smallcnn"
     dataset: str = "digits"
@@ -53,6 +56,8 @@ class TrainConfig:
     server_k_fraction: float = 1 / 32
     error_feedback: bool = True
     warmup_steps: int = 5
+    # PS strategies: the compressed part travels in this many chunks, pipelined (trainer.ps).
+    pipeline_chunks: int = 1
     dense_numel: int = 1024
     eval_every: int = 50
     checkpoint_every: int = 0

@@ -184,7 +184,14 @@ def batch_indices(step: int, worker: int, batch_sizes: tuple[int, ...], n_train:
     return _epoch_permutation(n_train, seed, epoch)[start : start + batch_sizes[worker]]
 
 
-def eval_slice(n_test: int, worker: int, workers: int) -> slice:
-    """The part of the held-out set a worker evaluates (contiguous, near-equal parts)."""
-    bounds = np.linspace(0, n_test, workers + 1).round().astype(int)
+def eval_slice(n_test: int, worker: int, batch_sizes: tuple[int, ...]) -> slice:
+    """The contiguous part of the held-out set a worker scores, in proportion to its batch.
+
+    A worker's batch share is its share of the compute, so every worker finishes scoring at once,
+    as it finishes a step; equal parts would leave the fast workers waiting on the slow ones.
+    """
+    weights = np.asarray(batch_sizes, dtype=np.float64)
+    if weights.size == 0 or (weights <= 0).any():
+        raise ValueError(f"eval_slice: batch sizes must be positive, got {list(batch_sizes)}")
+    bounds = (np.concatenate([[0.0], np.cumsum(weights)]) / weights.sum() * n_test).round().astype(int)
     return slice(int(bounds[worker]), int(bounds[worker + 1]))

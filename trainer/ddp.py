@@ -185,7 +185,7 @@ class DDPWorker:
         for b in float_buffers(self.module):
             b.mul_(alpha)
             dist.all_reduce(b)
-        part = eval_slice(len(self.data.y_test), self.rank, self.world)
+        part = eval_slice(len(self.data.y_test), self.rank, tuple(self.batch_sizes))
         x, y = self.data.x_test[part], self.data.y_test[part]
         self.module.eval()
         correct = 0
@@ -195,10 +195,11 @@ class DDPWorker:
         dist.all_reduce(counts)
         accuracy = float(counts[0] / counts[1].clamp(min=1))
         target = self.cfg.target_accuracy
-        self.stopped = target is not None and accuracy >= target
+        reached = target is not None and accuracy >= target
+        self.stopped = reached and self.cfg.stop_at_target
         if self.rank == 0:
             self.metrics.log(step, "accuracy", accuracy)
-            if self.stopped and self.reached_at is None:
+            if reached and self.reached_at is None:
                 self.reached_at = self.elapsed()
                 self.metrics.log(step, "time_to_accuracy_s", self.reached_at)
             self._progress(step, self.metrics.last.get("loss", float("nan")), accuracy)

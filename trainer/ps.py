@@ -12,12 +12,17 @@ Per step t (seed 000, section III):
     momentum), so the replicas stay identical; momentum lives after compression, on the workers.
  5. The reply also carries next step's densities (adapted from the transmission times) and batch
     sizes (re-balanced from compute and compression times under `--allocation measured`).
+
+With `--pipeline-chunks N` steps 2-4 run once per chunk of the compressed part, as a pipeline:
+the server aggregates chunk c and its update travels back while the workers compress chunk c+1.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -80,6 +85,27 @@ class Layout:
         """All parameters."""
         return self.dense_numel + self.sparse_numel
 
+    def chunks(self, count: int) -> tuple[tuple[int, int], ...]:
+        """`count` contiguous, near-equal (start, stop) ranges tiling the compressed part."""
+        if not 1 <= count <= max(1, self.sparse_numel):
+            raise ValueError(f"cannot split {self.sparse_numel} compressed elements into {count} chunks")
+        bounds = [round(i * self.sparse_numel / count) for i in range(count + 1)]
+        return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def _join_residuals(states: list[CompressionState]) -> torch.Tensor | None:
+    """One flat residual of the chunks' (None until every chunk has one): checkpoints keep the
+    same shape whatever the chunking."""
+    if any(s.residual is None for s in states):
+        return None
+    return states[0].residual if len(states) == 1 else torch.cat([s.residual for s in states])
+
+
+def _split_residual(states: list[CompressionState], residual: torch.Tensor | None,
+                    chunks: tuple[tuple[int, int], ...]) -> None:
+    for s, (a, b) in zip(states, chunks):
+        s.residual = None if residual is None else residual[a:b].clone()
+
 
 def float_buffers(model: nn.Module) -> list[torch.Tensor]:
     """BatchNorm running statistics and other float buffers (not trained, so never in gradients)."""
@@ -111,7 +137,9 @@ class PSWorker:
                              error_feedback=cfg.error_feedback, select=cfg.select)
             if cfg.compresses else Identity()
         )
-        self.codec_state = CompressionState(density=cfg.density, seed=cfg.seed)
+        self.chunks = self.layout.chunks(cfg.pipeline_chunks)
+        # One codec state (residual) per chunk: each chunk is compressed on its own.
+        self.codec_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.chunks]
         self.relay = plan_relay(cfg.sites, cfg.workers)
         self.last_tx_s = 0.0
         self.step = 0
@@ -171,28 +199,37 @@ class PSWorker:
             elapsed *= slow
         return float(loss.item()), len(idx), elapsed
 
-    def compress(self, step: int) -> list[Payload]:
-        """Step 2: the dense part as is, the rest through the codec (dense in warm-up)."""
-        dense = Payload(self.layout.dense_numel, self.flat_grad[: self.layout.dense_numel].cpu())
-        sparse = self.flat_grad[self.layout.dense_numel :]
+    def compress(self, step: int, chunk: int = 0) -> list[Payload]:
+        """Step 2 for one chunk: [dense part (chunk 0 only; empty otherwise), the chunk through
+        the codec] (the chunk dense in warm-up)."""
+        nd = self.layout.dense_numel if chunk == 0 else 0
+        dense = Payload(nd, self.flat_grad[:nd].cpu())
+        a, b = self.chunks[chunk]
+        sparse = self.flat_grad[self.layout.dense_numel + a : self.layout.dense_numel + b]
         if step <= self.cfg.warmup_steps or not self.cfg.compresses:
             return [dense, Payload(sparse.numel(), sparse.cpu())]
-        self.codec_state.density = self.densities[self.index]
-        self.codec_state.step = step
-        p = self.codec.compress(sparse, self.codec_state)
+        state = self.codec_states[chunk]
+        state.density = self.densities[self.index]
+        state.step = step
+        p = self.codec.compress(sparse, state)
         return [dense, Payload(p.numel, p.values.cpu(), None if p.indices is None else p.indices.cpu(), p.seed)]
 
-    def apply(self, step: int, reply: Message) -> None:
-        """Step 4: the server's update into `flat_grad`, then one optimizer step."""
+    def apply(self, step: int, reply: Message, chunk: int = 0) -> None:
+        """Step 4: the server's update of one chunk into `flat_grad`; after the last chunk's, one
+        optimizer step and the next step's densities and batch sizes."""
         dense, sparse = reply.payloads
         nd = self.layout.dense_numel
-        self.flat_grad[:nd].copy_(dense.values.to(self.device, torch.float32))
-        tail = self.flat_grad[nd:]
+        if chunk == 0:
+            self.flat_grad[:nd].copy_(dense.values.to(self.device, torch.float32))
+        a, b = self.chunks[chunk]
+        part = self.flat_grad[nd + a : nd + b]
         if sparse.indices is None:
-            tail.copy_(sparse.values.to(self.device, torch.float32))
+            part.copy_(sparse.values.to(self.device, torch.float32))
         else:
-            tail.zero_()
-            tail.index_add_(0, sparse.indices.to(self.device), sparse.values.to(self.device, torch.float32))
+            part.zero_()
+            part.index_add_(0, sparse.indices.to(self.device), sparse.values.to(self.device, torch.float32))
+        if chunk < len(self.chunks) - 1:
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg)
         self.optimizer.step()
@@ -200,28 +237,67 @@ class PSWorker:
         self.densities = [float(d) for d in reply.scalars[1 : 1 + m]]
         self.batch_sizes = [int(n) for n in reply.scalars[1 + m : 1 + 2 * m]]
 
+    def _receive_updates(self, out: queue.Queue) -> None:
+        """Each chunk's update from the server (or the site's relay), forwarded on as received,
+        before decoding: the site's peers wait on it. Runs beside the sends of later chunks."""
+        try:
+            source, forwards = self.relay.source(self.rank), self.relay.forwards_of(self.rank)
+            for _ in self.chunks:
+                raw = self.transport.recv(source)
+                t1 = time.perf_counter()
+                self.transport.send_many(forwards, raw)
+                out.put((raw, t1, time.perf_counter() - t1))
+        except BaseException as exc:  # raised again in the stepping thread
+            out.put(exc)
+
     def run_step(self, step: int) -> float:
-        """One synchronous step (and the evaluation when due); returns the local loss."""
+        """One synchronous step (and the evaluation when due); returns the local loss.
+
+        With several chunks the step is a pipeline: chunk c+1 is compressed while chunk c is on
+        the wire and being aggregated by the server, whose update of chunk c comes back meanwhile.
+        """
         loss, n, compute_s = self.compute(step)
-        t0 = time.perf_counter()
-        payloads = self.compress(step)
-        topk_s = time.perf_counter() - t0
-        frame = encode(Message(GRAD, step, self.rank, [loss, n, compute_s, self.last_tx_s, topk_s], payloads))
-        compress_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        self.transport.send(SERVER, frame)
-        t2 = time.perf_counter()
-        raw = self.transport.recv(self.relay.source(self.rank))
-        t3 = time.perf_counter()
-        # Forward the frame as received, before decoding: the site's peers wait on it.
-        self.transport.send_many(self.relay.forwards_of(self.rank), raw)
-        t4 = time.perf_counter()
-        reply = decode(raw)
-        if reply.kind != UPDATE or reply.step != step:
-            raise RuntimeError(f"rank {self.rank}: expected the update of step {step}, got kind {reply.kind} step {reply.step}")
         density = self.densities[self.index] if step > self.cfg.warmup_steps and self.cfg.compresses else 1.0
-        self.apply(step, reply)
-        self.last_tx_s = t2 - t1
+        updates: queue.Queue = queue.Queue()
+        receiver = threading.Thread(target=self._receive_updates, args=(updates,), daemon=True,
+                                    name=f"updates-{step}")
+        receiver.start()
+        t0 = time.perf_counter()
+        topk_s = encode_s = tx_s = 0.0
+        waits = []
+        for c in range(len(self.chunks)):
+            tc = time.perf_counter()
+            payloads = self.compress(step, c)
+            te = time.perf_counter()
+            topk_s += te - tc
+            scalars = [loss, n, compute_s, self.last_tx_s, topk_s, c]
+            frame = encode(Message(GRAD, step, self.rank, scalars, payloads))
+            ts = time.perf_counter()
+            encode_s += ts - te
+            waits.append(self.transport.post_many([SERVER], frame))
+            tx_s += time.perf_counter() - ts
+        ts = time.perf_counter()
+        for wait in waits:
+            wait()
+        sent = time.perf_counter()
+        tx_s += sent - ts
+        forward_s, last_arrival = 0.0, sent
+        for c in range(len(self.chunks)):
+            try:
+                item = updates.get(timeout=self.cfg.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"rank {self.rank}: no update of step {step} (chunk {c}) within "
+                                   f"{self.cfg.timeout_s:.0f} s") from None
+            if isinstance(item, BaseException):
+                raise item
+            raw, last_arrival, fwd = item
+            forward_s += fwd
+            reply = decode(raw)
+            if reply.kind != UPDATE or reply.step != step:
+                raise RuntimeError(f"rank {self.rank}: expected the update of step {step}, got kind {reply.kind} step {reply.step}")
+            self.apply(step, reply, c)
+        receiver.join()
+        self.last_tx_s = tx_s
         self.step = step
         total = time.perf_counter() - t0 + compute_s
         mlog = self.metrics.log
@@ -229,9 +305,9 @@ class PSWorker:
         mlog(step, "batch_size", n)
         mlog(step, "samples_per_s", n / total)
         mlog(step, "compute_s", compute_s)
-        mlog(step, "compress_s", compress_s)
-        mlog(step, "comm_s", (t2 - t1) + (t4 - t3))
-        mlog(step, "wait_s", t3 - t2)
+        mlog(step, "compress_s", topk_s + encode_s)
+        mlog(step, "comm_s", tx_s + forward_s)
+        mlog(step, "wait_s", max(0.0, last_arrival - sent))
         mlog(step, "density", density)
         if self.eval_due(step):
             self.evaluate(step)
@@ -269,7 +345,7 @@ class PSWorker:
     def evaluate(self, step: int) -> float:
         """Held-out accuracy of the (identical) replicas; each worker scores one slice."""
         self.sync_buffers(step)
-        part = eval_slice(len(self.data.y_test), self.index, self.cfg.workers)
+        part = eval_slice(len(self.data.y_test), self.index, tuple(self.batch_sizes))
         x, y = self.data.x_test[part], self.data.y_test[part]
         self.model.eval()
         correct = 0
@@ -287,7 +363,7 @@ class PSWorker:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "residual": self.codec_state.residual,
+            "residual": _join_residuals(self.codec_states),
             "densities": self.densities,
             "batch_sizes": self.batch_sizes,
             "last_tx_s": self.last_tx_s,
@@ -298,7 +374,7 @@ class PSWorker:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         residual = state["residual"]
-        self.codec_state.residual = None if residual is None else residual.to(self.device)
+        _split_residual(self.codec_states, None if residual is None else residual.to(self.device), self.chunks)
         self.densities = list(state["densities"])
         self.batch_sizes = list(state["batch_sizes"])
         self.last_tx_s = state["last_tx_s"]
@@ -343,7 +419,9 @@ class ParameterServer:
                              select=cfg.select)
             if cfg.compresses else Identity()
         )
-        self.codec_state = CompressionState(density=cfg.server_k_fraction, seed=cfg.seed)
+        self.chunks = layout.chunks(cfg.pipeline_chunks)
+        # Each chunk keeps k_s * its share of the elements, with its own residual.
+        self.codec_states = [CompressionState(density=cfg.server_k_fraction, seed=cfg.seed) for _ in self.chunks]
         self.compute_window: list[list[float]] = []
         self.overhead_window: list[list[float]] = []
         self.elapsed_s = 0.0
@@ -353,12 +431,14 @@ class ParameterServer:
         self._t0 = time.time()
         self._last_print = 0.0
 
-    def aggregate(self, step: int, msgs: list[Message]) -> Message:
-        """Steps 3 and 5: the alpha-weighted sum (eq. 1-2), server compression, next step's plan."""
+    def aggregate(self, step: int, msgs: list[Message], chunk: int = 0) -> Message:
+        """Steps 3 and 5 for one chunk: the alpha-weighted sum (eq. 1-2) and server compression;
+        with the last chunk, next step's plan."""
         ns = [m.scalars[1] for m in msgs]
         alphas = aggregation_weights(ns)
-        dense = torch.zeros(self.layout.dense_numel)
-        sparse = torch.zeros(self.layout.sparse_numel)
+        a, b = self.chunks[chunk]
+        dense = torch.zeros(self.layout.dense_numel if chunk == 0 else 0)
+        sparse = torch.zeros(b - a)
         for alpha, m in zip(alphas, msgs):
             d, s = m.payloads
             # Widen to fp32 before weighting and summing (fp16 values would lose the small terms).
@@ -370,11 +450,15 @@ class ParameterServer:
         if step <= self.cfg.warmup_steps or not self.cfg.compresses:
             update = Payload(sparse.numel(), sparse)
         else:
-            self.codec_state.step = step
-            update = self.codec.compress(sparse, self.codec_state)
-        loss = sum(a * m.scalars[0] for a, m in zip(alphas, msgs))
-        self._plan(step, msgs)
-        scalars = [loss, *self.densities, *self.batch_sizes]
+            state = self.codec_states[chunk]
+            state.step = step
+            update = self.codec.compress(sparse, state)
+        loss = sum(w * m.scalars[0] for w, m in zip(alphas, msgs))
+        scalars = [loss]
+        if chunk == len(self.chunks) - 1:
+            # The last chunk's frames carry the step's full timings (compression summed).
+            self._plan(step, msgs)
+            scalars += [*self.densities, *self.batch_sizes]
         return Message(UPDATE, step, SERVER, scalars, [Payload(dense.numel(), dense), update])
 
     def _plan(self, step: int, msgs: list[Message]) -> None:
@@ -408,27 +492,42 @@ class ParameterServer:
         """Receive every worker's gradient, aggregate, send one update to all (or to the relays;
         then evaluate when due); returns the global loss."""
         t0 = time.perf_counter()
-        frames = self.transport.recv_many(self.workers)
-        t1 = time.perf_counter()
-        msgs = [decode(frames[r]) for r in self.workers]
-        bad = [(r, m.kind, m.step) for r, m in zip(self.workers, msgs) if m.kind != GRAD or m.step != step]
-        if bad:
-            raise RuntimeError(f"server: expected gradients of step {step}, got (rank, kind, step) {bad}")
-        reply = self.aggregate(step, msgs)
-        frame = encode(reply)
-        t2 = time.perf_counter()
-        self.transport.send_many(self.relay.server_sends, frame)
+        wait_s = compress_s = comm_s = 0.0
+        waits, sent = [], 0
+        before = t0
+        # With several chunks, chunk c is aggregated and its update sent while the workers
+        # compress and send chunk c+1.
+        for chunk, frames in enumerate(self.transport.recv_rounds(self.workers, len(self.chunks))):
+            t1 = time.perf_counter()
+            wait_s += t1 - before
+            msgs = [decode(frames[r]) for r in self.workers]
+            bad = [(r, m.kind, m.step, m.scalars[5:6]) for r, m in zip(self.workers, msgs)
+                   if m.kind != GRAD or m.step != step or m.scalars[5:6] != [chunk]]
+            if bad:
+                raise RuntimeError(f"server: expected chunk {chunk} of the gradients of step {step}, "
+                                   f"got (rank, kind, step, [chunk]) {bad}")
+            reply = self.aggregate(step, msgs, chunk)
+            sent += reply.payloads[1].count
+            frame = encode(reply)
+            t2 = time.perf_counter()
+            compress_s += t2 - t1
+            waits.append(self.transport.post_many(self.relay.server_sends, frame))
+            before = time.perf_counter()
+            comm_s += before - t2
+        for wait in waits:
+            wait()
         t3 = time.perf_counter()
+        comm_s += t3 - before
         self.step = step
         loss = reply.scalars[0]
         mlog = self.metrics.log
         mlog(step, "loss", loss)
         mlog(step, "batch_size", sum(self.batch_sizes))
         mlog(step, "samples_per_s", sum(m.scalars[1] for m in msgs) / max(t3 - t0, 1e-9))
-        mlog(step, "wait_s", t1 - t0)
-        mlog(step, "compress_s", t2 - t1)
-        mlog(step, "comm_s", t3 - t2)
-        mlog(step, "density", reply.payloads[1].count / max(1, self.layout.sparse_numel))
+        mlog(step, "wait_s", wait_s)
+        mlog(step, "compress_s", compress_s)
+        mlog(step, "comm_s", comm_s)
+        mlog(step, "density", sent / max(1, self.layout.sparse_numel))
         self._progress(step, loss)
         if step % self.cfg.eval_every == 0 or step == self.cfg.max_steps:
             self.evaluate(step)
@@ -459,8 +558,8 @@ class ParameterServer:
         accuracy = sum(m.scalars[0] for m in msgs) / max(1.0, sum(m.scalars[1] for m in msgs))
         target = self.cfg.target_accuracy
         reached = target is not None and accuracy >= target
-        self.stopped = reached
-        self.transport.send_many(self.workers, encode(Message(EVAL_RESULT, step, SERVER, [accuracy, float(reached)])))
+        self.stopped = reached and self.cfg.stop_at_target
+        self.transport.send_many(self.workers, encode(Message(EVAL_RESULT, step, SERVER, [accuracy, float(self.stopped)])))
         self.metrics.log(step, "accuracy", accuracy)
         if reached and self.reached_at is None:
             self.reached_at = self.elapsed()
@@ -471,7 +570,7 @@ class ParameterServer:
     def state_dict(self) -> dict:
         """Server residual, densities, batch sizes, timing window, elapsed time."""
         return {
-            "residual": self.codec_state.residual,
+            "residual": _join_residuals(self.codec_states),
             "densities": self.densities,
             "batch_sizes": self.batch_sizes,
             "compute_window": self.compute_window,
@@ -481,7 +580,7 @@ class ParameterServer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`."""
-        self.codec_state.residual = state["residual"]
+        _split_residual(self.codec_states, state["residual"], self.chunks)
         self.densities = list(state["densities"])
         self.batch_sizes = list(state["batch_sizes"])
         self.compute_window = [list(r) for r in state["compute_window"]]

@@ -92,6 +92,11 @@ def run_role(cfg: TrainConfig, spec: RoleSpec) -> int:
             print(f"[{name}] resumed from step {start}", file=sys.stderr, flush=True)
         if spec.fail_at_step is not None:
             _fail_at(obj, spec.fail_at_step)
+        # Every role starts its training clock only once all have built their data and model:
+        # otherwise the server's clock (PS) ran through a slow worker's start-up (seconds on a
+        # small node) while DDP's began after its constructor had synchronised the ranks, and
+        # time to accuracy compared start-up costs as much as training.
+        dist.barrier()
         obj.train(start)
     except KeyboardInterrupt:
         print(f"[{name}] interrupted", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,21 @@ class Transport(ABC):
         for p in peers:
             self.send(p, frame)
 
+    def post_many(self, peers: Iterable[int], frame: torch.Tensor) -> Callable[[], None]:
+        """Start sending `frame` to each of `peers`; the returned function waits for the sends.
+
+        Here the sends complete before it returns (queues, emulated links that sleep); a
+        transport with asynchronous sends overrides it so the caller works while bytes travel.
+        """
+        self.send_many(peers, frame)
+        return lambda: None
+
+    def recv_rounds(self, peers: Iterable[int], rounds: int) -> Iterator[dict[int, torch.Tensor]]:
+        """`rounds` frames from each of `peers`, yielded round by round (a pipelined step)."""
+        peers = list(peers)
+        for _ in range(rounds):
+            yield self.recv_many(peers)
+
     def take_counts(self) -> tuple[dict[int, int], dict[int, int]]:
         """Bytes sent and received per peer since the last call, and reset the counters."""
         sent, recv = dict(self.bytes_sent), dict(self.bytes_recv)
@@ -68,14 +83,23 @@ class TorchTransport(Transport):
 
     def send_many(self, peers: Iterable[int], frame: torch.Tensor) -> None:
         """Post every send before waiting, so the links run in parallel."""
+        self.post_many(peers, frame)()
+
+    def post_many(self, peers: Iterable[int], frame: torch.Tensor) -> Callable[[], None]:
+        """Post the length prefix and the frame to every peer; the sends complete in the background."""
         length = torch.tensor([frame.numel()], dtype=torch.int64)
         works = []
         for p in peers:
             works.append(dist.isend(length, p))
             works.append(dist.isend(frame, p))
             self._count(self.bytes_sent, p, frame)
-        for w in works:
-            w.wait()
+
+        def wait() -> None:
+            # `length` and `frame` stay referenced here until gloo is done with them.
+            for w in works:
+                w.wait()
+
+        return wait
 
     def recv(self, peer: int) -> torch.Tensor:
         """The next frame from `peer`."""
@@ -115,6 +139,41 @@ class TorchTransport(Transport):
         for p in peers:
             self._count(self.bytes_recv, p, frames[p])
         return frames
+
+    def recv_rounds(self, peers: Iterable[int], rounds: int) -> Iterator[dict[int, torch.Tensor]]:
+        """Each peer's receives run back to back on its own thread, so round r+1's bytes travel
+        (and are counted into `wire_s`, summed over the rounds) while the caller works on round r.
+        """
+        peers = list(peers)
+        if rounds == 1:
+            yield self.recv_many(peers)
+            return
+        done: queue.Queue[tuple[int, int, torch.Tensor | BaseException, float]] = queue.Queue()
+
+        def receive(peer: int) -> None:
+            for r in range(rounds):
+                try:
+                    frame = self._recv_one(peer)
+                except BaseException as exc:  # handed to the caller, raised there
+                    done.put((peer, r, exc, 0.0))
+                    return
+                done.put((peer, r, frame, self.wire_s[peer]))
+
+        for p in peers:
+            threading.Thread(target=receive, args=(p,), daemon=True, name=f"recv-{p}").start()
+        pending: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
+        wire = dict.fromkeys(peers, 0.0)
+        for r in range(rounds):
+            while len(pending[r]) < len(peers):
+                peer, at, result, seconds = done.get()
+                if isinstance(result, BaseException):
+                    raise result
+                pending[at][peer] = result
+                wire[peer] += seconds
+                self._count(self.bytes_recv, peer, result)
+            if r == rounds - 1:
+                self.wire_s.update(wire)
+            yield pending.pop(r)
 
     def _recv_one(self, peer: int) -> torch.Tensor:
         length = torch.zeros(1, dtype=torch.int64)

@@ -121,10 +121,10 @@ def _encode_payload(p: Payload, out: list[bytes]) -> None:
         if enc == INT32:
             out.append(p.indices.cpu().numpy().astype(np.int32).tobytes())
         elif enc == BITMAP:
-            bits = torch.zeros(((p.numel + 7) // 8) * 8, dtype=torch.uint8)
-            bits[p.indices.cpu()] = 1
-            weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-            out.append((bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8).numpy().tobytes())
+            # numpy packs bits in one pass; the server's reply is often a bitmap of millions.
+            bits = np.zeros(p.numel, dtype=bool)
+            bits[p.indices.cpu().numpy()] = True
+            out.append(np.packbits(bits, bitorder="little").tobytes())
         elif enc == SEED:
             out.append(_SEED.pack(p.seed))
     out.append(values.numpy().tobytes())
@@ -146,8 +146,7 @@ def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
         indices = torch.from_numpy(arr).long()
     elif enc == BITMAP:
         arr, offset = _take(buf, offset, np.uint8, (numel + 7) // 8)
-        bits = (torch.from_numpy(arr).unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
-        indices = bits.reshape(-1)[:numel].nonzero().squeeze(1)
+        indices = torch.from_numpy(np.flatnonzero(np.unpackbits(arr, count=numel, bitorder="little")))
     elif enc in (DELTA8, DELTA16):
         arr, offset = _take(buf, offset, np.uint8 if enc == DELTA8 else np.uint16, count)
         gaps = torch.from_numpy(arr.astype(np.int64))

@@ -17,6 +17,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
@@ -112,6 +113,8 @@ class Run(TimestampMixin, Base):
     max_steps: Mapped[int]
     epochs: Mapped[int | None]
     target_accuracy: Mapped[float | None]
+    # False: the run records its time to accuracy and trains on to max_steps.
+    stop_at_target: Mapped[bool] = mapped_column(default=True, server_default=true())
     seed: Mapped[int] = mapped_column(default=0)
     allocation: Mapped[str] = mapped_column(String(16))  # equal, flops, measured
     device: Mapped[str] = mapped_column(String(8), default="auto")

@@ -157,6 +157,7 @@ def create_run(
         max_steps=data.steps(),
         epochs=data.epochs,
         target_accuracy=data.target_accuracy,
+        stop_at_target=data.stop_at_target,
         seed=data.seed,
         allocation=plan.allocation,
         device=data.device,
@@ -210,6 +211,8 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
     }
     if run.target_accuracy is not None:
         options["target-accuracy"] = run.target_accuracy
+    if run.stop_at_target is False:  # None on a run not yet flushed: the column's default, True
+        options["no-stop-at-target"] = True
     if run.eval_every is not None:
         options["eval-every"] = run.eval_every
     if run.rebalance_every is not None:

@@ -42,6 +42,11 @@ class CompressionOptions(Schema):
     server_k_fraction: Fraction | None = None
     error_feedback: Flag | None = None
     warmup_steps: SmallCount | None = None
+    pipeline_chunks: Annotated[int, Field(ge=1, le=64, strict=True)] | None = Field(
+        default=None,
+        description="PS strategies: send and aggregate the gradient in this many pipelined chunks "
+        "(the server and the wire work on one while the workers compress the next); default 1",
+    )
     powersgd_rank: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
 
     @model_validator(mode="after")
@@ -67,6 +72,11 @@ class RunCreate(Schema):
     max_steps: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
     epochs: Annotated[int, Field(ge=1, le=100_000, strict=True)] | None = None
     target_accuracy: Fraction | None = None
+    stop_at_target: Flag = Field(
+        default=True,
+        description="stop once target_accuracy is reached; false records the time to accuracy and "
+        "trains on to max_steps, so that runs compare final accuracy at the same step budget",
+    )
     seed: Annotated[int, Field(ge=0, le=2**31 - 1, strict=True)] = 0
     allocation: Allocation | None = Field(
         default=None, description="batch split: default flops for ps-bz-gc, equal otherwise"
@@ -94,6 +104,9 @@ class RunCreate(Schema):
             raise ValueError("node_ids: each node may appear once")
         if self.rebalance_every is not None and self.strategy not in PS_STRATEGIES:
             raise ValueError(f"rebalance_every: only PS strategies re-balance, not {self.strategy}")
+        chunks = self.compression.pipeline_chunks if self.compression else None
+        if chunks not in (None, 1) and self.strategy not in PS_STRATEGIES:
+            raise ValueError(f"compression.pipeline_chunks: only PS strategies pipeline, not {self.strategy}")
         return self
 
     def steps(self) -> int:
@@ -154,6 +167,7 @@ class RunPublic(PublicSchema):
     max_steps: int
     epochs: int | None
     target_accuracy: float | None
+    stop_at_target: bool
     seed: int
     allocation: str
     device: str

@@ -19,18 +19,19 @@ from app.web import forms
 
 TEXT_FIELDS = (
     "name", "target", "cluster_id", "strategy", "model", "dataset", "global_batch_size", "lr",
-    "length", "max_steps", "epochs", "target_accuracy", "eval_every", "rebalance_every", "allocation", "ps_node_id", "device", "seed",
+    "length", "max_steps", "epochs", "target_accuracy", "at_target", "eval_every", "rebalance_every", "allocation", "ps_node_id", "device", "seed",
     "compression_compressor", "compression_value_dtype", "compression_select", "compression_density",
     "compression_density_min", "compression_density_max", "compression_server_k_fraction",
-    "compression_error_feedback", "compression_warmup_steps", "compression_powersgd_rank",
+    "compression_error_feedback", "compression_warmup_steps", "compression_pipeline_chunks",
+    "compression_powersgd_rank",
     "idempotency_key",
 )
-COMPRESSION_INTS = ("warmup_steps", "powersgd_rank")
+COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank")
 COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction")
 DEFAULTS = {
     "target": "nodes", "strategy": "ps-bz-gc", "model": "smallcnn", "dataset": "digits",
     "global_batch_size": "64", "lr": "0.1", "length": "steps", "max_steps": "300", "device": "auto",
-    "seed": "0", "allocation": "", "compression_error_feedback": "",
+    "seed": "0", "allocation": "", "compression_error_feedback": "", "at_target": "stop",
 }
 
 
@@ -61,6 +62,11 @@ def run_create(values: dict[str, Any]) -> tuple[RunCreate | None, dict[str, str]
                              "target_accuracy", "eval_every", "rebalance_every", "allocation",
                              "ps_node_id", "device", "seed")
     }
+    at_target = values.get("at_target") or "stop"
+    if at_target in ("stop", "continue"):
+        body["stop_at_target"] = at_target == "stop"
+    else:
+        errors["at_target"] = "choose stop or continue"
     if data["rebalance_every"] != "" and values.get("strategy") not in PS_STRATEGIES:
         # The schema refuses this too, but only above the form; the user should see it here.
         errors["rebalance_every"] = "only parameter-server strategies re-balance; leave it blank"

@@ -326,6 +326,44 @@ def test_rebalancing_and_evaluation_period_reach_the_trainer(online_node, client
     assert options["eval-every"] == 5
 
 
+def test_a_run_that_trains_past_its_target_tells_the_trainer(online_node, client, dispatched):
+    a, b = online_node("RTX 3090"), online_node("T4")
+
+    run = _create(client, run_body([a, b], target_accuracy=0.9, stop_at_target=False)).json()
+
+    assert run["stop_at_target"] is False
+    orders = dispatched.take(a.id) + dispatched.take(b.id)
+    options = next(args[2]["options"] for _, args in orders if args[1] == 1)
+    assert options["target-accuracy"] == 0.9 and options["no-stop-at-target"] is True
+
+
+def test_runs_stop_at_their_target_by_default(online_node, client, dispatched):
+    a = online_node()
+
+    run = _create(client, run_body([a], target_accuracy=0.9)).json()
+
+    assert run["stop_at_target"] is True
+    options = next(args[2]["options"] for _, args in dispatched.take(a.id) if args[1] == 1)
+    assert "no-stop-at-target" not in options
+
+
+def test_a_pipelined_ps_run_tells_the_trainer_its_chunks(online_node, client, dispatched):
+    a = online_node()
+
+    run = _create(client, run_body([a], strategy="ps-gc", compression={"pipeline_chunks": 4})).json()
+
+    assert run["compression"]["pipeline_chunks"] == 4
+    options = next(args[2]["options"] for _, args in dispatched.take(a.id) if args[1] == 1)
+    assert options["pipeline-chunks"] == 4
+
+
+def test_only_parameter_server_runs_pipeline(online_node, client):
+    a = online_node()
+    body = run_body([a], strategy="allreduce", compression={"pipeline_chunks": 4})
+    response = client.post(f"{API}/runs", json=body)
+    assert response.status_code == 422 and "pipeline_chunks" in response.text
+
+
 def test_only_parameter_server_runs_rebalance(online_node, client):
     a = online_node()
     response = client.post(f"{API}/runs", json=run_body([a], strategy="allreduce", rebalance_every=10))

@@ -47,7 +47,7 @@ def _run(strategy: str, compression: dict) -> Run:
     [
         ("ps-bz-gc", {"compressor": "topk", "density": 0.02, "density_min": 0.01, "density_max": 0.05,
                       "value_dtype": "fp16", "server_k_fraction": 0.05, "error_feedback": False,
-                      "warmup_steps": 2, "select": "threshold"}),
+                      "warmup_steps": 2, "select": "threshold", "pipeline_chunks": 4}),
         ("ps", {}),
         ("allreduce-powersgd", {"powersgd_rank": 4}),
     ],
@@ -66,6 +66,7 @@ def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compressio
         assert cfg.report_url == "http://cp:8000/api/v1/runs/7/metrics" and cfg.report_token == "htr_secret"
         if strategy == "ps-bz-gc":
             assert (cfg.density, cfg.error_feedback, cfg.server_k_fraction) == (0.02, False, 0.05)
+            assert cfg.pipeline_chunks == 4
         if strategy == "allreduce-powersgd":
             assert cfg.powersgd_rank == 4
 
@@ -76,6 +77,15 @@ def test_run_request_compression_fields_map_to_trainer_flags():
     spec = launch_orders(run, metrics_token="t", public_url="http://cp")[0].spec
     assert spec["options"]["density"] == 0.02 and spec["options"]["error-feedback"] is True
     assert SimpleNamespace(**spec).role == "ps"
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_whether_a_run_stops_at_its_target_reaches_the_trainer(stop):
+    run = _run("ps-gc", {})
+    run.stop_at_target = stop
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+        args = trainer_cli.build_parser().parse_args(trainer_argv(RoleSpec.model_validate(order.spec), command=[]))
+        assert trainer_cli.config_from_args(args).stop_at_target is stop
 
 
 def test_rank_sites_become_the_trainers_relay_plan():

@@ -1,4 +1,5 @@
-"""Step 1: batch sizes proportional to speed, summing exactly to B, each at least 1."""
+"""Step 1: batch sizes proportional to speed, summing exactly to B, each at least 1; evaluation
+slices follow the same shares."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from trainer.allocation import (
     proportional_batch_sizes,
     rebalance,
 )
+from trainer.data import eval_slice
 
 
 def test_batch_sizes_sum_exactly_to_global_batch_with_every_share_at_least_one():
@@ -70,3 +72,20 @@ def test_rebalance_with_equal_overheads_is_the_compute_only_split():
 
 def test_a_worker_whose_overhead_exceeds_the_step_keeps_one_sample():
     assert rebalance(64, [32, 32], [0.1, 0.1], [0.0, 5.0]) == [63, 1]
+
+
+def test_evaluation_slices_tile_the_held_out_set_in_proportion_to_batch_shares():
+    batches = (40, 36, 16, 16)
+    parts = [eval_slice(360, w, batches) for w in range(4)]
+    assert parts[0].start == 0 and parts[-1].stop == 360
+    assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    assert [p.stop - p.start for p in parts] == [133, 120, 54, 53]
+
+
+def test_equal_batches_score_equal_evaluation_slices():
+    assert [eval_slice(360, w, (64,) * 4).stop for w in range(4)] == [90, 180, 270, 360]
+
+
+def test_evaluation_slices_reject_a_worker_without_samples():
+    with pytest.raises(ValueError, match="positive"):
+        eval_slice(360, 0, (10, 0))

@@ -111,6 +111,12 @@ def test_a_negative_density_time_floor_is_a_usage_error():
     assert proc.returncode == 2 and "--density-time-floor" in proc.stderr
 
 
+@pytest.mark.parametrize(("strategy", "chunks"), [("ps-bz-gc", "0"), ("ps-bz-gc", "65"), ("allreduce", "2")])
+def test_pipeline_chunks_out_of_range_or_without_a_server_are_a_usage_error(strategy, chunks):
+    proc = run_cli("--strategy", strategy, "--workers", "2", "--pipeline-chunks", chunks)
+    assert proc.returncode == 2 and "--pipeline-chunks" in proc.stderr
+
+
 def test_sites_for_a_strategy_without_a_server_are_a_usage_error():
     proc = run_cli("--strategy", "allreduce", "--workers", "2", "--sites", "a,a")
     assert proc.returncode == 2 and "--sites" in proc.stderr
@@ -126,6 +132,39 @@ def test_a_relayed_run_forwards_each_update_inside_the_remote_site(tmp_path):
     # The server's update of step 10 went to ranks 1 and 2; rank 2 handed it on to rank 3.
     assert links == {(0, 1), (0, 2), (1, 0), (2, 0), (2, 3), (3, 0)}
     assert series(records, "accuracy")[30] > 0.5
+
+
+def test_a_pipelined_relayed_run_sends_each_chunk_and_keeps_the_replicas_identical(tmp_path):
+    proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30",
+                   "--eval-every", "30", "--sites", "onprem,onprem,cloud,cloud", "--pipeline-chunks", "4",
+                   "--checkpoint-every", "30", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                   "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(tmp_path / "m.jsonl")
+    sent = {(r["rank"], r["peer"]): r["value"] for r in records if r["name"] == "bytes_sent" and r["step"] == 10}
+    recv = {(r["peer"], r["rank"]): r["value"] for r in records if r["name"] == "bytes_recv" and r["step"] == 10}
+    assert set(sent) == {(0, 1), (0, 2), (1, 0), (2, 0), (2, 3), (3, 0)} and sent == recv
+    # The relay forwarded exactly what it received from the server: four chunk frames.
+    assert sent[(2, 3)] == sent[(0, 2)]
+    states = [torch.load(tmp_path / "ckpt" / "step-00000030" / f"rank-{r}.pt", weights_only=False) for r in (1, 2, 3)]
+    for s in states[1:]:
+        for k, v in states[0]["model"].items():
+            assert torch.equal(v, s["model"][k]), k
+    assert series(records, "accuracy")[30] > 0.5
+
+
+@pytest.mark.parametrize("strategy", ["ps-gc", "allreduce"])
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_run_records_its_time_to_accuracy_and_stops_there_only_if_asked(strategy, stop, tmp_path):
+    proc = run_cli(*FAST, "--strategy", strategy, "--workers", "2", "--max-steps", "30", "--eval-every", "5",
+                   "--target-accuracy", "0.3", "--stop-at-target" if stop else "--no-stop-at-target",
+                   "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(tmp_path / "m.jsonl")
+    reached = series(records, "time_to_accuracy_s")
+    assert len(reached) == 1
+    (step,) = reached
+    assert max(series(records, "loss", 1)) == (step if stop else 30)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "allreduce-powersgd"])

@@ -137,6 +137,7 @@ def _sparse(numel: int, indices: list[int] | torch.Tensor) -> Payload:
     [
         (_sparse(10**6, [0, 999_999]), INT32),
         (_sparse(1000, torch.arange(0, 1000, 2)), BITMAP),
+        (_sparse(1003, torch.arange(0, 1003, 2)), BITMAP),  # a last byte only partly used
         (_sparse(10**6, torch.arange(0, 10**6, 100)), DELTA8),
         (_sparse(10**6, torch.arange(0, 10**6, 1000)), DELTA16),
     ],

@@ -101,7 +101,8 @@ def test_compressed_step_keeps_server_k_and_replicas_identical():
     for w in workers[1:]:
         for k, v in w.model.state_dict().items():
             assert torch.equal(v, first[k]), k
-    assert server.codec_state.residual is not None and server.codec_state.residual.abs().sum() > 0
+    (state,) = server.codec_states
+    assert state.residual is not None and state.residual.abs().sum() > 0
 
 
 def test_warm_up_steps_travel_dense():

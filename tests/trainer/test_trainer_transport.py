@@ -41,17 +41,23 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_a_peers_send_completes_without_waiting_for_a_late_peer():
+def _run_roles(role) -> dict:
+    """Run `role` as ranks 0-2 of a gloo group in spawned processes; {rank: what it reported}."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_role, args=(r, port, out)) for r in range(3)]
+    procs = [ctx.Process(target=role, args=(r, port, out)) for r in range(3)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=60) for _ in procs)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
+    return results
+
+
+def test_a_peers_send_completes_without_waiting_for_a_late_peer():
+    results = _run_roles(_role)
 
     sizes, wire_s = results[0]
     assert sizes == {1: 2_000_000, 2: 4_000_000}
@@ -61,3 +67,33 @@ def test_a_peers_send_completes_without_waiting_for_a_late_peer():
     # The receiver times each frame from its length prefix on: the late peer's lateness is not
     # its link's time either.
     assert set(wire_s) == {1, 2} and max(wire_s.values()) < LATE_S / 3
+
+
+ROUNDS = 3
+
+
+def _pipelined_role(rank: int, port: int, out: "mp.Queue") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        transport = TorchTransport(rank)
+        if rank == 0:
+            got = [{p: int(f[0]) for p, f in frames.items()} for frames in transport.recv_rounds([1, 2], ROUNDS)]
+            out.put((0, (got, dict(transport.wire_s), transport.take_counts()[1])))
+        else:
+            # Every round posted before any is waited on: the sends overlap the receiver's work.
+            waits = [transport.post_many([0], torch.full((1000 * rank,), 10 * rank + r, dtype=torch.uint8))
+                     for r in range(ROUNDS)]
+            for wait in waits:
+                wait()
+            out.put((rank, None))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rounds_arrive_in_order_from_every_peer_with_their_bytes_and_wire_time_summed():
+    rounds, wire_s, received = _run_roles(_pipelined_role)[0]
+    assert rounds == [{1: 10 + r, 2: 20 + r} for r in range(ROUNDS)]
+    assert received == {1: ROUNDS * (8 + 1000), 2: ROUNDS * (8 + 2000)}
+    assert set(wire_s) == {1, 2} and all(s >= 0 for s in wire_s.values())

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from agents.testbed.paperbench import FULL, check_targets, run_body, summarise
+from agents.testbed.paperbench import FULL, calibrated_batch, check_targets, run_body, summarise, with_overrides
 from agents.testbed.report import SECTION, markdown_table, replace_section
 
 
@@ -57,7 +59,8 @@ def test_targets_compare_ps_bz_gc_with_each_baseline() -> None:
 
 def test_every_strategy_gets_the_same_hyperparameters() -> None:
     bodies = [run_body(s, FULL, [1, 2, 3, 4], 5, "x") for s in ("ps", "ps-bz-gc", "allreduce")]
-    shared = ("model", "dataset", "global_batch_size", "lr", "max_steps", "target_accuracy", "seed")
+    shared = ("model", "dataset", "global_batch_size", "lr", "max_steps", "target_accuracy",
+              "stop_at_target", "eval_every", "seed")
     assert len({tuple(b[k] for k in shared) for b in bodies}) == 1
     assert "ps_node_id" not in bodies[2] and bodies[0]["ps_node_id"] == 5
 
@@ -75,3 +78,34 @@ def test_markdown_table_has_a_row_per_strategy_and_the_ideal() -> None:
            "ideal_samples_per_s": 300.0}  # fmt: skip
     table = markdown_table(doc)
     assert "| PS | 80.0 | 3.00 |" in table and "ideal" in table
+
+
+def test_the_calibrated_batch_computes_for_the_asked_time_at_the_measured_speed() -> None:
+    assert calibrated_batch(91.8, 2.0, workers=4) == 184  # 183.6 samples, to a multiple of 8
+    assert calibrated_batch(300.0, 2.0, workers=4) == 600
+
+
+def test_the_calibrated_batch_stays_within_its_bounds() -> None:
+    assert calibrated_batch(1.0, 2.0, workers=4) == 32  # 8 samples per worker at least
+    assert calibrated_batch(10_000.0, 2.0, workers=4) == 1024
+    with pytest.raises(ValueError):
+        calibrated_batch(0.0, 2.0, workers=4)
+
+
+def test_a_batch_given_on_the_command_line_is_not_calibrated() -> None:
+    given = with_overrides(FULL, argparse.Namespace(global_batch=128))
+    assert given.global_batch == 128 and given.balanced_step_s is None
+    assert with_overrides(FULL, argparse.Namespace()).balanced_step_s == FULL.balanced_step_s
+
+
+def test_pipeline_and_server_k_can_be_overridden_for_an_a_b_comparison() -> None:
+    s = with_overrides(FULL, argparse.Namespace(pipeline_chunks=1, server_k_fraction=0.125))
+    assert s.pipeline_chunks == 1 and s.compression["server_k_fraction"] == 0.125
+    assert s.compression["density"] == FULL.compression["density"]
+
+
+def test_every_parameter_server_strategy_gets_the_same_pipeline() -> None:
+    settings = replace(FULL, pipeline_chunks=4)
+    bodies = {s: run_body(s, settings, [1, 2], 3, "x") for s in ("ps", "ps-gc", "ps-bz-gc", "allreduce")}
+    assert all(bodies[s]["compression"]["pipeline_chunks"] == 4 for s in ("ps", "ps-gc", "ps-bz-gc"))
+    assert "compression" not in bodies["allreduce"]

@@ -95,6 +95,22 @@ def test_launch_form_carries_evaluation_and_rebalancing_periods() -> None:
     assert (body.eval_every, body.rebalance_every) == (25, 10)
 
 
+def test_launch_form_can_record_the_target_and_train_on() -> None:
+    base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
+        "name": "r", "node_ids": ["1"], "target_accuracy": "0.9"}
+    stops, _ = run_form.run_create(base)
+    trains_on, errors = run_form.run_create(base | {"at_target": "continue"})
+    assert errors == {} and stops is not None and trains_on is not None
+    assert stops.stop_at_target is True and trains_on.stop_at_target is False
+
+
+def test_an_unknown_choice_at_the_target_is_refused_beside_the_field() -> None:
+    values = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
+        "name": "r", "node_ids": ["1"], "at_target": "maybe"}
+    _, errors = run_form.run_create(values)
+    assert "at_target" in errors
+
+
 def test_rebalancing_an_all_reduce_run_is_refused_beside_the_field(admin_page: PageClient) -> None:
     response = admin_page.post("/runs", {"name": "r", "target": "nodes", "strategy": "allreduce", "length": "steps",
                                          "max_steps": "10", "global_batch_size": "64", "lr": "0.1", "rebalance_every": "10"})
