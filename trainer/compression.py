@@ -80,6 +80,11 @@ def _threshold_topk(magnitude: torch.Tensor, k: int) -> torch.Tensor:
         return candidates
     cand_mag = magnitude[candidates]
     kth = torch.kthvalue(cand_mag, candidates.numel() - k + 1).values
+    at_least = cand_mag >= kth
+    if int(at_least.sum()) == k:
+        # The usual case, no tie across the k-th value: one comparison decides, and the
+        # position-ordered tie count below (a cumulative sum over the candidates) is skipped.
+        return candidates[at_least]
     above = cand_mag > kth
     need = k - int(above.sum())
     ties = cand_mag == kth

@@ -19,7 +19,8 @@ from app.web import forms
 
 TEXT_FIELDS = (
     "name", "target", "cluster_id", "strategy", "model", "dataset", "global_batch_size", "lr",
-    "length", "max_steps", "epochs", "target_accuracy", "at_target", "eval_every", "rebalance_every", "allocation", "ps_node_id", "device", "seed",
+    "length", "max_steps", "epochs", "target_accuracy", "at_target", "eval_every", "rebalance_every",
+    "allocation", "ps_node_id", "device", "seed",
     "compression_compressor", "compression_value_dtype", "compression_select", "compression_density",
     "compression_density_min", "compression_density_max", "compression_server_k_fraction",
     "compression_error_feedback", "compression_warmup_steps", "compression_pipeline_chunks",

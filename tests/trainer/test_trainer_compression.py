@@ -43,6 +43,20 @@ def test_selection_methods_return_the_exact_top_k(method):
         assert torch.equal(x.abs()[got].sort().values, ref.sort().values)
 
 
+def test_threshold_selection_is_exact_at_a_quarter_of_the_elements():
+    # The server's k = params/4: the largest k the candidate pass still handles.
+    x = torch.randn(400_000, generator=torch.Generator().manual_seed(2))
+    got = select_topk(x, 100_000, "threshold")
+    assert torch.equal(x.abs()[got].sort().values, torch.topk(x.abs(), 100_000).values.sort().values)
+
+
+def test_threshold_selection_is_exact_when_a_tie_straddles_the_kth_value():
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
+    x[:50] = 10.0  # 50 equal values, of which the top 40 must keep the first 40 by position
+    got = select_topk(x, 40, "threshold")
+    assert torch.equal(got, torch.arange(40))
+
+
 def test_threshold_selection_is_exact_under_heavy_ties():
     x = torch.zeros(200_000)
     x[::7] = 1.0
