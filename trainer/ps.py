@@ -453,12 +453,13 @@ class ParameterServer:
             state = self.codec_states[chunk]
             state.step = step
             update = self.codec.compress(sparse, state)
-        loss = sum(w * m.scalars[0] for w, m in zip(alphas, msgs))
-        scalars = [loss]
+        scalars: list[float] = []
         if chunk == len(self.chunks) - 1:
-            # The last chunk's frames carry the step's full timings (compression summed).
+            # The last chunk's frames carry the step's full timings (compression summed); its
+            # update carries the step's loss and the next step's plan.
             self._plan(step, msgs)
-            scalars += [*self.densities, *self.batch_sizes]
+            loss = sum(w * m.scalars[0] for w, m in zip(alphas, msgs))
+            scalars = [loss, *self.densities, *self.batch_sizes]
         return Message(UPDATE, step, SERVER, scalars, [Payload(dense.numel(), dense), update])
 
     def _plan(self, step: int, msgs: list[Message]) -> None:

@@ -106,7 +106,12 @@ class TorchTransport(Transport):
         return self.recv_many([peer])[peer]
 
     def recv_many(self, peers: Iterable[int]) -> dict[int, torch.Tensor]:
-        """The next frame from each of `peers`, each received on its own thread.
+        """The next frame from each of `peers`, each received on its own thread (`recv_rounds`)."""
+        return next(self.recv_rounds(peers, 1))
+
+    def recv_rounds(self, peers: Iterable[int], rounds: int) -> Iterator[dict[int, torch.Tensor]]:
+        """Each peer's receives run back to back on its own thread, so round r+1's bytes travel
+        (and are counted into `wire_s`, summed over the rounds) while the caller works on round r.
 
         A peer's frame receive is posted as soon as its own length prefix arrives. gloo
         completes a send only once the receiver has posted the matching receive, so posting
@@ -115,38 +120,10 @@ class TorchTransport(Transport):
         read a fast link as a slow one (docs/trainer.md, "Transmission time").
         """
         peers = list(peers)
-        if len(peers) == 1:
-            frames = {peers[0]: self._recv_one(peers[0])}
-        else:
-            done: queue.Queue[tuple[int, torch.Tensor | BaseException]] = queue.Queue()
-
-            def receive(peer: int) -> None:
-                try:
-                    done.put((peer, self._recv_one(peer)))
-                except BaseException as exc:  # handed to the caller, raised there
-                    done.put((peer, exc))
-
-            # Daemon threads: a peer that never sends must not keep the process alive once
-            # the caller has given up on it (gloo's own timeout ends the wait).
-            for p in peers:
-                threading.Thread(target=receive, args=(p,), daemon=True, name=f"recv-{p}").start()
-            frames = {}
-            for _ in peers:
-                peer, result = done.get()
-                if isinstance(result, BaseException):
-                    raise result
-                frames[peer] = result
-        for p in peers:
-            self._count(self.bytes_recv, p, frames[p])
-        return frames
-
-    def recv_rounds(self, peers: Iterable[int], rounds: int) -> Iterator[dict[int, torch.Tensor]]:
-        """Each peer's receives run back to back on its own thread, so round r+1's bytes travel
-        (and are counted into `wire_s`, summed over the rounds) while the caller works on round r.
-        """
-        peers = list(peers)
-        if rounds == 1:
-            yield self.recv_many(peers)
+        if len(peers) == 1 and rounds == 1:
+            frame = self._recv_one(peers[0])
+            self._count(self.bytes_recv, peers[0], frame)
+            yield {peers[0]: frame}
             return
         done: queue.Queue[tuple[int, int, torch.Tensor | BaseException, float]] = queue.Queue()
 
@@ -159,6 +136,8 @@ class TorchTransport(Transport):
                     return
                 done.put((peer, r, frame, self.wire_s[peer]))
 
+        # Daemon threads: a peer that never sends must not keep the process alive once the
+        # caller has given up on it (gloo's own timeout ends the wait).
         for p in peers:
             threading.Thread(target=receive, args=(p,), daemon=True, name=f"recv-{p}").start()
         pending: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)

@@ -403,14 +403,11 @@ def egress_pricer(api: httpx.Client, config: TestbedConfig) -> Callable[[str, st
 def with_overrides(settings: BenchSettings, args: argparse.Namespace) -> BenchSettings:
     """`settings` with the workload flags that were given on the command line (a batch given
     there is used as it is, not calibrated)."""
-    names = {"model": "model", "dataset": "dataset", "global_batch": "global_batch",
-             "max_steps": "max_steps", "target_accuracy": "target_accuracy"}  # fmt: skip
-    changes: dict[str, Any] = {field_: getattr(args, arg) for field_, arg in names.items()
-                               if getattr(args, arg, None) is not None}  # fmt: skip
+    names = ("model", "dataset", "global_batch", "max_steps", "target_accuracy", "pipeline_chunks")
+    changes: dict[str, Any] = {name: getattr(args, name) for name in names
+                               if getattr(args, name, None) is not None}  # fmt: skip
     if "global_batch" in changes:
         changes["balanced_step_s"] = None
-    if getattr(args, "pipeline_chunks", None) is not None:
-        changes["pipeline_chunks"] = args.pipeline_chunks
     if getattr(args, "server_k_fraction", None) is not None:
         changes["compression"] = settings.compression | {"server_k_fraction": args.server_k_fraction}
     return replace(settings, **changes)

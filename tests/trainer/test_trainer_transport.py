@@ -15,24 +15,29 @@ from trainer.transport import TorchTransport
 LATE_S = 1.5
 
 
-def _role(rank: int, port: int, out: "mp.Queue") -> None:
+def _in_group(rank: int, port: int, out: "mp.Queue", role) -> None:
+    """A spawned process: rank `rank` of a 3-rank gloo group, running `role(rank, out)`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
     try:
-        transport = TorchTransport(rank)
-        if rank == 0:
-            frames = transport.recv_many([1, 2])
-            out.put((0, ({p: f.numel() for p, f in frames.items()}, dict(transport.wire_s))))
-        else:
-            if rank == 2:
-                time.sleep(LATE_S)
-            frame = torch.full((2_000_000 * rank,), rank, dtype=torch.uint8)
-            t0 = time.perf_counter()
-            transport.send(0, frame)
-            out.put((rank, time.perf_counter() - t0))
+        role(rank, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _role(rank: int, out: "mp.Queue") -> None:
+    transport = TorchTransport(rank)
+    if rank == 0:
+        frames = transport.recv_many([1, 2])
+        out.put((0, ({p: f.numel() for p, f in frames.items()}, dict(transport.wire_s))))
+    else:
+        if rank == 2:
+            time.sleep(LATE_S)
+        frame = torch.full((2_000_000 * rank,), rank, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        transport.send(0, frame)
+        out.put((rank, time.perf_counter() - t0))
 
 
 def _free_port() -> int:
@@ -46,7 +51,7 @@ def _run_roles(role) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=role, args=(r, port, out)) for r in range(3)]
+    procs = [ctx.Process(target=_in_group, args=(r, port, out, role)) for r in range(3)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=60) for _ in procs)
@@ -72,24 +77,18 @@ def test_a_peers_send_completes_without_waiting_for_a_late_peer():
 ROUNDS = 3
 
 
-def _pipelined_role(rank: int, port: int, out: "mp.Queue") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=3)
-    try:
-        transport = TorchTransport(rank)
-        if rank == 0:
-            got = [{p: int(f[0]) for p, f in frames.items()} for frames in transport.recv_rounds([1, 2], ROUNDS)]
-            out.put((0, (got, dict(transport.wire_s), transport.take_counts()[1])))
-        else:
-            # Every round posted before any is waited on: the sends overlap the receiver's work.
-            waits = [transport.post_many([0], torch.full((1000 * rank,), 10 * rank + r, dtype=torch.uint8))
-                     for r in range(ROUNDS)]
-            for wait in waits:
-                wait()
-            out.put((rank, None))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _pipelined_role(rank: int, out: "mp.Queue") -> None:
+    transport = TorchTransport(rank)
+    if rank == 0:
+        got = [{p: int(f[0]) for p, f in frames.items()} for frames in transport.recv_rounds([1, 2], ROUNDS)]
+        out.put((0, (got, dict(transport.wire_s), transport.take_counts()[1])))
+    else:
+        # Every round posted before any is waited on: the sends overlap the receiver's work.
+        waits = [transport.post_many([0], torch.full((1000 * rank,), 10 * rank + r, dtype=torch.uint8))
+                 for r in range(ROUNDS)]
+        for wait in waits:
+            wait()
+        out.put((rank, None))
 
 
 def test_rounds_arrive_in_order_from_every_peer_with_their_bytes_and_wire_time_summed():
