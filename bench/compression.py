@@ -99,7 +99,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             s = timed(lambda k=k, m=method: select_topk(grad, k, m), device, args.repeats)
             rows.append({"path": label, "what": f"select ({method})", "density": density, "k": k,
                          "seconds": s, "pct_of_step": 100 * s / step_s})
-        codec = build_compressor("topk", value_dtype="fp16", error_feedback=True, select="threshold")
+        codec = build_compressor("topk", value_dtype="fp16", error_feedback=True, select="estimate")
         state = CompressionState(density=density, residual=torch.zeros_like(grad))
 
         def full(codec=codec, state=state) -> None:
@@ -107,7 +107,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             encode(Message(1, 1, 1, [0.0] * 4, [payload]))
 
         s = timed(full, device, args.repeats)
-        rows.append({"path": label, "what": "EF + threshold top-k + fp16 + encode", "density": density,
+        rows.append({"path": label, "what": "EF + estimated top-k + fp16 + encode", "density": density,
                      "k": k, "seconds": s, "pct_of_step": 100 * s / step_s})
 
     print(f"\n{name}: {params / 1e6:.1f}M parameters, batch {args.batch}, device {device}, "

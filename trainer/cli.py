@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="transmission times below this many seconds count as equal")
     gc.add_argument("--server-k-fraction", type=float, default=d.server_k_fraction)
     gc.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback)
+    gc.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
+                    default=d.momentum_correction,
+                    help="compressing strategies: momentum accumulated before compression (DGC)")
     gc.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="uncompressed first steps")
     gc.add_argument("--pipeline-chunks", type=int, default=d.pipeline_chunks,
                     help="PS strategies: compress, send, aggregate and answer the gradient in this many "
@@ -178,7 +181,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         density_min=args.density_min, density_max=args.density_max, density_gamma=args.density_gamma,
         density_time_floor_s=args.density_time_floor,
         server_k_fraction=args.server_k_fraction, error_feedback=args.error_feedback,
-        warmup_steps=args.warmup_steps, pipeline_chunks=args.pipeline_chunks,
+        warmup_steps=args.warmup_steps, momentum_correction=args.momentum_correction,
+        pipeline_chunks=args.pipeline_chunks,
         dense_numel=args.dense_numel, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         metrics_out=args.metrics_out, report_url=args.report_url, report_token=args.report_token,

@@ -45,7 +45,7 @@ class TrainConfig:
     weight_decay: float = 5e-4
     compressor: str = "topk"
     value_dtype: str = "fp16"
-    select: str = "threshold"
+    select: str = "estimate"
     density: float = 0.01
     density_min: float = 0.002
     density_max: float = 0.05
@@ -55,6 +55,9 @@ class TrainConfig:
     density_time_floor_s: float = 0.05
     server_k_fraction: float = 1 / 32
     error_feedback: bool = True
+    # DGC's momentum correction: compressing strategies accumulate momentum on the workers,
+    # before compression, instead of applying it to the sparse update (trainer.ps).
+    momentum_correction: bool = True
     warmup_steps: int = 5
     # PS strategies: the compressed part travels in this many chunks, pipelined (trainer.ps).
     pipeline_chunks: int = 1

@@ -8,8 +8,10 @@ Per step t (seed 000, section III):
  3. The server aggregates with alpha_m = n_m / B (eq. 1-2), adds its own residual, keeps the top
     k_s = params * server_k_fraction, keeps the rest as its residual, and sends one reply to all
     (through one relay worker per remote site when the run knows its sites: `trainer.relay`).
- 4. Every worker applies the same update with the same SGD-momentum optimizer (eq. 3 plus
-    momentum), so the replicas stay identical; momentum lives after compression, on the workers.
+ 4. Every worker applies the same update with the same SGD optimizer (eq. 3 plus momentum), so
+    the replicas stay identical. Under momentum correction (DGC; the default when compressing)
+    momentum is accumulated before step 2 instead, and the compressed tensors' update is applied
+    without it.
  5. The reply also carries next step's densities (adapted from the transmission times) and batch
     sizes (re-balanced from compute and compression times under `--allocation measured`).
 
@@ -147,8 +149,21 @@ class PSWorker:
         self._params = dict(model.named_parameters())
         self.flat_grad = torch.zeros(self.layout.numel, device=device)
         self._bind_grads()
+        # Momentum correction (DGC, Lin et al. 2018): applied after compression, momentum repeats
+        # for ~1/(1 - m) steps every burst that error feedback held back in the residual, and the
+        # replicas lurch. Accumulated here, before compression, the velocity itself is what is
+        # compressed and sent; a sent coordinate restarts its velocity (DGC's momentum factor
+        # masking), and the optimizer applies the compressed tensors' updates without momentum.
+        self.velocity = (torch.zeros(self.layout.sparse_numel, device=device)
+                         if cfg.compresses and cfg.momentum_correction and cfg.momentum else None)
+        groups: list[dict] = [{"params": list(model.parameters())}]
+        if self.velocity is not None:
+            compressed = {n for n, off in zip(self.layout.names, self.layout.offsets)
+                          if off >= self.layout.dense_numel}
+            groups = [{"params": [p for n, p in self._params.items() if n not in compressed]},
+                      {"params": [p for n, p in self._params.items() if n in compressed], "momentum": 0.0}]
         # weight_decay=0: decay is added to the local gradient in step 1 instead.
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        self.optimizer = torch.optim.SGD([g for g in groups if g["params"]], lr=cfg.lr, momentum=cfg.momentum)
         self.x_train, self.y_train = data.x_train.to(device), data.y_train.to(device)
 
     # -- flat gradient -----------------------------------------------------------------------
@@ -189,6 +204,8 @@ class PSWorker:
                     if decays:
                         p = self._params[name]
                         p.grad.add_(p, alpha=self.cfg.weight_decay)
+        if self.velocity is not None:
+            self.velocity.mul_(self.cfg.momentum).add_(self.flat_grad[self.layout.dense_numel :])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
@@ -205,13 +222,17 @@ class PSWorker:
         nd = self.layout.dense_numel if chunk == 0 else 0
         dense = Payload(nd, self.flat_grad[:nd].cpu())
         a, b = self.chunks[chunk]
-        sparse = self.flat_grad[self.layout.dense_numel + a : self.layout.dense_numel + b]
+        # Under momentum correction the velocity is what travels (the gradient is in it).
+        source = self.flat_grad[self.layout.dense_numel :] if self.velocity is None else self.velocity
+        sparse = source[a:b]
         if step <= self.cfg.warmup_steps or not self.cfg.compresses:
             return [dense, Payload(sparse.numel(), sparse.cpu())]
         state = self.codec_states[chunk]
         state.density = self.densities[self.index]
         state.step = step
         p = self.codec.compress(sparse, state)
+        if self.velocity is not None and p.indices is not None:
+            self.velocity[a:b].index_fill_(0, p.indices, 0.0)
         return [dense, Payload(p.numel, p.values.cpu(), None if p.indices is None else p.indices.cpu(), p.seed)]
 
     def apply(self, step: int, reply: Message, chunk: int = 0) -> None:
@@ -359,7 +380,8 @@ class PSWorker:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Model, optimizer (momentum), residual, densities, batch sizes, last transmission time."""
+        """Model, optimizer (momentum), residual, velocity, densities, batch sizes, last transmission
+        time."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -367,10 +389,16 @@ class PSWorker:
             "densities": self.densities,
             "batch_sizes": self.batch_sizes,
             "last_tx_s": self.last_tx_s,
+            "velocity": self.velocity,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; the flat-gradient views are re-bound afterwards."""
+        if (self.velocity is not None) != (state.get("velocity") is not None):
+            raise ValueError(
+                "the checkpoint was written with momentum correction "
+                f"{'on' if state.get('velocity') is not None else 'off'}: resume with the same "
+                "--momentum-correction setting")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         residual = state["residual"]
@@ -378,6 +406,8 @@ class PSWorker:
         self.densities = list(state["densities"])
         self.batch_sizes = list(state["batch_sizes"])
         self.last_tx_s = state["last_tx_s"]
+        if self.velocity is not None:
+            self.velocity.copy_(state["velocity"])
         self.step = state["step"]
         self._bind_grads()
 

@@ -79,6 +79,10 @@ def _encoding(p: Payload) -> tuple[int, int]:
     vbytes = p.values.element_size()
     if p.indices is None:
         return DENSE, p.numel * vbytes
+    if p.seed is None and 8 * p.count >= p.numel:
+        # From n/8 elements on, the bitmap's n/8 bytes are at most one byte per element: no
+        # delta or int32 encoding can be smaller, so their index scans are skipped.
+        return BITMAP, (p.numel + 7) // 8 + p.count * vbytes
     costs = _index_costs(p, vbytes)
     enc = min(costs, key=lambda c: (costs[c], c))
     return enc, costs[enc]

@@ -221,9 +221,10 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
         options["allocation"] = "measured"
         options["rebalance-every"] = run.rebalance_every
     for key, value in (run.compression or {}).items():
-        if key == "error_feedback":
-            # The trainer's flag is --error-feedback / --no-error-feedback.
-            options["error-feedback" if value else "no-error-feedback"] = True
+        if key in ("error_feedback", "momentum_correction"):
+            # The trainer's flags are --error-feedback / --no-error-feedback and the like.
+            flag = key.replace("_", "-")
+            options[flag if value else f"no-{flag}"] = True
         else:
             options[key.replace("_", "-")] = value
     if run.strategy in PS_STRATEGIES and len(set(sites)) > 1 and all(sites):

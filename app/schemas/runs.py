@@ -35,12 +35,17 @@ class CompressionOptions(Schema):
 
     compressor: Literal["none", "topk", "randomk"] | None = None
     value_dtype: Literal["fp32", "fp16"] | None = None
-    select: Literal["threshold", "topk", "sort"] | None = None
+    select: Literal["estimate", "threshold", "topk", "sort"] | None = None
     density: Fraction | None = None
     density_min: Fraction | None = None
     density_max: Fraction | None = None
     server_k_fraction: Fraction | None = None
     error_feedback: Flag | None = None
+    momentum_correction: Flag | None = Field(
+        default=None,
+        description="accumulate momentum on the workers before compression (DGC's momentum "
+        "correction) instead of applying it to the sparse update; default on",
+    )
     warmup_steps: SmallCount | None = None
     pipeline_chunks: Annotated[int, Field(ge=1, le=64, strict=True)] | None = Field(
         default=None,

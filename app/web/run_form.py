@@ -23,8 +23,8 @@ TEXT_FIELDS = (
     "allocation", "ps_node_id", "device", "seed",
     "compression_compressor", "compression_value_dtype", "compression_select", "compression_density",
     "compression_density_min", "compression_density_max", "compression_server_k_fraction",
-    "compression_error_feedback", "compression_warmup_steps", "compression_pipeline_chunks",
-    "compression_powersgd_rank",
+    "compression_error_feedback", "compression_momentum_correction", "compression_warmup_steps",
+    "compression_pipeline_chunks", "compression_powersgd_rank",
     "idempotency_key",
 )
 COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank")
@@ -32,7 +32,8 @@ COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fractio
 DEFAULTS = {
     "target": "nodes", "strategy": "ps-bz-gc", "model": "smallcnn", "dataset": "digits",
     "global_batch_size": "64", "lr": "0.1", "length": "steps", "max_steps": "300", "device": "auto",
-    "seed": "0", "allocation": "", "compression_error_feedback": "", "at_target": "stop",
+    "seed": "0", "allocation": "", "compression_error_feedback": "",
+    "compression_momentum_correction": "", "at_target": "stop",
 }
 
 
@@ -109,8 +110,8 @@ def run_create(values: dict[str, Any]) -> tuple[RunCreate | None, dict[str, str]
 def _compression(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     raw = {k.removeprefix("compression_"): v for k, v in values.items() if k.startswith("compression_") and isinstance(v, str)}
     data, errors = forms.typed(raw, ints=COMPRESSION_INTS, floats=COMPRESSION_FLOATS)
-    flag = raw.get("error_feedback", "")
-    data["error_feedback"] = {"on": True, "off": False}.get(flag, "")
+    for name in ("error_feedback", "momentum_correction"):
+        data[name] = {"on": True, "off": False}.get(raw.get(name, ""), "")
     return forms.non_blank(data), {f"compression_{k}": v for k, v in errors.items()}
 
 

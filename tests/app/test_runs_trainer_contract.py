@@ -47,7 +47,8 @@ def _run(strategy: str, compression: dict) -> Run:
     [
         ("ps-bz-gc", {"compressor": "topk", "density": 0.02, "density_min": 0.01, "density_max": 0.05,
                       "value_dtype": "fp16", "server_k_fraction": 0.05, "error_feedback": False,
-                      "warmup_steps": 2, "select": "threshold", "pipeline_chunks": 4}),
+                      "warmup_steps": 2, "select": "threshold", "pipeline_chunks": 4,
+                      "momentum_correction": False}),
         ("ps", {}),
         ("allreduce-powersgd", {"powersgd_rank": 4}),
     ],
@@ -66,7 +67,7 @@ def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compressio
         assert cfg.report_url == "http://cp:8000/api/v1/runs/7/metrics" and cfg.report_token == "htr_secret"
         if strategy == "ps-bz-gc":
             assert (cfg.density, cfg.error_feedback, cfg.server_k_fraction) == (0.02, False, 0.05)
-            assert cfg.pipeline_chunks == 4
+            assert cfg.pipeline_chunks == 4 and cfg.momentum_correction is False
         if strategy == "allreduce-powersgd":
             assert cfg.powersgd_rank == 4
 

@@ -25,6 +25,7 @@ from trainer.wire import (
     INT32,
     Message,
     _encoding,
+    _index_costs,
     decode,
     encode,
     payload_nbytes,
@@ -62,6 +63,39 @@ def test_threshold_selection_is_exact_under_heavy_ties():
     x[::7] = 1.0
     got = select_topk(x, 20_000, "threshold")
     assert got.numel() == 20_000 and bool((x[got] == 1.0).all())
+
+
+@pytest.mark.parametrize("density", [0.02, 0.05, 0.25, 0.5])
+def test_estimated_selection_keeps_about_k_of_the_largest(density):
+    x = torch.randn(800_000, generator=torch.Generator().manual_seed(4))
+    k = int(density * x.numel())
+    got = select_topk(x, k, "estimate")
+    assert abs(got.numel() - k) <= 0.1 * k and torch.equal(got, got.sort().values)
+    # Everything kept is at least as large as everything dropped: a top-k* for k* near k.
+    dropped = torch.ones(x.numel(), dtype=torch.bool)
+    dropped[got] = False
+    assert x.abs()[got].min() >= x.abs()[dropped].max()
+
+
+def test_estimated_selection_falls_back_to_exact_when_the_sample_misleads():
+    # Every sampled (strided) element is large, almost nothing else is: the sample's quantile
+    # would keep a tenth of the k asked for.
+    x = torch.full((700_000,), 0.01)
+    stride = x.numel() // 65536
+    x[::stride] = 1.0
+    k = 200_000
+    got = select_topk(x, k, "estimate")
+    assert got.numel() == k
+    assert torch.equal(x.abs()[got].sort().values, torch.topk(x.abs(), k).values.sort().values)
+
+
+def test_bitmap_is_chosen_without_scanning_from_an_eighth_of_the_elements():
+    n = 80_000
+    for k in (n // 8, n // 4):
+        idx = torch.randperm(n, generator=torch.Generator().manual_seed(k))[:k].sort().values
+        p = Payload(n, torch.ones(k, dtype=torch.float16), idx)
+        enc, nbytes = _encoding(p)
+        assert enc == BITMAP and nbytes == min(_index_costs(p, 2).values())
 
 
 def test_error_feedback_conserves_mass():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
+import pytest
 import torch
 import torch.nn.functional as F
 from trainer_testing import tiny_dataset, tiny_mlp
@@ -50,9 +52,7 @@ def _reference_grad(model, data, cfg, step, batch_sizes):
                 p.grad.add_(p, alpha=cfg.weight_decay)
 
 
-def test_uncompressed_ps_step_equals_one_dense_sgd_step_on_the_global_batch():
-    cfg = TrainConfig(strategy="ps", workers=3, global_batch=48, lr=0.1, lr_warmup_steps=0,
-                      lr_schedule="constant", weight_decay=1e-3, max_steps=10)
+def _follows_momentum_sgd_on_the_global_batch(cfg: TrainConfig) -> list[PSWorker]:
     data, workers, server = _setup(cfg, [16, 16, 16])
     ref = tiny_mlp()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=cfg.momentum)
@@ -63,6 +63,54 @@ def test_uncompressed_ps_step_equals_one_dense_sgd_step_on_the_global_batch():
         for w in workers:
             for (name, p), q in zip(w.model.named_parameters(), ref.parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    return workers
+
+
+def test_uncompressed_ps_step_equals_one_dense_sgd_step_on_the_global_batch():
+    _follows_momentum_sgd_on_the_global_batch(TrainConfig(
+        strategy="ps", workers=3, global_batch=48, lr=0.1, lr_warmup_steps=0,
+        lr_schedule="constant", weight_decay=1e-3, max_steps=10))
+
+
+def test_momentum_correction_in_dense_steps_equals_momentum_sgd_on_the_global_batch():
+    # Warm-up steps send the velocity dense: the replicas then follow plain momentum SGD.
+    workers = _follows_momentum_sgd_on_the_global_batch(TrainConfig(
+        strategy="ps-gc", workers=3, global_batch=48, lr=0.1, lr_warmup_steps=0,
+        lr_schedule="constant", weight_decay=1e-3, max_steps=10, warmup_steps=5, dense_numel=100,
+        momentum_correction=True))
+    assert all(w.velocity is not None and w.velocity.abs().sum() > 0 for w in workers)
+
+
+def test_momentum_correction_compresses_the_velocity_and_restarts_what_was_sent():
+    cfg = TrainConfig(strategy="ps-gc", workers=1, global_batch=16, warmup_steps=0, dense_numel=100,
+                      density=0.1, momentum=0.9, momentum_correction=True)
+    _, (worker,), _ = _setup(cfg, [16])
+    nd = worker.layout.dense_numel
+    worker.compute(1)
+    worker.compress(1)
+    before = worker.velocity.clone()
+    worker.compute(2)
+    velocity = 0.9 * before + worker.flat_grad[nd:]
+    torch.testing.assert_close(worker.velocity, velocity)
+    residual = worker.codec_states[0].residual.clone()
+    (_, sparse) = worker.compress(2)
+    # What goes is the top-k of residual + velocity; those coordinates start from zero again.
+    accumulated = residual + velocity
+    torch.testing.assert_close(sparse.values.float(), accumulated[sparse.indices].half().float())
+    assert bool((worker.velocity[sparse.indices] == 0).all())
+    kept = torch.ones_like(worker.velocity, dtype=torch.bool)
+    kept[sparse.indices] = False
+    torch.testing.assert_close(worker.velocity[kept], velocity[kept])
+    # The optimizer applies the compressed tensors' update without momentum of its own.
+    assert [g["momentum"] for g in worker.optimizer.param_groups] == [0.9, 0.0]
+
+
+def test_without_momentum_correction_momentum_is_applied_after_compression():
+    cfg = TrainConfig(strategy="ps-gc", workers=1, global_batch=16, dense_numel=100,
+                      momentum_correction=False)
+    _, (worker,), _ = _setup(cfg, [16])
+    assert worker.velocity is None
+    assert [g["momentum"] for g in worker.optimizer.param_groups] == [cfg.momentum]
 
 
 def test_weighted_aggregation_equals_the_gradient_of_the_concatenated_unequal_batch():
@@ -171,3 +219,18 @@ def test_the_server_adapts_densities_to_the_arrival_times_it_sees():
     reply = server.aggregate(2, msgs)
     d1, d2 = reply.scalars[1:3]
     assert d1 < cfg.density < d2
+
+
+def test_a_worker_state_keeps_the_velocity_and_refuses_a_different_momentum_setting():
+    cfg = TrainConfig(strategy="ps-gc", workers=1, global_batch=16, warmup_steps=0, dense_numel=100,
+                      density=0.1, momentum_correction=True)
+    _, (worker,), _ = _setup(cfg, [16])
+    worker.compute(1)
+    worker.compress(1)
+    state = {**worker.state_dict(), "step": 1}
+    _, (fresh,), _ = _setup(cfg, [16])
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.velocity, worker.velocity) and fresh.velocity.abs().sum() > 0
+    _, (plain,), _ = _setup(replace(cfg, momentum_correction=False), [16])
+    with pytest.raises(ValueError, match="momentum correction on"):
+        plain.load_state_dict(state)

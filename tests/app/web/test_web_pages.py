@@ -104,6 +104,15 @@ def test_launch_form_can_record_the_target_and_train_on() -> None:
     assert stops.stop_at_target is True and trains_on.stop_at_target is False
 
 
+def test_launch_form_turns_momentum_correction_off_or_leaves_the_default() -> None:
+    base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {"name": "r", "node_ids": ["1"]}
+    default, _ = run_form.run_create(base)
+    off, errors = run_form.run_create(base | {"compression_momentum_correction": "off"})
+    assert errors == {} and default is not None and off is not None
+    assert (default.compression is None or default.compression.momentum_correction is None)
+    assert off.compression is not None and off.compression.momentum_correction is False
+
+
 def test_an_unknown_choice_at_the_target_is_refused_beside_the_field() -> None:
     values = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
         "name": "r", "node_ids": ["1"], "at_target": "maybe"}
