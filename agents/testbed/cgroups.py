@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from agents.testbed.system import CGROUP_CPU_ROOT
-from agents.testbed.topology import CPU_PERIOD_US, PREFIX
+from agents.testbed.topology import CPU_PERIOD_US, MIN_QUOTA_US, PREFIX
 
 # Set in the environment of every process the testbed starts, so torch, OpenMP and BLAS each
 # use one thread and child processes (trainer roles) inherit the same.
@@ -67,7 +67,7 @@ def create(path: Path, cpu_cores: float | None = None) -> None:
         return
     if cpu_cores <= 0:
         return  # a plain grouping directory
-    quota = max(1000, round(cpu_cores * CPU_PERIOD_US))
+    quota = max(MIN_QUOTA_US, round(cpu_cores * CPU_PERIOD_US))
     (path / "cpu.cfs_quota_us").write_text(str(quota))
     (path / "cpu.shares").write_text(str(max(2, round(cpu_cores * SHARES_PER_CORE))))
 

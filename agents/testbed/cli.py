@@ -59,6 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     over.add_argument("--global-batch", type=int)
     over.add_argument("--max-steps", type=int)
     over.add_argument("--target-accuracy", type=float)
+    over.add_argument("--balanced-step-s", type=float,
+                      help="calibrate the global batch to this balanced compute per step")
     over.add_argument("--pipeline-chunks", type=int, help="PS strategies' pipeline (1: none)")
     over.add_argument("--server-k-fraction", type=float, help="ps-gc and ps-bz-gc server k")
     p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)

@@ -128,7 +128,8 @@ def section(doc: dict[str, Any], chart_links: list[str]) -> str:
         profile_table(doc),
         "",
         "Charts: " + ", ".join(f"[{Path(c).name}]({c})" for c in chart_links) + ". "
-        "Why a target is missed, from this profile: docs/testbed.md, \"What limits ps-bz-gc\".",
+        "What this profile says about each target, and by how much a missed one is missed: "
+        "docs/testbed.md, \"Where the step goes\".",
         "",
     ]
     return "\n".join(parts)

@@ -98,9 +98,14 @@ def test_a_batch_given_on_the_command_line_is_not_calibrated() -> None:
     assert with_overrides(FULL, argparse.Namespace()).balanced_step_s == FULL.balanced_step_s
 
 
+def test_the_balanced_compute_time_can_be_overridden_and_is_still_calibrated() -> None:
+    s = with_overrides(FULL, argparse.Namespace(balanced_step_s=2.6))
+    assert s.balanced_step_s == 2.6 and s.global_batch == FULL.global_batch
+
+
 def test_pipeline_and_server_k_can_be_overridden_for_an_a_b_comparison() -> None:
-    s = with_overrides(FULL, argparse.Namespace(pipeline_chunks=1, server_k_fraction=0.125))
-    assert s.pipeline_chunks == 1 and s.compression["server_k_fraction"] == 0.125
+    s = with_overrides(FULL, argparse.Namespace(pipeline_chunks=1, server_k_fraction=0.5))
+    assert s.pipeline_chunks == 1 and s.compression["server_k_fraction"] == 0.5
     assert s.compression["density"] == FULL.compression["density"]
 
 

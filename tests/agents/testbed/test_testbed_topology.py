@@ -71,3 +71,11 @@ def test_quotas_that_could_not_bind_are_refused(write_config: Callable[..., Path
     config = load_config(write_config(cpu={"cores_per_tflop": 0.02}))
     with pytest.raises(ConfigError, match="quotas total"):
         check_cpu_budget(plan(config), machine_cores=2)
+
+
+def test_a_quota_below_the_kernels_smallest_is_refused_not_rounded_up(
+    write_config: Callable[..., Path],
+) -> None:
+    config = load_config(write_config(cpu={"cores_per_tflop": 0.001}))
+    with pytest.raises(ConfigError, match="below the smallest quota"):
+        check_cpu_budget(plan(config), machine_cores=2)
