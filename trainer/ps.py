@@ -204,8 +204,6 @@ class PSWorker:
                     if decays:
                         p = self._params[name]
                         p.grad.add_(p, alpha=self.cfg.weight_decay)
-        if self.velocity is not None:
-            self.velocity.mul_(self.cfg.momentum).add_(self.flat_grad[self.layout.dense_numel :])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
@@ -222,9 +220,11 @@ class PSWorker:
         nd = self.layout.dense_numel if chunk == 0 else 0
         dense = Payload(nd, self.flat_grad[:nd].cpu())
         a, b = self.chunks[chunk]
-        # Under momentum correction the velocity is what travels (the gradient is in it).
-        source = self.flat_grad[self.layout.dense_numel :] if self.velocity is None else self.velocity
-        sparse = source[a:b]
+        grad = self.flat_grad[self.layout.dense_numel + a : self.layout.dense_numel + b]
+        # Under momentum correction the velocity is what travels (the gradient is in it). It is
+        # accumulated here, chunk by chunk, not in `compute`: a per-parameter cost, it belongs
+        # with compression time, which re-balancing treats as fixed rather than per sample.
+        sparse = grad if self.velocity is None else self.velocity[a:b].mul_(self.cfg.momentum).add_(grad)
         if step <= self.cfg.warmup_steps or not self.cfg.compresses:
             return [dense, Payload(sparse.numel(), sparse.cpu())]
         state = self.codec_states[chunk]

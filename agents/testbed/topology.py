@@ -236,11 +236,6 @@ class Endpoint:
     gpu: str | None = None
     tflops: float = 0.0
 
-    @property
-    def cpu_quota_us(self) -> int:
-        """cpu.cfs_quota_us for a period of CPU_PERIOD_US."""
-        return max(MIN_QUOTA_US, round(self.cpu_cores * CPU_PERIOD_US))
-
 
 @dataclass(frozen=True)
 class SitePlan:
