@@ -23,7 +23,9 @@ from typing import Any
 
 import psutil
 
+from agents import profiles
 from agents import supervisor as supervision
+from agents.bundles import BundleCache
 from agents.client import ControlPlaneClient, call_with_retry
 from agents.config import AgentSettings
 from agents.errors import AgentAuthError, AgentConfigError, ControlPlaneError
@@ -224,6 +226,9 @@ class Agent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         self.detect_hardware()
+        bundles = BundleCache(
+            self.state_dir, self.client, deadline_s=self.settings.bundle_download_timeout_s
+        )
         sup = supervision.Supervisor(
             self.client,
             state_dir=self.state_dir,
@@ -233,6 +238,7 @@ class Agent:
             log_flush_interval_s=self.settings.log_flush_interval_s,
             role_threads=self.settings.role_threads,
             event_retry_s=self.settings.event_retry_s,
+            bundles=bundles,
         )
         for record in sup.reap_stale():
             log.warning("a previous agent left run %s rank %s running; killed it",
@@ -240,6 +246,10 @@ class Agent:
         self.supervisor = sup
         state = self.register()
         supervision.install(sup)
+        profiles.install(profiles.Profiling(
+            client=self.client, cache=bundles, state_dir=self.state_dir,
+            command=self.settings.profile_command, timeout_s=self.settings.profile_timeout_s,
+        ))
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
 
@@ -281,6 +291,7 @@ class Agent:
                 log.info("stopped %d role(s): %s", len(stopped), stopped)
             sup.close()
             supervision.install(None)
+            profiles.install(None)
             try:
                 self.client.heartbeat(self._heartbeat_body())
             except ControlPlaneError:

@@ -1,4 +1,5 @@
-"""The Celery app that carries launch and cancel orders to node agents, and its configuration.
+"""The Celery app that carries launch, cancel and profile orders to node agents, and its
+configuration.
 
 Every node consumes only its own queue (`node.<id>`); the control plane publishes there after
 its database commit. Task names are constants so the control plane can `send_task` them by
@@ -92,7 +93,8 @@ def configure(celery: Celery, broker_url: str) -> Celery:
         "worker_prefetch_multiplier": 1,
         # No time limits: the agent runs the "threads" pool (its tasks share the process
         # that supervises the roles), which cannot enforce them. Task bodies are bounded by
-        # construction instead: a launch only spawns, a cancel waits at most the kill grace,
+        # construction instead: a launch spawns after at most one bundle download (its own
+        # deadline), a cancel waits at most the kill grace, a profile at most its timeout,
         # and every HTTP call carries a timeout.
         "task_time_limit": None,
         "task_soft_time_limit": None,

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--role-threads", type=int, help="OMP/MKL threads of every role")
     parser.add_argument("--trainer-command", type=json.loads,
                         help='JSON list that runs a role, default ["python", "-m", "trainer"]')
+    parser.add_argument("--profile-command", type=json.loads,
+                        help='JSON list that profiles a task, default ["python", "-m", "trainer.profile"]')
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     parser.add_argument("--detect", action="store_true",
                         help="print the detected hardware (and speed) as JSON and exit")

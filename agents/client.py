@@ -1,12 +1,13 @@
 """The agent's HTTP client for the control plane (see "Agent ↔ control plane" in
-docs/architecture.md): register, heartbeat, role events and logs."""
+docs/architecture.md): register, heartbeat, role events, logs, profile results and bundle
+downloads."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -20,6 +21,13 @@ from agents.errors import (
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/v1/agent"
+DOWNLOAD_CHUNK_BYTES = 1 << 20
+
+
+class Sink(Protocol):
+    """Where a download's bytes go; `write` may raise to abort the download."""
+
+    def write(self, data: bytes, /) -> Any: ...
 
 
 class ControlPlaneClient:
@@ -47,6 +55,11 @@ class ControlPlaneClient:
         """Authenticate later calls with the node's agent token."""
         self._agent_token = token
 
+    @property
+    def agent_token(self) -> str | None:
+        """The node's agent token, once registered (profile bundles are fetched with it)."""
+        return self._agent_token
+
     def _post(self, path: str, body: Mapping[str, Any], *, auth: bool = True) -> dict[str, Any]:
         headers = {}
         if auth:
@@ -59,24 +72,32 @@ class ControlPlaneClient:
             raise ControlPlaneUnavailable(
                 f"control plane at {self.server_url} unreachable on {path}: {exc!r}"
             ) from exc
-        if response.status_code >= 500:
-            raise ControlPlaneUnavailable(
-                f"control plane failed on {path}: {response.status_code} {response.text[:300]}",
-                status_code=response.status_code,
-            )
-        if response.status_code in (401, 403):
-            raise AgentAuthError(
-                f"control plane refused the credentials on {path}: {_detail(response)}",
-                status_code=response.status_code,
-            )
-        if response.status_code >= 400:
-            raise ControlPlaneRejected(
-                f"control plane rejected {path}: {response.status_code} {_detail(response)}",
-                status_code=response.status_code,
-            )
+        _raise_for_status(response, path)
         if response.status_code == 204 or not response.content:
             return {}
         return dict(response.json())
+
+    def download(self, path: str, *, token: str, sink: Sink) -> int:
+        """Stream GET `<server_url><path>` with `token` into `sink`; returns the byte count.
+
+        `path` is absolute on the server (e.g. /api/v1/runs/7/bundle), not under the agent
+        prefix. Errors as for the other calls; whatever `sink.write` raises propagates.
+        """
+        headers = {"Authorization": f"Bearer {token}"}
+        size = 0
+        try:
+            with self._http.stream("GET", self.server_url + path, headers=headers) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    _raise_for_status(response, path)
+                for chunk in response.iter_bytes(DOWNLOAD_CHUNK_BYTES):
+                    sink.write(chunk)
+                    size += len(chunk)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneUnavailable(
+                f"control plane at {self.server_url} unreachable on {path}: {exc!r}"
+            ) from exc
+        return size
 
     def register(
         self, *, join_token: str, agent_token: str, hardware: Mapping[str, Any]
@@ -96,6 +117,28 @@ class ControlPlaneClient:
     def logs(self, run_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
         """Ship a batch of a role's output lines."""
         return self._post(f"/runs/{run_id}/logs", body)
+
+    def profile_result(self, profile_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Report a task profile: {"status": "done", "result": ...} or {"status": "failed", ...}."""
+        return self._post(f"/profiles/{profile_id}", body)
+
+
+def _raise_for_status(response: httpx.Response, path: str) -> None:
+    if response.status_code >= 500:
+        raise ControlPlaneUnavailable(
+            f"control plane failed on {path}: {response.status_code} {response.text[:300]}",
+            status_code=response.status_code,
+        )
+    if response.status_code in (401, 403):
+        raise AgentAuthError(
+            f"control plane refused the credentials on {path}: {_detail(response)}",
+            status_code=response.status_code,
+        )
+    if response.status_code >= 400:
+        raise ControlPlaneRejected(
+            f"control plane rejected {path}: {response.status_code} {_detail(response)}",
+            status_code=response.status_code,
+        )
 
 
 def call_with_retry(

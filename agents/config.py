@@ -55,6 +55,13 @@ class AgentSettings(BaseSettings):
     benchmark_seconds: float = Field(default=2.0, ge=0)
     # The command that runs a trainer role; the role's flags are appended.
     trainer_command: list[str] = Field(default_factory=lambda: [sys.executable, "-m", "trainer"])
+    # Longest a bundle download may take (the control plane fails launches after 180 s).
+    bundle_download_timeout_s: float = Field(default=150.0, gt=0)
+    # The command that profiles a task (`profile_task`); the profile's flags are appended.
+    profile_command: list[str] = Field(
+        default_factory=lambda: [sys.executable, "-m", "trainer.profile"]
+    )
+    profile_timeout_s: float = Field(default=300.0, gt=0)
     # Sets OMP_NUM_THREADS/MKL_NUM_THREADS of every role when given (CPU nodes sharing cores).
     role_threads: int | None = Field(default=None, ge=1)
     http_timeout_s: float = Field(default=10.0, gt=0)

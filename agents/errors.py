@@ -6,7 +6,9 @@
     │   ├── ControlPlaneUnavailable   connection failure, timeout or 5xx: worth retrying
     │   ├── AgentAuthError            401/403: join token unknown or used, agent token revoked
     │   └── ControlPlaneRejected      any other 4xx: the request itself is wrong
-    └── LaunchError               a role could not be started (bad spec, already running, exec)
+    ├── LaunchError               a role could not be started (bad spec, already running, exec)
+    ├── BundleError               a code bundle could not be fetched, verified or unpacked
+    └── ProfileError              a task profile could not be measured
 """
 
 from __future__ import annotations
@@ -42,3 +44,12 @@ class ControlPlaneRejected(ControlPlaneError):
 
 class LaunchError(AgentError):
     """A trainer role could not be started."""
+
+
+class BundleError(AgentError):
+    """A bundle of the user's code could not be fetched, verified or unpacked; the message
+    starts with `bundle <digest>…:` and says why."""
+
+
+class ProfileError(AgentError):
+    """A task profile could not be measured; the message says why (often the child's stderr)."""

@@ -12,7 +12,8 @@ a new session, so the guard's pid is the role's process-group id. The guard:
    the role's own children that a signal to the role alone would orphan;
 4. ignores SIGTERM and SIGINT for itself: the agent's cancel sends SIGTERM to the group, the
    role shuts down gracefully and the guard only reports how it ended;
-5. exits with the role's status: the same exit code, or death by the same signal.
+5. exits with the role's status: the same exit code, or death by the same signal (SIGKILL
+   included, so an OOM-killed role reads as "killed by SIGKILL" to the supervisor).
 
 The guard imports nothing heavy, so it adds a few milliseconds and a few MB per role.
 """
@@ -23,6 +24,7 @@ import ctypes
 import os
 import signal
 import sys
+from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
 
@@ -80,12 +82,23 @@ def main(argv: list[str]) -> int:
         except ChildProcessError:
             return 1
     if os.WIFSIGNALED(status):
-        signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
-        sys.stdout.flush()
-        os.kill(os.getpid(), signum)
-        return 128 + signum
+        _die_like(os.WTERMSIG(status))
     return os.waitstatus_to_exitcode(status)
+
+
+def _die_like(signum: int) -> NoReturn:
+    """End the guard by `signum`, as its role ended (128 + signum if that does not kill it)."""
+    sys.stdout.flush()
+    # SIGKILL cannot be caught, so its disposition is already the default and setting it
+    # fails with EINVAL (issue 15: the guard of an OOM-killed role crashed right there).
+    if signum != signal.SIGKILL:
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    os.kill(os.getpid(), signum)
+    # Only a signal whose default is to be ignored (SIGCHLD, SIGURG, ...) gets here.
+    sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,20 @@
-"""What a launch order carries, and the trainer command line built from it.
+"""What the control plane's orders carry, and the trainer command line built from them.
 
 The control plane sends a `RoleSpec` as plain JSON inside the `launch_role` task; the agent
 validates it and appends the flags to its configured trainer command
-(`python -m trainer --role ps|worker --rank R ...`).
+(`python -m trainer --role ps|worker --rank R ... [-- SCRIPT ARGS]`). A `ProfileSpec` is the
+order of the `profile_task` task: measure one task on this node.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# Flags the spec sets itself; `options` may not override them.
-_RESERVED_FLAGS = frozenset(
-    {
-        "role",
-        "rank",
-        "world-size",
-        "master-addr",
-        "master-port",
-        "batch-sizes",
-        "report-url",
-        "report-token",
-    }
-)
+from hybridtrain.contract import DEVICES, RESERVED_FLAGS, SHA256, check_task_ref
+
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 # Environment a launch may set: thread counts and device/communication knobs, nothing that
 # changes which code runs (no PATH, LD_PRELOAD or PYTHONPATH from the wire).
@@ -32,6 +22,37 @@ _ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "HYBRIDTRA
 
 Scalar = str | int | float | bool
 OptionValue = Scalar | list[Annotated[str | int | float, Field()]] | None
+MAX_SCRIPT_ARGS = 64
+
+
+class BundleRef(BaseModel):
+    """A bundle of the user's code: its sha256 and the control-plane path that serves it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sha256: str
+    path: str = Field(max_length=1000)
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str) -> str:
+        if not SHA256.match(value):
+            raise ValueError(f"bundle.sha256: expected 64 lowercase hex digits, got {value!r}")
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _api_path(cls, value: str) -> str:
+        # Only a path on the agent's own control plane: a full URL would send the run's
+        # token to whoever the order names.
+        if not value.startswith("/api/v1/") or any(c in value for c in "\0?#\r\n ") or "/../" in value + "/":
+            raise ValueError(f"bundle.path: expected a path under /api/v1/, got {value!r}")
+        return value
+
+    @property
+    def short(self) -> str:
+        """The digest as messages name it."""
+        return self.sha256[:12] + "\u2026"
 
 
 class RoleSpec(BaseModel):
@@ -52,6 +73,10 @@ class RoleSpec(BaseModel):
     # The rest of the trainer's flags, e.g. {"strategy": "ps-bz-gc", "max-steps": 200}.
     options: dict[str, OptionValue] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
+    # The user's code, unpacked on the node and made the role's cwd and PYTHONPATH.
+    bundle: BundleRef | None = None
+    # Handed to the user's script after a literal `--`.
+    script_args: list[str] = Field(default_factory=list, max_length=MAX_SCRIPT_ARGS)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> RoleSpec:
@@ -73,7 +98,7 @@ class RoleSpec(BaseModel):
             flag = name.replace("_", "-")
             if not _FLAG_NAME.match(name):
                 raise ValueError(f"options: {name!r} is not a flag name")
-            if flag in _RESERVED_FLAGS:
+            if flag in RESERVED_FLAGS:
                 raise ValueError(f"options: {name!r} is set by the spec itself")
         return options
 
@@ -87,6 +112,38 @@ class RoleSpec(BaseModel):
                 )
         return env
 
+    @field_validator("script_args")
+    @classmethod
+    def _no_nul(cls, args: list[str]) -> list[str]:
+        for i, arg in enumerate(args):
+            if "\0" in arg:
+                raise ValueError(f"script_args[{i}]: contains a NUL character")
+        return args
+
+
+class ProfileSpec(BaseModel):
+    """A profile order: time task `task` (from `bundle`, if any) at `batch_size` on `device`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: str
+    task_args: dict[str, Any] = Field(default_factory=dict)
+    bundle: BundleRef | None = None
+    batch_size: int = Field(ge=1, le=1 << 20)
+    device: str = "auto"
+
+    @field_validator("task")
+    @classmethod
+    def _task_ref(cls, value: str) -> str:
+        return check_task_ref(value)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value not in DEVICES:
+            raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {value!r}")
+        return value
+
 
 def _render(value: Scalar | list[str | int | float]) -> str:
     if isinstance(value, list):
@@ -95,7 +152,7 @@ def _render(value: Scalar | list[str | int | float]) -> str:
 
 
 def trainer_argv(spec: RoleSpec, command: list[str]) -> list[str]:
-    """The full command line of a role: `command` + the spec's flags.
+    """The full command line of a role: `command` + the spec's flags [+ `--` script args].
 
     Options render as `--name value`; True as a bare `--name`; False and None are left out;
     lists join with commas (the trainer's convention, as in `--speeds 1,0.89`).
@@ -127,4 +184,6 @@ def trainer_argv(spec: RoleSpec, command: list[str]) -> list[str]:
             argv.append(flag)
         else:
             argv += [flag, _render(value)]
+    if spec.script_args:
+        argv += ["--", *spec.script_args]
     return argv

@@ -5,6 +5,10 @@ Each role runs under `agents.guard` in a new session (its own process group), sp
 one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that forked a child exits,
 so spawning from short-lived task threads would kill roles when those threads end.
 
+A role whose launch order names a bundle of the user's code runs in `runs/<run>/code`, the
+bundle unpacked there (once per run), with that directory first on its PYTHONPATH; a bundle
+that cannot be fetched or unpacked ends the role before it starts, reported as an exit.
+
 Per role, one reader thread copies output to `runs/<run>/rank<R>.log` and a bounded buffer;
 one watcher thread reports "started", waits for the guard to exit (without reaping it, so
 its pid cannot be reused while the group is swept), SIGKILLs what is left of the group,
@@ -33,8 +37,9 @@ from typing import Any, Protocol
 
 import psutil
 
+from agents.bundles import BundleCache
 from agents.client import call_with_retry
-from agents.errors import ControlPlaneError, LaunchError
+from agents.errors import BundleError, ControlPlaneError, LaunchError
 from agents.spec import RoleSpec, trainer_argv
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,9 @@ LOG_BATCH_LINES = 500
 TAIL_LINES = 20
 # Exited roles stay in heartbeats this long, so an exit whose event was lost still arrives.
 EXITED_RETENTION_S = 600.0
+# The exit code reported for a role that could not be started (its bundle failed).
+NOT_STARTED_EXIT_CODE = 1
+OOM_HINT = " (likely the kernel's out-of-memory killer: check `dmesg`)"
 
 
 class Reporter(Protocol):
@@ -60,7 +68,8 @@ class RoleProcess:
     """A role this agent started, and what became of it."""
 
     spec: RoleSpec
-    proc: subprocess.Popen[bytes]
+    # None for a role that failed before its process started.
+    proc: subprocess.Popen[bytes] | None
     log_path: Path
     started_at: float
     state: str = "running"  # running, exited
@@ -90,8 +99,8 @@ class RoleProcess:
         return (self.spec.run_id, self.spec.rank)
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     def snapshot(self) -> dict[str, Any]:
         """The role as a heartbeat reports it."""
@@ -151,6 +160,7 @@ class Supervisor:
         log_flush_interval_s: float = 1.0,
         role_threads: int | None = None,
         event_retry_s: float = 30.0,
+        bundles: BundleCache | None = None,
     ) -> None:
         self.reporter = reporter
         self.state_dir = Path(state_dir)
@@ -160,7 +170,10 @@ class Supervisor:
         self.log_flush_interval_s = log_flush_interval_s
         self.role_threads = role_threads
         self.event_retry_s = event_retry_s
+        self.bundles = bundles
         self._roles: dict[tuple[int, int], RoleProcess] = {}
+        # Launches fetching their bundle: a repeat order for one of them is refused.
+        self._preparing: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._spawner = _Spawner()
@@ -172,23 +185,43 @@ class Supervisor:
     # -- launching -------------------------------------------------------------------------
 
     def launch(self, spec: RoleSpec) -> RoleProcess:
-        """Start one role; a repeated order for a (run, rank) already started is a no-op."""
+        """Start one role; a repeated order for a (run, rank) already started is a no-op.
+
+        With a bundle, the code is fetched and unpacked first (in the calling thread, bounded
+        by the cache's deadlines); if that fails the role is returned already exited, its
+        reason reported to the control plane as for any other exit.
+        """
+        key = (spec.run_id, spec.rank)
         if self._closing.is_set():
             raise LaunchError("the agent is stopping; not starting new roles")
         with self._lock:
-            existing = self._roles.get((spec.run_id, spec.rank))
+            existing = self._existing(spec)
             if existing is not None:
-                log.warning(
-                    "run %s rank %s was already started (pid %s, %s); ignoring the repeat",
-                    spec.run_id, spec.rank, existing.pid, existing.state,
-                )
                 return existing
+            if key in self._preparing:
+                raise LaunchError(f"run {spec.run_id} rank {spec.rank} is already being started")
             run_dir = self.state_dir / "runs" / str(spec.run_id)
             run_dir.mkdir(parents=True, exist_ok=True)
+            self._preparing.add(key)
+        try:
+            code_dir = self._prepare_code(spec, run_dir)
+        except BundleError as exc:
+            return self._fail_before_start(spec, run_dir, str(exc))
+        finally:
+            with self._lock:
+                self._preparing.discard(key)
+        if self._closing.is_set():
+            raise LaunchError("the agent is stopping; not starting new roles")
+        with self._lock:
+            existing = self._existing(spec)
+            if existing is not None:
+                return existing
             log_path = run_dir / f"rank{spec.rank}.log"
             argv = trainer_argv(spec, self.trainer_command)
-            guard = [sys.executable, "-m", "agents.guard", str(os.getpid()), "--", *argv]
-            env = self._role_env(spec)
+            # -I: the role's cwd and PYTHONPATH hold the user's code, which must not shadow
+            # the guard's own package (a user's `agents/` directory, say).
+            guard = [sys.executable, "-I", "-m", "agents.guard", str(os.getpid()), "--", *argv]
+            env = self._role_env(spec, code_dir)
             try:
                 proc = self._spawner.run(
                     lambda: subprocess.Popen(
@@ -196,7 +229,7 @@ class Supervisor:
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
-                        cwd=run_dir,
+                        cwd=code_dir or run_dir,
                         env=env,
                         start_new_session=True,
                         close_fds=True,
@@ -222,13 +255,60 @@ class Supervisor:
         ).start()
         return role
 
-    def _role_env(self, spec: RoleSpec) -> dict[str, str]:
+    def _existing(self, spec: RoleSpec) -> RoleProcess | None:
+        existing = self._roles.get((spec.run_id, spec.rank))
+        if existing is not None:
+            log.warning(
+                "run %s rank %s was already started (pid %s, %s); ignoring the repeat",
+                spec.run_id, spec.rank, existing.pid, existing.state,
+            )
+        return existing
+
+    def _prepare_code(self, spec: RoleSpec, run_dir: Path) -> Path | None:
+        """The unpacked bundle of `spec` (fetched if needed), or None without a bundle."""
+        if spec.bundle is None:
+            return None
+        if self.bundles is None:
+            raise BundleError(f"bundle {spec.bundle.short}: this agent has no bundle cache")
+        if not spec.report_token:
+            raise BundleError(f"bundle {spec.bundle.short}: the launch order carries no run token to fetch it with")
+        archive = self.bundles.ensure(spec.bundle, spec.report_token)
+        return self.bundles.unpack(archive, run_dir / "code", ref=spec.bundle)
+
+    def _fail_before_start(self, spec: RoleSpec, run_dir: Path, why: str) -> RoleProcess:
+        """Record and report a role that ended before its process could start."""
+        now = time.time()
+        role = RoleProcess(spec=spec, proc=None, log_path=run_dir / f"rank{spec.rank}.log", started_at=now)
+        role.state, role.exit_code, role.ended_at = "exited", NOT_STARTED_EXIT_CODE, now
+        role.reason = f"rank {spec.rank} ({spec.role}) not started: {why}"
+        role.tail.append(why)
+        role.reaped = True
+        for event in (role.leader_exited, role.gone):
+            event.set()
+        with self._lock:
+            existing = self._roles.get(role.key)
+            if existing is not None:
+                return existing
+            self._roles[role.key] = role
+        with contextlib.suppress(OSError), open(role.log_path, "a") as sink:
+            sink.write(why + "\n")
+        log.warning("run %s rank %s not started: %s", spec.run_id, spec.rank, why)
+        threading.Thread(
+            target=self._report_exit, args=(role,), name=f"exit-{spec.run_id}-{spec.rank}",
+            daemon=True,
+        ).start()
+        return role
+
+    def _role_env(self, spec: RoleSpec, code_dir: Path | None = None) -> dict[str, str]:
         env = dict(os.environ)
         # Line-buffered output, so logs reach the control plane as they are written.
         env["PYTHONUNBUFFERED"] = "1"
         if self.role_threads is not None:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.role_threads)
         env.update(spec.env)
+        if code_dir is not None:
+            # Set by the agent itself: the spec's env may never name PYTHONPATH.
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_dir), env.get("PYTHONPATH")) if p)
         return env
 
     # -- watching --------------------------------------------------------------------------
@@ -293,6 +373,10 @@ class Supervisor:
         log.info("run %s rank %s exited: %s", *role.key, role.reason or "success")
 
         self._flush_logs(role, final=True)
+        self._report_exit(role)
+
+    def _report_exit(self, role: RoleProcess) -> None:
+        spec = role.spec
         exited = {
             "rank": spec.rank,
             "role": spec.role,
@@ -535,7 +619,9 @@ def _exit_reason(role: RoleProcess) -> str | None:
             name = signal.Signals(role.signal).name
         except ValueError:
             name = f"signal {role.signal}"
-        return f"{who} was killed by {name}"
+        # SIGKILL from nobody we know of is, on Linux, nearly always the OOM killer.
+        hint = OOM_HINT if role.signal == signal.SIGKILL else ""
+        return f"{who} was killed by {name}{hint}"
     if role.exit_code:
         last = next((line for line in reversed(role.tail) if line.strip()), "")
         suffix = f": {last.strip()}" if last else ""

@@ -1,21 +1,27 @@
-"""Celery tasks on a node's own queue: launch one trainer role, cancel a run's roles.
+"""Celery tasks on a node's own queue: launch one trainer role, cancel a run's roles,
+profile a task.
 
-Each task is a thin wrapper: `launch_role` and `cancel_run` below are plain functions that
-take the supervisor explicitly, so tests call them without a broker; the tasks hand them the
-supervisor of the running agent.
+Each task is a thin wrapper: `launch_role`, `cancel_run` and `profile_task` below are plain
+functions that take what they use explicitly, so tests call them without a broker; the tasks
+hand them the supervisor (or profiling context) of the running agent.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from agents import profiles
 from agents import supervisor as supervision
+from agents.bundles import BundleCache, remove_tree
 from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE, app
-from agents.errors import LaunchError
-from agents.spec import RoleSpec
+from agents.client import ControlPlaneClient, call_with_retry
+from agents.errors import AgentError, ControlPlaneError, ControlPlaneRejected, LaunchError
+from agents.spec import ProfileSpec, RoleSpec
+from hybridtrain.contract import PROFILE_TASK
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,80 @@ def cancel_run(run_id: int, reason: str, *, supervisor: supervision.Supervisor) 
     return {"run_id": run_id, "cancelled_ranks": ranks}
 
 
+def profile_task(
+    profile_id: int,
+    spec: dict[str, Any],
+    *,
+    client: ControlPlaneClient,
+    cache: BundleCache,
+    state_dir: Path,
+    command: list[str] | None = None,
+    timeout_s: float = profiles.DEFAULT_TIMEOUT_S,
+    report_retry_s: float = 30.0,
+) -> dict[str, Any]:
+    """Measure a task on this node and report it; returns the body sent to the control plane.
+
+    Fetches the bundle with the agent's own token, unpacks it into
+    `state_dir/profiles/<id>/code`, runs the profiler there as a child process and POSTs
+    {"status": "done", "result": ...} or {"status": "failed", "error": ...}.
+    """
+    work = Path(state_dir) / "profiles" / str(int(profile_id))
+    try:
+        body = {"status": "done", "result": _measure(work, spec, client, cache, command, timeout_s)}
+    except ValidationError as exc:
+        body = {"status": "failed", "error": f"invalid profile order: {_first_error(exc)}"}
+    except AgentError as exc:
+        body = {"status": "failed", "error": str(exc)}
+    except Exception as exc:  # a profile left pending forever would be worse than this report
+        log.exception("profile %s: unexpected error", profile_id)
+        body = {"status": "failed", "error": f"agent error: {exc!r}"}
+    finally:
+        remove_tree(work)
+    if body["status"] == "failed":
+        log.warning("profile %s failed: %s", profile_id, body["error"])
+    try:
+        call_with_retry(client.profile_result, profile_id, body, deadline_s=report_retry_s)
+    except ControlPlaneRejected as exc:
+        if body["status"] != "done":
+            log.warning("could not report profile %s: %s", profile_id, exc)
+            return body
+        # A measurement the control plane cannot store (a profiler printing another shape)
+        # must still end the profile rather than leave it pending.
+        body = {"status": "failed", "error": f"the control plane refused the measurement: {exc}"}
+        try:
+            call_with_retry(client.profile_result, profile_id, body, deadline_s=report_retry_s)
+        except ControlPlaneError as again:
+            log.warning("could not report profile %s: %s", profile_id, again)
+    except ControlPlaneError as exc:
+        log.warning("could not report profile %s: %s", profile_id, exc)
+    return body
+
+
+def _measure(
+    work: Path, spec: dict[str, Any], client: ControlPlaneClient, cache: BundleCache,
+    command: list[str] | None, timeout_s: float,
+) -> dict[str, Any]:
+    order = ProfileSpec.model_validate(spec)
+    code = work / "code"
+    if order.bundle is not None:
+        token = client.agent_token
+        if not token:
+            raise LaunchError("the agent has no token to fetch the bundle with")
+        cache.unpack(cache.ensure(order.bundle, token), code, ref=order.bundle)
+    else:
+        code.mkdir(parents=True, exist_ok=True)
+    argv = profiles.profile_argv(order, command or profiles.DEFAULT_COMMAND)
+    return profiles.run_profile(
+        argv, cwd=code, pythonpath=code if order.bundle is not None else None, timeout_s=timeout_s,
+    )
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "spec"
+    return f"{where}: {err['msg']}"
+
+
 # Early ack (the app default): starting a process twice is worse than not at all, and the
 # control plane notices a role that never reports "started". No retries: a LaunchError is a
 # bad order or a stopping agent, which a retry would not fix.
@@ -56,3 +136,15 @@ def launch_role_task(run_id: int, rank: int, spec: dict[str, Any]) -> dict[str, 
 def cancel_run_task(run_id: int, reason: str = "cancelled") -> dict[str, Any]:
     """Celery entry point of `cancel_run`."""
     return cancel_run(run_id, reason, supervisor=supervision.current())
+
+
+# Early ack: a profile is cheap to ask for again, and a re-delivered one would compete for
+# the GPU with a run. Bounded by the profiler's timeout plus the bundle's download deadline.
+@app.task(name=PROFILE_TASK)
+def profile_task_task(profile_id: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Celery entry point of `profile_task`."""
+    ctx = profiles.current()
+    return profile_task(
+        profile_id, spec, client=ctx.client, cache=ctx.cache, state_dir=ctx.state_dir,
+        command=ctx.command, timeout_s=ctx.timeout_s,
+    )

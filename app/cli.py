@@ -1,6 +1,6 @@
 """The `hybridtrain` command: one entry point that hands each subcommand to its package.
 
-`train` and `agent` are forwarded untouched to `trainer.cli` and `agents.cli`, so a machine
+`train`, `launch` and `agent` are forwarded untouched to `trainer.cli` and `agents.cli`, so a machine
 that only trains needs neither the web stack nor the database drivers.
 """
 
@@ -16,6 +16,10 @@ def _forwarded(argv: Sequence[str]) -> int | None:
         from trainer.cli import main as train_main
 
         return train_main(list(argv[1:]))
+    if argv and argv[0] == "launch":
+        from trainer.cli import launch_main
+
+        return launch_main(list(argv[1:]))
     if argv and argv[0] == "agent":
         from agents.cli import main as agent_main
 
@@ -28,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridtrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="run the trainer (see `hybridtrain train --help`)")
+    sub.add_parser("launch", help="run your own training script on local workers: "
+                                  "`hybridtrain launch --workers 4 train.py ARGS`")
     sub.add_parser("agent", help="run a node agent (see `hybridtrain agent --help`)")
     from app import commands
 

@@ -1,7 +1,10 @@
 """A Python client of the control plane's REST API (httpx), for CI pipelines and the CLI.
 
     client = HybridtrainClient("http://cp:8000", token)
-    run = client.create_run({"name": "nightly", "node_ids": [1, 2, 3]}, idempotency_key="build-42")
+    packed = pack_workdir(".")  # app.packing
+    client.upload_bundle(packed.data, packed.sha256, "work.tar.gz")
+    run = client.create_run({"name": "nightly", "node_ids": [1, 2, 3], "bundle_sha256": packed.sha256,
+                             "task": "mytask:task"}, idempotency_key="build-42")
     run = client.wait_for_run(run["id"])
     assert run["status"] == "succeeded", run["reason"]
 """
@@ -14,7 +17,13 @@ from typing import Any
 
 import httpx
 
+from hybridtrain.contract import BUNDLE_MEDIA_TYPE
+
 FINISHED = frozenset({"succeeded", "failed", "cancelled"})
+# Answers of a control plane that is restarting or behind a proxy that lost it (and 0: no
+# answer at all); a poll rides these out instead of abandoning a run that goes on.
+TRANSIENT_STATUS = frozenset({0, 502, 503, 504})
+_MAX_BACKOFF_S = 30.0
 
 
 class ApiError(Exception):
@@ -64,11 +73,18 @@ class HybridtrainClient:
             raise ApiError(0, f"cannot reach the control plane at {self._http.base_url}: {exc}") from exc
         if response.status_code >= 400:
             try:
-                detail = response.json().get("detail", response.text)
+                body = response.json()
             except ValueError:
-                detail = response.text
-            raise ApiError(response.status_code, detail)
-        return response.json() if response.content else None
+                body = None
+            detail = body.get("detail", response.text) if isinstance(body, dict) else response.text
+            raise ApiError(response.status_code, detail.strip() if isinstance(detail, str) else detail)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            # A proxy's HTML page in place of the API: say so rather than fail on decoding.
+            raise ApiError(response.status_code, f"not a JSON answer from {response.url}") from exc
 
     # -- runs -----------------------------------------------------------------------------
 
@@ -127,22 +143,90 @@ class HybridtrainClient:
         *,
         timeout_s: float | None = None,
         poll_s: float = 2.0,
+        retry_for_s: float = 300.0,
         on_change: Callable[[dict[str, Any]], None] | None = None,
+        on_poll: Callable[[dict[str, Any]], None] | None = None,
+        on_retry: Callable[[ApiError, float], None] | None = None,
     ) -> dict[str, Any]:
-        """Poll until the run has finished and return it; RunTimeout after `timeout_s`."""
+        """Poll until the run has finished and return it; RunTimeout after `timeout_s`.
+
+        A dropped connection or a restarting control plane (502/503/504) is retried with
+        exponential backoff (capped at 30 s) for up to `retry_for_s`, then raised as ApiError
+        with status 0 (unreachable). `on_poll` sees every answer, `on_change` each new state.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         last = None
+        failing_since: float | None = None
+        backoff = poll_s
         while True:
-            run = self.get_run(run_id)
+            try:
+                run = self.get_run(run_id)
+            except ApiError as exc:
+                if exc.status_code not in TRANSIENT_STATUS:
+                    raise
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= retry_for_s:
+                    raise ApiError(
+                        0, f"gave up on run {run_id} after {retry_for_s:g} s without an answer: {exc}"
+                    ) from exc
+                if deadline is not None and now > deadline:
+                    raise RunTimeout(f"run {run_id}: no answer from the control plane for "
+                                     f"{now - failing_since:.0f} s when the {timeout_s} s ran out") from exc
+                pause = min(backoff, _MAX_BACKOFF_S, failing_since + retry_for_s - now)
+                if on_retry is not None:
+                    on_retry(exc, pause)
+                time.sleep(max(pause, 0.0))
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                continue
+            failing_since, backoff = None, poll_s
             state = (run["status"], tuple(w["status"] for w in run["workers"]))
             if state != last and on_change is not None:
                 on_change(run)
             last = state
+            if on_poll is not None:
+                on_poll(run)
             if run["status"] in FINISHED:
                 return run
             if deadline is not None and time.monotonic() > deadline:
                 raise RunTimeout(f"run {run_id} is still {run['status']} after {timeout_s} s")
             time.sleep(poll_s)
+
+    # -- bundles --------------------------------------------------------------------------
+
+    def upload_bundle(self, data: bytes, sha256: str, filename: str | None = None) -> dict[str, Any]:
+        """Store a code bundle (a gzipped tar); the server verifies `sha256` against the bytes."""
+        headers = {"Content-Type": BUNDLE_MEDIA_TYPE, "X-Bundle-Sha256": sha256}
+        if filename:
+            headers["X-Bundle-Filename"] = filename
+        return self._call("POST", "/bundles", content=data, headers=headers)
+
+    def get_bundle(self, sha256: str) -> dict[str, Any]:
+        """A stored bundle's description (ApiError 404 when the server does not have it)."""
+        return self._call("GET", f"/bundles/{sha256}")
+
+    def list_bundles(self, *, skip: int = 0, limit: int = 100) -> dict[str, Any]:
+        """A page of stored bundles."""
+        return self._call("GET", "/bundles", params={"skip": skip, "limit": limit})
+
+    def delete_bundle(self, sha256: str) -> None:
+        """Delete a bundle (ApiError 409 while an active run uses it)."""
+        self._call("DELETE", f"/bundles/{sha256}")
+
+    # -- task profiles --------------------------------------------------------------------
+
+    def create_profiles(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Ask each node in `body["node_ids"]` to profile a task; one pending profile per node."""
+        return self._call("POST", "/tasks/profiles", json=dict(body))
+
+    def get_profile(self, profile_id: int) -> dict[str, Any]:
+        """A task profile with its status and, once done, its result."""
+        return self._call("GET", f"/tasks/profiles/{profile_id}")
+
+    def list_profiles(self, *, task_key: str | None = None, node_id: int | None = None) -> Any:
+        """Task profiles, optionally of one task key or one node."""
+        params = {k: v for k, v in (("task_key", task_key), ("node_id", node_id)) if v is not None}
+        return self._call("GET", "/tasks/profiles", params=params)
 
     # -- nodes ----------------------------------------------------------------------------
 

@@ -15,10 +15,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _add_server(sub)
     _add_db(sub)
     _add_token(sub)
-    from agents.testbed.cli import register as register_testbed  # testbed, bench paper
+    from testbed.cli import register as register_testbed  # testbed, bench paper
     from app.run_commands import register as register_runs  # runs, nodes, local
+    from app.run_commands import register_bundles
 
     register_runs(sub)
+    register_bundles(sub)
 
     register_testbed(sub)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, model_validator
@@ -38,6 +39,10 @@ class Settings(BaseSettings):
     # How often the control plane looks for silent nodes and stuck launches.
     monitor_interval_s: float = 5.0
     db_pool_size: int = 10
+    # Largest accepted bundle of users' code (a gzipped tar), in bytes; larger uploads get 413.
+    bundle_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # Where bundles are kept as <sha256>.tar.gz; None keeps them in the database.
+    bundle_dir: Path | None = None
 
     @model_validator(mode="after")
     def _refuse_example_secret_outside_local(self) -> Settings:

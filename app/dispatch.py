@@ -1,8 +1,8 @@
 """Orders to node agents, published as Celery tasks on each node's own queue.
 
-Queries decide *what* to send and return `LaunchOrder`/`CancelOrder` values; the caller
-commits first and only then hands them to `Dispatcher.send`, so an agent never acts on a run
-the database does not hold (conventions: enqueue after commit).
+Queries decide *what* to send and return `LaunchOrder`/`CancelOrder`/`ProfileOrder` values;
+the caller commits first and only then hands them to `Dispatcher.send`, so an agent never acts
+on a run (or profile) the database does not hold (conventions: enqueue after commit).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridtrain.contract import PROFILE_TASK
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,20 @@ class CancelOrder:
     reason: str
 
 
-Order = LaunchOrder | CancelOrder
+@dataclass(frozen=True)
+class ProfileOrder:
+    """Measure a task's speed on a node (`python -m trainer.profile` in a child of the agent)."""
+
+    node_id: int
+    profile_id: int
+    spec: dict[str, Any] = field(hash=False)
+
+
+# A profile order still queued after this long is dropped: its requester has moved on, and a
+# node that was away should not start measuring stale requests when it returns.
+PROFILE_EXPIRES_S = 600.0
+
+Order = LaunchOrder | CancelOrder | ProfileOrder
 
 
 class Dispatcher:
@@ -81,6 +96,11 @@ class Dispatcher:
                 celery.send_task(
                     LAUNCH_ROLE, args=[order.run_id, order.rank, order.spec], queue=queue,
                     expires=LAUNCH_EXPIRES_S, retry=True, retry_policy=retry,
+                )
+            elif isinstance(order, ProfileOrder):
+                celery.send_task(
+                    PROFILE_TASK, args=[order.profile_id, order.spec], queue=queue,
+                    expires=PROFILE_EXPIRES_S, retry=True, retry_policy=retry,
                 )
             else:
                 celery.send_task(

@@ -5,8 +5,9 @@ explained. The steps:
 
 1. Workers: one per declared GPU of each chosen node, in the order the nodes were given
    (a node that declares none runs one CPU worker).
-2. Speeds s_m: the declared GPU model's FP32 TFLOPS from the catalog (`flops`), or the
-   samples/s the node's agent measured (`measured`), or all equal (`equal`); ps-bz-gc
+2. Speeds s_m: the declared GPU model's FP32 TFLOPS from the catalog (`flops`), or measured
+   samples/s (`measured`: the node's latest profile of the run's own task where there is one,
+   else the agent's reference benchmark), or all equal (`equal`); ps-bz-gc
    defaults to `flops`, or to `measured` where some node declares no GPU. The declared
    models are used even where the agent detected others: that is how a CPU-only machine
    stands in for a GPU node, and the node shows the mismatch (seed 000, section III-A).
@@ -20,12 +21,10 @@ explained. The steps:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-PS_STRATEGIES = ("ps", "ps-gc", "ps-bz-gc")
-STRATEGIES = ("allreduce", "allreduce-powersgd", *PS_STRATEGIES)
-ALLOCATIONS = ("equal", "flops", "measured")
+from hybridtrain.contract import ALLOCATIONS, STRATEGIES, is_ps, proportional_batch_sizes
 
 # Relative cost of moving a byte over each kind of link, roughly inverse bandwidth: the
 # paper's testbed has 1 Gbit/s inside a site and 100 Mbit/s between sites; seed 003 measured
@@ -104,17 +103,24 @@ class Plan:
         return [w.batch_size for w in self.workers if w.role == "worker" and w.batch_size]
 
 
-def default_allocation(strategy: str, nodes: Sequence[PlanNode] = ()) -> str:
+def default_allocation(
+    strategy: str, nodes: Sequence[PlanNode] = (), task_speeds: Mapping[int, float] | None = None
+) -> str:
     """ps-bz-gc sizes batches by speed (its point), every other strategy splits equally.
 
-    ps-bz-gc uses the catalog's FLOPs when every node declares its GPUs, else the agents'
-    measured speeds (a CPU-only laptop under `hybridtrain local` declares none).
+    ps-bz-gc uses the catalog's FLOPs when every node declares its GPUs, else measured speeds
+    (a CPU-only laptop under `hybridtrain local` declares none).
     """
     if strategy != "ps-bz-gc":
         return "equal"
-    if nodes and not all(n.gpus for n in nodes) and all(n.measured_samples_per_s for n in nodes):
+    if nodes and not all(n.gpus for n in nodes) and all(_measured(n, task_speeds) for n in nodes):
         return "measured"
     return "flops"
+
+
+def _measured(node: PlanNode, task_speeds: Mapping[int, float] | None) -> float | None:
+    # The run's own task, profiled on the node, beats the agent's reference benchmark.
+    return (task_speeds or {}).get(node.id) or node.measured_samples_per_s
 
 
 def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
@@ -126,17 +132,10 @@ def split_batch(global_batch: int, speeds: Sequence[float]) -> list[int]:
         raise PlanError(
             "global_batch_size", f"global_batch_size {global_batch} is smaller than the {m} workers"
         )
-    if any(not s > 0 for s in speeds):
-        raise PlanError("allocation", f"every worker speed must be > 0, got {list(speeds)}")
-    total = float(sum(speeds))
-    spare = global_batch - m
-    exact = [spare * s / total for s in speeds]
-    sizes = [int(e) for e in exact]
-    # Largest remainders first; ties go to the lower rank, so the plan is deterministic.
-    order = sorted(range(m), key=lambda i: (-(exact[i] - sizes[i]), i))
-    for i in order[: spare - sum(sizes)]:
-        sizes[i] += 1
-    return [n + 1 for n in sizes]
+    try:
+        return proportional_batch_sizes(global_batch, speeds)
+    except ValueError as exc:
+        raise PlanError("allocation", f"every worker speed must be > 0, got {list(speeds)}") from exc
 
 
 def link_cost(a: PlanNode, b: PlanNode) -> float:
@@ -181,17 +180,19 @@ def plan_run(
     nodes: Sequence[PlanNode],
     allocation: str | None = None,
     ps_node: PlanNode | None = None,
+    task_speeds: Mapping[int, float] | None = None,
 ) -> Plan:
-    """Plan a run over `nodes` (in the user's order); `ps_node` pins the server."""
+    """Plan a run over `nodes` (in the user's order); `ps_node` pins the server; `task_speeds`
+    (node id -> samples/s of the run's task, from task profiles) feed allocation 'measured'."""
     if strategy not in STRATEGIES:
         raise PlanError("strategy", f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
     if not nodes:
         raise PlanError("node_ids", "the run needs at least one node")
-    allocation = allocation or default_allocation(strategy, nodes)
+    allocation = allocation or default_allocation(strategy, nodes, task_speeds)
     if allocation not in ALLOCATIONS:
         raise PlanError("allocation", f"allocation {allocation!r}: expected one of {', '.join(ALLOCATIONS)}")
-    is_ps = strategy in PS_STRATEGIES
-    if ps_node is not None and not is_ps:
+    with_server = is_ps(strategy)
+    if ps_node is not None and not with_server:
         raise PlanError("ps_node_id", f"{strategy} has no parameter server; leave ps_node_id out")
 
     slots = [(node, *slot) for node in nodes for slot in _worker_slots(node)]
@@ -209,20 +210,20 @@ def plan_run(
         speeds = [float(tflops) for _, _, _, tflops in slots]  # type: ignore[arg-type]
         unit = "tflops"
     else:
-        missing = sorted({n.name for n, *_ in slots if not n.measured_samples_per_s})
+        missing = sorted({n.name for n, *_ in slots if not _measured(n, task_speeds)})
         if missing:
             raise PlanError(
                 "allocation",
                 f"allocation 'measured' needs a speed measured by the agent; node(s) "
                 f"{', '.join(missing)} have none yet",
             )
-        speeds = [float(n.measured_samples_per_s) for n, *_ in slots]  # type: ignore[arg-type]
+        speeds = [float(_measured(n, task_speeds)) for n, *_ in slots]  # type: ignore[arg-type]
         unit = "samples_per_s"
     sizes = split_batch(global_batch_size, speeds)
 
     ranks: list[PlannedRank] = []
     server: PlanNode | None = None
-    if is_ps:
+    if with_server:
         server = ps_node or place_server(nodes, [n for n, *_ in slots])
         ranks.append(PlannedRank(rank=0, role="ps", node_id=server.id, node_name=server.name))
     first = len(ranks)
@@ -237,7 +238,7 @@ def plan_run(
     master = server or slots[0][0]
     if not master.address:
         raise PlanError(
-            "ps_node_id" if is_ps else "node_ids",
+            "ps_node_id" if with_server else "node_ids",
             f"node {master.name} (id {master.id}) has no address for the other ranks to reach: "
             "set its address or start its agent",
         )

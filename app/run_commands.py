@@ -1,8 +1,9 @@
-"""`hybridtrain runs ...`, `hybridtrain nodes list` and `hybridtrain local`: the commands a CI
-pipeline or a laptop user runs against a control plane.
+"""`hybridtrain runs ...`, `hybridtrain bundles ...`, `hybridtrain nodes list` and
+`hybridtrain local`: the commands a CI pipeline or a laptop user runs against a control plane.
 
 Exit status: 0 success; 1 the run failed or was cancelled (`runs create --wait`), or the
-control plane refused the request; 2 bad usage; 3 `--wait` timed out; 4 unreachable.
+control plane refused the request; 2 bad usage; 3 `--wait` timed out; 4 unreachable (for
+`--wait`: for longer than `--retry-for`); 130 Ctrl-C while waiting (the run goes on).
 """
 
 from __future__ import annotations
@@ -10,12 +11,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path, PurePosixPath
 from typing import Any
+
+from hybridtrain.contract import (
+    ALLOCATIONS, COMPRESSORS, DEVICES, SHA256, STRATEGIES, VALUE_DTYPES, check_task_ref, parse_target,
+)
 
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 EXIT_UNREACHABLE = 4
+EXIT_INTERRUPTED = 130
+MIB = 1024 * 1024
+
+
+class UsageError(Exception):
+    """A command line that cannot become a request; the message is one line naming the flag."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -49,33 +61,48 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     where = create.add_mutually_exclusive_group(required=True)
     where.add_argument("--nodes", type=_ints, help="node ids, e.g. 1,2,3")
     where.add_argument("--cluster", type=int, help="a cluster id")
-    create.add_argument("--strategy", default=None, help="ps-bz-gc (default), ps-gc, ps, allreduce, allreduce-powersgd")
-    create.add_argument("--model", default=None)
-    create.add_argument("--dataset", default=None)
+    create.add_argument("--strategy", choices=STRATEGIES, default=None, help="default ps-bz-gc")
+    code = create.add_mutually_exclusive_group()
+    code.add_argument("--workdir", default=None, metavar="DIR",
+                      help="pack DIR (minus .hybridtrainignore / .gitignore) and run from that code bundle")
+    code.add_argument("--bundle", default=None, metavar="SHA256", help="run from a bundle uploaded before")
+    what = create.add_mutually_exclusive_group()
+    what.add_argument("--task", default=None, metavar="MOD:FN",
+                      help="a function returning a hybridtrain.Task (default hybridtrain.tasks.digits:smallcnn)")
+    what.add_argument("--script", default=None, metavar="PATH",
+                      help="your own training script, a path inside --workdir; its arguments follow `--`")
+    create.add_argument("--task-args", default=None, metavar="JSON",
+                        help='keyword arguments of the task as a JSON object, e.g. \'{"lr": 0.05}\'')
+    create.add_argument("--max-bundle-mb", type=float, default=64.0, metavar="MIB",
+                        help="refuse to pack a work dir larger than this (default 64, the server's default)")
     create.add_argument("--global-batch", type=int, default=None)
-    create.add_argument("--lr", type=float, default=None)
     steps = create.add_mutually_exclusive_group()
     steps.add_argument("--max-steps", type=int, default=None)
     steps.add_argument("--epochs", type=int, default=None)
-    create.add_argument("--target-accuracy", type=float, default=None)
+    create.add_argument("--target", default=None, metavar="METRIC>=VALUE",
+                        help="e.g. accuracy>=0.9 or val_loss<=0.3 (a metric the task evaluates)")
     create.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=None,
-                        help="stop once the target accuracy is reached (the default)")
+                        help="stop once the target is reached (the default)")
     create.add_argument("--seed", type=int, default=None)
-    create.add_argument("--allocation", choices=("equal", "flops", "measured"), default=None)
-    create.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None)
+    create.add_argument("--allocation", choices=ALLOCATIONS, default=None)
+    create.add_argument("--device", choices=DEVICES, default=None)
     create.add_argument("--ps-node", type=int, default=None, help="node id of the server")
     create.add_argument("--rebalance-every", type=int, default=None,
                         help="PS strategies: re-split the batch every N steps from compute times")
     create.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps")
-    create.add_argument("--compressor", choices=("none", "topk", "randomk"), default=None)
+    create.add_argument("--compressor", choices=COMPRESSORS, default=None)
     create.add_argument("--density", type=float, default=None)
-    create.add_argument("--value-dtype", choices=("fp32", "fp16"), default=None)
+    create.add_argument("--value-dtype", choices=VALUE_DTYPES, default=None)
     create.add_argument("--idempotency-key", default=None,
                         help="a retry with the same key returns the same run (e.g. the CI job id)")
     create.add_argument("--plan-only", action="store_true", help="print the plan, launch nothing")
     create.add_argument("--wait", action="store_true",
                         help="wait for the end; exit 0 only if the run succeeded")
     create.add_argument("--timeout", type=float, default=None, help="seconds to --wait at most")
+    create.add_argument("--retry-for", type=float, default=300.0, metavar="SECONDS",
+                        help="--wait rides out an unreachable control plane this long (default 300)")
+    create.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARGS",
+                        help="arguments of --script, after a literal --")
     create.set_defaults(func=_runs_create)
 
     get = runs_sub.add_parser("get", help="show a run as JSON")
@@ -111,6 +138,21 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     logs.add_argument("--rank", type=int, default=None)
     logs.add_argument("--tail", type=int, default=50)
     logs.set_defaults(func=_runs_logs)
+
+
+def register_bundles(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `bundles list` and `bundles delete` to the `hybridtrain` parser."""
+    bundles = sub.add_parser("bundles", help="the code bundles stored on the control plane")
+    bundles_sub = bundles.add_subparsers(dest="bundles_command", required=True)
+    ls = bundles_sub.add_parser("list", help="list bundles, newest first")
+    _connection_args(ls)
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_bundles_list)
+    delete = bundles_sub.add_parser("delete", help="delete a bundle no active run uses")
+    _connection_args(delete)
+    delete.add_argument("sha256")
+    delete.set_defaults(func=_bundles_delete)
 
 
 def _add_nodes(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -154,15 +196,19 @@ def _guard(fn: Any) -> Any:
 
 
 def _run_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The POST /runs body of a `runs create` command line; UsageError naming a bad flag."""
     body: dict[str, Any] = {"name": args.name}
     if args.nodes is not None:
         body["node_ids"] = args.nodes
     else:
         body["cluster_id"] = args.cluster
+    bundle_sha256 = _bundle_flag(args.bundle)  # --workdir's is known once uploaded
     for key, value in [
-        ("strategy", args.strategy), ("model", args.model), ("dataset", args.dataset),
-        ("global_batch_size", args.global_batch), ("lr", args.lr), ("max_steps", args.max_steps),
-        ("epochs", args.epochs), ("target_accuracy", args.target_accuracy), ("seed", args.seed),
+        ("strategy", args.strategy), ("task", _task_flag(args.task)),
+        ("task_args", _task_args_flag(args.task_args)), ("bundle_sha256", bundle_sha256),
+        ("script", _script_flag(args, bundle_sha256)), ("script_args", args.script_args or None),
+        ("global_batch_size", args.global_batch), ("max_steps", args.max_steps),
+        ("epochs", args.epochs), ("target", _target_flag(args.target)), ("seed", args.seed),
         ("allocation", args.allocation), ("device", args.device), ("ps_node_id", args.ps_node),
         ("rebalance_every", args.rebalance_every), ("eval_every", args.eval_every),
         ("stop_at_target", args.stop_at_target),
@@ -178,6 +224,97 @@ def _run_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
+def _task_flag(text: str | None) -> str | None:
+    if text is None:
+        return None
+    try:
+        return check_task_ref(text)
+    except ValueError as exc:
+        raise UsageError(f"--task: {exc}") from None
+
+
+def _task_args_flag(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    def no_constants(name: str) -> Any:
+        raise UsageError(f"--task-args: {name} is not a JSON number: {text!r}")
+
+    try:
+        value = json.loads(text, parse_constant=no_constants)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--task-args: not JSON ({exc.msg} at character {exc.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f'--task-args: expected a JSON object such as \'{{"lr": 0.05}}\', got {text!r}')
+    return value
+
+
+def _target_flag(text: str | None) -> str | None:
+    if text is None:
+        return None
+    try:
+        return str(parse_target(text))
+    except ValueError as exc:
+        raise UsageError(f"--target: {exc}") from None
+
+
+def _bundle_flag(text: str | None) -> str | None:
+    if text is None:
+        return None
+    if not SHA256.match(text.lower()):
+        raise UsageError(f"--bundle: expected the 64 hex digits of a bundle's sha256, got {text!r}")
+    return text.lower()
+
+
+def _script_flag(args: argparse.Namespace, bundle_sha256: str | None) -> str | None:
+    if args.script is None:
+        if args.script_args:
+            raise UsageError(f"arguments after -- ({' '.join(args.script_args)}) need --script")
+        return None
+    script = args.script.replace("\\", "/")
+    path = PurePosixPath(script)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        raise UsageError(f"--script {args.script}: a path relative to the work dir, without '..'")
+    if bundle_sha256 is None and args.workdir is None:
+        raise UsageError("--script needs --workdir (or --bundle): the code the script is in")
+    return str(path)
+
+
+def _pack(args: argparse.Namespace) -> Any:
+    """Pack --workdir; the script, when given, must be one of the packed files."""
+    from app.packing import PackError, pack_workdir
+
+    try:
+        packed = pack_workdir(args.workdir, max_bytes=int(args.max_bundle_mb * MIB))
+    except PackError as exc:
+        raise UsageError(f"--workdir: {exc}") from None
+    for warning in packed.warnings:
+        print(f"hybridtrain: warning: {warning}", file=sys.stderr)
+    if args.script is not None:
+        script = str(PurePosixPath(args.script.replace("\\", "/")))
+        if script not in packed.members:
+            where = "is ignored by its ignore file" if (Path(args.workdir) / script).is_file() else "does not exist"
+            raise UsageError(f"--script {args.script}: {where} in the work dir {args.workdir}")
+    return packed
+
+
+def _upload(client: Any, packed: Any, workdir: str) -> str:
+    """Upload a packed work dir unless the server has it already; its sha256."""
+    from app.client import ApiError
+
+    try:
+        client.get_bundle(packed.sha256)
+        where = "already on the server"
+    except ApiError as exc:
+        if exc.status_code != 404:
+            raise
+        filename = f"{Path(workdir).resolve().name or 'workdir'}.tar.gz"
+        client.upload_bundle(packed.data, packed.sha256, filename)
+        where = "uploaded"
+    print(f"hybridtrain: packed {packed.files} files, {packed.size_bytes / 1e6:.1f} MB, "
+          f"sha256 {packed.sha256[:12]}\u2026 ({where})", file=sys.stderr)
+    return packed.sha256
+
+
 def _describe(run: dict[str, Any]) -> str:
     ranks = " ".join(f"{w['rank']}:{w['status']}" for w in run["workers"])
     reason = f" ({run['reason']})" if run.get("reason") else ""
@@ -188,8 +325,15 @@ def _describe(run: dict[str, Any]) -> str:
 def _runs_create(args: argparse.Namespace) -> int:
     from app.client import RunTimeout
 
-    body = _run_body(args)
+    try:
+        body = _run_body(args)  # every flag checked before anything is packed or sent
+        packed = _pack(args) if args.workdir is not None else None
+    except UsageError as exc:
+        print(f"hybridtrain: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     with _client(args) as client:
+        if packed is not None:
+            body["bundle_sha256"] = _upload(client, packed, args.workdir)
         if args.plan_only:
             _print_json(client.plan_run(body))
             return 0
@@ -198,14 +342,27 @@ def _runs_create(args: argparse.Namespace) -> int:
         if not args.wait:
             _print_json(run)
             return 0
+        from app.run_progress import RunProgress
+
+        progress = RunProgress(client.metrics, sys.stderr)
         try:
             run = client.wait_for_run(
-                run["id"], timeout_s=args.timeout,
-                on_change=lambda r: print(f"hybridtrain: {_describe(r)}", file=sys.stderr),
+                run["id"], timeout_s=args.timeout, retry_for_s=args.retry_for,
+                on_change=lambda r: progress.note(f"hybridtrain: {_describe(r)}"),
+                on_poll=progress.poll,
+                on_retry=lambda exc, pause: progress.note(f"hybridtrain: {exc}; retrying in {pause:.3g} s"),
             )
         except RunTimeout as exc:
+            progress.close()
             print(f"hybridtrain: {exc}", file=sys.stderr)
             return EXIT_TIMEOUT
+        except KeyboardInterrupt:
+            progress.close()
+            print(f"hybridtrain: stopped waiting; run {run['id']} goes on "
+                  f"(`hybridtrain runs cancel {run['id']}` stops it)", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        finally:
+            progress.close()
         _print_json(run)
         return 0 if run["status"] == "succeeded" else EXIT_RUN_FAILED
 
@@ -275,4 +432,33 @@ def _nodes_list(args: argparse.Namespace) -> int:
         warning = (node.get("detected_hardware") or {}).get("mismatch")
         if warning:
             print(f"       warning: {warning}")
+    return 0
+
+
+@_guard
+def _bundles_list(args: argparse.Namespace) -> int:
+    from app.packing import human_bytes
+
+    with _client(args) as client:
+        page = client.list_bundles(limit=args.limit)
+    if args.json:
+        _print_json(page)
+        return 0
+    for bundle in page["data"]:
+        print(f"{bundle['sha256']}  {human_bytes(bundle['size_bytes']):>10} {bundle['files']:>6} files  "
+              f"{str(bundle['created_at'])[:19].replace('T', ' ')}  {bundle.get('filename') or '-'}  "
+              f"by {bundle['created_by']}")
+    return 0
+
+
+@_guard
+def _bundles_delete(args: argparse.Namespace) -> int:
+    try:
+        sha256 = _bundle_flag(args.sha256)
+    except UsageError as exc:
+        print(f"hybridtrain: {str(exc).replace('--bundle', 'SHA256')}", file=sys.stderr)
+        return EXIT_USAGE
+    with _client(args) as client:
+        client.delete_bundle(sha256)
+    print(f"hybridtrain: deleted bundle {sha256}", file=sys.stderr)
     return 0

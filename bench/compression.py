@@ -32,7 +32,7 @@ from trainer.compression import (
     build_compressor,
     select_topk,
 )
-from trainer.models import build_model
+from hybridtrain.tasks.models import build
 from trainer.wire import Message, encode
 
 
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Time one model's step and its gradient's compression; print its table."""
     shape, classes = ((3, 32, 32), 1000) if name.startswith("resnet") else ((1, 8, 8), 10)
-    model = build_model(name, shape, classes).to(device)
+    torch.manual_seed(0)
+    model = build(name, shape, classes).to(device)
     params = sum(q.numel() for q in model.parameters())
     x = torch.randn(args.batch, *shape, device=device)
     y = torch.randint(0, classes, (args.batch,), device=device)

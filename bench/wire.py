@@ -26,7 +26,7 @@ STRATEGIES = ("allreduce", "allreduce-powersgd", "ps", "ps-gc", "ps-bz-gc")
 def run(strategy: str, model: str, steps: int, workers: int, tmp: Path) -> dict:
     """One short run; mean bytes per worker per step in each direction."""
     out = tmp / f"{strategy}-{model}.jsonl"
-    cmd = [sys.executable, "-m", "trainer", "--strategy", strategy, "--model", model,
+    cmd = [sys.executable, "-m", "trainer", "--strategy", strategy, "--task", f"hybridtrain.tasks.digits:{model}",
            "--workers", str(workers), "--max-steps", str(steps), "--eval-every", str(steps),
            "--metrics-out", str(out), "--threads", "1"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

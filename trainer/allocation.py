@@ -8,45 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-ALLOCATIONS = ("equal", "flops", "measured")
-
-
-def proportional_batch_sizes(global_batch: int, speeds: Sequence[float]) -> list[int]:
-    """Split `global_batch` in proportion to `speeds`: sums exactly to B, every share >= 1.
-
-    Largest-remainder rounding after reserving one sample per worker, so the rounding error of any
-    share is below one sample and ties break towards the lower worker index (deterministic on
-    every rank).
-    """
-    m = len(speeds)
-    if m == 0:
-        raise ValueError("speeds: at least one worker is required")
-    if any(not (s > 0) for s in speeds):
-        raise ValueError(f"speeds: every speed must be > 0, got {list(speeds)}")
-    if global_batch < m:
-        raise ValueError(f"global batch {global_batch} is smaller than the {m} workers")
-    total = float(sum(speeds))
-    # Reserve the guaranteed sample first so a very slow worker still gets n_m >= 1 without
-    # taking more than its share from the others.
-    spare = global_batch - m
-    exact = [spare * s / total for s in speeds]
-    sizes = [int(e) for e in exact]
-    left = spare - sum(sizes)
-    order = sorted(range(m), key=lambda i: (-(exact[i] - sizes[i]), i))
-    for i in order[:left]:
-        sizes[i] += 1
-    return [n + 1 for n in sizes]
-
-
-def equal_batch_sizes(global_batch: int, workers: int) -> list[int]:
-    """Equal shares of `global_batch` (the first `B mod M` workers get one more)."""
-    return proportional_batch_sizes(global_batch, [1.0] * workers)
-
-
-def aggregation_weights(batch_sizes: Sequence[int]) -> list[float]:
-    """alpha_m = n_m / sum(n) (eq. 1)."""
-    total = sum(batch_sizes)
-    return [n / total for n in batch_sizes]
+from hybridtrain.contract import (  # noqa: F401 - the batch split lives once, in the contract
+    ALLOCATIONS,
+    aggregation_weights,
+    equal_batch_sizes,
+    proportional_batch_sizes,
+)
 
 
 def measured_speeds(batch_sizes: Sequence[int], compute_s: Sequence[float]) -> list[float]:

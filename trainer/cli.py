@@ -1,4 +1,5 @@
-"""`hybridtrain train ...` / `python -m trainer ...`: launch a local run, or one role of it.
+"""`hybridtrain train ...` / `python -m trainer ...`: launch a local run, or one role of it;
+`hybridtrain launch [options] train.py ARGS`: the same for a user's own training script.
 
 Without --role the command starts the server and the workers as local processes on a free
 port of 127.0.0.1 (like torchrun) and supervises them. With --role it is one of those processes,
@@ -11,11 +12,21 @@ import argparse
 import logging
 import sys
 
-from trainer.allocation import ALLOCATIONS
-from trainer.compression import COMPRESSORS, SELECT_METHODS, VALUE_DTYPES
-from trainer.config import STRATEGIES, TrainConfig, default_allocation
-from trainer.data import DATASETS
-from trainer.models import MODELS
+import json
+
+from hybridtrain.contract import (
+    ALLOCATIONS,
+    COMPRESSORS,
+    DEVICES,
+    SELECT_METHODS,
+    STRATEGIES,
+    VALUE_DTYPES,
+    check_task_ref,
+    default_allocation,
+    is_ps,
+    parse_target,
+)
+from trainer.config import TrainConfig
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -53,21 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
                           "default flops for ps-bz-gc, equal otherwise")
     run.add_argument("--rebalance-every", type=int, default=d.rebalance_every)
     run.add_argument("--max-steps", type=int, default=d.max_steps)
-    run.add_argument("--target-accuracy", type=float, default=None,
-                     help="record the time to reach it; stop there unless --no-stop-at-target")
+    run.add_argument("--epochs", type=float, default=None,
+                     help="train this many passes over the task's training data instead of --max-steps")
+    run.add_argument("--target", default=None,
+                     help="an evaluation metric of the task and where it must get, e.g. 'accuracy>=0.9' "
+                          "or 'val_loss<=0.3': its time is recorded; the run stops there unless "
+                          "--no-stop-at-target")
+    run.add_argument("--target-accuracy", type=float, default=None, help="same as --target accuracy>=X")
     run.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=d.stop_at_target,
-                     help="stop once --target-accuracy is reached")
+                     help="stop once --target is reached")
     run.add_argument("--seed", type=int, default=d.seed)
-    run.add_argument("--model", choices=MODELS, default=d.model)
-    run.add_argument("--dataset", choices=DATASETS, default=d.dataset)
-    opt = p.add_argument_group("optimiser")
-    opt.add_argument("--lr", type=float, default=d.lr)
-    opt.add_argument("--lr-schedule", choices=("cosine", "constant"), default=d.lr_schedule)
-    opt.add_argument("--lr-warmup-steps", type=int, default=d.lr_warmup_steps)
-    opt.add_argument("--momentum", type=float, default=d.momentum)
-    opt.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    code = p.add_argument_group("your code")
+    code.add_argument("--task", default=d.task,
+                      help="module:function returning a hybridtrain.Task, e.g. examples.diabetes:task or "
+                           "hybridtrain.tasks.digits:widecnn")
+    code.add_argument("--task-args", default=d.task_args, help="the task function's keyword arguments, as JSON")
+    code.add_argument("--script", default=None,
+                      help="workers run this training script of your own instead of a task (its "
+                           "arguments follow --); see `hybridtrain launch`")
+    code.add_argument("--data-workers", type=int, default=None,
+                      help="DataLoader processes per worker (default: the task's, else 0)")
+    code.add_argument("--amp", action="store_true", help="bf16 autocast around the task's forward pass and loss")
     gc = p.add_argument_group("compression")
-    gc.add_argument("--compressor", choices=sorted(COMPRESSORS), default=d.compressor)
+    gc.add_argument("--compressor", choices=COMPRESSORS, default=d.compressor)
     gc.add_argument("--value-dtype", choices=VALUE_DTYPES, default=d.value_dtype)
     gc.add_argument("--select", choices=SELECT_METHODS, default=d.select, help="top-k selection method")
     gc.add_argument("--density", type=float, default=d.density, help="initial and mean worker density")
@@ -99,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--report-token", default=None)
     sysg = p.add_argument_group("system")
     sysg.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
-    sysg.add_argument("--device", choices=("cpu", "cuda", "auto"), default=d.device)
+    sysg.add_argument("--device", choices=DEVICES, default=d.device)
     sysg.add_argument("--timeout-s", type=float, default=d.timeout_s,
                       help="a peer silent this long fails the role instead of hanging it")
     sysg.add_argument("--link-mbps", type=_floats, default=(),
@@ -118,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--master-port", type=int, default=None)
     # Fault injection for the exit-status tests: RANK:STEP.
     role.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
+    p.add_argument("script_args", nargs="*", help=argparse.SUPPRESS)
     return p
 
 
@@ -127,7 +147,7 @@ class UsageError(ValueError):
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Validate the options and freeze them into a TrainConfig."""
-    ps = args.strategy in ("ps", "ps-gc", "ps-bz-gc")
+    ps = is_ps(args.strategy)
     workers = args.workers
     if args.world_size is not None:
         derived = args.world_size - (1 if ps else 0)
@@ -168,15 +188,34 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--pipeline-chunks pipelines a parameter server's step; {args.strategy} has none")
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
+    target = _target(args)
+    try:
+        check_task_ref(args.task)
+    except ValueError as exc:
+        raise UsageError(f"--task: {exc}") from None
+    try:
+        task_args = json.loads(args.task_args)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--task-args is not valid JSON: {exc}") from None
+    if not isinstance(task_args, dict):
+        raise UsageError(f"--task-args must be a JSON object, got {args.task_args!r}")
+    if args.epochs is not None and not args.epochs > 0:
+        raise UsageError(f"--epochs must be > 0, got {args.epochs}")
+    if args.data_workers is not None and args.data_workers < 0:
+        raise UsageError(f"--data-workers must be >= 0, got {args.data_workers}")
+    if args.script_args and not args.script:
+        raise UsageError(f"unexpected arguments {args.script_args}: only --script takes arguments after --")
+    if args.script and args.resume:
+        raise UsageError("--resume restores a task's run; a script of your own checkpoints itself")
     return TrainConfig(
         strategy=args.strategy, workers=workers, global_batch=global_batch,
         batch_sizes=tuple(args.batch_sizes), speeds=tuple(args.speeds),
         allocation=args.allocation or default_allocation(args.strategy),
         rebalance_every=args.rebalance_every, max_steps=args.max_steps,
-        target_accuracy=args.target_accuracy, stop_at_target=args.stop_at_target, seed=args.seed,
-        model=args.model, dataset=args.dataset,
-        lr=args.lr, lr_schedule=args.lr_schedule, lr_warmup_steps=args.lr_warmup_steps,
-        momentum=args.momentum, weight_decay=args.weight_decay, compressor=args.compressor,
+        epochs=args.epochs, target=target, stop_at_target=args.stop_at_target, seed=args.seed,
+        task=args.task, task_args=json.dumps(task_args, sort_keys=True), script=args.script,
+        script_args=tuple(args.script_args), data_workers=args.data_workers, amp=args.amp,
+        compressor=args.compressor,
         value_dtype=args.value_dtype, select=args.select, density=args.density,
         density_min=args.density_min, density_max=args.density_max, density_gamma=args.density_gamma,
         density_time_floor_s=args.density_time_floor,
@@ -190,6 +229,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         link_mbps=tuple(args.link_mbps), sites=tuple(args.sites), emulate_speeds=args.emulate_speeds,
         powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
     )
+
+
+def _target(args: argparse.Namespace) -> str | None:
+    if args.target is not None and args.target_accuracy is not None:
+        raise UsageError("give --target or --target-accuracy, not both")
+    text = args.target if args.target is not None else (
+        None if args.target_accuracy is None else f"accuracy>={args.target_accuracy:g}")
+    if text is None:
+        return None
+    try:
+        return str(parse_target(text))
+    except ValueError as exc:
+        raise UsageError(f"--target: {exc}") from None
 
 
 def _role_spec(args: argparse.Namespace, cfg: TrainConfig):
@@ -209,6 +261,39 @@ def _role_spec(args: argparse.Namespace, cfg: TrainConfig):
     return RoleSpec(args.role, args.rank, args.world_size, args.master_addr, args.master_port, fail_at)
 
 
+def _role_argv(argv: list[str], cfg: TrainConfig) -> list[str]:
+    """The options every role gets: this command's, the script's arguments after a `--`."""
+    if "--" in argv:
+        argv = argv[: argv.index("--")]
+    elif cfg.script_args:
+        argv = [a for a in argv if a not in cfg.script_args]
+    return [*argv, "--", *cfg.script_args] if cfg.script_args else list(argv)
+
+
+def launch_main(argv: list[str]) -> int:
+    """`hybridtrain launch [options] SCRIPT [ARGS...]`: run a training script of your own on a
+    local server and workers, like torchrun; options are `hybridtrain train`'s."""
+    parser = build_parser()
+    parser.prog = "hybridtrain launch"
+    parser.usage = "hybridtrain launch [options] SCRIPT [SCRIPT ARGS...]"
+    script_at = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")
+                      and (i == 0 or not _takes_value(parser, argv[i - 1]))), None)
+    if script_at is None and any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    if script_at is None:
+        print("hybridtrain launch: error: name the training script, e.g. `hybridtrain launch "
+              "--workers 4 train.py --epochs 3`", file=sys.stderr)
+        return 2
+    options, script, rest = argv[:script_at], argv[script_at], argv[script_at + 1 :]
+    return main([*options, "--script", script, "--", *rest])
+
+
+def _takes_value(parser: argparse.ArgumentParser, flag: str) -> bool:
+    action = parser._option_string_actions.get(flag)  # noqa: SLF001 - argparse has no public lookup
+    return action is not None and action.nargs != 0
+
+
 def main(argv: list[str]) -> int:
     """Parse `argv`, then launch a local run or run one role; returns the exit status."""
     parser = build_parser()
@@ -225,7 +310,7 @@ def main(argv: list[str]) -> int:
     if args.role is None:
         from trainer.launch import launch_local
 
-        return launch_local(cfg, argv)
+        return launch_local(cfg, _role_argv(argv, cfg))
     from trainer.runtime import run_role
 
     return run_role(cfg, spec)

@@ -1,21 +1,27 @@
-"""The frozen run configuration, strategy defaults, and the schedules (pure functions of step)."""
+"""The frozen run configuration and the initial batch split."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from trainer.allocation import equal_batch_sizes, proportional_batch_sizes
+from hybridtrain.contract import (
+    DEFAULT_TASK,
+    PS_STRATEGIES,
+    STRATEGIES,
+    default_allocation,
+    equal_batch_sizes,
+    proportional_batch_sizes,
+)
 
-STRATEGIES = ("allreduce", "allreduce-powersgd", "ps", "ps-gc", "ps-bz-gc")
-PS_STRATEGIES = ("ps", "ps-gc", "ps-bz-gc")
+__all__ = ["PS_STRATEGIES", "RESUMABLE_CHANGES", "STRATEGIES", "TrainConfig", "default_allocation",
+           "initial_batch_sizes"]
 # Fields that a resumed run may change (where the files go, how fast it reports), all others
 # must match the checkpoint's or the run would silently continue a different experiment.
 RESUMABLE_CHANGES = frozenset(
-    {"max_steps", "target_accuracy", "checkpoint_every", "checkpoint_dir", "metrics_out",
+    {"max_steps", "epochs", "target", "checkpoint_every", "checkpoint_dir", "metrics_out",
      "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume",
-     "sites", "stop_at_target"}
+     "sites", "stop_at_target", "data_workers", "eval_every"}
 )
 
 
@@ -31,18 +37,22 @@ class TrainConfig:
     allocation: str = "flops"
     rebalance_every: int = 50
     max_steps: int = 300
-    target_accuracy: float | None = None
-    # False: record the time to accuracy and train on to max_steps (to compare final accuracies
+    # Set: the run lasts this many passes over the task's training data instead (the server
+    # turns it into steps once the workers have said how large their data is).
+    epochs: float | None = None
+    # "accuracy>=0.9", "val_loss<=0.3": an evaluation metric of the task and where it must get.
+    target: str | None = None
+    # False: record the time to the target and train on to max_steps (to compare final metrics
     # of runs at the same step budget).
     stop_at_target: bool = True
     seed: int = 0
-    model: str = "smallcnn"
-    dataset: str = "digits"
-    lr: float = 0.1
-    lr_schedule: str = "cosine"
-    lr_warmup_steps: int = 10
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    # The user's code: a task (module:function and its JSON arguments, canonical text) or a
+    # script of their own loop with its arguments.
+    task: str = DEFAULT_TASK
+    task_args: str = "{}"
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    data_workers: int | None = None
     compressor: str = "topk"
     value_dtype: str = "fp16"
     select: str = "estimate"
@@ -55,8 +65,8 @@ class TrainConfig:
     density_time_floor_s: float = 0.05
     server_k_fraction: float = 1 / 32
     error_feedback: bool = True
-    # DGC's momentum correction: compressing strategies accumulate momentum on the workers,
-    # before compression, instead of applying it to the sparse update (trainer.ps).
+    # DGC's momentum correction: compressing strategies with an SGD optimizer accumulate momentum
+    # on the workers, before compression, instead of applying it to the sparse update (trainer.ps).
     momentum_correction: bool = True
     warmup_steps: int = 5
     # PS strategies: the compressed part travels in this many chunks, pipelined (trainer.ps).
@@ -71,6 +81,8 @@ class TrainConfig:
     report_token: str | None = None
     threads: int = 1
     device: str = "cpu"
+    # bf16 autocast around the task's forward pass and loss.
+    amp: bool = False
     timeout_s: float = 300.0
     log_every: int = 0
     link_mbps: tuple[float, ...] = ()
@@ -96,7 +108,7 @@ class TrainConfig:
         return self.workers + (1 if self.is_ps else 0)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly dict (for checkpoints and logs)."""
+        """A JSON-friendly dict (for checkpoints, logs and the launch environment)."""
         return asdict(self)
 
     @classmethod
@@ -107,11 +119,6 @@ class TrainConfig:
         return cls(**clean)
 
 
-def default_allocation(strategy: str) -> str:
-    """`ps-bz-gc` sizes batches by speed; every baseline uses equal batches."""
-    return "flops" if strategy == "ps-bz-gc" else "equal"
-
-
 def initial_batch_sizes(cfg: TrainConfig) -> list[int]:
     """Step 1: explicit --batch-sizes win; else equal, or proportional to --speeds."""
     if cfg.batch_sizes:
@@ -119,45 +126,3 @@ def initial_batch_sizes(cfg: TrainConfig) -> list[int]:
     if cfg.allocation in ("flops", "measured") and cfg.speeds:
         return proportional_batch_sizes(cfg.global_batch, cfg.speeds)
     return equal_batch_sizes(cfg.global_batch, cfg.workers)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate at 1-based `step`: linear warm-up, then constant or cosine to zero."""
-    if cfg.lr_warmup_steps > 0 and step <= cfg.lr_warmup_steps:
-        return cfg.lr * step / cfg.lr_warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    span = max(1, cfg.max_steps - cfg.lr_warmup_steps)
-    progress = min(1.0, (step - cfg.lr_warmup_steps) / span)
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def adapt_densities(
-    densities: list[float],
-    times: list[float],
-    *,
-    target: float,
-    low: float,
-    high: float,
-    gamma: float,
-    floor: float = 0.0,
-) -> list[float]:
-    """Step 3, the per-worker density rule: d_m <- d_m * (mean(T) / T_m)^gamma, renormalised.
-
-    A worker whose last transmission took longer than the mean compresses harder, a faster one
-    lighter. The geometric mean is then pinned to `target` so the total budget does not drift
-    (the arithmetic mean in the ratio would otherwise push every density up), and each density is
-    clipped to [low, high]. With bytes proportional to density the fixed point is d_m
-    proportional to the link's bandwidth. Times are raised to `floor` first, so links too fast
-    for their time to matter keep the target. Missing or non-positive times leave densities as
-    they are.
-    """
-    if len(densities) != len(times):
-        raise ValueError(f"{len(densities)} densities but {len(times)} transmission times")
-    if not densities or any(not (t > 0) for t in times):
-        return [min(high, max(low, d)) for d in densities]
-    times = [max(t, floor) for t in times]
-    mean = sum(times) / len(times)
-    proposed = [d * (mean / t) ** gamma for d, t in zip(densities, times)]
-    geo = math.exp(sum(math.log(p) for p in proposed) / len(proposed))
-    return [min(high, max(low, p * target / geo)) for p in proposed]

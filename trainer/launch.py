@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybridtrain.contract import SYSTEM_METRICS
 from trainer.config import TrainConfig
 
 _TRAINER_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -48,17 +49,17 @@ def _merge_metrics(out: str, parts: list[str]) -> list[dict]:
 
 
 def _summary(cfg: TrainConfig, records: list[dict], wall_s: float) -> str:
-    accs = [r for r in records if r["name"] == "accuracy"]
-    tta = [r["value"] for r in records if r["name"] == "time_to_accuracy_s"]
+    evals = {r["name"]: r["value"] for r in records
+             if r["name"] not in SYSTEM_METRICS and r["rank"] == 0 and r["value"] is not None}
+    tta = [r["value"] for r in records if r["name"] == "time_to_target_s"]
     sent = sum(r["value"] for r in records if r["name"] == "bytes_sent")
-    steps = max((r["step"] for r in records if r["name"] == "loss"), default=0)
+    steps = max((r["step"] for r in records if r["name"] in ("loss", "batch_size")), default=0)
     parts = [f"{cfg.strategy}: {steps} steps in {wall_s:.1f}s"]
-    if accs:
-        parts.append(f"final accuracy {accs[-1]['value']:.4f}")
+    parts += [f"final {name} {value:.4f}" for name, value in sorted(evals.items())]
     if tta:
-        parts.append(f"time to {cfg.target_accuracy} accuracy {tta[0]:.1f}s")
-    elif cfg.target_accuracy is not None:
-        parts.append(f"target accuracy {cfg.target_accuracy} not reached")
+        parts.append(f"time to {cfg.target} {tta[0]:.1f}s")
+    elif cfg.target is not None:
+        parts.append(f"target {cfg.target} not reached")
     parts.append(f"{sent / 1e6:.2f} MB sent in total")
     return "; ".join(parts)
 
@@ -81,7 +82,9 @@ def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
     port = free_port()
     world = cfg.world_size
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_TRAINER_ROOT, env.get("PYTHONPATH")]))
+    # The working directory first: a user's task module or script beside them imports as it
+    # would in their own `python` (the agents put a run's code bundle there too).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), _TRAINER_ROOT, env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = str(cfg.threads)
     # Roles always write metrics, so the summary has numbers even without --metrics-out.
     out = cfg.metrics_out or os.path.join(tempfile.mkdtemp(prefix="hybridtrain-"), "metrics.jsonl")
@@ -90,14 +93,16 @@ def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
         Path(part).unlink(missing_ok=True)
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
-    print(f"hybridtrain train: {cfg.strategy}, {cfg.workers} worker(s), world size {world}, "
+    what = f"script {cfg.script}" if cfg.script else f"task {cfg.task}"
+    print(f"hybridtrain train: {what}, {cfg.strategy}, {cfg.workers} worker(s), world size {world}, "
           f"127.0.0.1:{port}", file=sys.stderr, flush=True)
     try:
+        options, tail = (argv[: argv.index("--")], argv[argv.index("--") :]) if "--" in argv else (argv, [])
         for rank in range(world):
-            cmd = [sys.executable, "-m", "trainer", *argv, "--role", _role_of(cfg, rank),
+            cmd = [sys.executable, "-m", "trainer", *options, "--role", _role_of(cfg, rank),
                    "--rank", str(rank), "--world-size", str(world),
-                   "--master-addr", "127.0.0.1", "--master-port", str(port)]
-            cmd += ["--metrics-out", parts[rank]]
+                   "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "--metrics-out", parts[rank], *tail]
             procs.append(subprocess.Popen(cmd, env=env))
         while True:
             codes = [p.poll() for p in procs]

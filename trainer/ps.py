@@ -1,98 +1,84 @@
-"""The parameter-server strategies (`ps`, `ps-gc`, `ps-bz-gc`): one worker class, one server class.
+"""The parameter-server strategies (`ps`, `ps-gc`, `ps-bz-gc`): the worker's side of a step and
+the server, over the frames of `trainer.frames` and the pure steps of `trainer.algorithm`.
 
-Per step t (seed 000, section III):
- 1. Worker m computes the gradient of its mean loss on its n_m samples and adds weight decay to
-    it (pitfall: before accumulation, so decay is compressed and fed back like the gradient).
- 2. Tiny and 1-D tensors go dense; the rest is compressed (Top-k of gradient + residual, error
-    feedback, per-worker density d_m^t), unless it is a warm-up step.
- 3. The server aggregates with alpha_m = n_m / B (eq. 1-2), adds its own residual, keeps the top
-    k_s = params * server_k_fraction, keeps the rest as its residual, and sends one reply to all
-    (through one relay worker per remote site when the run knows its sites: `trainer.relay`).
- 4. Every worker applies the same update with the same SGD optimizer (eq. 3 plus momentum), so
-    the replicas stay identical. Under momentum correction (DGC; the default when compressing)
-    momentum is accumulated before step 2 instead, and the compressed tensors' update is applied
-    without it.
- 5. The reply also carries next step's densities (adapted from the transmission times) and batch
-    sizes (re-balanced from compute and compression times under `--allocation measured`).
+Per step t (seed 000, section III; the numbers are `trainer.algorithm`'s):
+ 1. The user's code (or the task loop) computes worker m's gradient on its n_m samples; for an
+    SGD optimizer, its weight decay joins the local gradient here (pitfall: before compression,
+    so decay is compressed and fed back like the gradient).
+ 2. `PSClient.push_pull`: tiny and 1-D tensors go dense, the rest through `worker_sparsify`
+    (error feedback, momentum correction, the worker's density) unless it is a warm-up step.
+ 3. `ParameterServer`: `aggregate` (eq. 1-2) and `server_sparsify`, one reply for all (through
+    one relay worker per remote site when the run knows its sites: `trainer.relay`).
+ 4. Every worker applies the same update with its own optimizer (eq. 3), so the replicas stay
+    identical. Under momentum correction the compressed tensors' update is applied as plain
+    SGD (their momentum is in the velocity already).
+ 5. The reply also carries next step's densities (`adapt_densities` over transmission times)
+    and batch sizes (re-balanced from compute and compression times under `measured`).
 
-With `--pipeline-chunks N` steps 2-4 run once per chunk of the compressed part, as a pipeline:
-the server aggregates chunk c and its update travels back while the workers compress chunk c+1.
+Protocol choices (the paper is silent): with `--pipeline-chunks N` steps 2-4 run once per chunk
+of the compressed part, so the server aggregates chunk c and its update travels back while the
+workers compress chunk c+1. The server is model-agnostic: it learns the layout from every
+worker's HELLO (a different one aborts the run at once, naming the difference) and forwards
+worker 1's weights to the others, so the replicas start equal whatever the model factory did.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import math
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hybridtrain.contract import parse_target, steps_for_epochs
 from trainer import checkpoint
-from trainer.allocation import aggregation_weights, rebalance
-from trainer.compression import (
-    CompressionState,
-    Compressor,
-    Identity,
-    Payload,
-    build_compressor,
+from trainer.algorithm import (
+    Layout,
+    adapt_densities,
+    aggregate,
+    apply_payload,
+    chunks,
+    float_buffers,
+    server_sparsify,
+    worker_sparsify,
 )
-from trainer.config import TrainConfig, adapt_densities, lr_at
-from trainer.data import Dataset, batch_indices, eval_slice
+from trainer.allocation import aggregation_weights, rebalance
+from trainer.compression import CompressionState, Compressor, Identity, Payload, build_compressor
+from trainer.config import TrainConfig, initial_batch_sizes
+from trainer.frames import (
+    ABORT,
+    BYE,
+    UPDATE,
+    Abort,
+    Buffers,
+    BuffersAvg,
+    Bye,
+    Eval,
+    EvalResult,
+    Grad,
+    Hello,
+    LayoutSpec,
+    ProtocolError,
+    State,
+    Update,
+    Welcome,
+    expect,
+    pack,
+    unpack,
+)
 from trainer.metrics import MetricsLogger
 from trainer.relay import SERVER, plan_relay
-from trainer.transport import Transport
-from trainer.wire import Message, decode, encode
+from trainer.transport import Inbox, Transport
+from trainer.wire import peek_kind
 
 log = logging.getLogger("trainer.ps")
 
 CPU = torch.device("cpu")
-GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT = range(1, 7)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each parameter lives in the flat gradient: dense tensors first, then compressed ones."""
-
-    names: tuple[str, ...]
-    offsets: tuple[int, ...]
-    numels: tuple[int, ...]
-    decay: tuple[bool, ...]
-    dense_numel: int
-    sparse_numel: int
-
-    @classmethod
-    def of(cls, model: nn.Module, dense_numel: int) -> Layout:
-        """1-D tensors (biases, norms) and tensors under `dense_numel` elements travel dense."""
-        params = list(model.named_parameters())
-        is_dense = [p.dim() <= 1 or p.numel() < dense_numel for _, p in params]
-        order = [i for i, d in enumerate(is_dense) if d] + [i for i, d in enumerate(is_dense) if not d]
-        names, offsets, numels, decay, off = [], [], [], [], 0
-        for i in order:
-            name, p = params[i]
-            names.append(name)
-            offsets.append(off)
-            numels.append(p.numel())
-            decay.append(p.dim() > 1)
-            off += p.numel()
-        nd = sum(p.numel() for (_, p), d in zip(params, is_dense) if d)
-        return cls(tuple(names), tuple(offsets), tuple(numels), tuple(decay), nd, off - nd)
-
-    @property
-    def numel(self) -> int:
-        """All parameters."""
-        return self.dense_numel + self.sparse_numel
-
-    def chunks(self, count: int) -> tuple[tuple[int, int], ...]:
-        """`count` contiguous, near-equal (start, stop) ranges tiling the compressed part."""
-        if not 1 <= count <= max(1, self.sparse_numel):
-            raise ValueError(f"cannot split {self.sparse_numel} compressed elements into {count} chunks")
-        bounds = [round(i * self.sparse_numel / count) for i in range(count + 1)]
-        return tuple(zip(bounds[:-1], bounds[1:]))
+_LAST = frozenset({BYE, ABORT})
 
 
 def _join_residuals(states: list[CompressionState]) -> torch.Tensor | None:
@@ -104,69 +90,99 @@ def _join_residuals(states: list[CompressionState]) -> torch.Tensor | None:
 
 
 def _split_residual(states: list[CompressionState], residual: torch.Tensor | None,
-                    chunks: tuple[tuple[int, int], ...]) -> None:
-    for s, (a, b) in zip(states, chunks):
+                    bounds: tuple[tuple[int, int], ...]) -> None:
+    for s, (a, b) in zip(states, bounds):
         s.residual = None if residual is None else residual[a:b].clone()
 
 
-def float_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """BatchNorm running statistics and other float buffers (not trained, so never in gradients)."""
-    return [b for _, b in model.named_buffers() if b.dtype.is_floating_point]
+def _codec(cfg: TrainConfig, name: str) -> Compressor:
+    if not cfg.compresses:
+        return Identity()
+    return build_compressor(name, value_dtype=cfg.value_dtype, error_feedback=cfg.error_feedback,
+                            select=cfg.select)
 
 
-class PSWorker:
-    """A worker: `run_step`, `run_epoch`, `evaluate`, `save_checkpoint`, `train`."""
+@dataclass
+class _SgdRules:
+    """How a torch SGD optimizer is adapted: decay moves into the gradient (step 1), and under
+    momentum correction the compressed tensors skip the optimizer's momentum (step 4)."""
+
+    decay: list[float] = field(default_factory=list)  # per param group, moved out of the optimizer
+    momentum: float = 0.0  # the velocity's factor; 0 when momentum correction is off
+
+
+class PSClient:
+    """A worker's side of the protocol: hand it the gradients of a step, it does steps 2-5."""
 
     def __init__(
         self,
         cfg: TrainConfig,
         rank: int,
-        model: nn.Module,
-        data: Dataset,
         transport: Transport,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
         metrics: MetricsLogger,
-        batch_sizes: list[int],
+        *,
         device: torch.device = CPU,
+        train_samples: int | None = None,
     ) -> None:
         self.cfg, self.rank, self.index = cfg, rank, rank - 1
-        self.model, self.data, self.transport, self.metrics = model.to(device), data, transport, metrics
+        self.transport, self.model, self.optimizer, self.metrics = transport, model, optimizer, metrics
         self.device = device
         self.layout = Layout.of(model, cfg.dense_numel)
-        self.batch_sizes = list(batch_sizes)
+        self.batch_sizes = initial_batch_sizes(cfg)
         self.densities = [cfg.density] * cfg.workers
-        self.codec: Compressor = (
-            build_compressor(cfg.compressor, value_dtype=cfg.value_dtype,
-                             error_feedback=cfg.error_feedback, select=cfg.select)
-            if cfg.compresses else Identity()
-        )
-        self.chunks = self.layout.chunks(cfg.pipeline_chunks)
+        self.max_steps = cfg.max_steps
+        self.codec = _codec(cfg, cfg.compressor)
+        self.bounds = chunks(self.layout.sparse_numel, cfg.pipeline_chunks)
         # One codec state (residual) per chunk: each chunk is compressed on its own.
-        self.codec_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.chunks]
+        self.codec_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
         self.relay = plan_relay(cfg.sites, cfg.workers)
         self.last_tx_s = 0.0
         self.step = 0
         self.stopped = False
-        self._params = dict(model.named_parameters())
+        self.train_samples = train_samples
+        self._params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
         self.flat_grad = torch.zeros(self.layout.numel, device=device)
         self._bind_grads()
+        self.rules = self._adapt_optimizer(optimizer)
         # Momentum correction (DGC, Lin et al. 2018): applied after compression, momentum repeats
         # for ~1/(1 - m) steps every burst that error feedback held back in the residual, and the
-        # replicas lurch. Accumulated here, before compression, the velocity itself is what is
-        # compressed and sent; a sent coordinate restarts its velocity (DGC's momentum factor
-        # masking), and the optimizer applies the compressed tensors' updates without momentum.
+        # replicas lurch. Accumulated before compression, the velocity itself is what travels.
         self.velocity = (torch.zeros(self.layout.sparse_numel, device=device)
-                         if cfg.compresses and cfg.momentum_correction and cfg.momentum else None)
-        groups: list[dict] = [{"params": list(model.parameters())}]
-        if self.velocity is not None:
-            compressed = {n for n, off in zip(self.layout.names, self.layout.offsets)
-                          if off >= self.layout.dense_numel}
-            groups = [{"params": [p for n, p in self._params.items() if n not in compressed]},
-                      {"params": [p for n, p in self._params.items() if n in compressed], "momentum": 0.0}]
-        # weight_decay=0: decay is added to the local gradient in step 1 instead.
-        self.optimizer = torch.optim.SGD([g for g in groups if g["params"]], lr=cfg.lr, momentum=cfg.momentum)
-        self.x_train, self.y_train = data.x_train.to(device), data.y_train.to(device)
+                         if self.rules.momentum else None)
+        self._forward_s = 0.0
+        source = self.relay.source(rank)
+        self._update_source = source
+        self.inbox = Inbox(transport, sorted({SERVER, source}), timeout_s=cfg.timeout_s,
+                           last_kinds=_LAST, on_frame=self._forward)
 
-    # -- flat gradient -----------------------------------------------------------------------
+    # -- the optimizer --------------------------------------------------------------------------
+    def _adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> _SgdRules:
+        rules = _SgdRules()
+        if not isinstance(optimizer, torch.optim.SGD):
+            return rules
+        for group in optimizer.param_groups:
+            rules.decay.append(float(group.get("weight_decay", 0.0)))
+            group["weight_decay"] = 0.0
+        if not (self.cfg.compresses and self.cfg.momentum_correction):
+            return rules
+        compressed = self._compressed_params()
+        groups = [g for g in optimizer.param_groups if any(p in compressed for p in g["params"])]
+        moms = {float(g.get("momentum", 0.0)) for g in groups}
+        simple = all(not g.get("nesterov") and not g.get("dampening") for g in groups)
+        if len(moms) == 1 and moms != {0.0} and simple:
+            rules.momentum = moms.pop()
+        elif moms != {0.0}:
+            log.warning("momentum correction needs one momentum factor, no dampening and no Nesterov "
+                        "across the compressed tensors' groups; it is off for this run")
+        return rules
+
+    def _compressed_params(self) -> set[nn.Parameter]:
+        nd = self.layout.dense_numel
+        return {self._params[n] for n, off in zip(self.layout.names, self.layout.offsets) if off >= nd}
+
+    # -- the flat gradient ------------------------------------------------------------------------
     def _bind_grads(self) -> None:
         for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
             p = self._params[name]
@@ -177,122 +193,153 @@ class PSWorker:
         end = base + self.flat_grad.numel() * self.flat_grad.element_size()
         return all(p.grad is not None and base <= p.grad.data_ptr() < end for p in self._params.values())
 
-    def _collect_grads(self) -> None:
-        """Autograd accumulates into the bound views; copy back if it ever replaced one."""
-        if self._grads_are_views():
-            return
-        for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
-            g = self._params[name].grad
-            self.flat_grad[off : off + n].copy_(g.reshape(-1) if g is not None else 0)
+    def zero_grad(self) -> None:
+        """Zero the flat gradient, keeping every parameter's .grad a view of it."""
+        self.flat_grad.zero_()
         self._bind_grads()
 
-    # -- one step ----------------------------------------------------------------------------
-    def compute(self, step: int) -> tuple[float, int, float]:
-        """Step 1: local loss, its gradient plus weight decay in `flat_grad`; (loss, n, seconds)."""
-        t0 = time.perf_counter()
-        idx = batch_indices(step, self.index, tuple(self.batch_sizes), len(self.y_train), self.cfg.seed)
-        idx = idx.to(self.device)
-        x, y = self.x_train[idx], self.y_train[idx]
-        self.model.train()
-        self.flat_grad.zero_()
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
-        self._collect_grads()
-        if self.cfg.weight_decay:
+    def collect_grads(self) -> None:
+        """Autograd accumulates into the bound views; copy back if user code replaced one, then
+        add an SGD optimizer's weight decay (step 1)."""
+        if not self._grads_are_views():
+            for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
+                g = self._params[name].grad
+                self.flat_grad[off : off + n].copy_(g.reshape(-1) if g is not None else 0)
+            self._bind_grads()
+        if any(self.rules.decay):
             with torch.no_grad():
-                for name, decays in zip(self.layout.names, self.layout.decay):
-                    if decays:
-                        p = self._params[name]
-                        p.grad.add_(p, alpha=self.cfg.weight_decay)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - t0
-        if self.cfg.emulate_speeds and self.cfg.speeds:
-            # Stretch compute to what a device of relative speed s_m would take.
-            slow = max(self.cfg.speeds) / self.cfg.speeds[self.index]
-            time.sleep(elapsed * (slow - 1.0))
-            elapsed *= slow
-        return float(loss.item()), len(idx), elapsed
+                for group, decay in zip(self.optimizer.param_groups, self.rules.decay):
+                    if decay:
+                        for p in group["params"]:
+                            if p.grad is not None:
+                                p.grad.add_(p, alpha=decay)
 
-    def compress(self, step: int, chunk: int = 0) -> list[Payload]:
-        """Step 2 for one chunk: [dense part (chunk 0 only; empty otherwise), the chunk through
-        the codec] (the chunk dense in warm-up)."""
+    # -- start and end ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """HELLO, then the server's plan, then the replicas' common starting weights."""
+        hello = Hello(self.rank, self.layout.spec, self.train_samples)
+        self.transport.send(SERVER, pack(hello))
+        welcome = expect(self.inbox.get(SERVER)[0], Welcome, peer=SERVER)
+        self.batch_sizes = list(welcome.batch_sizes)
+        self.densities = list(welcome.densities)
+        self.max_steps = welcome.max_steps
+        params = self._flat_params()
+        buffers = float_buffers(self.model)
+        if self.rank == 1:
+            flat_buffers = torch.cat([b.reshape(-1).float().cpu() for b in buffers]) if buffers else torch.zeros(0)
+            self.transport.send(SERVER, pack(State(self.rank, params.cpu(), flat_buffers)))
+            return
+        state = expect(self.inbox.get(SERVER)[0], State, peer=SERVER)
+        with torch.no_grad():
+            for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
+                p = self._params[name]
+                p.copy_(state.params[off : off + n].view_as(p))
+            off = 0
+            for b in buffers:
+                b.copy_(state.buffers[off : off + b.numel()].view_as(b))
+                off += b.numel()
+
+    def _flat_params(self) -> torch.Tensor:
+        return torch.cat([self._params[n].detach().reshape(-1).float() for n in self.layout.names])
+
+    def close(self) -> None:
+        """BYE to the server; returns once the server has said BYE too."""
+        self.transport.send(SERVER, pack(Bye(self.step, self.rank)))
+        # A relay forwards the server's BYE to its peers from the inbox thread, which ends theirs.
+        expect(self.inbox.get(SERVER)[0], Bye, peer=SERVER)
+        self.flush_bytes()
+
+    def flush_bytes(self) -> None:
+        """Log the bytes since the last flush under the last step: a step's record per link then
+        holds the step and whatever followed it before the next (an evaluation; the start-up
+        exchange is step 0's), once, since the control plane keeps one record per step."""
+        self.metrics.log_bytes(self.step, *self.transport.take_counts())
+
+    def _forward(self, peer: int, frame: torch.Tensor) -> None:
+        """On the inbox thread: a relay forwards each update (and the final BYE) to its site's
+        peers before anything reads it, since they wait on it."""
+        forwards = self.relay.forwards_of(self.rank)
+        if not forwards or peer != SERVER or peek_kind(frame) not in (UPDATE, BYE):
+            return
+        t0 = time.perf_counter()
+        self.transport.send_many(forwards, frame)
+        self._forward_s += time.perf_counter() - t0
+
+    # -- one step -----------------------------------------------------------------------------------
+    def compress(self, step: int, chunk: int) -> tuple[Payload, Payload]:
+        """Step 2 for one chunk: (the dense part, chunk 0 only; the chunk through the codec)."""
         nd = self.layout.dense_numel if chunk == 0 else 0
         dense = Payload(nd, self.flat_grad[:nd].cpu())
-        a, b = self.chunks[chunk]
+        a, b = self.bounds[chunk]
         grad = self.flat_grad[self.layout.dense_numel + a : self.layout.dense_numel + b]
-        # Under momentum correction the velocity is what travels (the gradient is in it). It is
-        # accumulated here, chunk by chunk, not in `compute`: a per-parameter cost, it belongs
-        # with compression time, which re-balancing treats as fixed rather than per sample.
-        sparse = grad if self.velocity is None else self.velocity[a:b].mul_(self.cfg.momentum).add_(grad)
-        if step <= self.cfg.warmup_steps or not self.cfg.compresses:
-            return [dense, Payload(sparse.numel(), sparse.cpu())]
         state = self.codec_states[chunk]
         state.density = self.densities[self.index]
         state.step = step
-        p = self.codec.compress(sparse, state)
-        if self.velocity is not None and p.indices is not None:
-            self.velocity[a:b].index_fill_(0, p.indices, 0.0)
-        return [dense, Payload(p.numel, p.values.cpu(), None if p.indices is None else p.indices.cpu(), p.seed)]
+        # The velocity is accumulated here, chunk by chunk, not with the gradient: a
+        # per-parameter cost, it belongs with compression time, which re-balancing treats as
+        # fixed rather than per sample.
+        sparse = worker_sparsify(
+            grad, codec=self.codec, state=state,
+            velocity=None if self.velocity is None else self.velocity[a:b],
+            momentum=self.rules.momentum, dense_step=self.dense_step(step))
+        return dense, Payload(sparse.numel, sparse.values.cpu(),
+                              None if sparse.indices is None else sparse.indices.cpu(), sparse.seed)
 
-    def apply(self, step: int, reply: Message, chunk: int = 0) -> None:
-        """Step 4: the server's update of one chunk into `flat_grad`; after the last chunk's, one
-        optimizer step and the next step's densities and batch sizes."""
-        dense, sparse = reply.payloads
+    def dense_step(self, step: int) -> bool:
+        """Warm-up steps and uncompressed strategies send the whole gradient."""
+        return step <= self.cfg.warmup_steps or not self.cfg.compresses
+
+    def apply(self, update: Update) -> None:
+        """Step 4 for one chunk: the server's update into `flat_grad`; after the last chunk, one
+        optimizer step and the next step's plan."""
         nd = self.layout.dense_numel
-        if chunk == 0:
-            self.flat_grad[:nd].copy_(dense.values.to(self.device, torch.float32))
-        a, b = self.chunks[chunk]
-        part = self.flat_grad[nd + a : nd + b]
-        if sparse.indices is None:
-            part.copy_(sparse.values.to(self.device, torch.float32))
-        else:
-            part.zero_()
-            part.index_add_(0, sparse.indices.to(self.device), sparse.values.to(self.device, torch.float32))
-        if chunk < len(self.chunks) - 1:
+        if update.chunk == 0:
+            self.flat_grad[:nd].copy_(update.dense.values.to(self.device, torch.float32))
+        a, b = self.bounds[update.chunk]
+        apply_payload(self.flat_grad[nd + a : nd + b], update.sparse)
+        if update.chunk < len(self.bounds) - 1:
             return
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.cfg)
-        self.optimizer.step()
-        m = self.cfg.workers
-        self.densities = [float(d) for d in reply.scalars[1 : 1 + m]]
-        self.batch_sizes = [int(n) for n in reply.scalars[1 + m : 1 + 2 * m]]
+        if self.velocity is None:
+            self.optimizer.step()
+        else:
+            self._step_with_momentum_correction()
+        self.densities = list(update.densities)
+        self.batch_sizes = list(update.batch_sizes)
 
-    def _receive_updates(self, out: queue.Queue) -> None:
-        """Each chunk's update from the server (or the site's relay), forwarded on as received,
-        before decoding: the site's peers wait on it. Runs beside the sends of later chunks."""
+    def _step_with_momentum_correction(self) -> None:
+        compressed = self._compressed_params()
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p in compressed:
+                        p.add_(p.grad, alpha=-group["lr"])
+        for p in compressed:
+            p.grad = None  # SGD skips a parameter without a gradient
         try:
-            source, forwards = self.relay.source(self.rank), self.relay.forwards_of(self.rank)
-            for _ in self.chunks:
-                raw = self.transport.recv(source)
-                t1 = time.perf_counter()
-                self.transport.send_many(forwards, raw)
-                out.put((raw, t1, time.perf_counter() - t1))
-        except BaseException as exc:  # raised again in the stepping thread
-            out.put(exc)
+            self.optimizer.step()
+        finally:
+            self._bind_grads()
 
-    def run_step(self, step: int) -> float:
-        """One synchronous step (and the evaluation when due); returns the local loss.
+    def push_pull(self, step: int, *, loss: float, samples: int, compute_s: float) -> None:
+        """Steps 2-5 of one synchronous step; the gradients are in the parameters' .grad.
 
         With several chunks the step is a pipeline: chunk c+1 is compressed while chunk c is on
         the wire and being aggregated by the server, whose update of chunk c comes back meanwhile.
         """
-        loss, n, compute_s = self.compute(step)
-        density = self.densities[self.index] if step > self.cfg.warmup_steps and self.cfg.compresses else 1.0
-        updates: queue.Queue = queue.Queue()
-        receiver = threading.Thread(target=self._receive_updates, args=(updates,), daemon=True,
-                                    name=f"updates-{step}")
-        receiver.start()
+        self.collect_grads()
+        self.flush_bytes()
+        density = self.densities[self.index] if not self.dense_step(step) else 1.0
+        self._forward_s = 0.0
         t0 = time.perf_counter()
         topk_s = encode_s = tx_s = 0.0
         waits = []
-        for c in range(len(self.chunks)):
+        for c in range(len(self.bounds)):
             tc = time.perf_counter()
-            payloads = self.compress(step, c)
+            dense, sparse = self.compress(step, c)
             te = time.perf_counter()
             topk_s += te - tc
-            scalars = [loss, n, compute_s, self.last_tx_s, topk_s, c]
-            frame = encode(Message(GRAD, step, self.rank, scalars, payloads))
+            frame = pack(Grad(step, self.rank, c, loss, samples, compute_s, self.last_tx_s, topk_s,
+                              dense, sparse))
             ts = time.perf_counter()
             encode_s += ts - te
             waits.append(self.transport.post_many([SERVER], frame))
@@ -302,89 +349,56 @@ class PSWorker:
             wait()
         sent = time.perf_counter()
         tx_s += sent - ts
-        forward_s, last_arrival = 0.0, sent
-        for c in range(len(self.chunks)):
-            try:
-                item = updates.get(timeout=self.cfg.timeout_s)
-            except queue.Empty:
-                raise TimeoutError(f"rank {self.rank}: no update of step {step} (chunk {c}) within "
-                                   f"{self.cfg.timeout_s:.0f} s") from None
-            if isinstance(item, BaseException):
-                raise item
-            raw, last_arrival, fwd = item
-            forward_s += fwd
-            reply = decode(raw)
-            if reply.kind != UPDATE or reply.step != step:
-                raise RuntimeError(f"rank {self.rank}: expected the update of step {step}, got kind {reply.kind} step {reply.step}")
-            self.apply(step, reply, c)
-        receiver.join()
+        last_arrival = sent
+        for c in range(len(self.bounds)):
+            raw, _ = self.inbox.get(self._update_source)
+            last_arrival = time.perf_counter()
+            update = expect(raw, Update, step, peer=self._update_source)
+            if update.chunk != c:
+                raise ProtocolError(f"rank {self.rank}: expected chunk {c} of step {step}, got {update.chunk}")
+            self.apply(update)
         self.last_tx_s = tx_s
         self.step = step
         total = time.perf_counter() - t0 + compute_s
         mlog = self.metrics.log
-        mlog(step, "loss", loss)
-        mlog(step, "batch_size", n)
-        mlog(step, "samples_per_s", n / total)
+        if math.isfinite(loss):
+            mlog(step, "loss", loss)
+        mlog(step, "batch_size", samples)
+        mlog(step, "samples_per_s", samples / max(total, 1e-9))
         mlog(step, "compute_s", compute_s)
         mlog(step, "compress_s", topk_s + encode_s)
-        mlog(step, "comm_s", tx_s + forward_s)
+        mlog(step, "comm_s", tx_s + self._forward_s)
         mlog(step, "wait_s", max(0.0, last_arrival - sent))
         mlog(step, "density", density)
-        if self.eval_due(step):
-            self.evaluate(step)
-        # After the evaluation, so its bytes count in this step's single record per link.
-        self.metrics.log_bytes(step, *self.transport.take_counts())
-        return loss
 
-    def eval_due(self, step: int) -> bool:
-        """Evaluate every `eval_every` steps and at the last one."""
-        return step % self.cfg.eval_every == 0 or step == self.cfg.max_steps
-
-    def run_epoch(self, epoch: int) -> None:
-        """The steps of 0-based `epoch` (an epoch is n_train // B steps)."""
-        per_epoch = len(self.y_train) // sum(self.batch_sizes)
-        for step in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1):
-            self.run_step(step)
-
-    # -- evaluation --------------------------------------------------------------------------
-    def sync_buffers(self, step: int) -> None:
+    # -- evaluation --------------------------------------------------------------------------------
+    def average_buffers(self, step: int) -> None:
         """Pitfall: BatchNorm statistics are averaged by batch share before evaluation."""
         buffers = float_buffers(self.model)
         if not buffers:
             return
         flat = torch.cat([b.reshape(-1).float().cpu() for b in buffers])
-        n = self.batch_sizes[self.index]
-        self.transport.send(SERVER, encode(Message(BUFFERS, step, self.rank, [n], [Payload(flat.numel(), flat)])))
-        avg = decode(self.transport.recv(SERVER)).payloads[0].values
+        self.transport.send(SERVER, pack(Buffers(step, self.rank, self.batch_sizes[self.index], flat)))
+        avg = expect(self.inbox.get(SERVER)[0], BuffersAvg, step, peer=SERVER).values
         off = 0
         with torch.no_grad():
             for b in buffers:
                 b.copy_(avg[off : off + b.numel()].view_as(b))
                 off += b.numel()
 
-    @torch.no_grad()
-    def evaluate(self, step: int) -> float:
-        """Held-out accuracy of the (identical) replicas; each worker scores one slice."""
-        self.sync_buffers(step)
-        part = eval_slice(len(self.data.y_test), self.index, tuple(self.batch_sizes))
-        x, y = self.data.x_test[part], self.data.y_test[part]
-        self.model.eval()
-        correct = 0
-        for i in range(0, len(y), 1024):
-            logits = self.model(x[i : i + 1024].to(self.device))
-            correct += int((logits.argmax(1).cpu() == y[i : i + 1024]).sum())
-        self.transport.send(SERVER, encode(Message(EVAL, step, self.rank, [correct, len(y)])))
-        accuracy, stop = decode(self.transport.recv(SERVER)).scalars[:2]
-        self.stopped = bool(stop)
-        return accuracy
+    def combine_eval(self, step: int, sums: dict[str, float], count: int) -> tuple[dict[str, float], bool]:
+        """Send this worker's metric sums; the server answers with the run's means and whether
+        the target stops the run."""
+        self.transport.send(SERVER, pack(Eval(step, self.rank, sums, count)))
+        result = expect(self.inbox.get(SERVER)[0], EvalResult, step, peer=SERVER)
+        self.stopped = result.stop
+        return result.values, result.stop
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Model, optimizer (momentum), residual, velocity, densities, batch sizes, last transmission
-        time."""
+        """Residual, velocity, densities, batch sizes, last transmission time (the model and
+        optimizer are the caller's)."""
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "residual": _join_residuals(self.codec_states),
             "densities": self.densities,
             "batch_sizes": self.batch_sizes,
@@ -393,153 +407,162 @@ class PSWorker:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`; the flat-gradient views are re-bound afterwards."""
+        """Restore `state_dict()`."""
         if (self.velocity is not None) != (state.get("velocity") is not None):
             raise ValueError(
                 "the checkpoint was written with momentum correction "
                 f"{'on' if state.get('velocity') is not None else 'off'}: resume with the same "
                 "--momentum-correction setting")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
         residual = state["residual"]
-        _split_residual(self.codec_states, None if residual is None else residual.to(self.device), self.chunks)
+        _split_residual(self.codec_states, None if residual is None else residual.to(self.device), self.bounds)
         self.densities = list(state["densities"])
         self.batch_sizes = list(state["batch_sizes"])
         self.last_tx_s = state["last_tx_s"]
         if self.velocity is not None:
             self.velocity.copy_(state["velocity"])
-        self.step = state["step"]
         self._bind_grads()
-
-    def save_checkpoint(self, step: int) -> None:
-        """This rank's state of `step`."""
-        checkpoint.save(self.cfg.checkpoint_dir, step, self.rank, self.state_dict(), self.cfg)
-
-    def train(self, start_step: int = 0) -> None:
-        """Steps start_step+1 .. max_steps, evaluating and checkpointing on schedule."""
-        for step in range(start_step + 1, self.cfg.max_steps + 1):
-            self.run_step(step)
-            last = self.stopped or step == self.cfg.max_steps
-            if self.cfg.checkpoint_every and (step % self.cfg.checkpoint_every == 0 or last):
-                self.save_checkpoint(step)
-            if self.stopped:
-                break
 
 
 class ParameterServer:
-    """Rank 0: owns the aggregation state (server residual, densities, batch sizes, timings)."""
+    """Rank 0: owns the aggregation state (server residual, densities, batch sizes, timings) and
+    answers the workers' frames until each has said BYE."""
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        layout: Layout,
-        transport: Transport,
-        metrics: MetricsLogger,
-        batch_sizes: list[int],
-        has_buffers: bool = True,
-    ) -> None:
-        self.cfg, self.layout, self.transport, self.metrics = cfg, layout, transport, metrics
+    def __init__(self, cfg: TrainConfig, transport: Transport, metrics: MetricsLogger) -> None:
+        self.cfg, self.transport, self.metrics = cfg, transport, metrics
         self.workers = list(range(1, cfg.workers + 1))
         self.relay = plan_relay(cfg.sites, cfg.workers)
-        self.batch_sizes = list(batch_sizes)
+        self.batch_sizes = initial_batch_sizes(cfg)
         self.densities = [cfg.density] * cfg.workers
-        self.has_buffers = has_buffers
-        self.codec: Compressor = (
-            build_compressor("topk", value_dtype=cfg.value_dtype, error_feedback=cfg.error_feedback,
-                             select=cfg.select)
-            if cfg.compresses else Identity()
-        )
-        self.chunks = layout.chunks(cfg.pipeline_chunks)
-        # Each chunk keeps k_s * its share of the elements, with its own residual.
-        self.codec_states = [CompressionState(density=cfg.server_k_fraction, seed=cfg.seed) for _ in self.chunks]
+        self.codec = _codec(cfg, "topk")
+        self.target = parse_target(cfg.target) if cfg.target else None
+        self.layout = None
+        self.bounds: tuple[tuple[int, int], ...] = ()
+        self.codec_states: list[CompressionState] = []
         self.compute_window: list[list[float]] = []
         self.overhead_window: list[list[float]] = []
+        self.max_steps = cfg.max_steps
         self.elapsed_s = 0.0
         self.reached_at: float | None = None
         self.step = 0
+        self.start_step = 0
         self.stopped = False
         self._t0 = time.time()
         self._last_print = 0.0
+        self._resume_state: dict | None = None
+        self._warned_target = False
+        self.inbox = Inbox(transport, self.workers, timeout_s=cfg.timeout_s, last_kinds=_LAST)
 
-    def aggregate(self, step: int, msgs: list[Message], chunk: int = 0) -> Message:
-        """Steps 3 and 5 for one chunk: the alpha-weighted sum (eq. 1-2) and server compression;
-        with the last chunk, next step's plan."""
-        ns = [m.scalars[1] for m in msgs]
-        alphas = aggregation_weights(ns)
-        a, b = self.chunks[chunk]
-        dense = torch.zeros(self.layout.dense_numel if chunk == 0 else 0)
-        sparse = torch.zeros(b - a)
-        for alpha, m in zip(alphas, msgs):
-            d, s = m.payloads
-            # Widen to fp32 before weighting and summing (fp16 values would lose the small terms).
-            dense.add_(d.values.float(), alpha=alpha)
-            if s.indices is None:
-                sparse.add_(s.values.float(), alpha=alpha)
-            else:
-                sparse.index_add_(0, s.indices, s.values.float(), alpha=alpha)
-        if step <= self.cfg.warmup_steps or not self.cfg.compresses:
-            update = Payload(sparse.numel(), sparse)
-        else:
-            state = self.codec_states[chunk]
-            state.step = step
-            update = self.codec.compress(sparse, state)
-        scalars: list[float] = []
-        if chunk == len(self.chunks) - 1:
-            # The last chunk's frames carry the step's full timings (compression summed); its
-            # update carries the step's loss and the next step's plan.
-            self._plan(step, msgs)
-            loss = sum(w * m.scalars[0] for w, m in zip(alphas, msgs))
-            scalars = [loss, *self.densities, *self.batch_sizes]
-        return Message(UPDATE, step, SERVER, scalars, [Payload(dense.numel(), dense), update])
+    # -- the loop ------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Handshake, then answer GRAD, BUFFERS and EVAL rounds until every worker says BYE."""
+        try:
+            self._handshake()
+            while True:
+                round_start = time.perf_counter()
+                first = {w: self.inbox.get(w) for w in self.workers}
+                frames = {w: unpack(raw) for w, (raw, _) in first.items()}
+                kinds = {type(f) for f in frames.values()}
+                aborts = [f for f in frames.values() if isinstance(f, Abort)]
+                if aborts:
+                    raise ProtocolError(aborts[0].reason)
+                if len(kinds) != 1:
+                    said = ", ".join(f"rank {w}: {type(f).__name__}"
+                                     + (f" step {f.step}" if hasattr(f, "step") else "")
+                                     for w, f in frames.items())
+                    raise ProtocolError(f"the workers disagree on what comes next ({said}): every "
+                                        "worker must run the same steps and evaluations")
+                kind = kinds.pop()
+                if kind is Grad:
+                    self._serve_step(frames, {w: t for w, (_, t) in first.items()}, round_start)
+                elif kind is Buffers:
+                    self._serve_buffers(frames)
+                elif kind is Eval:
+                    self._serve_eval(frames)
+                elif kind is Bye:
+                    self.transport.send_many(self.workers, pack(Bye(self.step, SERVER)))
+                    self._finish()
+                    self.flush_bytes()
+                    return
+                else:
+                    raise ProtocolError(f"unexpected {kind.__name__} from the workers")
+        except ProtocolError as exc:
+            self._abort(str(exc))
+            raise
 
-    def _plan(self, step: int, msgs: list[Message]) -> None:
-        """Densities from last transmission times (step 3); batch sizes from compute and
-        compression times."""
-        if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
-            # A link's time is the longer of the worker's own send time (previous step) and the
-            # frame's arrival time seen here (this step): the first alone misses a shaped link
-            # whose bytes sit in a socket buffer, the second alone an emulated --link-mbps.
-            times = [max(m.scalars[3], self.transport.wire_s.get(m.sender, 0.0)) for m in msgs]
-            self.densities = adapt_densities(
-                self.densities, times, target=self.cfg.density,
-                low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,
-                floor=self.cfg.density_time_floor_s,
-            )
-        # `measured` refines whatever split the run started from (--batch-sizes from the
-        # control plane's plan, or the speeds): the plan's FLOPs ignore that a device is
-        # less efficient on a smaller batch, which only observed compute times reveal.
-        # Compression time counts as a fixed per-step cost: a slow node spends longer on the same
-        # top-k, so balancing compute alone leaves its frame last (trainer.allocation.rebalance).
-        if self.cfg.allocation == "measured" and self.cfg.workers > 1:
-            self.compute_window.append([m.scalars[2] for m in msgs])
-            self.overhead_window.append([m.scalars[4] for m in msgs])
-            if len(self.compute_window) >= self.cfg.rebalance_every:
-                means = [sum(col) / len(col) for col in zip(*self.compute_window)]
-                overheads = [sum(col) / len(col) for col in zip(*self.overhead_window)]
-                self.batch_sizes = rebalance(sum(self.batch_sizes), self.batch_sizes, means, overheads)
-                self.compute_window, self.overhead_window = [], []
+    def _abort(self, reason: str) -> None:
+        try:
+            self.transport.send_many(self.workers, pack(Abort(SERVER, reason)))
+        except Exception:  # noqa: BLE001 - the run is failing already; the reason is what matters
+            log.debug("could not tell the workers to abort", exc_info=True)
 
-    def run_step(self, step: int) -> float:
-        """Receive every worker's gradient, aggregate, send one update to all (or to the relays;
-        then evaluate when due); returns the global loss."""
-        t0 = time.perf_counter()
+    def _handshake(self) -> None:
+        hellos = {w: expect(self.inbox.get(w)[0], Hello, peer=w) for w in self.workers}
+        first = hellos[self.workers[0]]
+        for w, hello in hellos.items():
+            diff = first.layout.difference(hello.layout)
+            if diff:
+                raise ProtocolError(f"the model replicas differ: worker {self.workers[0]} and worker {w} "
+                                    f"built different models ({diff}); the task's model factory must "
+                                    "build the same architecture on every rank")
+        self.configure(first.layout)
+        if self.cfg.epochs:
+            if not first.train_samples:
+                raise ProtocolError("--epochs needs a training set whose length is known (a map-style "
+                                    "Dataset); give --max-steps for a streaming one")
+            self.max_steps = steps_for_epochs(self.cfg.epochs, first.train_samples, self.cfg.global_batch)
+        self.transport.send_many(self.workers, pack(Welcome(tuple(self.batch_sizes), tuple(self.densities),
+                                                            self.max_steps, self.start_step)))
+        state = expect(self.inbox.get(self.workers[0])[0], State, peer=self.workers[0])
+        self.transport.send_many(self.workers[1:], pack(state))
+        self.metrics.log(0, "params", self.layout.numel)
+        self.metrics.log(0, "max_steps", self.max_steps)
+        self._t0 = time.time()
+
+    def flush_bytes(self) -> None:
+        """Log the bytes since the last flush under the last step (see `PSClient.flush_bytes`)."""
+        self.metrics.log_bytes(self.step, *self.transport.take_counts())
+
+    def configure(self, layout: LayoutSpec) -> None:
+        """Size the aggregation state for the workers' model (and restore a resumed run's)."""
+        self.layout = layout
+        self.bounds = chunks(layout.sparse_numel, self.cfg.pipeline_chunks)
+        # Each chunk keeps k_s * its share of the elements, with its own residual.
+        self.codec_states = [CompressionState(density=self.cfg.server_k_fraction, seed=self.cfg.seed)
+                             for _ in self.bounds]
+        if self._resume_state is not None:
+            self._load(self._resume_state)
+
+    def _serve_step(self, first: dict, wire: dict[int, float], t0: float) -> None:
+        """One step's rounds, chunk by chunk; `t0` is when the server began waiting for it."""
+        # This step's first frames are already consumed: their bytes belong to this step.
+        sent, recv = self.transport.take_counts()
+        firsts = {w: pack(f).numel() + 8 for w, f in first.items()}
+        self.metrics.log_bytes(self.step, sent, {w: n - firsts.get(w, 0) for w, n in recv.items()})
+        for w, n in firsts.items():
+            self.transport.bytes_recv[w] += n
+        step = next(iter(first.values())).step
+        if any(f.step != step for f in first.values()):
+            raise ProtocolError(f"the workers are out of step: {[(w, f.step) for w, f in first.items()]}")
+        before = t0
         wait_s = compress_s = comm_s = 0.0
         waits, sent = [], 0
-        before = t0
-        # With several chunks, chunk c is aggregated and its update sent while the workers
-        # compress and send chunk c+1.
-        for chunk, frames in enumerate(self.transport.recv_rounds(self.workers, len(self.chunks))):
+        arrival = dict(wire)
+        frames = first
+        for chunk in range(len(self.bounds)):
+            if chunk:
+                got = {w: self.inbox.get(w) for w in self.workers}
+                frames = {w: expect(raw, Grad, step, peer=w) for w, (raw, _) in got.items()}
+                for w, (_, t) in got.items():
+                    arrival[w] += t
             t1 = time.perf_counter()
             wait_s += t1 - before
-            msgs = [decode(frames[r]) for r in self.workers]
-            bad = [(r, m.kind, m.step, m.scalars[5:6]) for r, m in zip(self.workers, msgs)
-                   if m.kind != GRAD or m.step != step or m.scalars[5:6] != [chunk]]
-            if bad:
-                raise RuntimeError(f"server: expected chunk {chunk} of the gradients of step {step}, "
-                                   f"got (rank, kind, step, [chunk]) {bad}")
-            reply = self.aggregate(step, msgs, chunk)
-            sent += reply.payloads[1].count
-            frame = encode(reply)
+            grads = [frames[w] for w in self.workers]
+            if any(g.chunk != chunk for g in grads):
+                raise ProtocolError(f"server: expected chunk {chunk} of step {step}, got "
+                                    f"{[(g.sender, g.chunk) for g in grads]}")
+            update = self.aggregate(step, grads, chunk, arrival)
+            sent += update.sparse.count
+            frame = pack(update)
             t2 = time.perf_counter()
             compress_s += t2 - t1
             waits.append(self.transport.post_many(self.relay.server_sends, frame))
@@ -550,56 +573,111 @@ class ParameterServer:
         t3 = time.perf_counter()
         comm_s += t3 - before
         self.step = step
-        loss = reply.scalars[0]
         mlog = self.metrics.log
-        mlog(step, "loss", loss)
-        mlog(step, "batch_size", sum(self.batch_sizes))
-        mlog(step, "samples_per_s", sum(m.scalars[1] for m in msgs) / max(t3 - t0, 1e-9))
+        if math.isfinite(update.loss):
+            mlog(step, "loss", update.loss)
+        mlog(step, "batch_size", sum(g.samples for g in grads))
+        mlog(step, "samples_per_s", sum(g.samples for g in grads) / max(t3 - t0, 1e-9))
         mlog(step, "wait_s", wait_s)
         mlog(step, "compress_s", compress_s)
         mlog(step, "comm_s", comm_s)
         mlog(step, "density", sent / max(1, self.layout.sparse_numel))
-        self._progress(step, loss)
-        if step % self.cfg.eval_every == 0 or step == self.cfg.max_steps:
-            self.evaluate(step)
-        self.metrics.log_bytes(step, *self.transport.take_counts())
-        return loss
+        self._progress(step, update.loss)
+        if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint(step)
 
-    def _progress(self, step: int, loss: float, accuracy: float | None = None) -> None:
+    def aggregate(self, step: int, grads: list[Grad], chunk: int, arrival: dict[int, float] | None = None) -> Update:
+        """Steps 3 and 5 for one chunk: the weighted sum (eq. 1-2) and server compression; with
+        the last chunk, the step's loss and next step's plan."""
+        a, b = self.bounds[chunk]
+        dense, sparse = aggregate(grads, self.layout.dense_numel if chunk == 0 else 0, b - a)
+        state = self.codec_states[chunk]
+        state.step = step
+        dense_step = step <= self.cfg.warmup_steps or not self.cfg.compresses
+        payload = server_sparsify(sparse, codec=self.codec, state=state, dense_step=dense_step)
+        if chunk < len(self.bounds) - 1:
+            return Update(step, chunk, Payload(dense.numel(), dense), payload)
+        # The last chunk's frames carry the step's full timings (compression summed).
+        self._plan(step, grads, arrival or {})
+        alphas = aggregation_weights([g.samples for g in grads])
+        losses = [g.loss for g in grads]
+        loss = sum(w * x for w, x in zip(alphas, losses)) if all(map(math.isfinite, losses)) else math.nan
+        return Update(step, chunk, Payload(dense.numel(), dense), payload, loss,
+                      tuple(self.densities), tuple(self.batch_sizes))
+
+    def _plan(self, step: int, grads: list[Grad], arrival: dict[int, float]) -> None:
+        """Densities from last transmission times (step 5); batch sizes from compute and
+        compression times."""
+        if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
+            # A link's time is the longer of the worker's own send time (previous step) and the
+            # frame's arrival time seen here (this step): the first alone misses a shaped link
+            # whose bytes sit in a socket buffer, the second alone an emulated --link-mbps.
+            times = [max(g.last_tx_s, arrival.get(g.sender, 0.0)) for g in grads]
+            self.densities = adapt_densities(
+                self.densities, times, target=self.cfg.density,
+                low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,
+                floor=self.cfg.density_time_floor_s,
+            )
+        # `measured` refines whatever split the run started from; compression time counts as a
+        # fixed per-step cost (trainer.allocation.rebalance).
+        if self.cfg.allocation == "measured" and self.cfg.workers > 1:
+            self.compute_window.append([g.compute_s for g in grads])
+            self.overhead_window.append([g.topk_s for g in grads])
+            if len(self.compute_window) >= self.cfg.rebalance_every:
+                means = [sum(col) / len(col) for col in zip(*self.compute_window)]
+                overheads = [sum(col) / len(col) for col in zip(*self.overhead_window)]
+                self.batch_sizes = rebalance(sum(self.batch_sizes), self.batch_sizes, means, overheads)
+                self.compute_window, self.overhead_window = [], []
+
+    def _serve_buffers(self, frames: dict) -> None:
+        msgs = [frames[w] for w in self.workers]
+        alphas = aggregation_weights([m.samples for m in msgs])
+        avg = sum(a * m.values.float() for a, m in zip(alphas, msgs))
+        self.transport.send_many(self.workers, pack(BuffersAvg(msgs[0].step, avg)))
+
+    def _serve_eval(self, frames: dict) -> None:
+        msgs = [frames[w] for w in self.workers]
+        step = msgs[0].step
+        count = sum(m.count for m in msgs)
+        names = sorted(set().union(*(m.sums for m in msgs)))
+        values = {n: sum(m.sums.get(n, 0.0) for m in msgs) / max(1, count) for n in names}
+        reached = False
+        if self.target is not None:
+            if self.target.metric in values:
+                reached = self.target.reached(values[self.target.metric])
+            elif not self._warned_target:
+                self._warned_target = True
+                print(f"[ps] warning: the target {self.target} names a metric the evaluation does not "
+                      f"report (it reports {', '.join(names) or 'none'})", file=sys.stderr, flush=True)
+        self.stopped = reached and self.cfg.stop_at_target
+        self.transport.send_many(self.workers, pack(EvalResult(step, values, self.stopped)))
+        for name, value in values.items():
+            self.metrics.log(step, name, value)
+        if reached and self.reached_at is None:
+            self.reached_at = self.elapsed()
+            self.metrics.log(step, "time_to_target_s", self.reached_at)
+        self._progress(step, self.metrics.last.get("loss", math.nan), values)
+
+    def _finish(self) -> None:
+        if self.cfg.checkpoint_every and self.step and self.step % self.cfg.checkpoint_every:
+            self.save_checkpoint(self.step)
+
+    def _progress(self, step: int, loss: float, values: dict[str, float] | None = None) -> None:
         now = time.time()
-        if accuracy is None and now - self._last_print < 2.0 and step != self.cfg.max_steps:
+        if values is None and now - self._last_print < 2.0 and step != self.max_steps:
             return
         self._last_print = now
-        acc = f" accuracy {accuracy:.4f}" if accuracy is not None else ""
-        print(f"[ps] step {step}/{self.cfg.max_steps} loss {loss:.4f}{acc} elapsed {self.elapsed():.1f}s",
+        extra = "".join(f" {k} {v:.4f}" for k, v in (values or {}).items())
+        print(f"[ps] step {step}/{self.max_steps} loss {loss:.4f}{extra} elapsed {self.elapsed():.1f}s",
               file=sys.stderr, flush=True)
 
     def elapsed(self) -> float:
         """Training seconds so far, across resumes."""
         return self.elapsed_s + time.time() - self._t0
 
-    def evaluate(self, step: int) -> float:
-        """Average buffers by batch share, then combine the workers' counts into one accuracy."""
-        if self.has_buffers:
-            msgs = [decode(f) for f in self.transport.recv_many(self.workers).values()]
-            alphas = aggregation_weights([m.scalars[0] for m in msgs])
-            avg = sum(a * m.payloads[0].values for a, m in zip(alphas, msgs))
-            self.transport.send_many(self.workers, encode(Message(BUFFERS_AVG, step, SERVER, [], [Payload(avg.numel(), avg)])))
-        msgs = [decode(f) for f in self.transport.recv_many(self.workers).values()]
-        accuracy = sum(m.scalars[0] for m in msgs) / max(1.0, sum(m.scalars[1] for m in msgs))
-        target = self.cfg.target_accuracy
-        reached = target is not None and accuracy >= target
-        self.stopped = reached and self.cfg.stop_at_target
-        self.transport.send_many(self.workers, encode(Message(EVAL_RESULT, step, SERVER, [accuracy, float(self.stopped)])))
-        self.metrics.log(step, "accuracy", accuracy)
-        if reached and self.reached_at is None:
-            self.reached_at = self.elapsed()
-            self.metrics.log(step, "time_to_accuracy_s", self.reached_at)
-        self._progress(step, self.metrics.last.get("loss", float("nan")), accuracy)
-        return accuracy
-
+    # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Server residual, densities, batch sizes, timing window, elapsed time."""
+        """Server residual, densities, batch sizes, timing windows, elapsed time."""
         return {
             "residual": _join_residuals(self.codec_states),
             "densities": self.densities,
@@ -610,29 +688,34 @@ class ParameterServer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`."""
-        _split_residual(self.codec_states, state["residual"], self.chunks)
+        """Restore `state_dict()` once the layout is known (at the handshake)."""
+        self._resume_state = state
+        self.start_step = state["step"]
+        self.step = state["step"]
+
+    def _load(self, state: dict) -> None:
+        _split_residual(self.codec_states, state["residual"], self.bounds)
         self.densities = list(state["densities"])
         self.batch_sizes = list(state["batch_sizes"])
         self.compute_window = [list(r) for r in state["compute_window"]]
-        # A checkpoint from before the overhead window was kept has none: that window then
-        # re-balances from compute alone.
         self.overhead_window = [list(r) for r in state.get("overhead_window", [])]
         self.elapsed_s = state["elapsed_s"]
-        self._t0 = time.time()
-        self.step = state["step"]
 
     def save_checkpoint(self, step: int) -> None:
         """The server's state of `step`."""
         checkpoint.save(self.cfg.checkpoint_dir, step, SERVER, self.state_dict(), self.cfg)
 
-    def train(self, start_step: int = 0) -> None:
-        """Serve steps start_step+1 .. max_steps in lockstep with the workers."""
-        self._t0 = time.time()
-        for step in range(start_step + 1, self.cfg.max_steps + 1):
-            self.run_step(step)
-            last = self.stopped or step == self.cfg.max_steps
-            if self.cfg.checkpoint_every and (step % self.cfg.checkpoint_every == 0 or last):
-                self.save_checkpoint(step)
-            if self.stopped:
-                break
+
+def serve_in_thread(server: ParameterServer) -> tuple[threading.Thread, list[BaseException]]:
+    """Run `server.serve()` on a thread (tests, in-process demos); errors land in the list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.serve()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="parameter-server", daemon=True)
+    thread.start()
+    return thread, errors

@@ -1,7 +1,8 @@
 """Point-to-point transports that carry encoded frames between ranks, counting every byte.
 
-The algorithm (`trainer.ps`) only sees this interface, so a test fake replaces the
-torch.distributed one without touching it.
+The protocol (`trainer.ps`) only sees this interface, so a test fake replaces the
+torch.distributed one without touching it. An `Inbox` keeps one receive posted per peer on its
+own thread, so frames travel (and are timed) while the caller works on earlier ones.
 Bytes are counted as they go on the wire: the 8-byte length prefix plus the frame.
 """
 
@@ -12,7 +13,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -36,12 +37,9 @@ class Transport(ABC):
         """Send one frame to `peer`; returns once the frame is handed over."""
 
     @abstractmethod
-    def recv(self, peer: int) -> torch.Tensor:
-        """Receive the next frame from `peer`."""
-
-    def recv_many(self, peers: Iterable[int]) -> dict[int, torch.Tensor]:
-        """The next frame from each of `peers`."""
-        return {p: self.recv(p) for p in peers}
+    def recv(self, peer: int, *, count: bool = True) -> torch.Tensor:
+        """Receive the next frame from `peer`; `count=False` leaves its bytes to the caller (an
+        Inbox counts a frame when it is consumed, so a step's record holds that step's frames)."""
 
     def send_many(self, peers: Iterable[int], frame: torch.Tensor) -> None:
         """The same frame to each of `peers` (the server's reply; a relay may fan it out)."""
@@ -56,12 +54,6 @@ class Transport(ABC):
         """
         self.send_many(peers, frame)
         return lambda: None
-
-    def recv_rounds(self, peers: Iterable[int], rounds: int) -> Iterator[dict[int, torch.Tensor]]:
-        """`rounds` frames from each of `peers`, yielded round by round (a pipelined step)."""
-        peers = list(peers)
-        for _ in range(rounds):
-            yield self.recv_many(peers)
 
     def take_counts(self) -> tuple[dict[int, int], dict[int, int]]:
         """Bytes sent and received per peer since the last call, and reset the counters."""
@@ -101,58 +93,12 @@ class TorchTransport(Transport):
 
         return wait
 
-    def recv(self, peer: int) -> torch.Tensor:
-        """The next frame from `peer`."""
-        return self.recv_many([peer])[peer]
-
-    def recv_many(self, peers: Iterable[int]) -> dict[int, torch.Tensor]:
-        """The next frame from each of `peers`, each received on its own thread (`recv_rounds`)."""
-        return next(self.recv_rounds(peers, 1))
-
-    def recv_rounds(self, peers: Iterable[int], rounds: int) -> Iterator[dict[int, torch.Tensor]]:
-        """Each peer's receives run back to back on its own thread, so round r+1's bytes travel
-        (and are counted into `wire_s`, summed over the rounds) while the caller works on round r.
-
-        A peer's frame receive is posted as soon as its own length prefix arrives. gloo
-        completes a send only once the receiver has posted the matching receive, so posting
-        every frame receive after the slowest peer's prefix (as one wait-all would) made an
-        early peer's send time include the slowest peer's compute: the adaptive density then
-        read a fast link as a slow one (docs/trainer.md, "Transmission time").
-        """
-        peers = list(peers)
-        if len(peers) == 1 and rounds == 1:
-            frame = self._recv_one(peers[0])
-            self._count(self.bytes_recv, peers[0], frame)
-            yield {peers[0]: frame}
-            return
-        done: queue.Queue[tuple[int, int, torch.Tensor | BaseException, float]] = queue.Queue()
-
-        def receive(peer: int) -> None:
-            for r in range(rounds):
-                try:
-                    frame = self._recv_one(peer)
-                except BaseException as exc:  # handed to the caller, raised there
-                    done.put((peer, r, exc, 0.0))
-                    return
-                done.put((peer, r, frame, self.wire_s[peer]))
-
-        # Daemon threads: a peer that never sends must not keep the process alive once the
-        # caller has given up on it (gloo's own timeout ends the wait).
-        for p in peers:
-            threading.Thread(target=receive, args=(p,), daemon=True, name=f"recv-{p}").start()
-        pending: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
-        wire = dict.fromkeys(peers, 0.0)
-        for r in range(rounds):
-            while len(pending[r]) < len(peers):
-                peer, at, result, seconds = done.get()
-                if isinstance(result, BaseException):
-                    raise result
-                pending[at][peer] = result
-                wire[peer] += seconds
-                self._count(self.bytes_recv, peer, result)
-            if r == rounds - 1:
-                self.wire_s.update(wire)
-            yield pending.pop(r)
+    def recv(self, peer: int, *, count: bool = True) -> torch.Tensor:
+        """The next frame from `peer` (its arrival time in `wire_s`)."""
+        frame = self._recv_one(peer)
+        if count:
+            self._count(self.bytes_recv, peer, frame)
+        return frame
 
     def _recv_one(self, peer: int) -> torch.Tensor:
         length = torch.zeros(1, dtype=torch.int64)
@@ -182,6 +128,7 @@ class ThrottledTransport(Transport):
         self.inner = inner
         self.bytes_sent = inner.bytes_sent
         self.bytes_recv = inner.bytes_recv
+        self.wire_s = inner.wire_s
         self.seconds_per_byte = 8.0 / (mbps * 1e6)
         self.latency_s = latency_s
         self.peer = peer
@@ -196,9 +143,9 @@ class ThrottledTransport(Transport):
         self.inner.send(peer, frame)
         self._delay(peer, frame.numel())
 
-    def recv(self, peer: int) -> torch.Tensor:
+    def recv(self, peer: int, *, count: bool = True) -> torch.Tensor:
         """Receive, then wait out the emulated transmission time."""
-        frame = self.inner.recv(peer)
+        frame = self.inner.recv(peer, count=count)
         self._delay(peer, frame.numel())
         return frame
 
@@ -235,11 +182,74 @@ class InMemoryTransport(Transport):
         self.hub.sent[(self.rank, peer)] += 1
         self.hub.queue(self.rank, peer).put(frame.clone())
 
-    def recv(self, peer: int) -> torch.Tensor:
+    def recv(self, peer: int, *, count: bool = True) -> torch.Tensor:
         """Dequeue the next frame from `peer`, or raise TimeoutError."""
         try:
             frame = self.hub.queue(peer, self.rank).get(timeout=self.hub.timeout_s)
         except queue.Empty as exc:
             raise TimeoutError(f"rank {self.rank}: no frame from rank {peer}") from exc
-        self._count(self.bytes_recv, peer, frame)
+        if count:
+            self._count(self.bytes_recv, peer, frame)
         return frame
+
+
+class Inbox:
+    """One thread per peer receives that peer's frames back to back into a queue.
+
+    gloo completes a send only once the receiver has posted the matching receive, so a receive
+    must always be posted for every peer: a server that posted one peer's receive only after a
+    slower peer's frame made the early peer's send time include the slow peer's compute, and
+    the adaptive density then read a fast link as a slow one (docs/trainer.md, "Transmission
+    time"). A peer's thread stops after a frame of a kind in `last_kinds` (its goodbye).
+    `on_frame(peer, frame)` runs on the receiving thread before the frame is queued: a relay
+    forwards the server's update there, unread.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        peers: Iterable[int],
+        *,
+        timeout_s: float,
+        last_kinds: frozenset[int],
+        on_frame: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> None:
+        from trainer.wire import peek_kind
+
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self._peek = peek_kind
+        self._last = last_kinds
+        self._on_frame = on_frame
+        self._queues: dict[int, queue.Queue] = {p: queue.Queue() for p in peers}
+        # Daemon threads: a peer that never sends must not keep the process alive once the
+        # caller has given up on it.
+        for p in self._queues:
+            threading.Thread(target=self._receive, args=(p,), daemon=True, name=f"inbox-{p}").start()
+
+    def _receive(self, peer: int) -> None:
+        q = self._queues[peer]
+        while True:
+            try:
+                frame = self.transport.recv(peer, count=False)
+                if self._on_frame is not None:
+                    self._on_frame(peer, frame)
+            except BaseException as exc:  # handed to the caller, raised there
+                q.put(exc)
+                return
+            q.put((frame, self.transport.wire_s.get(peer, 0.0)))
+            if self._peek(frame) in self._last:
+                return
+
+    def get(self, peer: int, timeout_s: float | None = None) -> tuple[torch.Tensor, float]:
+        """The next frame from `peer` and the seconds its bytes took to arrive."""
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            item = self._queues[peer].get(timeout=wait)
+        except queue.Empty:
+            raise TimeoutError(f"rank {self.transport.rank}: nothing from rank {peer} within "
+                               f"{wait:.0f} s (--timeout-s)") from None
+        if isinstance(item, BaseException):
+            raise item
+        self.transport._count(self.transport.bytes_recv, peer, item[0])  # noqa: SLF001 - the counter's owner
+        return item

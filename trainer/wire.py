@@ -26,8 +26,11 @@ import torch
 from trainer.compression import Payload, random_indices
 
 MAGIC = 0x4854
-VERSION = 2
-_MSG = struct.Struct("<HBBqiHB")
+# Version 3 adds a UTF-8 text section (names of evaluation metrics, a model's layout, a reason
+# to abort), empty and 4 bytes long on every per-step frame.
+VERSION = 3
+_MSG = struct.Struct("<HBBqiHBI")
+KIND_OFFSET = 3  # the kind byte, after the magic (2) and the version (1)
 # numel and count as uint32: no single tensor reaches 2**32 elements, and on a small model the
 # per-payload header is a visible share of a compressed frame (version 1 used int64 here).
 _PAYLOAD = struct.Struct("<BBII")
@@ -42,13 +45,20 @@ _NP = {torch.float32: np.float32, torch.float16: np.float16}
 
 @dataclass
 class Message:
-    """One frame: what it is (`kind`), the step, the sender, named-by-position scalars, payloads."""
+    """One encoded unit: kind, step, sender, scalars, text, payloads. Code reads and writes the
+    typed frames of `trainer.frames`, which alone know what each scalar means."""
 
     kind: int
     step: int
     sender: int
     scalars: list[float] = field(default_factory=list)
     payloads: list[Payload] = field(default_factory=list)
+    text: str = ""
+
+
+def peek_kind(frame: torch.Tensor) -> int:
+    """The kind of an encoded frame, without decoding it (a relay forwards updates unread)."""
+    return int(frame[KIND_OFFSET])
 
 
 def _fillers(gaps: torch.Tensor, max_gap: int) -> torch.Tensor:
@@ -174,8 +184,11 @@ def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
 
 def encode(msg: Message) -> torch.Tensor:
     """The frame as a uint8 tensor, ready for a point-to-point send."""
-    out = [_MSG.pack(MAGIC, VERSION, msg.kind, msg.step, msg.sender, len(msg.scalars), len(msg.payloads))]
+    text = msg.text.encode()
+    out = [_MSG.pack(MAGIC, VERSION, msg.kind, msg.step, msg.sender, len(msg.scalars), len(msg.payloads),
+                     len(text))]
     out.append(np.asarray(msg.scalars, dtype=np.float64).tobytes())
+    out.append(text)
     for p in msg.payloads:
         _encode_payload(p, out)
     return torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8)
@@ -186,14 +199,16 @@ def decode(frame: torch.Tensor) -> Message:
     buf = memoryview(frame.numpy().tobytes())
     if len(buf) < _MSG.size:
         raise ValueError(f"frame of {len(buf)} bytes is shorter than the header")
-    magic, version, kind, step, sender, nscalars, npayloads = _MSG.unpack_from(buf, 0)
+    magic, version, kind, step, sender, nscalars, npayloads, ntext = _MSG.unpack_from(buf, 0)
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"not a trainer frame (magic {magic:#x}, version {version})")
     scalars, offset = _take(buf, _MSG.size, np.float64, nscalars)
+    text = bytes(buf[offset : offset + ntext]).decode()
+    offset += ntext
     payloads = []
     for _ in range(npayloads):
         p, offset = _decode_payload(buf, offset)
         payloads.append(p)
     if offset != len(buf):
         raise ValueError(f"frame has {len(buf) - offset} trailing bytes")
-    return Message(kind, step, sender, scalars.tolist(), payloads)
+    return Message(kind, step, sender, scalars.tolist(), payloads, text)

@@ -5,11 +5,14 @@ from fastapi import APIRouter
 from app.api.responses import COMMON
 from app.api.routes import (
     agent,
+    agent_profiles,
+    bundles,
     clusters,
     egress_prices,
     gpu_models,
     instance_prices,
     nodes,
+    profiles,
     run_costs,
     run_logs,
     run_metrics,
@@ -33,3 +36,7 @@ api_router.include_router(run_metrics.router, prefix="/runs", tags=["metrics"])
 api_router.include_router(run_logs.router, prefix="/runs", tags=["logs"])
 api_router.include_router(run_costs.router, prefix="/runs", tags=["costs"])
 api_router.include_router(agent.router, prefix="/agent", tags=["agent"])
+api_router.include_router(bundles.router, prefix="/bundles", tags=["bundles"])
+api_router.include_router(bundles.run_router, prefix="/runs", tags=["bundles"])
+api_router.include_router(profiles.router, prefix="/tasks/profiles", tags=["task-profiles"])
+api_router.include_router(agent_profiles.router, prefix="/agent", tags=["agent"])

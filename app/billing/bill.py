@@ -98,15 +98,15 @@ class RunUsage:
     workers: Sequence[WorkerTime] = ()
     samples: int = 0
     duration_s: float = 0.0
-    time_to_accuracy_s: float | None = None
+    time_to_target_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "links", "workers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         _non_negative("samples", self.samples)
         _non_negative("duration_s", self.duration_s)
-        if self.time_to_accuracy_s is not None:
-            _non_negative("time_to_accuracy_s", self.time_to_accuracy_s)
+        if self.time_to_target_s is not None:
+            _non_negative("time_to_target_s", self.time_to_target_s)
 
 
 class PricingBasis(StrEnum):
@@ -167,7 +167,7 @@ class Bill:
     samples: int
     usd_per_million_samples: Decimal | None
     samples_per_s: float | None
-    time_to_accuracy_s: float | None
+    time_to_target_s: float | None
     granularity: Granularity
     granularity_by_worker: Mapping[str, Granularity]
     # What had no price in force, when billed with strict=False (those items count as $0).
@@ -208,7 +208,7 @@ def compute_bill(usage: RunUsage, prices: PriceLookup, *, strict: bool = True) -
         samples=usage.samples,
         usd_per_million_samples=None if per_million is None else round_usd(per_million),
         samples_per_s=usage.samples / usage.duration_s if usage.duration_s else None,
-        time_to_accuracy_s=usage.time_to_accuracy_s,
+        time_to_target_s=usage.time_to_target_s,
         granularity=overall,
         granularity_by_worker=by_worker,
         unpriced=tuple(unpriced),

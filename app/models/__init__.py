@@ -1,6 +1,7 @@
 """ORM models of the control plane; importing this package registers every table on `Base`."""
 
 from app.models.base import Base
+from app.models.bundles import Bundle, BundleStorage
 from app.models.enums import (
     Continent,
     NodeStatus,
@@ -11,12 +12,15 @@ from app.models.enums import (
 )
 from app.models.inventory import Cluster, GpuModel, Node, NodeGpu, Site, cluster_nodes
 from app.models.prices import EgressPrice, InstancePrice
+from app.models.profiles import ProfileStatus, TaskProfile
 from app.models.runs import NodeAgent, Run, RunLog, RunMetric, RunStatus, RunWorker, WorkerStatus
 from app.models.tokens import ApiToken
 
 __all__ = [
     "ApiToken",
     "Base",
+    "Bundle",
+    "BundleStorage",
     "Cluster",
     "Continent",
     "EgressPrice",
@@ -26,6 +30,7 @@ __all__ = [
     "NodeAgent",
     "NodeGpu",
     "NodeStatus",
+    "ProfileStatus",
     "Provider",
     "Run",
     "RunLog",
@@ -34,6 +39,7 @@ __all__ = [
     "RunWorker",
     "Site",
     "SiteKind",
+    "TaskProfile",
     "TokenScope",
     "TrafficClass",
     "WorkerStatus",

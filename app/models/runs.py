@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     CheckConstraint,
     Double,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     UniqueConstraint,
     true,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from app.models.base import Base, TimestampMixin, str_enum, utcnow
@@ -106,14 +108,22 @@ class Run(TimestampMixin, Base):
     )
     reason: Mapped[str | None] = mapped_column(Text)
     strategy: Mapped[str] = mapped_column(String(32))
-    model: Mapped[str] = mapped_column(String(64))
-    dataset: Mapped[str] = mapped_column(String(64))
+    # What is trained: a task reference `module:function` and its JSON arguments, or (with
+    # `script`) the user's own training script inside the bundle.
+    task: Mapped[str] = mapped_column(String(255))
+    task_args: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # No foreign key: a finished run keeps naming its code after the bundle is deleted (the
+    # bundle's delete refuses while an active run uses it).
+    bundle_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    script: Mapped[str | None] = mapped_column(String(255))
+    script_args: Mapped[list[str] | None] = mapped_column(JSON().with_variant(JSONB(), "postgresql"))
     global_batch_size: Mapped[int]
-    lr: Mapped[float]
-    max_steps: Mapped[int]
+    # NULL while a run given in epochs waits for the trainer to report the steps they take.
+    max_steps: Mapped[int | None]
     epochs: Mapped[int | None]
-    target_accuracy: Mapped[float | None]
-    # False: the run records its time to accuracy and trains on to max_steps.
+    # "accuracy>=0.9", "val_loss<=0.3" (hybridtrain.contract.parse_target).
+    target: Mapped[str | None] = mapped_column(String(64))
+    # False: the run records its time to target and trains on to max_steps.
     stop_at_target: Mapped[bool] = mapped_column(default=True, server_default=true())
     seed: Mapped[int] = mapped_column(default=0)
     allocation: Mapped[str] = mapped_column(String(16))  # equal, flops, measured

@@ -33,6 +33,7 @@ from app.models import InstancePrice as InstancePriceRow
 from app.models.runs import Run, RunMetric, RunWorker
 from app.queries.prices import EgressKey as EgressSeries
 from app.queries.prices import egress_price_in_force
+from hybridtrain.contract import LEGACY_TIME_TO_TARGET
 
 
 class DbPriceLookup:
@@ -147,7 +148,9 @@ def run_usage(
         samples = int(sum(sums[w.rank].get("batch_size", 0.0) for w in worker_ranks))
     tta = session.scalar(
         select(func.min(RunMetric.value)).where(
-            RunMetric.run_id == run.id, RunMetric.name == "time_to_accuracy_s"
+            RunMetric.run_id == run.id,
+            # Runs stored before task metrics reported it under the legacy name.
+            RunMetric.name.in_(("time_to_target_s", LEGACY_TIME_TO_TARGET)),
         )
     )
     started = run.started_at or run.launched_at
@@ -169,7 +172,7 @@ def run_usage(
         ],
         samples=samples,
         duration_s=max(0.0, (end - started).total_seconds()) if started else 0.0,
-        time_to_accuracy_s=tta,
+        time_to_target_s=tta,
     )
 
 

@@ -1,10 +1,14 @@
-"""Metric ingestion (bulk, deduplicated) and series reads (server-side downsampling)."""
+"""Metric ingestion (bulk, deduplicated) and series reads (server-side downsampling).
+
+Ingestion also learns the step count of a run given in epochs: the trainer's rank 0 reports
+`max_steps` at step 0, and a run whose max_steps is still NULL stores it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import Float, cast, func, select, text
+from sqlalchemy import Float, cast, func, select, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
@@ -61,10 +65,24 @@ def metrics_token_valid(session: Session, *, run_id: int, token: str) -> bool:
 _verified: set[tuple[int, str]] = set()
 
 
+def _learn_max_steps(session: Session, run_id: int, records: Sequence[MetricRecord]) -> None:
+    reported = [r for r in records if r.name == "max_steps" and r.value is not None and r.value >= 1]
+    if not reported:
+        return
+    steps = int(min(reported, key=lambda r: r.rank).value)  # type: ignore[arg-type]
+    # Conditional: a run's step count, once known, never changes (a resent batch is a no-op).
+    session.execute(
+        update(Run).where(Run.id == run_id, Run.max_steps.is_(None)).values(max_steps=steps)
+        .execution_options(synchronize_session=False)
+    )
+
+
 def store_metrics(session: Session, *, run_id: int, records: Sequence[MetricRecord]) -> int:
-    """Insert the records once per (run, rank, step, name, peer); returns how many were new."""
+    """Insert the records once per (run, rank, step, name, peer); returns how many were new.
+    A reported `max_steps` becomes the run's when it had none (a run given in epochs)."""
     if not records:
         return 0
+    _learn_max_steps(session, run_id, records)
     if session.get_bind().dialect.name == "postgresql":
         result = session.execute(
             _PG_INSERT,
@@ -157,3 +175,26 @@ def read_metrics(
     for s in series:
         s.downsampled = len(s.points) < s.count
     return series, last_t
+
+
+_NAMES = text(
+    """
+    WITH RECURSIVE names(name) AS (
+        SELECT min(name) FROM run_metrics WHERE run_id = :run_id
+        UNION ALL
+        SELECT (SELECT min(m.name) FROM run_metrics m WHERE m.run_id = :run_id AND m.name > names.name)
+        FROM names WHERE names.name IS NOT NULL
+    )
+    SELECT name FROM names WHERE name IS NOT NULL
+    """
+)
+
+
+def metric_names(session: Session, *, run_id: int) -> list[str]:
+    """Every metric name the run reported, sorted.
+
+    A skip scan over the (run_id, name, ...) unique index, one probe per name: a run of
+    hundreds of thousands of records has only a dozen or two names, so this stays fast
+    where a plain DISTINCT would read every record.
+    """
+    return [row[0] for row in session.execute(_NAMES, {"run_id": run_id})]

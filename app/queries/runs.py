@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -22,14 +23,18 @@ from app.errors import ConflictError, InvalidFieldError, NotFoundError
 from app.models import Cluster, Node, NodeGpu, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import FINISHED_WORKER_STATUSES
-from app.planner import PS_STRATEGIES, GpuSpec, Plan, PlanError, PlanNode, plan_run
+from app.planner import GpuSpec, Plan, PlanError, PlanNode, plan_run
+from app.queries.bundles import get_bundle
 from app.queries.common import paginate
+from app.queries.profiles import latest_profiles
 from app.schemas.runs import RunCreate
 from app.security import hash_secret, new_secret
+from hybridtrain.contract import is_ps
 
 METRICS_TOKEN_PREFIX = "htr_"
 MASTER_PORT_BASE = 29500
 MASTER_PORT_SPAN = 2000
+_EPOCH = datetime.fromtimestamp(0, UTC)
 
 
 # -- planning --------------------------------------------------------------------------------
@@ -78,8 +83,43 @@ def _check_usable(nodes: Iterable[Node]) -> None:
             )
 
 
-def make_plan(session: Session, *, data: RunCreate) -> Plan:
-    """Plan `data` over its nodes (or cluster) without storing anything."""
+@dataclass(frozen=True)
+class TaskFacts:
+    """What the nodes' finished task profiles say of a run's task (none: not profiled)."""
+
+    ref: str
+    params: int | None = None
+    train_samples: int | None = None
+    # node id -> samples/s of this task there, for allocation "measured".
+    speeds: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def profiled_nodes(self) -> list[int]:
+        return sorted(self.speeds)
+
+
+def task_facts(session: Session, *, data: RunCreate, node_ids: Sequence[int]) -> TaskFacts | None:
+    """The newest finished profile of the run's task on each node, summed up; None for a
+    script run or a task no node has profiled."""
+    if data.script is not None:
+        return None
+    profiles = latest_profiles(session, task_key=data.task_key, node_ids=node_ids)
+    if not profiles:
+        return None
+    known = sorted(profiles.values(), key=lambda p: (p.measured_at or _EPOCH, p.id), reverse=True)
+    return TaskFacts(
+        ref=data.task,
+        params=next((p.params for p in known if p.params is not None), None),
+        train_samples=next((p.train_samples for p in known if p.train_samples), None),
+        speeds={node: p.samples_per_s for node, p in profiles.items() if p.samples_per_s},
+    )
+
+
+def make_plan(session: Session, *, data: RunCreate) -> tuple[Plan, TaskFacts | None]:
+    """Plan `data` over its nodes (or cluster) without storing anything; with what the task
+    profiles of its nodes say of its task."""
+    if data.bundle_sha256 is not None:
+        get_bundle(session, sha256=data.bundle_sha256, field="bundle_sha256")
     if data.cluster_id is not None:
         cluster = session.get(Cluster, data.cluster_id)
         if cluster is None:
@@ -95,16 +135,19 @@ def make_plan(session: Session, *, data: RunCreate) -> Plan:
     if data.ps_node_id is not None:
         ps_node = _load_nodes(session, [data.ps_node_id], field="ps_node_id")[0]
     _check_usable([*nodes, *([ps_node] if ps_node else [])])
+    facts = task_facts(session, data=data, node_ids=[n.id for n in nodes])
     try:
-        return plan_run(
+        plan = plan_run(
             strategy=data.strategy,
             global_batch_size=data.global_batch_size,
             nodes=[plan_node(n) for n in nodes],
             allocation=data.allocation,
             ps_node=plan_node(ps_node) if ps_node else None,
+            task_speeds=facts.speeds if facts else None,
         )
     except PlanError as exc:
         raise InvalidFieldError(exc.field, exc.message) from exc
+    return plan, facts
 
 
 # -- creation ----------------------------------------------------------------------------------
@@ -144,19 +187,21 @@ def create_run(
     fingerprint: str,
 ) -> tuple[Run, str]:
     """Plan and store a queued run; returns it with its metrics token (shown only here)."""
-    plan = make_plan(session, data=data)
+    plan, facts = make_plan(session, data=data)
     token = new_secret(METRICS_TOKEN_PREFIX)
     run = Run(
         name=data.name,
         status=RunStatus.queued,
         strategy=data.strategy,
-        model=data.model,
-        dataset=data.dataset,
+        task=data.task,
+        task_args=data.task_args,
+        bundle_sha256=data.bundle_sha256,
+        script=data.script,
+        script_args=data.script_args,
         global_batch_size=data.global_batch_size,
-        lr=data.lr,
-        max_steps=data.steps(),
+        max_steps=data.steps(facts.train_samples if facts else None),
         epochs=data.epochs,
-        target_accuracy=data.target_accuracy,
+        target=data.target,
         stop_at_target=data.stop_at_target,
         seed=data.seed,
         allocation=plan.allocation,
@@ -197,20 +242,26 @@ def rank_sites(session: Session, *, run: Run) -> list[str]:
 
 
 def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "strategy": run.strategy,
-        "model": run.model,
-        "dataset": run.dataset,
+    options: dict[str, Any] = {"strategy": run.strategy}
+    if run.script is not None:
+        options["script"] = run.script
+    else:
+        options["task"] = run.task
+        options["task-args"] = json.dumps(run.task_args or {}, sort_keys=True, separators=(",", ":"))
+    options |= {
         "global-batch": run.global_batch_size,
-        "lr": run.lr,
-        "max-steps": run.max_steps,
         "seed": run.seed,
         "device": run.device,
         # Each node keeps its own copy of the metrics next to the role's log.
         "metrics-out": "metrics.jsonl",
     }
-    if run.target_accuracy is not None:
-        options["target-accuracy"] = run.target_accuracy
+    if run.max_steps is not None:
+        options["max-steps"] = run.max_steps
+    elif run.epochs is not None:
+        # The trainer counts the task's samples and reports the steps as `max_steps`.
+        options["epochs"] = run.epochs
+    if run.target is not None:
+        options["target"] = run.target
     if run.stop_at_target is False:  # None on a run not yet flushed: the column's default, True
         options["no-stop-at-target"] = True
     if run.eval_every is not None:
@@ -227,7 +278,7 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
             options[flag if value else f"no-{flag}"] = True
         else:
             options[key.replace("_", "-")] = value
-    if run.strategy in PS_STRATEGIES and len(set(sites)) > 1 and all(sites):
+    if is_ps(run.strategy) and len(set(sites)) > 1 and all(sites):
         # The server's update then crosses to each remote site once (trainer/relay.py).
         options["sites"] = ",".join(sites)
     return options
@@ -239,6 +290,11 @@ def launch_orders(
     """One launch order per rank, carrying everything the role's command line needs; `sites`
     (one label per rank, `rank_sites`) lets a PS run relay its update once per remote site."""
     batch_sizes = [w.batch_size for w in run.workers if w.role == "worker" and w.batch_size]
+    # The agent fetches the code with the run's own token, from its own server URL.
+    bundle = (
+        {"sha256": run.bundle_sha256, "path": f"/api/v1/runs/{run.id}/bundle"}
+        if run.bundle_sha256 else None
+    )
     orders = []
     for worker in run.workers:
         assert worker.node_id is not None
@@ -257,6 +313,8 @@ def launch_orders(
             "report_token": metrics_token,
             "options": _trainer_options(run, sites),
             "env": env,
+            "bundle": bundle,
+            "script_args": list(run.script_args or []),
         }
         orders.append(LaunchOrder(node_id=worker.node_id, run_id=run.id, rank=worker.rank, spec=spec))
     return orders

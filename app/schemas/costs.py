@@ -9,6 +9,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
+from pydantic import Field
+
 from app.schemas.common import PublicSchema
 
 
@@ -60,7 +62,12 @@ class RunCost(PublicSchema):
     samples: int
     usd_per_million_samples: float | None
     samples_per_s: float | None
-    time_to_accuracy_s: float | None
+    time_to_target_s: float | None = Field(
+        description="training time until the run's target was first met (null: not met)"
+    )
+    time_to_accuracy_s: float | None = Field(
+        description="deprecated: the same value as time_to_target_s", json_schema_extra={"deprecated": True}
+    )
     granularity: GranularityPublic
     granularity_by_worker: dict[str, GranularityPublic]
     unpriced: list[str]

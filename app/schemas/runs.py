@@ -2,40 +2,39 @@
 
 from __future__ import annotations
 
+import json
 import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from app.models.runs import RunStatus, WorkerStatus
-from app.planner import PS_STRATEGIES
 from app.schemas.common import Flag, Id, Name, PublicSchema, Schema
+from hybridtrain import contract
 
-# The trainer's choices (trainer/cli.py), repeated here so the control plane, which does not
-# install torch, refuses an impossible run with a 422 instead of a failed launch;
-# tests/app/test_runs_trainer_contract.py keeps both lists equal.
-STRATEGIES = ("allreduce", "allreduce-powersgd", "ps", "ps-gc", "ps-bz-gc")
-MODELS = ("smallcnn", "widecnn", "widemlp", "resnet18", "resnet50", "resnet152")
-# Training samples per data set, to turn `epochs` into steps (the trainer counts
-# floor(n_train / B) steps per epoch).
-DATASET_TRAIN_SIZES = {"digits": 1438, "shapes": 8000, "synthetic": 4096}
+# A run given neither max_steps nor epochs trains this many steps.
 DEFAULT_MAX_STEPS = 300
+# Task arguments travel on every launch order and into every trainer's argv.
+MAX_TASK_ARGS_BYTES = 64 * 1024
+MAX_SCRIPT_ARGS = 64
 
-Strategy = Literal["allreduce", "allreduce-powersgd", "ps", "ps-gc", "ps-bz-gc"]
-ModelName = Literal["smallcnn", "widecnn", "widemlp", "resnet18", "resnet50", "resnet152"]
-DatasetName = Literal["digits", "shapes", "synthetic"]
-Allocation = Literal["equal", "flops", "measured"]
+# Literals for the OpenAPI schema, built from the one list of each in hybridtrain.contract.
+Strategy = Literal[contract.STRATEGIES]  # type: ignore[valid-type]
+Allocation = Literal[contract.ALLOCATIONS]  # type: ignore[valid-type]
+Device = Literal[contract.DEVICES]  # type: ignore[valid-type]
 Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False, strict=True)]
 SmallCount = Annotated[int, Field(ge=0, le=1_000_000, strict=True)]
+Sha256 = Annotated[str, Field(pattern=contract.SHA256.pattern, description="sha256 of a bundle, 64 lower-case hex")]
+ScriptArg = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
 
 
 class CompressionOptions(Schema):
     """Gradient compression of the ps-gc / ps-bz-gc strategies (trainer defaults if unset)."""
 
-    compressor: Literal["none", "topk", "randomk"] | None = None
-    value_dtype: Literal["fp32", "fp16"] | None = None
-    select: Literal["estimate", "threshold", "topk", "sort"] | None = None
+    compressor: Literal[contract.COMPRESSORS] | None = None  # type: ignore[valid-type]
+    value_dtype: Literal[contract.VALUE_DTYPES] | None = None  # type: ignore[valid-type]
+    select: Literal[contract.SELECT_METHODS] | None = None  # type: ignore[valid-type]
     density: Fraction | None = None
     density_min: Fraction | None = None
     density_max: Fraction | None = None
@@ -64,29 +63,42 @@ class CompressionOptions(Schema):
 
 
 class RunCreate(Schema):
-    """A run to plan and launch: nodes (or a cluster), strategy and hyperparameters."""
+    """A run to plan and launch: nodes (or a cluster), what to train, strategy and knobs."""
 
     name: Name
     node_ids: Annotated[list[Id], Field(min_length=1, max_length=256)] | None = None
     cluster_id: Id | None = None
-    strategy: Strategy = "ps-bz-gc"
-    model: ModelName = "smallcnn"
-    dataset: DatasetName = "digits"
+    strategy: Strategy = contract.DEFAULT_STRATEGY
+    task: Annotated[str, Field(max_length=255)] = Field(
+        default=contract.DEFAULT_TASK,
+        description="module:function returning a hybridtrain.Task (in the bundle or installed)",
+    )
+    task_args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the task function (a JSON object)"
+    )
+    bundle_sha256: Sha256 | None = Field(default=None, description="the code bundle the run imports from")
+    script: Annotated[str, Field(max_length=255)] | None = Field(
+        default=None, description="a training script inside the bundle, run instead of a task"
+    )
+    script_args: Annotated[list[ScriptArg], Field(max_length=MAX_SCRIPT_ARGS)] | None = Field(
+        default=None, description="arguments after `--` on the trainer's command line"
+    )
     global_batch_size: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = 64
-    lr: Annotated[float, Field(gt=0, le=100, allow_inf_nan=False, strict=True)] = 0.1
     max_steps: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
     epochs: Annotated[int, Field(ge=1, le=100_000, strict=True)] | None = None
-    target_accuracy: Fraction | None = None
+    target: Annotated[str, Field(max_length=64)] | None = Field(
+        default=None, description="METRIC>=VALUE or METRIC<=VALUE over an evaluation metric, e.g. accuracy>=0.9"
+    )
     stop_at_target: Flag = Field(
         default=True,
-        description="stop once target_accuracy is reached; false records the time to accuracy and "
-        "trains on to max_steps, so that runs compare final accuracy at the same step budget",
+        description="stop once the target is reached; false records the time to target and "
+        "trains on to max_steps, so that runs compare final metrics at the same step budget",
     )
     seed: Annotated[int, Field(ge=0, le=2**31 - 1, strict=True)] = 0
     allocation: Allocation | None = Field(
         default=None, description="batch split: default flops for ps-bz-gc, equal otherwise"
     )
-    device: Literal["cpu", "cuda", "auto"] = "auto"
+    device: Device = "auto"
     compression: CompressionOptions | None = None
     rebalance_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
         default=None,
@@ -95,9 +107,47 @@ class RunCreate(Schema):
         "off by default",
     )
     eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = Field(
-        default=None, description="evaluate held-out accuracy every N steps (trainer default 50)"
+        default=None, description="evaluate the task's metrics every N steps (trainer default 50)"
     )
     ps_node_id: Id | None = Field(default=None, description="where the server goes (PS strategies)")
+
+    @field_validator("task")
+    @classmethod
+    def _task_ref(cls, value: str) -> str:
+        return contract.check_task_ref(value)
+
+    @field_validator("task_args")
+    @classmethod
+    def _small_json_object(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+        except ValueError as exc:
+            raise ValueError(f"task_args must be plain JSON: {exc}") from None
+        if len(text.encode()) > MAX_TASK_ARGS_BYTES:
+            raise ValueError(f"task_args is {len(text.encode())} bytes of JSON; at most {MAX_TASK_ARGS_BYTES}")
+        return value
+
+    @field_validator("script")
+    @classmethod
+    def _script_in_bundle(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # A field validator (not the model's) so that the 422 names "script".
+        if value is None:
+            return None
+        parts = value.split("/")
+        if not value or value.startswith("/") or "\\" in value or "\x00" in value or ".." in parts:
+            raise ValueError(f"script {value!r}: a relative path inside the bundle, without '..'")
+        if info.data.get("bundle_sha256") is None:
+            raise ValueError("script needs bundle_sha256: the bundle the script is in")
+        if info.data.get("task", contract.DEFAULT_TASK) != contract.DEFAULT_TASK:
+            raise ValueError("give a task or a script, not both")
+        return value
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return str(contract.parse_target(value))
 
     @model_validator(mode="after")
     def _one_way_each(self) -> RunCreate:
@@ -107,20 +157,29 @@ class RunCreate(Schema):
             raise ValueError("give max_steps or epochs, not both")
         if self.node_ids is not None and len(set(self.node_ids)) != len(self.node_ids):
             raise ValueError("node_ids: each node may appear once")
-        if self.rebalance_every is not None and self.strategy not in PS_STRATEGIES:
+        if self.rebalance_every is not None and not contract.is_ps(self.strategy):
             raise ValueError(f"rebalance_every: only PS strategies re-balance, not {self.strategy}")
         chunks = self.compression.pipeline_chunks if self.compression else None
-        if chunks not in (None, 1) and self.strategy not in PS_STRATEGIES:
+        if chunks not in (None, 1) and not contract.is_ps(self.strategy):
             raise ValueError(f"compression.pipeline_chunks: only PS strategies pipeline, not {self.strategy}")
         return self
 
-    def steps(self) -> int:
-        """max_steps, or the steps `epochs` passes over the data take, or the default."""
+    @property
+    def task_key(self) -> str:
+        """What task profiles of this run's code, task and arguments are filed under."""
+        from app.queries.profiles import task_key
+
+        return task_key(self.task, self.task_args, self.bundle_sha256)
+
+    def steps(self, train_samples: int | None = None) -> int | None:
+        """max_steps; or the steps `epochs` take over `train_samples` (None when the number of
+        samples is unknown: the trainer then counts them); or the default."""
         if self.max_steps is not None:
             return self.max_steps
         if self.epochs is not None:
-            per_epoch = max(1, DATASET_TRAIN_SIZES[self.dataset] // self.global_batch_size)
-            return self.epochs * per_epoch
+            if not train_samples:
+                return None
+            return contract.steps_for_epochs(self.epochs, train_samples, self.global_batch_size)
         return DEFAULT_MAX_STEPS
 
 
@@ -136,17 +195,27 @@ class PlannedWorkerPublic(PublicSchema):
     speed_unit: str | None
 
 
+class PlanTaskPublic(PublicSchema):
+    """What the nodes' task profiles say of the run's task."""
+
+    ref: str
+    params: int | None
+    train_samples: int | None
+    profiled_nodes: list[int] = Field(description="nodes with a finished profile of this task")
+
+
 class PlanPublic(PublicSchema):
     """The plan of a run: ranks, server placement and batch sizes."""
 
     strategy: str
     allocation: str
     global_batch_size: int
-    max_steps: int
+    max_steps: int | None = Field(description="null when epochs are given and no profile knows the data's size")
     world_size: int
     ps_node_id: int | None
     master_addr: str
     workers: list[PlannedWorkerPublic]
+    task: PlanTaskPublic | None = Field(default=None, description="present when the task was profiled")
 
 
 class RunWorkerPublic(PlannedWorkerPublic):
@@ -165,13 +234,15 @@ class RunPublic(PublicSchema):
     status: RunStatus
     reason: str | None
     strategy: str
-    model: str
-    dataset: str
+    task: str
+    task_args: dict[str, Any]
+    bundle_sha256: str | None
+    script: str | None
+    script_args: list[str] | None
     global_batch_size: int
-    lr: float
-    max_steps: int
+    max_steps: int | None = Field(description="null until a run given in epochs learns its steps from the trainer")
     epochs: int | None
-    target_accuracy: float | None
+    target: str | None
     stop_at_target: bool
     seed: int
     allocation: str

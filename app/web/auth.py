@@ -127,9 +127,8 @@ CiViewerDep = Annotated[Viewer, Depends(require_page_scope(TokenScope.ci))]
 AdminViewerDep = Annotated[Viewer, Depends(require_page_scope(TokenScope.admin))]
 
 
-async def checked_form(request: Request, settings: SettingsDep) -> FormData:
-    """The posted form, once its `csrf_token` field is shown to be this session's."""
-    form = await request.form(max_files=0, max_fields=200)
+async def _checked(request: Request, settings: Settings, max_files: int) -> FormData:
+    form = await request.form(max_files=max_files, max_fields=200)
     submitted = form.get("csrf_token")
     cookie = current_session(request, settings)
     if not isinstance(submitted, str) or not web_session.csrf_matches(cookie, submitted):
@@ -137,7 +136,18 @@ async def checked_form(request: Request, settings: SettingsDep) -> FormData:
     return form
 
 
+async def checked_form(request: Request, settings: SettingsDep) -> FormData:
+    """The posted form, once its `csrf_token` field is shown to be this session's."""
+    return await _checked(request, settings, max_files=0)
+
+
+async def checked_upload_form(request: Request, settings: SettingsDep) -> FormData:
+    """`checked_form` for a multipart form that may carry one file (the launch form's bundle)."""
+    return await _checked(request, settings, max_files=1)
+
+
 FormDep = Annotated[FormData, Depends(checked_form)]
+UploadFormDep = Annotated[FormData, Depends(checked_upload_form)]
 
 
 def get_stream_viewer(request: Request, settings: SettingsDep) -> Viewer:

@@ -143,26 +143,38 @@ def throughput_figure(series: Sequence[SeriesLike], t0: float, *, servers: Colle
 
 
 def loss_figure(series: Sequence[SeriesLike], t0: float, *, servers: Collection[int] = ()) -> Figure:
-    """Loss of every worker (and the server's, if it reports one), and accuracy per evaluation
-    on a second axis."""
+    """Training loss of every worker (and the server's, if it reports one)."""
     traces = [
         line(f"loss:{s.rank}", loss_label(s.rank, servers), s.points, t0, color(i))
         for i, s in enumerate(by_name(series, "loss"))
     ]
-    for s in by_name(series, "accuracy"):
-        traces.append(
-            line(f"acc:{s.rank}", "accuracy", s.points, t0, "#17a398",
-                 mode="lines+markers", yaxis="y2", marker={"size": 5},
-                 line={"color": "#17a398", "width": 2, "dash": "dot"},
-                 hovertemplate="%{y:.2%} (step %{customdata})")
-        )
-    layout = base_layout(
-        "Loss and accuracy", " s", "loss",
-        yaxis2={"title": {"text": "accuracy"}, "overlaying": "y", "side": "right", "range": [0, 1],
-                "tickformat": ".0%", "showgrid": False},
-    )
-    layout["margin"]["r"] = 56
+    layout = base_layout("Loss (training)", " s", "loss")
     layout["yaxis"]["type"] = "log" if _spans_decades(traces) else "linear"
+    return {"data": traces, "layout": layout}
+
+
+def eval_uid(name: str, rank: int) -> str:
+    """The trace of one evaluation metric as one rank reports it."""
+    return f"eval:{name}:{rank}"
+
+
+def eval_color(name: str, names: Sequence[str]) -> str:
+    """A metric's colour: its place among the run's evaluation metrics (stable per page)."""
+    return color(list(names).index(name) if name in names else len(names))
+
+
+def evaluation_figure(series: Sequence[SeriesLike], t0: float, names: Sequence[str]) -> Figure:
+    """Every evaluation metric the task reported (accuracy, val_loss, r2, ...), one trace per
+    metric and reporting rank, with markers at each evaluation."""
+    traces = [
+        line(eval_uid(s.name, s.rank), s.name, s.points, t0, eval_color(s.name, names),
+             mode="lines+markers", marker={"size": 5}, hovertemplate="%{y:.4g} (step %{customdata})")
+        for name in names
+        for s in by_name(series, name)
+    ]
+    layout = base_layout("Evaluation", " s", "value")
+    if not traces:
+        layout["annotations"] = [_no_data("no evaluation yet")]
     return {"data": traces, "layout": layout}
 
 
@@ -256,10 +268,10 @@ class RunSummary:
     t0: float
     loss: Sequence[Point]
     throughput: Sequence[Point]
-    time_to_accuracy_s: float | None
+    time_to_target_s: float | None
     egress_usd: float
     compute_usd: float
-    target_accuracy: float | None = None
+    target: str | None = None
     samples_per_s: float | None = None
     usd_per_million_samples: float | None = None
     granularity: float | None = None
@@ -279,15 +291,15 @@ def compare_throughput_figure(runs: Sequence[RunSummary]) -> Figure:
     return {"data": traces, "layout": base_layout("Throughput (samples/s, all workers)", " s", "samples/s")}
 
 
-def time_to_accuracy_figure(runs: Sequence[RunSummary]) -> Figure:
-    """Time to the target accuracy, one bar per run (runs that never reached it are marked)."""
+def time_to_target_figure(runs: Sequence[RunSummary]) -> Figure:
+    """Time to each run's target, one bar per run (runs that never reached it are marked)."""
     labels = [r.label for r in runs]
-    values = [r.time_to_accuracy_s for r in runs]
+    values = [r.time_to_target_s for r in runs]
     text = ["not reached" if v is None else f"{v:.0f} s" for v in values]
     trace = {"type": "bar", "uid": "tta", "x": labels, "y": [v or 0 for v in values], "text": text,
              "textposition": "outside", "marker": {"color": [color(i) for i in range(len(runs))]},
              "hovertemplate": "%{x}: %{text}<extra></extra>"}
-    layout = base_layout("Time to accuracy", "", "seconds", hovermode="closest", showlegend=False)
+    layout = base_layout("Time to target", "", "seconds", hovermode="closest", showlegend=False)
     return {"data": [trace], "layout": layout}
 
 

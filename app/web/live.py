@@ -13,7 +13,8 @@ from decimal import Decimal
 from typing import Any
 
 from app.billing import egress_usd, round_usd
-from app.web.figures import CLASS_COLORS, TOTAL_COLOR, color, loss_label, worker_label
+from app.web.figures import CLASS_COLORS, TOTAL_COLOR, color, eval_color, eval_uid, loss_label, worker_label
+from hybridtrain.contract import LEGACY_TIME_TO_TARGET, SYSTEM_METRICS
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,14 @@ class LinkRate:
 _CHART_OF = {
     "samples_per_s": ("throughput", "sps"),
     "loss": ("loss", "loss"),
-    "accuracy": ("loss", "acc"),
     "density": ("compression", "density"),
     "batch_size": ("batch", "batch"),
 }
+
+
+def is_evaluation_metric(name: str) -> bool:
+    """Whether `name` is one of a task's evaluation metrics rather than a system metric."""
+    return name not in SYSTEM_METRICS and name != LEGACY_TIME_TO_TARGET
 
 
 @dataclass
@@ -90,6 +95,8 @@ class LiveState:
     egress_usd_by_class: dict[str, Decimal] = field(default_factory=dict)
     latest_sps: dict[int, float] = field(default_factory=dict)
     last_total_step: int = -1
+    # The task's evaluation metrics in chart order; a name first seen live is appended.
+    eval_names: list[str] = field(default_factory=list)
 
     def apply(self, rows: Iterable[MetricRow]) -> list[dict[str, Any]]:
         """Appends for the charts: `{chart, uid, name, color, x, y, customdata}` per trace."""
@@ -103,19 +110,21 @@ class LiveState:
 
         for row in sorted(rows, key=lambda r: (r.step, r.t, r.id)):
             if row.name in _CHART_OF:
-                if row.rank in self.server_ranks and row.name not in ("loss", "accuracy"):
+                if row.rank in self.server_ranks and row.name != "loss":
                     continue  # the server's own rates would count its workers twice
                 chart, prefix = _CHART_OF[row.name]
                 index = self._index(row.rank)
                 label = loss_label(row.rank, self.server_ranks) if row.name == "loss" else worker_label(row.rank)
-                if row.name == "accuracy":
-                    add(chart, f"acc:{row.rank}", "accuracy", "#17a398", row.step, row.t, row.value, yaxis="y2")
-                else:
-                    add(chart, f"{prefix}:{row.rank}", label, color(index), row.step, row.t, row.value)
+                add(chart, f"{prefix}:{row.rank}", label, color(index), row.step, row.t, row.value)
                 if row.name == "samples_per_s" and row.value is not None:
                     self._total(row, add)
             elif row.name == "bytes_sent" and row.peer >= 0 and row.value is not None:
                 self._egress(row, add)
+            elif is_evaluation_metric(row.name):
+                if row.name not in self.eval_names:
+                    self.eval_names.append(row.name)
+                add("evaluation", eval_uid(row.name, row.rank), row.name, eval_color(row.name, self.eval_names),
+                    row.step, row.t, row.value, mode="lines+markers")
         return list(appends.values())
 
     def _index(self, rank: int) -> int:

@@ -13,13 +13,14 @@ from sqlalchemy.orm import Session
 from app.models import Run, RunMetric, RunStatus
 from app.models.base import utcnow
 from app.queries import costs, dashboard
+from app.queries.metrics import metric_names
 from app.web import figures
 from app.web.egress import LinkBucket, cumulative_by_class, link_rates
-from app.web.live import LiveState
+from app.web.live import LiveState, is_evaluation_metric
 
 # A chart of more points than a screen is wide shows nothing more and costs the browser time.
 MAX_POINTS = 600
-SERIES_NAMES = ("samples_per_s", "loss", "accuracy", "density", "batch_size")
+SERIES_NAMES = ("samples_per_s", "loss", "density", "batch_size")
 # Byte counts are summed, not averaged, and feed the egress chart and the bill.
 SUMMED_NAMES = ("bytes_sent",)
 ACTIVE = (RunStatus.queued, RunStatus.launching, RunStatus.running)
@@ -33,23 +34,31 @@ class RunRow:
     name: str
     status: str
     strategy: str
-    model: str
-    dataset: str
+    task: str
+    script: str | None
     workers: int
     step: int | None
-    max_steps: int
+    max_steps: int | None
     created_at: Any
     duration_s: float | None
     spend_usd: Decimal
     unpriced: bool
 
     @property
+    def what(self) -> str:
+        """What the run trains: its script, else its task."""
+        return self.script or self.task
+
+    @property
     def progress(self) -> float | None:
-        return None if self.step is None else min(1.0, (self.step + 1) / max(1, self.max_steps))
+        if self.step is None or self.max_steps is None:
+            return None
+        return min(1.0, (self.step + 1) / max(1, self.max_steps))
 
     @property
     def progress_label(self) -> str:
-        return f"step {0 if self.step is None else self.step + 1} of {self.max_steps}"
+        of = "?" if self.max_steps is None else self.max_steps
+        return f"step {0 if self.step is None else self.step + 1} of {of}"
 
 
 @dataclass
@@ -71,8 +80,8 @@ def run_rows(session: Session, runs: list[Run]) -> list[RunRow]:
         bill = costs.run_bill(session, run=run, now=now)
         start = run.started_at or run.launched_at
         rows.append(RunRow(
-            id=run.id, name=run.name, status=str(run.status), strategy=run.strategy, model=run.model,
-            dataset=run.dataset, workers=sum(1 for w in run.workers if w.role == "worker"),
+            id=run.id, name=run.name, status=str(run.status), strategy=run.strategy, task=run.task,
+            script=run.script, workers=sum(1 for w in run.workers if w.role == "worker"),
             step=steps.get(run.id), max_steps=run.max_steps, created_at=run.created_at,
             duration_s=None if start is None else ((run.finished_at or now) - start).total_seconds(),
             spend_usd=bill.total_usd, unpriced=bool(bill.unpriced),
@@ -124,9 +133,14 @@ class RunSeries:
     samples: int
 
 
+def evaluation_names(session: Session, run: Run) -> list[str]:
+    """The task's evaluation metrics the run reported (accuracy, val_loss, r2, ...), sorted."""
+    return [n for n in metric_names(session, run_id=run.id) if is_evaluation_metric(n)]
+
+
 def run_series(session: Session, run: Run, *, names: tuple[str, ...] = SERIES_NAMES, max_points: int = MAX_POINTS) -> RunSeries:
     """Every series of the run on one grid of at most `max_points` step buckets."""
-    width = dashboard.bucket_width(run.max_steps, max_points)
+    width = dashboard.bucket_width(run.max_steps or 0, max_points)
     rows = dashboard.run_series(session, run_id=run.id, names=(*names, *SUMMED_NAMES, "batch_size"), width=width)
     points: dict[tuple[str, int], list[figures.Point]] = {}
     buckets: list[LinkBucket] = []
@@ -150,7 +164,7 @@ def run_series(session: Session, run: Run, *, names: tuple[str, ...] = SERIES_NA
 
 @dataclass
 class RunCharts:
-    """A run's five charts, its bill so far, and what the live stream continues from."""
+    """A run's six charts, its bill so far, and what the live stream continues from."""
 
     figures: dict[str, figures.Figure]
     t0: float
@@ -167,7 +181,8 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     metrics_after = dashboard.max_metric_id(session, run_id=run.id) if active else 0
     logs_after = dashboard.max_log_id(session, run_id=run.id) if active else 0
     t0 = run_t0(session, run)
-    data = run_series(session, run)
+    eval_names = evaluation_names(session, run)
+    data = run_series(session, run, names=(*SERIES_NAMES, *eval_names))
     rates, unpriced = link_rates(
         costs.run_sites_by_rank(session, run=run), costs.DbPriceLookup(session), costs.run_priced_at(run)
     )
@@ -177,6 +192,7 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     charts = {
         "throughput": figures.throughput_figure(data.series, t0, servers=servers),
         "loss": figures.loss_figure(data.series, t0, servers=servers),
+        "evaluation": figures.evaluation_figure(data.series, t0, eval_names),
         "compression": figures.compression_figure(data.series, t0, servers=servers),
         "egress": figures.egress_figure(egress_series, t0, unpriced=unpriced),
         "batch": figures.batch_figure(data.series, t0, planned, servers=servers),
@@ -197,5 +213,5 @@ def live_state(session: Session, run: Run, *, t0: float, metrics_after: int) -> 
     _, totals = cumulative_by_class(buckets, rates)
     return LiveState(
         t0=t0, worker_ranks=worker_ranks(run), server_ranks=server_ranks(run), link_rates=rates,
-        egress_usd_by_class=totals,
+        egress_usd_by_class=totals, eval_names=evaluation_names(session, run),
     )

@@ -1,25 +1,28 @@
 """The launch form: from the posted fields to a `RunCreate`, and errors back to their fields.
 
-Which of node_ids / cluster_id and of max_steps / epochs is sent follows the form's radio
-buttons, so the schema's "give exactly one" rules surface as a message beside the field the
-user left empty rather than above the form.
+Which of node_ids / cluster_id, of max_steps / epochs and of task / script is sent follows the
+form's radio buttons, so the schema's "give exactly one" rules surface as a message beside the
+field the user left empty rather than above the form.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 from typing import Any
 
 from starlette.datastructures import FormData
 
 from app.errors import ConflictError, HybridtrainError
-from app.planner import PS_STRATEGIES
 from app.schemas.runs import RunCreate
 from app.web import forms
+from hybridtrain.contract import DEFAULT_TASK, is_ps
 
 TEXT_FIELDS = (
-    "name", "target", "cluster_id", "strategy", "model", "dataset", "global_batch_size", "lr",
-    "length", "max_steps", "epochs", "target_accuracy", "at_target", "eval_every", "rebalance_every",
+    "name", "place", "cluster_id", "strategy", "kind", "task", "task_args", "bundle_sha256", "script",
+    "script_args", "global_batch_size",
+    "length", "max_steps", "epochs", "target", "at_target", "eval_every", "rebalance_every",
     "allocation", "ps_node_id", "device", "seed",
     "compression_compressor", "compression_value_dtype", "compression_select", "compression_density",
     "compression_density_min", "compression_density_max", "compression_server_k_fraction",
@@ -30,8 +33,8 @@ TEXT_FIELDS = (
 COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank")
 COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction")
 DEFAULTS = {
-    "target": "nodes", "strategy": "ps-bz-gc", "model": "smallcnn", "dataset": "digits",
-    "global_batch_size": "64", "lr": "0.1", "length": "steps", "max_steps": "300", "device": "auto",
+    "place": "nodes", "strategy": "ps-bz-gc", "kind": "task", "task": DEFAULT_TASK, "task_args": "",
+    "global_batch_size": "64", "length": "steps", "max_steps": "300", "device": "auto",
     "seed": "0", "allocation": "", "compression_error_feedback": "",
     "compression_momentum_correction": "", "at_target": "stop",
 }
@@ -41,6 +44,10 @@ def field_name(loc: str) -> str:
     """The form field of a schema location: 'compression.density' -> 'compression_density'."""
     if loc.startswith("node_ids"):
         return "node_ids"
+    if loc.startswith("script_args"):
+        return "script_args"
+    if loc == "file":  # an uploaded archive's errors go beside the file input
+        return "bundle_file"
     return loc.replace(".", "_") if loc.startswith("compression") else loc
 
 
@@ -51,28 +58,42 @@ def echoed(form: FormData) -> dict[str, Any]:
     return values
 
 
-def run_create(values: dict[str, Any]) -> tuple[RunCreate | None, dict[str, str]]:
-    """The launch request the form describes, or the errors by field."""
+def run_create(values: dict[str, Any], *, bundle_sha256: str | None = None) -> tuple[RunCreate | None, dict[str, str]]:
+    """The launch request the form describes, or the errors by field; `bundle_sha256` is that of
+    an archive uploaded with the form (it wins over the one chosen from the list)."""
     data, errors = forms.typed(
         {k: v for k, v in values.items() if isinstance(v, str)},
         ints=("cluster_id", "global_batch_size", "max_steps", "epochs", "ps_node_id", "seed",
               "eval_every", "rebalance_every"),
-        floats=("lr", "target_accuracy"),
     )
     body: dict[str, Any] = {
-        k: data[k] for k in ("name", "strategy", "model", "dataset", "global_batch_size", "lr",
-                             "target_accuracy", "eval_every", "rebalance_every", "allocation",
-                             "ps_node_id", "device", "seed")
+        k: data[k] for k in ("name", "strategy", "global_batch_size", "target", "eval_every",
+                             "rebalance_every", "allocation", "ps_node_id", "device", "seed")
     }
+    body["bundle_sha256"] = bundle_sha256 or data.get("bundle_sha256", "")
+    if values.get("kind") == "script":
+        body["script"] = data.get("script", "")
+        if body["script"] == "":
+            errors["script"] = "enter the script's path inside the bundle"
+        try:
+            body["script_args"] = shlex.split(data.get("script_args", ""))
+        except ValueError as exc:
+            errors["script_args"] = f"cannot split the arguments: {exc}"
+    else:
+        body["task"] = data.get("task", "")
+        task_args, problem = _json_object(data.get("task_args", ""))
+        if problem:
+            errors["task_args"] = problem
+        body["task_args"] = task_args
     at_target = values.get("at_target") or "stop"
     if at_target in ("stop", "continue"):
         body["stop_at_target"] = at_target == "stop"
     else:
         errors["at_target"] = "choose stop or continue"
-    if data["rebalance_every"] != "" and values.get("strategy") not in PS_STRATEGIES:
+    if data["rebalance_every"] != "" and not is_ps(str(values.get("strategy"))):
         # The schema refuses this too, but only above the form; the user should see it here.
         errors["rebalance_every"] = "only parameter-server strategies re-balance; leave it blank"
-    if values.get("target") == "cluster":
+    if values.get("place") == "cluster":
         body["cluster_id"] = data["cluster_id"]
         if data["cluster_id"] == "":
             errors.setdefault("cluster_id", "choose a cluster")
@@ -105,6 +126,18 @@ def run_create(values: dict[str, Any]) -> tuple[RunCreate | None, dict[str, str]
         schema_errors.pop(forms.FORM_ERROR, None)
         return None, {**schema_errors, **errors}
     return model, schema_errors
+
+
+def _json_object(text: str) -> tuple[dict[str, Any], str | None]:
+    if text == "":
+        return {}, None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return {}, f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+    if not isinstance(value, dict):
+        return {}, 'must be a JSON object, e.g. {"lr": 0.05}'
+    return value, None
 
 
 def _compression(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:

@@ -43,7 +43,7 @@
           var trace = { type: "scatter", mode: "lines", uid: a.uid, name: a.name, x: [], y: [], customdata: [],
             line: { color: a.color, width: a.uid === "sps:total" ? 2.6 : 1.8 },
             hovertemplate: "%{y:.4g} (step %{customdata})" };
-          if (a.yaxis) { trace.yaxis = a.yaxis; trace.mode = "lines+markers"; trace.line.dash = "dot"; }
+          if (a.mode) { trace.mode = a.mode; trace.marker = { size: 5 }; }
           if (key === "egress" || key === "batch") trace.line.shape = "hv";
           Plotly.addTraces(div, trace);
           index = div.data.length - 1;

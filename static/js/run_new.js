@@ -11,8 +11,10 @@
   var sequence = 0;
 
   function syncSections() {
-    var target = form.querySelector("input[name=target]:checked").value;
-    form.querySelectorAll("[data-target]").forEach(function (el) { el.hidden = el.getAttribute("data-target") !== target; });
+    ["place", "kind"].forEach(function (name) {
+      var chosen = form.querySelector("input[name=" + name + "]:checked").value;
+      form.querySelectorAll("[data-" + name + "]").forEach(function (el) { el.hidden = el.getAttribute("data-" + name) !== chosen; });
+    });
     var length = form.querySelector("input[name=length]:checked").value;
     form.querySelectorAll("[data-length]").forEach(function (el) { el.hidden = el.getAttribute("data-length") !== length; });
   }
@@ -42,7 +44,10 @@
     var summary = el("p", { "class": "small" });
     summary.textContent = workers.length + " worker" + (workers.length === 1 ? "" : "s") +
       ", global batch " + plan.global_batch_size + " split " + plan.allocation +
-      ", " + plan.max_steps + " steps. " +
+      ", " + (plan.max_steps === null ? "steps counted by the trainer from the epochs" : plan.max_steps + " steps") + ". " +
+      (plan.task ? "Task profiled on " + plan.task.profiled_nodes.length + " node(s)" +
+        (plan.task.params ? ", " + plan.task.params.toLocaleString() + " parameters" : "") +
+        (plan.task.train_samples ? ", " + plan.task.train_samples.toLocaleString() + " training samples" : "") + ". " : "") +
       (server ? "Parameter server on " + server.node_name + "." : "All-reduce between the workers (no server).");
     body.appendChild(summary);
     var bar = el("div", { "class": "split-bar", "id": "plan-split" });
@@ -76,7 +81,10 @@
   function preview() {
     var mine = ++sequence;
     state.textContent = "planning…";
-    var data = new URLSearchParams(new FormData(form));
+    // The preview plans from the text fields; an archive is uploaded only on launch.
+    var fields = new FormData(form);
+    fields.delete("bundle_file");
+    var data = new URLSearchParams(fields);
     fetch("/runs/plan", {
       method: "POST", body: data, credentials: "same-origin",
       headers: { "Accept": "application/json", "Content-Type": "application/x-www-form-urlencoded" }

@@ -3,8 +3,11 @@ and checks that processes are really gone."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import io
 import json
+import tarfile
 import os
 import signal
 import subprocess
@@ -80,6 +83,11 @@ class FakeControlPlane:
         self.events: list[tuple[int, dict[str, Any]]] = []
         self.logs: list[tuple[int, dict[str, Any]]] = []
         self.stop_orders: list[dict[str, Any]] = []
+        self.profiles: list[tuple[int, dict[str, Any]]] = []
+        # GET path -> (the token it wants, None for the agent's, the bytes); GETs are recorded.
+        self.files: dict[str, tuple[str | None, bytes]] = {}
+        self.downloads: list[str] = []
+        self.download_delay_s = 0.0
         self.lock = threading.Lock()
         plane = self
 
@@ -94,6 +102,14 @@ class FakeControlPlane:
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                status, data = plane.serve(self.path, self.headers.get("Authorization"))
+                self.send_response(status)
+                self.send_header("Content-Type", "application/gzip" if status == 200 else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -126,11 +142,37 @@ class FakeControlPlane:
                 stop, self.stop_orders = self.stop_orders, []
                 return 200, {"node_id": self.node_id, "status": "online", "stop": stop}
             parts = path.strip("/").split("/")
+            if len(parts) == 5 and parts[3] == "profiles":
+                if body.get("status") == "done" and "samples_per_s" not in (body.get("result") or {}):
+                    return 422, {"detail": [{"loc": ["body", "result", "samples_per_s"], "msg": "Field required"}]}
+                self.profiles.append((int(parts[4]), body))
+                return 200, {"id": int(parts[4]), "status": body.get("status")}
             if len(parts) == 6 and parts[3] == "runs" and parts[5] in ("events", "logs"):
                 run_id = int(parts[4])
                 (self.events if parts[5] == "events" else self.logs).append((run_id, body))
                 return 200, {"run_status": "running"}
             return 404, {"detail": "not found"}
+
+    def serve(self, path: str, auth: str | None) -> tuple[int, bytes]:
+        """Answer a GET of a file registered in `files`, as the bundle endpoints do."""
+        with self.lock:
+            self.downloads.append(path)
+            entry = self.files.get(path)
+            delay = self.download_delay_s
+        if delay:
+            time.sleep(delay)
+        if entry is None:
+            return 404, json.dumps({"detail": "Bundle not found"}).encode()
+        token, data = entry
+        # A file registered without a token is the agent's to fetch (profile bundles).
+        allowed = self._authorized(auth) if token is None else auth == f"Bearer {token}"
+        if not allowed:
+            return 401, json.dumps({"detail": "bad token"}).encode()
+        return 200, data
+
+    def downloads_of(self, path: str) -> int:
+        with self.lock:
+            return self.downloads.count(path)
 
     def events_of(self, run_id: int, event: str | None = None) -> list[dict[str, Any]]:
         with self.lock:
@@ -200,3 +242,21 @@ def private_redis(redis_url: str, db: int) -> str:
     url = redis_url.rsplit("/", 1)[0] + f"/{db}"
     redis.Redis.from_url(url).flushdb()
     return url
+
+
+def make_bundle(files: dict[str, str | bytes], *, extra: list[tarfile.TarInfo] | None = None) -> bytes:
+    """A gzipped tar of `files` (relative path -> content), plus raw `extra` members."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name, content in files.items():
+            data = content.encode() if isinstance(content, str) else content
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+        for info in extra or []:
+            tar.addfile(info, io.BytesIO(b"x" * info.size) if info.isreg() else None)
+    return gzip.compress(raw.getvalue())
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

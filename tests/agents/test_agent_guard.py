@@ -32,6 +32,19 @@ def test_guard_dies_by_the_signal_that_killed_the_role():
     assert proc.returncode == -signal.SIGSEGV
 
 
+def test_guard_dies_by_sigkill_when_the_role_is_killed_by_sigkill():
+    # Issue 15: the guard crashed with EINVAL installing a handler for SIGKILL.
+    proc = _guard(sys.executable, str(ROLE_STUB), "--sleep", "60")
+    assert proc.stdout is not None
+    pids = {k: int(v) for k, v in (p.split("=") for p in proc.stdout.readline().decode().split()[1:])}
+
+    os.kill(pids["role"], signal.SIGKILL)
+
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == -signal.SIGKILL
+    assert b"Traceback" not in out and b"Errno" not in out
+
+
 def test_guard_reports_a_command_that_cannot_run():
     proc = _guard("/nonexistent/trainer")
     out, _ = proc.communicate(timeout=20)

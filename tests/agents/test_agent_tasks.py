@@ -14,10 +14,21 @@ from typing import Any
 
 import pytest
 
+from agents.bundles import BundleCache
+from agents.client import ControlPlaneClient
 from agents.errors import ControlPlaneUnavailable, LaunchError
 from agents.supervisor import Supervisor
 from agents.tasks import cancel_run, launch_role
-from agent_testing import STUB_COMMAND, alive, group_members, pids_from_logs, role_spec, wait_until
+from agent_testing import (
+    STUB_COMMAND,
+    alive,
+    group_members,
+    make_bundle,
+    pids_from_logs,
+    role_spec,
+    sha256_of,
+    wait_until,
+)
 
 
 class RecordingReporter:
@@ -222,3 +233,148 @@ def test_reap_stale_kills_what_a_dead_agent_left_behind(tmp_path, reporter):
     assert [s["run_id"] for s in stale] == [21]
     wait_until(lambda: group_members(leftover.pid) == [], 5, "the leftover group to die")
     assert list(records.glob("*.json")) == []
+
+
+def test_role_killed_by_sigkill_is_reported_with_the_oom_hint(supervisor, reporter):
+    launch_role(23, 1, role_spec(23, 1, sleep=60), supervisor=supervisor)
+    pids = wait_until(lambda: pids_from_logs(reporter.lines(23, 1)), 20, "the role's pids")
+
+    # What the kernel's OOM killer does: SIGKILL to the role alone, not to its group.
+    os.kill(pids["role"], signal.SIGKILL)
+
+    exited = wait_until(lambda: reporter.event(23, "exited"), 20, "the exit event")
+    assert exited["signal"] == signal.SIGKILL and exited["exit_code"] is None
+    assert exited["cancelled"] is False
+    assert exited["reason"] == (
+        "rank 1 (worker) was killed by SIGKILL "
+        "(likely the kernel's out-of-memory killer: check `dmesg`)"
+    )
+
+
+def test_role_killed_by_sigsegv_is_reported_without_the_oom_hint(supervisor, reporter):
+    launch_role(24, 1, role_spec(24, 1, sleep=60), supervisor=supervisor)
+    pids = wait_until(lambda: pids_from_logs(reporter.lines(24, 1)), 20, "the role's pids")
+
+    os.kill(pids["role"], signal.SIGSEGV)
+
+    exited = wait_until(lambda: reporter.event(24, "exited"), 20, "the exit event")
+    assert exited["signal"] == signal.SIGSEGV
+    assert exited["reason"] == "rank 1 (worker) was killed by SIGSEGV"
+
+
+# -- roles running the user's code from a bundle ------------------------------------------------
+
+# The role of these tests: it reports where it runs and what it can import, like a user's
+# script would need to.
+PROBE = (
+    "import json, os, sys; import usercode; "
+    "print('PROBE ' + json.dumps({'cwd': os.getcwd(), 'sys_path': sys.path, "
+    "'pythonpath': os.environ.get('PYTHONPATH'), 'user': usercode.VALUE, "
+    "'argv': sys.argv[1:]}), flush=True)"
+)
+
+
+@pytest.fixture
+def bundle_supervisor(tmp_path: Path, reporter: RecordingReporter, control_plane):
+    http = ControlPlaneClient(control_plane.url, timeout_s=5)
+    sup = Supervisor(
+        reporter,
+        state_dir=tmp_path / "state",
+        trainer_command=[sys.executable, "-c", PROBE],
+        kill_grace_s=2.0,
+        log_flush_interval_s=0.1,
+        event_retry_s=0.0,
+        bundles=BundleCache(tmp_path / "state", http, retry_s=0),
+    )
+    yield sup
+    sup.stop_all("test teardown")
+    http.close()
+
+
+def _bundle_order(control_plane, run_id: int, rank: int, files: dict[str, str] | None = None, **extra) -> dict[str, Any]:
+    path = f"/api/v1/runs/{run_id}/bundle"
+    data = make_bundle(files or {"usercode.py": "VALUE = 42\n", "train.py": "pass\n"})
+    control_plane.files[path] = ("run-secret", data)
+    return {**role_spec(run_id, rank), "bundle": {"sha256": sha256_of(data), "path": path}, **extra}
+
+
+def _probe(reporter: RecordingReporter, run_id: int, rank: int) -> dict[str, Any]:
+    line = wait_until(
+        lambda: next((x for x in reporter.lines(run_id, rank) if x.startswith("PROBE ")), None),
+        20, "the probe's report",
+    )
+    return json.loads(line[len("PROBE "):])
+
+
+def test_bundle_role_runs_in_the_unpacked_code_with_it_on_pythonpath(bundle_supervisor, reporter, control_plane):
+    order = _bundle_order(control_plane, 25, 1, script_args=["--epochs", "3"])
+
+    launch_role(25, 1, order, supervisor=bundle_supervisor)
+
+    probe = _probe(reporter, 25, 1)
+    code = bundle_supervisor.state_dir / "runs" / "25" / "code"
+    assert probe["cwd"] == str(code)
+    assert probe["pythonpath"].split(os.pathsep)[0] == str(code)
+    assert str(code) in probe["sys_path"] and probe["user"] == 42
+    assert probe["argv"][-3:] == ["--", "--epochs", "3"]
+    exited = wait_until(lambda: reporter.event(25, "exited"), 20, "the exit event")
+    assert exited["exit_code"] == 0
+
+
+def test_ranks_of_one_run_share_one_download_and_one_unpacked_tree(bundle_supervisor, reporter, control_plane):
+    order1 = _bundle_order(control_plane, 26, 1)
+    order2 = {**order1, "rank": 2}
+
+    launch_role(26, 1, order1, supervisor=bundle_supervisor)
+    launch_role(26, 2, order2, supervisor=bundle_supervisor)
+
+    assert _probe(reporter, 26, 1)["cwd"] == _probe(reporter, 26, 2)["cwd"]
+    assert control_plane.downloads_of("/api/v1/runs/26/bundle") == 1
+
+
+def test_bundle_that_cannot_be_fetched_fails_the_role_with_the_reason(bundle_supervisor, reporter, control_plane):
+    order = _bundle_order(control_plane, 27, 1)
+    order["bundle"] = {"sha256": "3f2a" + "0" * 60, "path": "/api/v1/runs/999/bundle"}
+
+    result = launch_role(27, 1, order, supervisor=bundle_supervisor)
+
+    assert result["pid"] is None
+    exited = wait_until(lambda: reporter.event(27, "exited"), 20, "the exit event")
+    assert reporter.event(27, "started") is None
+    assert exited["exit_code"] == 1 and exited["cancelled"] is False and exited["pid"] is None
+    assert exited["reason"] == (
+        "rank 1 (worker) not started: bundle 3f2a00000000\u2026: HTTP 404 from the control plane"
+    )
+    # The heartbeat carries it too, in case the event is lost.
+    [snap] = [r for r in bundle_supervisor.snapshot() if r["run_id"] == 27]
+    assert snap["state"] == "exited" and snap["reason"] == exited["reason"]
+
+
+def test_bundle_with_a_wrong_digest_fails_the_role_without_running_it(bundle_supervisor, reporter, control_plane):
+    order = _bundle_order(control_plane, 28, 1)
+    order["bundle"] = {**order["bundle"], "sha256": "0" * 64}
+
+    launch_role(28, 1, order, supervisor=bundle_supervisor)
+
+    exited = wait_until(lambda: reporter.event(28, "exited"), 20, "the exit event")
+    assert "sha256 mismatch" in exited["reason"]
+    assert not (bundle_supervisor.state_dir / "runs" / "28" / "code").exists()
+
+
+def test_bundle_with_an_unsafe_member_fails_the_role(bundle_supervisor, reporter, control_plane):
+    order = _bundle_order(control_plane, 29, 1, files={"../escape.py": "x = 1\n"})
+
+    launch_role(29, 1, order, supervisor=bundle_supervisor)
+
+    exited = wait_until(lambda: reporter.event(29, "exited"), 20, "the exit event")
+    assert "'../escape.py' is not a safe relative path" in exited["reason"]
+    assert not (bundle_supervisor.state_dir / "runs" / "escape.py").exists()
+
+
+def test_cancel_of_a_role_that_failed_before_starting_is_a_no_op(bundle_supervisor, reporter, control_plane):
+    order = _bundle_order(control_plane, 30, 1)
+    order["bundle"] = {**order["bundle"], "path": "/api/v1/runs/404/bundle"}
+    launch_role(30, 1, order, supervisor=bundle_supervisor)
+    wait_until(lambda: reporter.event(30, "exited"), 20, "the exit event")
+
+    assert cancel_run(30, "user asked", supervisor=bundle_supervisor)["cancelled_ranks"] == []

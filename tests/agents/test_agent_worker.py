@@ -3,15 +3,28 @@ SQLite broker: launch and cancel through the broker, and no role outliving its a
 
 from __future__ import annotations
 
+import json
 import signal
 import stat
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from agent_testing import AgentProcess, FakeControlPlane, alive, group_members, pids_from_logs, role_spec, wait_until
+from agent_testing import (
+    AgentProcess,
+    FakeControlPlane,
+    alive,
+    group_members,
+    make_bundle,
+    pids_from_logs,
+    role_spec,
+    sha256_of,
+    wait_until,
+)
 
 from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE, make_celery, prepare_embedded_broker
+from hybridtrain.contract import PROFILE_TASK
 
 
 @pytest.fixture
@@ -149,3 +162,45 @@ def test_agent_with_an_unknown_join_token_exits_with_a_clear_error(control_plane
 
     assert agent.proc.wait(timeout=60) == 2
     assert "control plane refused the credentials on /register: unknown join token" in agent.output()
+
+
+def test_agent_runs_a_bundle_role_sent_through_the_broker(sqlite_broker, control_plane, start_agent, tmp_path):
+    data = make_bundle({"train.py": "print('user code')\n"})
+    control_plane.files["/api/v1/runs/71/bundle"] = ("run-secret", data)
+    spec = {**role_spec(71, 1), "bundle": {"sha256": sha256_of(data), "path": "/api/v1/runs/71/bundle"},
+            "script_args": ["--epochs", "2"]}
+    agent = start_agent(control_plane, sqlite_broker)
+    _registered(control_plane, agent)
+
+    celery = make_celery(sqlite_broker)
+    celery.send_task(LAUNCH_ROLE, args=[71, 1, spec], queue=control_plane.queue)
+    celery.close()
+
+    exited = wait_until(lambda: control_plane.events_of(71, "exited"), 30, "the role's exit")[0]
+    assert exited["exit_code"] == 0, exited
+    argv = next(x for x in control_plane.lines_of(71, 1) if x.startswith("argv "))
+    assert argv.endswith("-- --epochs 2")
+    assert (tmp_path / "agent-state" / "runs" / "71" / "code" / "train.py").exists()
+    assert agent.stop(signal.SIGTERM) == 0
+
+
+def test_agent_profiles_a_task_sent_through_the_broker(sqlite_broker, control_plane, start_agent, tmp_path):
+    data = make_bundle({"usertask.py": "def task(): pass\n"})
+    # Registered without a run token: only the agent's own token fetches a profile's bundle.
+    control_plane.files["/api/v1/agent/profiles/3/bundle"] = (None, data)
+    standin = "import json, os; print(json.dumps({'cwd': os.getcwd(), 'samples_per_s': 9.5}))"
+    agent = start_agent(control_plane, sqlite_broker,
+                        extra=["--profile-command", json.dumps([sys.executable, "-c", standin])])
+    _registered(control_plane, agent)
+    spec = {"task": "usertask:task", "task_args": {}, "batch_size": 8, "device": "cpu",
+            "bundle": {"sha256": sha256_of(data), "path": "/api/v1/agent/profiles/3/bundle"}}
+
+    celery = make_celery(sqlite_broker)
+    celery.send_task(PROFILE_TASK, args=[3, spec], queue=control_plane.queue)
+    celery.close()
+
+    [(profile_id, body)] = wait_until(lambda: list(control_plane.profiles), 60, "the profile's report")
+    assert profile_id == 3 and body["status"] == "done", body
+    assert body["result"]["cwd"] == str(tmp_path / "agent-state" / "profiles" / "3" / "code")
+    assert body["result"]["samples_per_s"] == 9.5
+    assert agent.stop(signal.SIGTERM) == 0

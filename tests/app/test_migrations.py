@@ -90,3 +90,64 @@ def test_downgrading_the_seed_removes_the_seeded_rows(empty_database_url: str) -
             assert connection.execute(text("SELECT count(*) FROM gpu_models")).scalar() == 0
     finally:
         engine.dispose()
+
+
+_OLD_RUN = (
+    "INSERT INTO runs (name, status, strategy, model, dataset, global_batch_size, lr, max_steps, "
+    "target_accuracy, seed, allocation, device, compression, metrics_token_hash, created_by) VALUES "
+    "(:name, 'succeeded', 'ps-bz-gc', :model, :dataset, 64, :lr, 200, :target, 0, 'flops', 'auto', "
+    "'{}', :token, 'admin')"
+)
+
+
+def _insert_old_runs(url: str) -> None:
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(_OLD_RUN), [
+                {"name": "a", "model": "resnet18", "dataset": "shapes", "lr": 0.05, "target": 0.9, "token": "t1"},
+                {"name": "b", "model": "smallcnn", "dataset": "digits", "lr": 0.1, "target": None, "token": "t2"},
+            ])
+    finally:
+        engine.dispose()
+
+
+def _rows(url: str, sql: str) -> list[tuple]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            return [tuple(r) for r in connection.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
+def test_run_tasks_migration_turns_model_and_data_set_into_a_task(scratch_postgres_url: str) -> None:
+    db.upgrade(scratch_postgres_url, "0006")
+    _insert_old_runs(scratch_postgres_url)
+
+    db.upgrade(scratch_postgres_url, "0007")
+
+    assert _rows(scratch_postgres_url, "SELECT name, task, task_args, target, max_steps FROM runs ORDER BY name") == [
+        ("a", "hybridtrain.tasks.shapes:resnet18", {"lr": 0.05}, "accuracy>=0.9", 200),
+        ("b", "hybridtrain.tasks.digits:smallcnn", {"lr": 0.1}, None, 200),
+    ]
+
+
+def test_run_tasks_migration_downgrades_with_the_data(scratch_postgres_url: str) -> None:
+    db.upgrade(scratch_postgres_url, "0006")
+    _insert_old_runs(scratch_postgres_url)
+    db.upgrade(scratch_postgres_url, "0007")
+    engine = create_engine(scratch_postgres_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(
+                "UPDATE runs SET task = 'mycode.train:task', max_steps = NULL, target = 'val_loss<=0.3' WHERE name = 'b'"))
+    finally:
+        engine.dispose()
+
+    db.downgrade(scratch_postgres_url, "0006")
+
+    assert _rows(scratch_postgres_url, "SELECT name, model, dataset, lr, target_accuracy, max_steps FROM runs ORDER BY name") == [
+        ("a", "resnet18", "shapes", 0.05, 0.9, 200),
+        ("b", "custom", "custom", 0.1, None, 300),
+    ]

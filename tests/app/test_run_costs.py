@@ -37,12 +37,13 @@ def hybrid_nodes(make_site: Callable[..., dict[str, Any]], make_node: Callable[.
     return onprem, cloud
 
 
-def _run(session: Session, onprem: dict, cloud: dict, *, started: datetime, hours: float) -> Run:
+def _run(session: Session, onprem: dict, cloud: dict, *, started: datetime, hours: float,
+         tta_name: str = "time_to_target_s") -> Run:
     """A finished ps-bz-gc run: the server and one worker on-prem, one worker in GCP."""
     finished = started + hours * HOUR
     run = Run(
-        name="hybrid", status=RunStatus.succeeded, strategy="ps-bz-gc", model="smallcnn",
-        dataset="digits", global_batch_size=64, lr=0.1, max_steps=2, allocation="flops",
+        name="hybrid", status=RunStatus.succeeded, strategy="ps-bz-gc",
+        task="hybridtrain.tasks.digits:smallcnn", global_batch_size=64, max_steps=2, allocation="flops",
         compression={}, metrics_token_hash=hash_secret(new_secret("htr_")), created_by="test",
         launched_at=started, started_at=started, finished_at=finished,
         workers=[
@@ -74,7 +75,7 @@ def _run(session: Session, onprem: dict, cloud: dict, *, started: datetime, hour
             records.append(MetricRecord(rank=rank, role=role, step=step, t=t, name=name,
                                         value=value, peer=peer))
     records.append(MetricRecord(rank=0, role="ps", step=2, t=started.timestamp() + 2,
-                                name="time_to_accuracy_s", value=42.5))
+                                name=tta_name, value=42.5))
     store_metrics(session, run_id=run.id, records=records)
     session.commit()
     return run
@@ -122,7 +123,7 @@ def test_cost_counts_worker_samples_and_granularity_per_worker(
     assert cost["samples"] == 2 * (40 + 24)
     assert cost["samples_per_s"] == pytest.approx(128 / 3600)
     assert cost["usd_per_million_samples"] == pytest.approx(cost["total_usd"] / 128e-6, rel=1e-5)
-    assert cost["time_to_accuracy_s"] == 42.5
+    assert cost["time_to_target_s"] == 42.5
     # Compute 3+3 and 2+2 s against communication 1+1 and 4+4 s.
     assert cost["granularity"] == {"compute_s": 10.0, "comm_s": 10.0, "ratio": 1.0}
     ratios = sorted(g["ratio"] for g in cost["granularity_by_worker"].values())
@@ -182,3 +183,24 @@ def test_seeded_t4_prices_are_the_billing_table(session: Session) -> None:
         for provider, (itype, price) in TABLE1_T4.items()
     }
     assert seeded == table
+
+
+def test_cost_reads_the_legacy_time_to_accuracy_of_old_runs(
+    client: TestClient, session: Session, hybrid_nodes
+) -> None:
+    run = _run(session, *hybrid_nodes, started=datetime.now(UTC) - 2 * HOUR, hours=1,
+               tta_name="time_to_accuracy_s")
+
+    cost = client.get(f"{API}/runs/{run.id}/cost").json()
+
+    assert cost["time_to_target_s"] == 42.5
+
+
+def test_cost_keeps_the_deprecated_time_to_accuracy_field_equal_to_time_to_target(
+    client: TestClient, session: Session, hybrid_nodes
+) -> None:
+    run = _run(session, *hybrid_nodes, started=datetime.now(UTC) - 2 * HOUR, hours=1)
+
+    cost = client.get(f"{API}/runs/{run.id}/cost").json()
+
+    assert cost["time_to_accuracy_s"] == cost["time_to_target_s"] == 42.5

@@ -126,6 +126,8 @@ def test_create_run_stores_the_plan_and_sends_each_rank_to_its_node(online_node,
     assert spec["report_url"].endswith(f"/api/v1/runs/{run['id']}/metrics")
     assert spec["report_token"].startswith("htr_")
     assert spec["options"]["strategy"] == "ps-bz-gc" and spec["options"]["max-steps"] == 20
+    assert spec["options"]["task"] == "hybridtrain.tasks.digits:smallcnn" and spec["options"]["task-args"] == "{}"
+    assert spec["bundle"] is None and spec["script_args"] == []
     assert spec["options"]["density"] == 0.02 and spec["options"]["no-error-feedback"] is True
     assert spec["env"] == {"CUDA_VISIBLE_DEVICES": "0"}
 
@@ -151,16 +153,28 @@ def test_run_request_is_validated(online_node, client):
     a = online_node()
     both = client.post(f"{API}/runs", json={**run_body([a]), "cluster_id": 1})
     steps = client.post(f"{API}/runs", json={**run_body([a]), "epochs": 2})
-    model = client.post(f"{API}/runs", json={**run_body([a]), "model": "gpt5"})
-    assert both.status_code == steps.status_code == model.status_code == 422
+    assert both.status_code == steps.status_code == 422
 
 
-def test_epochs_become_steps_of_the_data_set(online_node, client):
+def test_epochs_without_a_profile_leave_max_steps_to_the_trainer(online_node, client, dispatched):
     a = online_node()
     body = {**run_body([a]), "epochs": 3}
     del body["max_steps"]
+
     plan = client.post(f"{API}/runs/plan", json=body).json()
-    assert plan["max_steps"] == 3 * (1438 // 64)
+    run = _create(client, body).json()
+
+    assert plan["max_steps"] is None and plan["task"] is None
+    assert run["max_steps"] is None and run["epochs"] == 3
+    options = next(args[2]["options"] for _, args in dispatched.take(a.id) if args[1] == 1)
+    assert options["epochs"] == 3 and "max-steps" not in options
+
+
+def test_a_run_without_a_length_trains_the_default_steps(online_node, client):
+    a = online_node()
+    body = run_body([a])
+    del body["max_steps"]
+    assert client.post(f"{API}/runs/plan", json=body).json()["max_steps"] == 300
 
 
 # -- lifecycle -----------------------------------------------------------------------------
@@ -329,18 +343,18 @@ def test_rebalancing_and_evaluation_period_reach_the_trainer(online_node, client
 def test_a_run_that_trains_past_its_target_tells_the_trainer(online_node, client, dispatched):
     a, b = online_node("RTX 3090"), online_node("T4")
 
-    run = _create(client, run_body([a, b], target_accuracy=0.9, stop_at_target=False)).json()
+    run = _create(client, run_body([a, b], target="accuracy>=0.9", stop_at_target=False)).json()
 
-    assert run["stop_at_target"] is False
+    assert run["stop_at_target"] is False and run["target"] == "accuracy>=0.9"
     orders = dispatched.take(a.id) + dispatched.take(b.id)
     options = next(args[2]["options"] for _, args in orders if args[1] == 1)
-    assert options["target-accuracy"] == 0.9 and options["no-stop-at-target"] is True
+    assert options["target"] == "accuracy>=0.9" and options["no-stop-at-target"] is True
 
 
 def test_runs_stop_at_their_target_by_default(online_node, client, dispatched):
     a = online_node()
 
-    run = _create(client, run_body([a], target_accuracy=0.9)).json()
+    run = _create(client, run_body([a], target="accuracy>=0.9")).json()
 
     assert run["stop_at_target"] is True
     options = next(args[2]["options"] for _, args in dispatched.take(a.id) if args[1] == 1)

@@ -135,3 +135,16 @@ def test_a_server_without_an_address_cannot_be_planned():
                       continent="europe", address=None, gpus=(RTX3090,))
     with pytest.raises(PlanError, match="has no address"):
         plan_run(strategy="ps", global_batch_size=4, nodes=[lonely])
+
+
+def test_measured_allocation_prefers_the_tasks_profiled_speeds():
+    nodes = [node(1, gpus=(RTX3090,), measured=100.0), node(2, gpus=(RTX3090,), measured=300.0)]
+    plan = plan_run(strategy="ps-bz-gc", global_batch_size=40, nodes=nodes, allocation="measured",
+                    task_speeds={1: 300.0, 2: 100.0})
+    assert plan.batch_sizes == [30, 10]
+
+
+def test_a_task_profile_stands_in_for_a_missing_benchmark():
+    nodes = [node(1, measured=None), node(2, measured=100.0)]
+    plan = plan_run(strategy="ps-bz-gc", global_batch_size=40, nodes=nodes, task_speeds={1: 300.0})
+    assert plan.allocation == "measured" and plan.batch_sizes == [30, 10]

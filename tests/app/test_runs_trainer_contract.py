@@ -1,32 +1,23 @@
-"""The control plane's launch orders against the real trainer command line: every flag the
-agent will pass is one the trainer accepts, with the planned batch sizes; and the choices the
-API validates are the trainer's own."""
+"""The control plane's launch orders against the real trainer command line and the agent's
+spec: every flag the agent will pass is one the trainer accepts, with the planned batch sizes,
+the task (or script) and its target."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 
 from agents.spec import RoleSpec, trainer_argv
 from app.models import Run, RunWorker
 from app.queries.runs import launch_orders
-from app.schemas.runs import DATASET_TRAIN_SIZES, MODELS, STRATEGIES, RunCreate
+from app.schemas.runs import RunCreate
 from trainer import cli as trainer_cli
-from trainer.config import STRATEGIES as TRAINER_STRATEGIES
-from trainer.data import DATASETS, load_dataset
-from trainer.models import MODELS as TRAINER_MODELS
+
+SHA = "ab" * 32
 
 
-def test_api_choices_are_the_trainers():
-    assert STRATEGIES == TRAINER_STRATEGIES
-    assert MODELS == TRAINER_MODELS
-    assert tuple(DATASET_TRAIN_SIZES) == DATASETS
-
-
-@pytest.mark.parametrize("name", DATASETS)
-def test_epoch_arithmetic_uses_the_real_training_set_sizes(name):
-    assert DATASET_TRAIN_SIZES[name] == len(load_dataset(name).x_train)
+def _config(order):
+    args = trainer_cli.build_parser().parse_args(trainer_argv(RoleSpec.model_validate(order.spec), command=[]))
+    return args, trainer_cli.config_from_args(args)
 
 
 def _run(strategy: str, compression: dict) -> Run:
@@ -36,9 +27,9 @@ def _run(strategy: str, compression: dict) -> Run:
         for i, b in enumerate([30, 20, 14])
     ]
     return Run(
-        id=7, name="r", strategy=strategy, model="smallcnn", dataset="digits", global_batch_size=64,
-        lr=0.05, max_steps=40, target_accuracy=0.9, seed=3, allocation="flops", device="auto",
-        compression=compression, master_addr="10.0.0.1", master_port=29507, workers=workers,
+        id=7, name="r", strategy=strategy, task="hybridtrain.tasks.digits:smallcnn", task_args={"lr": 0.05},
+        global_batch_size=64, max_steps=40, target="accuracy>=0.9", seed=3, allocation="flops",
+        device="auto", compression=compression, master_addr="10.0.0.1", master_port=29507, workers=workers,
     )
 
 
@@ -56,14 +47,13 @@ def _run(strategy: str, compression: dict) -> Run:
 def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compression):
     run = _run(strategy, compression)
     for order in launch_orders(run, metrics_token="htr_secret", public_url="http://cp:8000"):
-        argv = trainer_argv(RoleSpec.model_validate(order.spec), command=[])
-        args = trainer_cli.build_parser().parse_args(argv)
-        cfg = trainer_cli.config_from_args(args)
+        args, cfg = _config(order)
         role = trainer_cli._role_spec(args, cfg)
 
         assert (role.role, role.rank, role.world_size) == (order.spec["role"], order.rank, len(run.workers))
         assert cfg.batch_sizes == (30, 20, 14) and cfg.global_batch == 64
-        assert cfg.strategy == strategy and cfg.max_steps == 40 and cfg.target_accuracy == 0.9
+        assert cfg.strategy == strategy and cfg.max_steps == 40 and cfg.target == "accuracy>=0.9"
+        assert cfg.task == "hybridtrain.tasks.digits:smallcnn" and cfg.task_args == '{"lr": 0.05}'
         assert cfg.report_url == "http://cp:8000/api/v1/runs/7/metrics" and cfg.report_token == "htr_secret"
         if strategy == "ps-bz-gc":
             assert (cfg.density, cfg.error_feedback, cfg.server_k_fraction) == (0.02, False, 0.05)
@@ -77,7 +67,7 @@ def test_run_request_compression_fields_map_to_trainer_flags():
     run = _run("ps-bz-gc", body.compression.model_dump(exclude_none=True))
     spec = launch_orders(run, metrics_token="t", public_url="http://cp")[0].spec
     assert spec["options"]["density"] == 0.02 and spec["options"]["error-feedback"] is True
-    assert SimpleNamespace(**spec).role == "ps"
+    assert spec["role"] == "ps"
 
 
 @pytest.mark.parametrize("stop", [True, False])
@@ -85,19 +75,45 @@ def test_whether_a_run_stops_at_its_target_reaches_the_trainer(stop):
     run = _run("ps-gc", {})
     run.stop_at_target = stop
     for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
-        args = trainer_cli.build_parser().parse_args(trainer_argv(RoleSpec.model_validate(order.spec), command=[]))
-        assert trainer_cli.config_from_args(args).stop_at_target is stop
+        assert _config(order)[1].stop_at_target is stop
 
 
 def test_rank_sites_become_the_trainers_relay_plan():
     run = _run("ps-bz-gc", {})
     sites = ["4", "4", "9", "9"]
     for order in launch_orders(run, metrics_token="t", public_url="http://cp", sites=sites):
-        args = trainer_cli.build_parser().parse_args(trainer_argv(RoleSpec.model_validate(order.spec), command=[]))
-        assert trainer_cli.config_from_args(args).sites == ("4", "4", "9", "9")
+        assert _config(order)[1].sites == ("4", "4", "9", "9")
 
 
 def test_an_all_reduce_run_gets_no_sites_even_across_sites():
     run = _run("allreduce", {})
     orders = launch_orders(run, metrics_token="t", public_url="http://cp", sites=["4", "4", "9"])
     assert all("sites" not in o.spec["options"] for o in orders)
+
+
+def test_a_run_given_in_epochs_hands_the_trainer_its_epochs():
+    run = _run("ps-bz-gc", {})
+    run.max_steps, run.epochs = None, 3
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+        cfg = _config(order)[1]
+        assert cfg.epochs == 3 and "max-steps" not in order.spec["options"]
+
+
+def test_a_script_run_reaches_the_trainer_with_its_bundle_and_arguments():
+    run = _run("ps-bz-gc", {})
+    run.bundle_sha256, run.script, run.script_args = SHA, "train/main.py", ["--epochs", "3"]
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+        spec = RoleSpec.model_validate(order.spec)
+        cfg = _config(order)[1]
+        assert cfg.script == "train/main.py" and cfg.script_args == ("--epochs", "3")
+        assert (spec.bundle.sha256, spec.bundle.path) == (SHA, "/api/v1/runs/7/bundle")
+
+
+def test_a_bundled_task_run_names_its_bundle_to_the_agent():
+    run = _run("allreduce", {})
+    run.bundle_sha256, run.task, run.task_args = SHA, "examples.diabetes:task", {"hidden": 32}
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+        spec = RoleSpec.model_validate(order.spec)
+        cfg = _config(order)[1]
+        assert spec.bundle.sha256 == SHA and cfg.task == "examples.diabetes:task"
+        assert cfg.task_args == '{"hidden": 32}'

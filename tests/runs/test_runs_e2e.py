@@ -13,8 +13,8 @@ from conftest import ADMIN, Deployment, group_alive, wait_until
 
 pytestmark = pytest.mark.e2e
 
-RUN = {"strategy": "ps-bz-gc", "model": "smallcnn", "dataset": "digits", "global_batch_size": 64,
-       "lr": 0.1, "device": "cpu"}
+RUN = {"strategy": "ps-bz-gc", "task": "hybridtrain.tasks.digits:smallcnn", "task_args": {"lr": 0.1},
+       "global_batch_size": 64, "device": "cpu"}
 
 
 def _launch(cluster: Deployment, name: str, key: str | None = None, **fields) -> dict:
@@ -111,12 +111,14 @@ def test_cli_for_ci_exit_status_says_whether_the_run_succeeded(cluster: Deployme
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["world_size"] == 3
 
-    # A global batch larger than the data set: every worker fails at its first step.
-    failing = _cli(cluster, "runs", "create", "--name", "cli-fail", "--nodes", nodes, "--global-batch", "4000",
-                   "--max-steps", "3", "--device", "cpu", "--wait", "--timeout", "200")
+    # An argument the task does not take: every worker fails as it loads the task.
+    failing = _cli(cluster, "runs", "create", "--name", "cli-fail", "--nodes", nodes,
+                   "--task-args", '{"no_such_arg": 1}', "--max-steps", "3", "--device", "cpu",
+                   "--wait", "--timeout", "200")
     assert failing.returncode == 1, failing.stderr
     run = json.loads(failing.stdout)
     assert run["status"] == "failed" and "exited with code" in run["reason"]
+    assert "no_such_arg" in run["reason"], run["reason"]
 
     shown = _cli(cluster, "runs", "get", str(run["id"]))
     assert shown.returncode == 0 and json.loads(shown.stdout)["id"] == run["id"]

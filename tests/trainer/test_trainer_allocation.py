@@ -13,7 +13,7 @@ from trainer.allocation import (
     proportional_batch_sizes,
     rebalance,
 )
-from trainer.data import eval_slice
+from trainer.loader import eval_slice
 
 
 def test_batch_sizes_sum_exactly_to_global_batch_with_every_share_at_least_one():

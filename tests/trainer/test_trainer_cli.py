@@ -7,13 +7,14 @@ import time
 
 import pytest
 import torch
-from trainer_testing import read_metrics, run_cli, series
+from trainer_testing import DIGITS, read_metrics, run_cli, series
 
 from trainer.launch import free_port
+from trainer_testing import ROOT
 
 pytestmark = pytest.mark.e2e
 
-FAST = ["--dataset", "digits", "--model", "smallcnn", "--global-batch", "48", "--lr", "0.1"]
+FAST = DIGITS
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_replicas_stay_identical_after_compressed_steps(gc_run):
         for k, v in states[0]["model"].items():
             assert torch.equal(v, s["model"][k]), k
     # The residuals differ per worker: identical replicas are not a trivial consequence.
-    assert not torch.equal(states[0]["residual"], states[1]["residual"])
+    assert not torch.equal(states[0]["ps"]["residual"], states[1]["ps"]["residual"])
 
 
 def test_ps_bz_gc_reaches_within_one_point_of_ps_accuracy(gc_run, tmp_path):
@@ -155,13 +156,13 @@ def test_a_pipelined_relayed_run_sends_each_chunk_and_keeps_the_replicas_identic
 
 @pytest.mark.parametrize("strategy", ["ps-gc", "allreduce"])
 @pytest.mark.parametrize("stop", [True, False])
-def test_a_run_records_its_time_to_accuracy_and_stops_there_only_if_asked(strategy, stop, tmp_path):
+def test_a_run_records_its_time_to_target_and_stops_there_only_if_asked(strategy, stop, tmp_path):
     proc = run_cli(*FAST, "--strategy", strategy, "--workers", "2", "--max-steps", "30", "--eval-every", "5",
                    "--target-accuracy", "0.3", "--stop-at-target" if stop else "--no-stop-at-target",
                    "--metrics-out", str(tmp_path / "m.jsonl"))
     assert proc.returncode == 0, proc.stderr
     records = read_metrics(tmp_path / "m.jsonl")
-    reached = series(records, "time_to_accuracy_s")
+    reached = series(records, "time_to_target_s")
     assert len(reached) == 1
     (step,) = reached
     assert max(series(records, "loss", 1)) == (step if stop else 30)
@@ -179,3 +180,100 @@ def test_peer_baselines_train_and_count_bytes(strategy, tmp_path):
         assert sent[20] < sent[5] / 3  # PowerSGD took over from plain all-reduce at step 10
     else:
         assert sent[20] == sent[5]
+
+
+def test_epochs_become_steps_from_the_tasks_training_set(tmp_path):
+    proc = run_cli(*FAST, "--strategy", "ps", "--workers", "2", "--epochs", "1", "--eval-every", "100",
+                   "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(tmp_path / "m.jsonl")
+    # 1,438 training digits at a global batch of 48: 30 steps, the last one straddling the epoch.
+    assert series(records, "max_steps") == {0: 30.0}
+    assert max(series(records, "loss")) == 30
+    assert series(records, "params")[0] > 20_000
+
+
+def test_a_task_that_cannot_be_imported_fails_within_seconds_naming_the_module(tmp_path):
+    t0 = time.monotonic()
+    proc = run_cli("--task", "nowhere.to_be_found:task", "--workers", "2", "--max-steps", "5")
+    assert proc.returncode == 1
+    assert "no module named 'nowhere'" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def _module(tmp_path, name: str, body: str) -> None:
+    (tmp_path / f"{name}.py").write_text(body)
+
+
+def test_a_task_that_raises_fails_with_its_traceback(tmp_path):
+    _module(tmp_path, "boom", "def task():\n    return 1 / 0\n")
+    proc = run_cli("--task", "boom:task", "--workers", "2", "--max-steps", "5", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "task boom:task raised ZeroDivisionError" in proc.stderr and 'boom.py", line 2' in proc.stderr
+
+
+def test_a_task_returning_something_else_fails_saying_what_it_returned(tmp_path):
+    _module(tmp_path, "wrong", "def task():\n    return {'model': None}\n")
+    proc = run_cli("--task", "wrong:task", "--workers", "2", "--max-steps", "5", cwd=tmp_path)
+    assert proc.returncode == 1 and "returned dict, not a hybridtrain.Task" in proc.stderr
+
+
+def test_a_target_on_a_metric_the_task_does_not_report_fails_listing_its_metrics():
+    proc = run_cli(*FAST, "--workers", "2", "--max-steps", "5", "--target", "f1>=0.5")
+    assert proc.returncode == 1 and "reports no metric 'f1'" in proc.stderr and "accuracy" in proc.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--task-args", "{not json"), ("--task", "no_colon"),
+                                             ("--target", "accuracy=0.9")])
+def test_bad_task_options_are_usage_errors(flag, value):
+    proc = run_cli(flag, value)
+    assert proc.returncode == 2 and flag in proc.stderr
+
+
+OWN_LOOP = """
+import hybridtrain as ht
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+ctx = ht.init(global_batch=32)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(512, 8, generator=g)
+y = (x @ torch.randn(8, 3, generator=g)).argmax(1)
+train, test = TensorDataset(x[:400], y[:400]), TensorDataset(x[400:], y[400:])
+model = ht.prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)))
+opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), model)
+for epoch in range(int(__import__("sys").argv[1])):
+    for xb, yb in ht.data_loader(train):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step(loss=loss)
+    ht.evaluate(model, test, metrics=[ht.accuracy()], loss=F.cross_entropy)
+    if ctx.should_stop:
+        break
+print(f"worker {ctx.worker} of {ctx.workers} done at step {ctx.step}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ps-bz-gc", "allreduce"])
+def test_launch_runs_a_plain_loop_script_on_every_worker_to_its_target(strategy, tmp_path):
+    (tmp_path / "train.py").write_text(OWN_LOOP)
+    proc = run_cli("--strategy", strategy, "--workers", "2", "--target", "accuracy>=0.8",
+                   "--metrics-out", str(tmp_path / "m.jsonl"), "train.py", "20", command="launch", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "worker 0 of 2 done" in proc.stdout and "worker 1 of 2 done" in proc.stdout
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert len(series(records, "time_to_target_s")) == 1
+    assert max(series(records, "accuracy").values()) >= 0.8
+
+
+def test_the_same_script_run_plainly_trains_as_one_worker(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(OWN_LOOP)
+    proc = subprocess.run([sys.executable, "train.py", "2"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert "worker 0 of 1 done at step 24" in proc.stdout  # 2 epochs of 400 // 32 steps

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import adapt_densities
+from trainer.algorithm import adapt_densities
 
 KW = dict(target=0.01, low=0.002, high=0.05, gamma=0.5)
 

@@ -1,235 +1,234 @@
-"""The PS step's arithmetic, in one process: workers and server driven piece by piece."""
+"""The PS step's arithmetic: the algorithm's pure pieces, and whole runs in one process."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from trainer_testing import tiny_dataset, tiny_mlp
+from torch import nn
+from trainer_testing import config, global_batch, run_in_process, sgd, tiny_data, tiny_mlp
 
-from trainer.config import TrainConfig, lr_at
-from trainer.data import batch_indices
+from trainer.algorithm import Layout, aggregate, worker_sparsify
+from trainer.compression import CompressionState, Payload, build_compressor
+from trainer.frames import Grad, ProtocolError
 from trainer.metrics import MetricsLogger
-from trainer.ps import GRAD, Layout, ParameterServer, PSWorker
+from trainer.ps import ParameterServer, PSClient
 from trainer.transport import InMemoryHub
-from trainer.wire import Message, decode, encode
 
 
-def _setup(cfg: TrainConfig, batch_sizes: list[int]):
-    data = tiny_dataset()
-    hub = InMemoryHub()
-    workers = [
-        PSWorker(cfg, r, tiny_mlp(), data, hub.transport(r), MetricsLogger(r, "worker"), batch_sizes)
-        for r in range(1, cfg.workers + 1)
-    ]
-    server = ParameterServer(cfg, Layout.of(tiny_mlp(), cfg.dense_numel), hub.transport(0),
-                             MetricsLogger(0, "ps"), batch_sizes, has_buffers=False)
-    return data, workers, server
-
-
-def _ps_step(step: int, workers: list[PSWorker], server: ParameterServer) -> Message:
-    msgs = []
-    for w in workers:
-        loss, n, _ = w.compute(step)
-        msgs.append(decode(encode(Message(GRAD, step, w.rank, [loss, n, 0.0, 0.0, 0.0], w.compress(step)))))
-    reply = decode(encode(server.aggregate(step, msgs)))
-    for w in workers:
-        w.apply(step, reply)
-    return reply
-
-
-def _reference_grad(model, data, cfg, step, batch_sizes):
-    idx = torch.cat([batch_indices(step, m, tuple(batch_sizes), len(data.y_train), cfg.seed)
-                     for m in range(len(batch_sizes))])
-    model.zero_grad()
-    F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.grad.add_(p, alpha=cfg.weight_decay)
-
-
-def _follows_momentum_sgd_on_the_global_batch(cfg: TrainConfig) -> list[PSWorker]:
-    data, workers, server = _setup(cfg, [16, 16, 16])
+def _follows_sgd_on_the_global_batch(cfg, steps: int = 3, optimizer=sgd):
+    data = tiny_data()
+    sizes = [cfg.global_batch // cfg.workers] * cfg.workers
     ref = tiny_mlp()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=cfg.momentum)
-    for step in (1, 2, 3):
-        _ps_step(step, workers, server)
-        _reference_grad(ref, data, cfg, step, [16, 16, 16])
-        opt.step()
-        for w in workers:
-            for (name, p), q in zip(w.model.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
-    return workers
+    ref_opt = optimizer(ref)
+    run = run_in_process(cfg, steps, data=data, optimizer=optimizer)
+    for step in range(1, steps + 1):
+        x, y = global_batch(data, step, sizes, cfg.seed)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    for model in run.models:
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    return run
 
 
-def test_uncompressed_ps_step_equals_one_dense_sgd_step_on_the_global_batch():
-    _follows_momentum_sgd_on_the_global_batch(TrainConfig(
-        strategy="ps", workers=3, global_batch=48, lr=0.1, lr_warmup_steps=0,
-        lr_schedule="constant", weight_decay=1e-3, max_steps=10))
+def test_uncompressed_ps_step_equals_one_sgd_step_on_the_global_batch():
+    _follows_sgd_on_the_global_batch(config(strategy="ps", workers=3, global_batch=48))
+
+
+def test_an_adam_optimizer_follows_adam_on_the_global_batch():
+    _follows_sgd_on_the_global_batch(config(strategy="ps", workers=3, global_batch=48),
+                                     optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))
 
 
 def test_momentum_correction_in_dense_steps_equals_momentum_sgd_on_the_global_batch():
     # Warm-up steps send the velocity dense: the replicas then follow plain momentum SGD.
-    workers = _follows_momentum_sgd_on_the_global_batch(TrainConfig(
-        strategy="ps-gc", workers=3, global_batch=48, lr=0.1, lr_warmup_steps=0,
-        lr_schedule="constant", weight_decay=1e-3, max_steps=10, warmup_steps=5, dense_numel=100,
-        momentum_correction=True))
-    assert all(w.velocity is not None and w.velocity.abs().sum() > 0 for w in workers)
+    run = _follows_sgd_on_the_global_batch(config(strategy="ps-gc", workers=3, global_batch=48,
+                                                  warmup_steps=5, dense_numel=100))
+    assert all(c.velocity is not None and c.velocity.abs().sum() > 0 for c in run.clients)
 
 
 def test_momentum_correction_compresses_the_velocity_and_restarts_what_was_sent():
-    cfg = TrainConfig(strategy="ps-gc", workers=1, global_batch=16, warmup_steps=0, dense_numel=100,
-                      density=0.1, momentum=0.9, momentum_correction=True)
-    _, (worker,), _ = _setup(cfg, [16])
-    nd = worker.layout.dense_numel
-    worker.compute(1)
-    worker.compress(1)
-    before = worker.velocity.clone()
-    worker.compute(2)
-    velocity = 0.9 * before + worker.flat_grad[nd:]
-    residual = worker.codec_states[0].residual.clone()
-    (_, sparse) = worker.compress(2)
+    codec = build_compressor("topk", value_dtype="fp32", error_feedback=True, select="topk")
+    state = CompressionState(density=0.1, residual=torch.randn(100))
+    velocity = torch.randn(100)
+    grad = torch.randn(100)
+    expected_velocity = 0.9 * velocity + grad
+    accumulated = state.residual + expected_velocity
+    sent = worker_sparsify(grad, codec=codec, state=state, velocity=velocity, momentum=0.9, dense_step=False)
     # What goes is the top-k of residual + velocity; those coordinates start from zero again.
-    accumulated = residual + velocity
-    torch.testing.assert_close(sparse.values.float(), accumulated[sparse.indices].half().float())
-    assert bool((worker.velocity[sparse.indices] == 0).all())
-    kept = torch.ones_like(worker.velocity, dtype=torch.bool)
-    kept[sparse.indices] = False
-    torch.testing.assert_close(worker.velocity[kept], velocity[kept])
-    # The optimizer applies the compressed tensors' update without momentum of its own.
-    assert [g["momentum"] for g in worker.optimizer.param_groups] == [0.9, 0.0]
+    torch.testing.assert_close(sent.values, accumulated[sent.indices])
+    assert torch.equal(sent.indices, accumulated.abs().topk(10).indices.sort().values)
+    assert bool((velocity[sent.indices] == 0).all())
+    kept = torch.ones(100, dtype=torch.bool)
+    kept[sent.indices] = False
+    torch.testing.assert_close(velocity[kept], expected_velocity[kept])
 
 
-def test_without_momentum_correction_momentum_is_applied_after_compression():
-    cfg = TrainConfig(strategy="ps-gc", workers=1, global_batch=16, dense_numel=100,
-                      momentum_correction=False)
-    _, (worker,), _ = _setup(cfg, [16])
-    assert worker.velocity is None
-    assert [g["momentum"] for g in worker.optimizer.param_groups] == [cfg.momentum]
+def _client(cfg, model=None, optimizer=None) -> PSClient:
+    model = model or tiny_mlp()
+    return PSClient(cfg, 1, InMemoryHub().transport(1), model, optimizer or sgd(model), MetricsLogger(1, "worker"))
+
+
+def test_momentum_correction_takes_the_compressed_tensors_out_of_the_optimizers_momentum():
+    client = _client(config(strategy="ps-gc", workers=1, global_batch=16, dense_numel=100))
+    assert client.rules.momentum == 0.9 and client.velocity is not None
+    # Decay moved into the local gradient (step 1): the optimizer applies none of its own.
+    assert client.rules.decay == [1e-3, 0.0]
+    assert [g["weight_decay"] for g in client.optimizer.param_groups] == [0.0, 0.0]
+
+
+def test_without_momentum_correction_the_optimizer_keeps_its_momentum():
+    client = _client(config(strategy="ps-gc", workers=1, global_batch=16, dense_numel=100,
+                            momentum_correction=False))
+    assert client.velocity is None and client.rules.momentum == 0.0
+
+
+def test_a_non_sgd_optimizer_gets_no_momentum_correction_and_keeps_its_decay():
+    model = tiny_mlp()
+    client = _client(config(strategy="ps-gc", workers=1, global_batch=16, dense_numel=100), model,
+                     torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    assert client.velocity is None and client.rules.decay == []
+    assert client.optimizer.param_groups[0]["weight_decay"] == 0.1
 
 
 def test_weighted_aggregation_equals_the_gradient_of_the_concatenated_unequal_batch():
     sizes = [5, 17, 42]
-    cfg = TrainConfig(strategy="ps", workers=3, global_batch=sum(sizes), batch_sizes=tuple(sizes),
-                      weight_decay=1e-3, dense_numel=100)
-    data, workers, server = _setup(cfg, sizes)
-    msgs = []
-    for w in workers:
-        loss, n, _ = w.compute(1)
-        msgs.append(Message(GRAD, 1, w.rank, [loss, n, 0.0, 0.0, 0.0], w.compress(1)))
-    dense, sparse = server.aggregate(1, msgs).payloads
-    flat = torch.cat([dense.values, sparse.values])
+    data = tiny_data()
+    layout = Layout.of(tiny_mlp(), 100)
+    grads, flats = [], []
+    for m, n in enumerate(sizes):
+        model = tiny_mlp()
+        x, y = data.tensors[0][sum(sizes[:m]) : sum(sizes[: m + 1])], data.tensors[1][sum(sizes[:m]) : sum(sizes[: m + 1])]
+        F.cross_entropy(model(x), y).backward()
+        params = dict(model.named_parameters())
+        flat = torch.cat([params[name].grad.reshape(-1) for name in layout.names])
+        flats.append(flat)
+        nd = layout.dense_numel
+        grads.append(Grad(1, m + 1, 0, 0.0, n, 0.0, 0.0, 0.0, Payload(nd, flat[:nd]),
+                          Payload(flat.numel() - nd, flat[nd:])))
+    dense, sparse = aggregate(grads, layout.dense_numel, layout.sparse_numel)
     ref = tiny_mlp()
-    _reference_grad(ref, data, cfg, 1, sizes)
-    layout = Layout.of(ref, cfg.dense_numel)
+    F.cross_entropy(ref(data.tensors[0][:64]), data.tensors[1][:64]).backward()
     params = dict(ref.named_parameters())
-    for name, off, n in zip(layout.names, layout.offsets, layout.numels):
-        torch.testing.assert_close(flat[off : off + n], params[name].grad.reshape(-1), rtol=1e-5, atol=1e-7)
+    expected = torch.cat([params[name].grad.reshape(-1) for name in layout.names])
+    torch.testing.assert_close(torch.cat([dense, sparse]), expected, rtol=1e-5, atol=1e-7)
     # A plain mean of the three gradients would be a different (biased) update.
-    plain = sum(torch.cat([p.values for p in decode(encode(m)).payloads]) for m in msgs) / 3
-    assert sparse.numel > 0 and not torch.allclose(plain, flat, atol=1e-4)
+    assert not torch.allclose(sum(flats) / 3, expected, atol=1e-4)
 
 
-def test_compressed_step_keeps_server_k_and_replicas_identical():
-    cfg = TrainConfig(strategy="ps-bz-gc", workers=3, global_batch=48, speeds=(1.0, 0.5, 0.25),
-                      dense_numel=100, warmup_steps=1, density=0.05, density_min=0.01,
-                      density_max=0.2, server_k_fraction=0.1)
-    _, workers, server = _setup(cfg, [27, 14, 7])
-    sparse_numel = server.layout.sparse_numel
-    for step in range(1, 8):
-        reply = _ps_step(step, workers, server)
-        if step > cfg.warmup_steps:
-            assert reply.payloads[1].count == round(0.1 * sparse_numel)
-    first = workers[0].model.state_dict()
-    for w in workers[1:]:
-        for k, v in w.model.state_dict().items():
+def test_compressed_steps_keep_server_k_and_the_replicas_identical():
+    cfg = config(strategy="ps-bz-gc", workers=3, global_batch=48, speeds=(1.0, 0.5, 0.25), dense_numel=100,
+                 warmup_steps=1, density=0.05, density_min=0.01, density_max=0.2, server_k_fraction=0.1)
+    run = run_in_process(cfg, 7)
+    sparse_numel = run.server.layout.sparse_numel
+    first = run.models[0].state_dict()
+    for model in run.models[1:]:
+        for k, v in model.state_dict().items():
             assert torch.equal(v, first[k]), k
-    (state,) = server.codec_states
+    (state,) = run.server.codec_states
     assert state.residual is not None and state.residual.abs().sum() > 0
+    # The server's update carried about k_s = 10 % of the compressed part (estimated top-k).
+    assert run.server.metrics.last["density"] == pytest.approx(0.1, rel=0.1)
+    assert sparse_numel > 900
+    # The residuals differ per worker: identical replicas are not a trivial consequence.
+    assert not torch.equal(run.clients[0].codec_states[0].residual, run.clients[1].codec_states[0].residual)
 
 
 def test_warm_up_steps_travel_dense():
-    cfg = TrainConfig(strategy="ps-gc", workers=2, global_batch=32, warmup_steps=2, dense_numel=100)
-    _, workers, server = _setup(cfg, [16, 16])
-    assert workers[0].compress(1)[1].indices is None
-    workers[0].compute(3)
-    assert workers[0].compress(3)[1].indices is not None
+    client = _client(config(strategy="ps-gc", workers=1, global_batch=16, warmup_steps=2, dense_numel=100))
+    client.flat_grad.normal_()
+    assert client.compress(1, 0)[1].indices is None
+    assert client.compress(3, 0)[1].indices is not None
 
 
-def test_weight_decay_enters_the_local_gradient_only_for_matrices():
-    cfg = TrainConfig(strategy="ps", workers=1, global_batch=8, weight_decay=0.5)
-    _, (worker,), _ = _setup(cfg, [8])
-    plain = copy.deepcopy(worker.model)
-    worker.compute(1)
-    idx = batch_indices(1, 0, (8,), 256, cfg.seed)
-    data = tiny_dataset()
-    F.cross_entropy(plain(data.x_train[idx]), data.y_train[idx]).backward()
-    for (name, p), q in zip(worker.model.named_parameters(), plain.parameters()):
+def test_sgd_weight_decay_enters_the_local_gradient_only_for_its_decaying_groups():
+    model = tiny_mlp()
+    client = _client(config(strategy="ps", workers=1, global_batch=8), model, sgd(model, weight_decay=0.5))
+    plain = tiny_mlp()
+    data = tiny_data()
+    client.zero_grad()
+    F.cross_entropy(model(data.tensors[0][:8]), data.tensors[1][:8]).backward()
+    F.cross_entropy(plain(data.tensors[0][:8]), data.tensors[1][:8]).backward()
+    client.collect_grads()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         expected = q.grad + (0.5 * q.detach() if q.dim() > 1 else 0)
         torch.testing.assert_close(p.grad, expected, msg=name)
 
 
-def test_learning_rate_schedule_warms_up_then_decays_to_zero():
-    cfg = TrainConfig(lr=0.2, lr_warmup_steps=10, max_steps=110)
-    assert lr_at(5, cfg) == 0.1 and lr_at(10, cfg) == 0.2
-    assert abs(lr_at(60, cfg) - 0.1) < 1e-9 and lr_at(110, cfg) < 1e-12
+def _server(cfg) -> ParameterServer:
+    server = ParameterServer(cfg, InMemoryHub().transport(0), MetricsLogger(0, "ps"))
+    server.configure(Layout.of(tiny_mlp(), cfg.dense_numel).spec)
+    return server
 
 
-def _batch_sizes_after_a_window(timings: list[tuple[float, float]]) -> list[float]:
+def _grad(step: int, rank: int, n: int, layout, *, compute_s=0.0, topk_s=0.0, last_tx_s=0.0) -> Grad:
+    nd, ns = layout.dense_numel, layout.sparse_numel
+    return Grad(step, rank, 0, 1.0, n, compute_s, last_tx_s, topk_s, Payload(nd, torch.zeros(nd)),
+                Payload(ns, torch.zeros(ns)))
+
+
+def _batch_sizes_after_a_window(timings: list[tuple[float, float]]) -> tuple[int, ...]:
     """Two steps of a 48-sample run planned as 24 + 24, the workers reporting (compute_s,
     compress_s); the batch sizes the server's reply then carries."""
     # The control plane passes its plan as --batch-sizes; `measured` must still refine it.
-    cfg = TrainConfig(strategy="ps-bz-gc", workers=2, global_batch=48, batch_sizes=(24, 24),
-                      allocation="measured", rebalance_every=2, dense_numel=100)
-    _, workers, server = _setup(cfg, [24, 24])
+    cfg = config(strategy="ps-bz-gc", workers=2, global_batch=48, batch_sizes=(24, 24), allocation="measured",
+                 rebalance_every=2, dense_numel=100)
+    server = _server(cfg)
     for step in (1, 2):
-        msgs = []
-        for w, (compute_s, compress_s) in zip(workers, timings):
-            loss, n, _ = w.compute(step)
-            msgs.append(Message(GRAD, step, w.rank, [loss, n, compute_s, 0.0, compress_s], w.compress(step)))
-        reply = server.aggregate(step, msgs)
-    return reply.scalars[-2:]
+        grads = [_grad(step, r, 24, server.layout, compute_s=c, topk_s=t) for r, (c, t) in enumerate(timings, 1)]
+        update = server.aggregate(step, grads, 0)
+    return update.batch_sizes
 
 
 def test_measured_allocation_rebalances_a_planned_split_from_compute_times():
     # Worker 2 takes 3x as long per sample.
-    assert _batch_sizes_after_a_window([(0.1, 0.0), (0.3, 0.0)]) == [36.0, 12.0]
+    assert _batch_sizes_after_a_window([(0.1, 0.0), (0.3, 0.0)]) == (36, 12)
 
 
 def test_measured_allocation_counts_each_workers_compression_time():
     # 200 samples/s each, but worker 2 compresses for 60 ms: 30 samples in 0.15 s, 18 in 0.09 + 0.06 s.
-    assert _batch_sizes_after_a_window([(0.12, 0.0), (0.12, 0.06)]) == [30.0, 18.0]
+    assert _batch_sizes_after_a_window([(0.12, 0.0), (0.12, 0.06)]) == (30, 18)
 
 
 def test_the_server_adapts_densities_to_the_arrival_times_it_sees():
     # Worker 1's send returned at once (its frame sat in a socket buffer), but the server saw
     # its bytes take 0.4 s against worker 2's 0.1 s: worker 1's link is the slow one.
-    cfg = TrainConfig(strategy="ps-bz-gc", workers=2, global_batch=48, warmup_steps=0, dense_numel=100)
-    _, workers, server = _setup(cfg, [24, 24])
-    server.transport.wire_s.update({1: 0.4, 2: 0.1})
-    msgs = []
-    for w in workers:
-        loss, n, _ = w.compute(2)
-        msgs.append(Message(GRAD, 2, w.rank, [loss, n, 0.1, 0.0, 0.0], w.compress(2)))
-    reply = server.aggregate(2, msgs)
-    d1, d2 = reply.scalars[1:3]
+    cfg = config(strategy="ps-bz-gc", workers=2, global_batch=48, warmup_steps=0, dense_numel=100)
+    server = _server(cfg)
+    grads = [_grad(2, r, 24, server.layout, last_tx_s=0.1) for r in (1, 2)]
+    d1, d2 = server.aggregate(2, grads, 0, {1: 0.4, 2: 0.1}).densities
     assert d1 < cfg.density < d2
 
 
 def test_a_worker_state_keeps_the_velocity_and_refuses_a_different_momentum_setting():
-    cfg = TrainConfig(strategy="ps-gc", workers=1, global_batch=16, warmup_steps=0, dense_numel=100,
-                      density=0.1, momentum_correction=True)
-    _, (worker,), _ = _setup(cfg, [16])
-    worker.compute(1)
-    worker.compress(1)
-    state = {**worker.state_dict(), "step": 1}
-    _, (fresh,), _ = _setup(cfg, [16])
+    cfg = config(strategy="ps-gc", workers=1, global_batch=16, warmup_steps=0, dense_numel=100, density=0.1)
+    client = _client(cfg)
+    client.flat_grad.normal_()
+    client.compress(1, 0)
+    state = client.state_dict()
+    fresh = _client(cfg)
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.velocity, worker.velocity) and fresh.velocity.abs().sum() > 0
-    _, (plain,), _ = _setup(replace(cfg, momentum_correction=False), [16])
+    assert torch.equal(fresh.velocity, client.velocity) and fresh.velocity.abs().sum() > 0
+    plain = _client(replace(cfg, momentum_correction=False))
     with pytest.raises(ValueError, match="momentum correction on"):
         plain.load_state_dict(state)
+
+
+def test_replicas_start_from_the_first_workers_weights_whatever_their_factory_drew():
+    run = run_in_process(config(strategy="ps", workers=3, global_batch=48), 0,
+                         model=lambda rank: tiny_mlp(seed=rank))
+    for model in run.models[1:]:
+        for pa, pb in zip(run.models[0].parameters(), model.parameters()):
+            assert torch.equal(pa, pb)
+
+
+def test_workers_that_build_different_models_abort_the_run_naming_the_difference():
+    def model(rank: int) -> nn.Module:
+        return tiny_mlp() if rank == 1 else nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3))
+
+    with pytest.raises(ProtocolError, match=r"model replicas differ.*0.weight has 768 elements"):
+        run_in_process(config(strategy="ps", workers=2, global_batch=32), 1, model=model)

@@ -1,4 +1,4 @@
-"""The torch.distributed transport between real gloo processes."""
+"""The torch.distributed transport and the inbox between real gloo processes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.transport import TorchTransport
+from trainer.transport import Inbox, TorchTransport
 
 LATE_S = 1.5
+# A frame whose kind byte (offset 3) reads LAST is a peer's final one: its inbox thread stops.
+LAST = 255
 
 
 def _in_group(rank: int, port: int, out: "mp.Queue", role) -> None:
@@ -29,12 +31,13 @@ def _in_group(rank: int, port: int, out: "mp.Queue", role) -> None:
 def _role(rank: int, out: "mp.Queue") -> None:
     transport = TorchTransport(rank)
     if rank == 0:
-        frames = transport.recv_many([1, 2])
-        out.put((0, ({p: f.numel() for p, f in frames.items()}, dict(transport.wire_s))))
+        inbox = Inbox(transport, [1, 2], timeout_s=30, last_kinds=frozenset({LAST}))
+        frames = {p: inbox.get(p) for p in (1, 2)}
+        out.put((0, ({p: f.numel() for p, (f, _) in frames.items()}, {p: t for p, (_, t) in frames.items()})))
     else:
         if rank == 2:
             time.sleep(LATE_S)
-        frame = torch.full((2_000_000 * rank,), rank, dtype=torch.uint8)
+        frame = torch.full((2_000_000 * rank,), LAST, dtype=torch.uint8)
         t0 = time.perf_counter()
         transport.send(0, frame)
         out.put((rank, time.perf_counter() - t0))
@@ -80,19 +83,26 @@ ROUNDS = 3
 def _pipelined_role(rank: int, out: "mp.Queue") -> None:
     transport = TorchTransport(rank)
     if rank == 0:
-        got = [{p: int(f[0]) for p, f in frames.items()} for frames in transport.recv_rounds([1, 2], ROUNDS)]
-        out.put((0, (got, dict(transport.wire_s), transport.take_counts()[1])))
+        inbox = Inbox(transport, [1, 2], timeout_s=30, last_kinds=frozenset({LAST}))
+        got, wire = [], {1: 0.0, 2: 0.0}
+        for _ in range(ROUNDS):
+            frames = {p: inbox.get(p) for p in (1, 2)}
+            got.append({p: int(f[0]) for p, (f, _) in frames.items()})
+            for p, (_, t) in frames.items():
+                wire[p] += t
+        out.put((0, (got, wire, transport.take_counts()[1])))
     else:
         # Every round posted before any is waited on: the sends overlap the receiver's work.
-        waits = [transport.post_many([0], torch.full((1000 * rank,), 10 * rank + r, dtype=torch.uint8))
+        waits = [transport.post_many([0], torch.full((1000 * rank,), LAST if r == ROUNDS - 1 else 10 * rank + r,
+                                                     dtype=torch.uint8))
                  for r in range(ROUNDS)]
         for wait in waits:
             wait()
         out.put((rank, None))
 
 
-def test_rounds_arrive_in_order_from_every_peer_with_their_bytes_and_wire_time_summed():
+def test_an_inbox_delivers_each_peers_frames_in_order_counting_their_bytes_when_consumed():
     rounds, wire_s, received = _run_roles(_pipelined_role)[0]
-    assert rounds == [{1: 10 + r, 2: 20 + r} for r in range(ROUNDS)]
+    assert rounds == [{1: 10 + r, 2: 20 + r} for r in range(ROUNDS - 1)] + [{1: LAST, 2: LAST}]
     assert received == {1: ROUNDS * (8 + 1000), 2: ROUNDS * (8 + 2000)}
     assert set(wire_s) == {1, 2} and all(s >= 0 for s in wire_s.values())

@@ -1,4 +1,5 @@
-"""Helpers for the trainer tests: run the CLI as a subprocess, read its metrics, tiny set-ups."""
+"""Helpers for the trainer tests: the CLI as a subprocess, and a whole PS run in one process
+(server and workers on threads over an in-memory hub) for exact-arithmetic specifications."""
 
 from __future__ import annotations
 
@@ -6,23 +7,37 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
-from trainer.data import Dataset
+from trainer.config import TrainConfig, initial_batch_sizes
+from trainer.loader import batch_indices
+from trainer.metrics import MetricsLogger
+from trainer.ps import ParameterServer, PSClient, serve_in_thread
+from trainer.transport import InMemoryHub
 
 ROOT = Path(__file__).resolve().parents[2]
+# The built-in task the CLI tests train: quick on a CPU, and learnable to > 90 %.
+DIGITS = ["--task", "hybridtrain.tasks.digits:smallcnn", "--task-args", '{"lr": 0.1}', "--global-batch", "48"]
 
 
-def run_cli(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` with one thread per role; returns the finished process."""
+def run_cli(*args: str, timeout: float = 150, cwd: Path = ROOT, command: str = "trainer") -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` (or `hybridtrain launch` with command="launch") with one thread
+    per role; returns the finished process."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", "--threads", "1", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    if command == "launch":
+        argv = [sys.executable, "-c", "import sys; from trainer.cli import launch_main; sys.exit(launch_main(sys.argv[1:]))",
+                "--threads", "1", *args]
+    else:
+        argv = [sys.executable, "-m", "trainer", "--threads", "1", *args]
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -35,16 +50,105 @@ def series(records: list[dict], name: str, rank: int = 0) -> dict[int, float]:
     return {r["step"]: r["value"] for r in records if r["name"] == name and r["rank"] == rank}
 
 
-def tiny_dataset(n: int = 256, features: int = 12, seed: int = 0) -> Dataset:
+def tiny_data(n: int = 256, features: int = 12, seed: int = 0) -> TensorDataset:
     """A learnable 3-class problem small enough for exact-arithmetic comparisons."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 1, 3, features // 3, generator=gen)
+    x = torch.randn(n, features, generator=gen)
     w = torch.randn(features, 3, generator=gen)
-    y = (x.reshape(n, -1) @ w).argmax(1)
-    return Dataset(x, y, x[:64].clone(), y[:64].clone(), 3)
+    return TensorDataset(x, (x @ w).argmax(1))
 
 
 def tiny_mlp(features: int = 12, seed: int = 0) -> nn.Module:
     """No BatchNorm: the gradient of a concatenated batch is then exactly the weighted sum."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(features, 64), nn.Tanh(), nn.Linear(64, 3))
+    return nn.Sequential(nn.Linear(features, 64), nn.Tanh(), nn.Linear(64, 3))
+
+
+def sgd(model: nn.Module, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 1e-3) -> torch.optim.SGD:
+    """SGD with weight decay on the matrices only, as the built-in tasks build it."""
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    return torch.optim.SGD([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                           lr=lr, momentum=momentum)
+
+
+def global_batch(data: TensorDataset, step: int, sizes: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The concatenation of every worker's batch of `step` (what one large-batch step sees)."""
+    idx = torch.cat([batch_indices(step, m, sizes, len(data), seed) for m in range(len(sizes))])
+    return data.tensors[0][idx], data.tensors[1][idx]
+
+
+@dataclass
+class Run:
+    """What an in-process run leaves: each worker's model, optimizer and client, the server,
+    the hub (frames per link)."""
+
+    models: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    clients: list[PSClient]
+    server: ParameterServer
+    hub: InMemoryHub
+    losses: dict[int, list[float]] = field(default_factory=dict)
+
+
+def run_in_process(
+    cfg: TrainConfig,
+    steps: int,
+    *,
+    data: TensorDataset | None = None,
+    model: Callable[[int], nn.Module] = lambda rank: tiny_mlp(),
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] = sgd,
+    eval_at: tuple[int, ...] = (),
+    after_step: Callable[[int, int, Run], None] | None = None,
+) -> Run:
+    """Train `steps` steps of `cfg` with a server and cfg.workers workers on threads."""
+    data = data if data is not None else tiny_data()
+    hub = InMemoryHub(timeout_s=30)
+    server = ParameterServer(cfg, hub.transport(0), MetricsLogger(0, "ps"))
+    thread, server_errors = serve_in_thread(server)
+    models = [model(r) for r in range(1, cfg.workers + 1)]
+    optimizers = [optimizer(m) for m in models]
+    clients: list[PSClient | None] = [None] * cfg.workers
+    run = Run(models, optimizers, [], server, hub)
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            m, opt = models[rank - 1], optimizers[rank - 1]
+            client = PSClient(cfg, rank, hub.transport(rank), m, opt, MetricsLogger(rank, "worker"),
+                              train_samples=len(data))
+            clients[rank - 1] = client
+            client.start()
+            for step in range(1, steps + 1):
+                idx = batch_indices(step, rank - 1, client.batch_sizes, len(data), cfg.seed)
+                client.zero_grad()
+                loss = F.cross_entropy(m(data.tensors[0][idx]), data.tensors[1][idx])
+                loss.backward()
+                client.push_pull(step, loss=float(loss.detach()), samples=len(idx), compute_s=0.0)
+                run.losses.setdefault(rank, []).append(float(loss.detach()))
+                if after_step is not None:
+                    after_step(rank, step, run)
+                if step in eval_at:
+                    client.average_buffers(step)
+                    client.combine_eval(step, {"accuracy": 0.0}, 1)
+            client.close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(1, cfg.workers + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    thread.join(30)
+    if errors or server_errors:
+        raise (errors or server_errors)[0]
+    run.clients = [c for c in clients if c is not None]
+    return run
+
+
+def config(**overrides) -> TrainConfig:
+    """A TrainConfig for the in-process runs (batch sizes as the server will plan them)."""
+    cfg = TrainConfig(**overrides)
+    assert sum(initial_batch_sizes(cfg)) == cfg.global_batch
+    return cfg

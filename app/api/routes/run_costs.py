@@ -66,7 +66,8 @@ def bill_public(run: Run, bill: Bill) -> RunCost:
             None if bill.usd_per_million_samples is None else float(bill.usd_per_million_samples)
         ),
         samples_per_s=bill.samples_per_s,
-        time_to_accuracy_s=bill.time_to_accuracy_s,
+        time_to_target_s=bill.time_to_target_s,
+        time_to_accuracy_s=bill.time_to_target_s,
         granularity=_granularity(bill.granularity),
         granularity_by_worker={k: _granularity(v) for k, v in bill.granularity_by_worker.items()},
         unpriced=list(bill.unpriced),

@@ -16,7 +16,7 @@ from app.models.base import utcnow
 from app.queries import runs as queries
 from app.run_lock import run_state_lock
 from app.schemas.common import Page
-from app.schemas.runs import PlanPublic, RunCancel, RunCreate, RunPublic
+from app.schemas.runs import PlanPublic, PlanTaskPublic, RunCancel, RunCreate, RunPublic
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,17 @@ IdempotencyKey = Annotated[
 @router.post("/plan", response_model=PlanPublic, responses=NOT_FOUND_OR_CONFLICT)
 def plan_run(session: SessionDep, _: CiDep, body: RunCreate) -> PlanPublic:
     """Preview the plan of a run (ranks, server, batch sizes) without launching it."""
-    plan = queries.make_plan(session, data=body)
+    plan, facts = queries.make_plan(session, data=body)
     return PlanPublic(
         strategy=plan.strategy, allocation=plan.allocation,
-        global_batch_size=plan.global_batch_size, max_steps=body.steps(),
+        global_batch_size=plan.global_batch_size,
+        max_steps=body.steps(facts.train_samples if facts else None),
         world_size=plan.world_size, ps_node_id=plan.ps_node_id, master_addr=plan.master_addr,
         workers=[w.__dict__ for w in plan.workers],
+        task=PlanTaskPublic(
+            ref=facts.ref, params=facts.params, train_samples=facts.train_samples,
+            profiled_nodes=facts.profiled_nodes,
+        ) if facts else None,
     )
 
 

@@ -1,4 +1,4 @@
-"""Runs side by side: loss against time, throughput, time to accuracy and spend."""
+"""Runs side by side: loss against time, throughput, time to target and spend."""
 
 from __future__ import annotations
 
@@ -53,10 +53,9 @@ def mean_loss(series: list[figures.SeriesLike]) -> list[figures.Point]:
 
 def summary(session, run) -> figures.RunSummary:  # type: ignore[no-untyped-def]
     """What the comparison shows of one run."""
-    data = run_data.run_series(session, run, names=("loss", "samples_per_s", "time_to_accuracy_s"), max_points=MAX_POINTS)
+    data = run_data.run_series(session, run, names=("loss", "samples_per_s"), max_points=MAX_POINTS)
     series = data.series
     servers = run_data.server_ranks(run)
-    tta = [p[2] for s in series if s.name == "time_to_accuracy_s" for p in s.points if p[2] is not None]
     bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples)
     return figures.RunSummary(
         run_id=run.id,
@@ -64,10 +63,11 @@ def summary(session, run) -> figures.RunSummary:  # type: ignore[no-untyped-def]
         t0=run_data.run_t0(session, run),
         loss=mean_loss([s for s in series if s.rank not in servers]),
         throughput=figures.total_throughput(figures.by_name(series, "samples_per_s", skip=servers)),
-        time_to_accuracy_s=min(tta) if tta else None,
+        # The bill reads the legacy metric name of older runs too.
+        time_to_target_s=bill.time_to_target_s,
         egress_usd=float(bill.egress_usd),
         compute_usd=float(bill.compute_usd),
-        target_accuracy=run.target_accuracy,
+        target=run.target,
         samples_per_s=bill.samples_per_s,
         usd_per_million_samples=(
             None if bill.usd_per_million_samples is None else float(bill.usd_per_million_samples)
@@ -105,7 +105,7 @@ def read_compare_page(
         "figures": {
             "loss": figures.compare_loss_figure(summaries),
             "throughput": figures.compare_throughput_figure(summaries),
-            "tta": figures.time_to_accuracy_figure(summaries),
+            "tta": figures.time_to_target_figure(summaries),
             "spend": figures.spend_figure(summaries),
         } if summaries else {},
     }

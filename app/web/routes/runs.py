@@ -19,27 +19,34 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
+from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
+from app import bundles as bundle_storage
 from app.api.deps import DispatcherDep, SessionDep, SettingsDep
+from app.config import Settings
 from app.api.routes import runs as runs_api
 from app.errors import HybridtrainError, NotFoundError
-from app.models import Cluster, Node
+from app.models import Bundle, Cluster, Node
 from app.queries import dashboard
 from app.queries import runs as run_queries
 from app.queries.agents import read_logs
 from app.schemas.common import MAX_ID
-from app.schemas.runs import DATASET_TRAIN_SIZES, MODELS, STRATEGIES, RunCancel
+from app.queries.bundles import list_bundles
+from app.schemas.runs import RunCancel
 from app.web import run_data, run_form
-from app.web.auth import CiViewerDep, FormDep, StreamViewerDep, Viewer, ViewerDep
+from app.web.auth import CiViewerDep, FormDep, StreamViewerDep, UploadFormDep, Viewer, ViewerDep
 from app.web.live import IdCursor, MetricRow
 from app.web.pages import PageNotFound, Paging
 from app.web.templating import redirect, render
+from hybridtrain.contract import STRATEGIES
 
 router = APIRouter()
 
 RunIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
 PER_PAGE = 25
+# Earlier bundles offered on the launch form, newest first.
+BUNDLE_CHOICES = 50
 # How often an open run page looks for new rows: well under the 1 s a new point may take.
 POLL_S = 0.25
 LOG_TAIL = 100
@@ -78,8 +85,10 @@ def _form_page(
         "cluster_options": [(c.id, c.name) for c in session.scalars(select(Cluster).order_by(Cluster.name))],
         "ps_options": [(n.id, f"{n.name} ({n.site.name})") for n in nodes],
         "strategy_options": [(s, s) for s in STRATEGIES],
-        "model_options": [(m, m) for m in MODELS],
-        "dataset_options": [(d, f"{d} ({n:,} samples)") for d, n in DATASET_TRAIN_SIZES.items()],
+        "bundle_options": [
+            (b.sha256, f"{b.filename or 'bundle'} · {b.sha256[:12]} · {b.created_at:%Y-%m-%d %H:%M}")
+            for b in list_bundles(session, skip=0, limit=BUNDLE_CHOICES)[0]
+        ],
     }
     return render(request, "run_new.html", context, cookie=viewer.session, status_code=status_code)
 
@@ -104,15 +113,45 @@ def preview_plan(session: SessionDep, viewer: CiViewerDep, form: FormDep) -> JSO
     return JSONResponse({"plan": plan.model_dump(mode="json")})
 
 
+def _store_upload(session: Session, settings: Settings, file: UploadFile, created_by: str) -> str:
+    """Keep an archive uploaded with the launch form as a bundle (checked as the API checks
+    one) and return its sha256; an archive stored before is not stored again."""
+    upload = bundle_storage.spool_file(
+        file.file, limit=settings.bundle_max_bytes, filename=bundle_storage.clean_filename(file.filename)
+    )
+    try:
+        if session.get(Bundle, upload.sha256) is None:
+            files = bundle_storage.count_files(upload.file)
+            bundle_storage.store_bundle(
+                session, upload=upload, files=files, created_by=created_by, bundle_dir=settings.bundle_dir
+            )
+        return upload.sha256
+    finally:
+        upload.close()
+
+
 @router.post("/runs")
 def launch_run(
     request: Request, session: SessionDep, settings: SettingsDep, dispatcher: DispatcherDep,
-    viewer: CiViewerDep, form: FormDep,
+    viewer: CiViewerDep, form: UploadFormDep,
 ) -> Response:
-    """Launch the run the form describes; on any error, the form again with it beside its field."""
+    """Launch the run the form describes (storing an uploaded bundle first); on any error, the
+    form again with it beside its field."""
     values = run_form.echoed(form)
-    body, errors = run_form.run_create(values)
-    if body is not None:
+    uploaded: str | None = None
+    errors: dict[str, str] = {}
+    file = form.get("bundle_file")
+    if isinstance(file, UploadFile) and file.filename:
+        try:
+            uploaded = _store_upload(session, settings, file, viewer.principal.name)
+            # Kept whatever becomes of the run: a form with an error offers it in the list.
+            session.commit()
+        except HybridtrainError as exc:
+            session.rollback()
+            errors = run_form.launch_errors(exc)
+    body, form_errors = run_form.run_create(values, bundle_sha256=uploaded)
+    errors |= form_errors
+    if body is not None and not errors:
         try:
             # The form's one-time key makes a double-click launch one run, not two.
             run = runs_api.create_run(
@@ -124,6 +163,8 @@ def launch_run(
             errors = run_form.launch_errors(exc)
         else:
             return redirect(request, f"/runs/{run.id}", cookie=viewer.session, flash=("ok", f"Run #{run.id} launched."))
+    if uploaded:
+        values["bundle_sha256"] = uploaded
     return _form_page(request, session, viewer, values=values, errors=errors, status_code=422)
 
 

@@ -366,10 +366,10 @@ def test_run_of_zero_duration_has_no_throughput(site, table1):
     assert bill.samples_per_s is None
 
 
-def test_time_to_accuracy_is_passed_through(table1):
-    bill = compute_bill(RunUsage(priced_at=RUN_AT, nodes=[], time_to_accuracy_s=812.5), table1)
+def test_time_to_target_is_passed_through(table1):
+    bill = compute_bill(RunUsage(priced_at=RUN_AT, nodes=[], time_to_target_s=812.5), table1)
 
-    assert bill.time_to_accuracy_s == 812.5
+    assert bill.time_to_target_s == 812.5
 
 
 def test_overall_granularity_is_total_compute_over_total_communication(table1):

@@ -58,8 +58,9 @@ def seed_run(
     started = datetime.now(UTC) - timedelta(seconds=steps * 0.05 + 60)
     run = Run(
         name=name, status=RunStatus.succeeded if finished else RunStatus.running,
-        strategy="ps-bz-gc", model="smallcnn", dataset="digits", global_batch_size=64 * workers, lr=0.1,
-        max_steps=steps, allocation="flops", target_accuracy=0.9, compression={"density": 0.01},
+        strategy="ps-bz-gc", task="hybridtrain.tasks.digits:smallcnn", task_args={"lr": 0.1},
+        global_batch_size=64 * workers, max_steps=steps, allocation="flops", target="accuracy>=0.9",
+        compression={"density": 0.01},
         metrics_token_hash=hash_secret(token), created_by="seed",
         ps_node_id=server.id, master_addr=server.address, master_port=29500,
         launched_at=started, started_at=started,

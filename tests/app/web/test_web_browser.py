@@ -96,14 +96,14 @@ def test_an_invalid_launch_shows_the_error_beside_the_field_and_keeps_the_input(
     sign_in_browser(page, next_path="/runs/new")
     page.fill("#f-name", "too-small-batch")
     page.fill("#f-global_batch_size", "0")
-    page.fill("#f-lr", "0.05")
+    page.fill("#f-task_args", '{"lr": 0.05}')
     page.click("#launch-button")
     page.wait_for_url("**/runs")
     assert "greater than or equal to 1" in page.inner_text('[data-error-for="global_batch_size"]')
     assert "choose at least one node" in page.inner_text('[data-error-for="node_ids"]')
     assert page.input_value("#f-name") == "too-small-batch"
     assert page.input_value("#f-global_batch_size") == "0"
-    assert page.input_value("#f-lr") == "0.05"
+    assert page.input_value("#f-task_args") == '{"lr": 0.05}'
 
 
 def test_a_finished_run_of_10000_steps_and_4_workers_opens_in_under_2_s(page, live_server: LiveServer) -> None:
@@ -118,13 +118,13 @@ def test_a_finished_run_of_10000_steps_and_4_workers_opens_in_under_2_s(page, li
     for _ in range(3):
         started = time.perf_counter()
         page.goto(f"/runs/{run.run_id}")
-        page.wait_for_function("() => window.hybridtrain && document.querySelectorAll('.js-plotly-plot').length === 5")
+        page.wait_for_function("() => window.hybridtrain && document.querySelectorAll('.js-plotly-plot').length === 6")
         timings.append(time.perf_counter() - started)
     assert min(timings) < 2.0, timings
     # Downsampled on the server: hundreds of points per worker, not 10,000.
     points = page.evaluate("() => document.getElementById('chart-throughput').data.map(t => t.x.length)")
     assert len(points) == 5 and max(points) <= 600
-    for word in ("Throughput", "Loss", "Compression", "Egress"):
+    for word in ("Throughput", "Loss", "Evaluation", "Compression", "Egress"):
         assert page.locator(".gtitle", has_text=word).count() == 1
     page.evaluate("window.scrollTo(0, 0)")
     screenshot(page, "run")

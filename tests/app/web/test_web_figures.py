@@ -21,10 +21,21 @@ def test_throughput_figure_labels_and_leaves_out_the_server() -> None:
     assert "Throughput" in fig["layout"]["title"]["text"]
 
 
-def test_loss_figure_puts_accuracy_on_a_second_axis_and_goes_log_over_decades() -> None:
+def test_loss_figure_goes_log_over_decades() -> None:
     fig = figures.loss_figure([_series("loss", 1, [100.0, 1.0, 0.1]), _series("accuracy", 1, [0.5])], t0=0.0)
-    assert fig["data"][1]["yaxis"] == "y2" and fig["layout"]["yaxis"]["type"] == "log"
+    assert [t["uid"] for t in fig["data"]] == ["loss:1"] and fig["layout"]["yaxis"]["type"] == "log"
     assert "Loss" in fig["layout"]["title"]["text"]
+
+
+def test_evaluation_figure_draws_one_trace_per_task_metric() -> None:
+    series = [_series("accuracy", 1, [0.5, 0.7]), _series("val_loss", 1, [1.2, 0.9]), _series("loss", 1, [2.0])]
+    fig = figures.evaluation_figure(series, t0=0.0, names=["accuracy", "val_loss"])
+    assert [(t["uid"], t["name"]) for t in fig["data"]] == [("eval:accuracy:1", "accuracy"), ("eval:val_loss:1", "val_loss")]
+    assert "Evaluation" in fig["layout"]["title"]["text"]
+
+
+def test_evaluation_figure_says_when_nothing_was_evaluated() -> None:
+    assert figures.evaluation_figure([], t0=0.0, names=[])["layout"]["annotations"]
 
 
 def test_compression_and_egress_figures_say_when_there_is_nothing_to_draw() -> None:
@@ -51,6 +62,6 @@ def test_comparison_figures_one_trace_or_bar_per_run() -> None:
     ]
     assert len(figures.compare_loss_figure(runs)["data"]) == 2
     assert len(figures.compare_throughput_figure(runs)["data"]) == 2
-    assert figures.time_to_accuracy_figure(runs)["data"][0]["text"] == ["42 s", "not reached"]
+    assert figures.time_to_target_figure(runs)["data"][0]["text"] == ["42 s", "not reached"]
     spend = figures.spend_figure(runs)
     assert [t["name"] for t in spend["data"]] == ["compute", "egress"] and spend["layout"]["barmode"] == "stack"

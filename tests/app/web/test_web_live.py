@@ -55,3 +55,15 @@ def test_egress_chart_ends_at_the_bills_figure() -> None:
     series, totals = cumulative_by_class(buckets, rates)
     assert [p[2] for p in series[0].points] == [0.02, 0.04, 0.06]
     assert totals == {"internet": Decimal("0.06")}
+
+
+def test_live_state_sends_every_task_metric_to_the_evaluation_chart() -> None:
+    state = LiveState(t0=0.0, worker_ranks=[1], eval_names=["accuracy"])
+    appends = state.apply([
+        MetricRow(1, "r2", 1, -1, 50, 5.0, 0.8),
+        MetricRow(2, "accuracy", 1, -1, 50, 5.0, 0.9),
+        MetricRow(3, "time_to_target_s", 0, -1, 50, 5.0, 4.0),  # a system metric: no chart
+    ])
+    assert {(a["chart"], a["uid"], a["name"]) for a in appends} == {
+        ("evaluation", "eval:r2:1", "r2"), ("evaluation", "eval:accuracy:1", "accuracy")}
+    assert state.eval_names == ["accuracy", "r2"]

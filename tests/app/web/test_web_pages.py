@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
+import io
+import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from app.models import TokenScope
+from app.models import Bundle, Run, TokenScope
 from app.queries.nodes import node_by_join_token
 from app.web import run_form
 from app.web.assets import plotly_js_path
@@ -79,7 +82,7 @@ def test_revising_a_price_publishes_a_new_version_and_a_bad_one_is_refused(admin
 
 
 def test_invalid_launch_keeps_input_and_shows_errors(admin_page: PageClient) -> None:
-    response = admin_page.post("/runs", {"name": "r", "target": "nodes", "length": "steps", "max_steps": "-5", "global_batch_size": "64", "lr": "0.1", "compression_density": "2"})
+    response = admin_page.post("/runs", {"name": "r", "place": "nodes", "length": "steps", "max_steps": "-5", "global_batch_size": "64", "compression_density": "2"})
     errors = field_errors(response.text)
     assert response.status_code == 422
     assert set(errors) >= {"node_ids", "max_steps", "compression_density"}
@@ -97,11 +100,12 @@ def test_launch_form_carries_evaluation_and_rebalancing_periods() -> None:
 
 def test_launch_form_can_record_the_target_and_train_on() -> None:
     base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
-        "name": "r", "node_ids": ["1"], "target_accuracy": "0.9"}
+        "name": "r", "node_ids": ["1"], "target": "accuracy>=0.9"}
     stops, _ = run_form.run_create(base)
     trains_on, errors = run_form.run_create(base | {"at_target": "continue"})
     assert errors == {} and stops is not None and trains_on is not None
     assert stops.stop_at_target is True and trains_on.stop_at_target is False
+    assert stops.target == "accuracy>=0.9"
 
 
 def test_launch_form_turns_momentum_correction_off_or_leaves_the_default() -> None:
@@ -121,8 +125,8 @@ def test_an_unknown_choice_at_the_target_is_refused_beside_the_field() -> None:
 
 
 def test_rebalancing_an_all_reduce_run_is_refused_beside_the_field(admin_page: PageClient) -> None:
-    response = admin_page.post("/runs", {"name": "r", "target": "nodes", "strategy": "allreduce", "length": "steps",
-                                         "max_steps": "10", "global_batch_size": "64", "lr": "0.1", "rebalance_every": "10"})
+    response = admin_page.post("/runs", {"name": "r", "place": "nodes", "strategy": "allreduce", "length": "steps",
+                                         "max_steps": "10", "global_batch_size": "64", "rebalance_every": "10"})
     assert response.status_code == 422
     assert "rebalance_every" in field_errors(response.text)
     assert 'value="10"' in response.text
@@ -149,3 +153,75 @@ def test_templates_and_static_files_reach_nothing_outside() -> None:
     for path in [*Path(ROOT, "templates").rglob("*.html"), *Path(ROOT, "static").rglob("*.*")]:
         text = path.read_text()
         assert "http://" not in text and "https://" not in text and "//cdn" not in text, path
+
+
+def _launch_values(**fields: str) -> dict:
+    return {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {"name": "r", "node_ids": ["1"]} | fields
+
+
+def test_launch_form_sends_the_task_and_its_json_arguments() -> None:
+    body, errors = run_form.run_create(_launch_values(task="examples.diabetes:task", task_args='{"hidden": 32}'))
+    assert errors == {} and body is not None
+    assert (body.task, body.task_args) == ("examples.diabetes:task", {"hidden": 32})
+
+
+def test_launch_form_refuses_task_arguments_that_are_not_a_json_object_beside_the_field() -> None:
+    _, errors = run_form.run_create(_launch_values(task_args="[1, 2]"))
+    assert "JSON object" in errors["task_args"]
+
+
+def test_launch_form_splits_a_scripts_arguments_like_a_shell() -> None:
+    body, errors = run_form.run_create(_launch_values(
+        kind="script", bundle_sha256="ab" * 32, script="train.py", script_args="--name 'a b' --epochs 3"))
+    assert errors == {} and body is not None
+    assert body.script == "train.py" and body.script_args == ["--name", "a b", "--epochs", "3"]
+
+
+def test_launch_form_needs_a_bundle_for_a_script_beside_the_script_field() -> None:
+    _, errors = run_form.run_create(_launch_values(kind="script", script="train.py"))
+    assert "bundle" in errors["script"]
+
+
+def _tar_gz(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _post_launch_with_file(admin_page: PageClient, content: bytes):  # type: ignore[no-untyped-def]
+    admin_page.get("/runs/new")
+    data = {"csrf_token": admin_page.csrf, "name": "r", "place": "nodes", "kind": "task", "length": "steps",
+            "max_steps": "10", "global_batch_size": "64"}
+    return admin_page.http.post("/runs", data=data, files={"bundle_file": ("code.tar.gz", content, "application/gzip")})
+
+
+def test_an_archive_uploaded_with_the_launch_form_is_kept_and_offered_again(admin_page: PageClient, session: Session) -> None:
+    content = _tar_gz({"mycode/task.py": b"def task(): pass\n"})
+    sha = hashlib.sha256(content).hexdigest()
+
+    response = _post_launch_with_file(admin_page, content)
+
+    assert response.status_code == 422 and "node_ids" in field_errors(response.text)  # no node chosen
+    assert session.get(Bundle, sha) is not None
+    assert f'value="{sha}" selected' in response.text
+
+
+def test_an_unsafe_archive_uploaded_with_the_launch_form_is_refused_beside_the_file_input(admin_page: PageClient) -> None:
+    response = _post_launch_with_file(admin_page, _tar_gz({"../escape.py": b"x = 1\n"}))
+    assert response.status_code == 422 and "unsafe" in field_errors(response.text)["bundle_file"]
+
+
+def test_run_page_shows_the_task_its_bundle_target_and_evaluation_chart(admin_page: PageClient, session: Session) -> None:
+    run = seed_run(session, steps=300, workers=2, finished=True)
+    session.get(Run, run.run_id).bundle_sha256 = "ab" * 32
+    session.commit()
+
+    page = admin_page.get(f"/runs/{run.run_id}").text
+
+    assert "hybridtrain.tasks.digits:smallcnn" in page and "accuracy&gt;=0.9" in page
+    assert f'href="/api/v1/bundles/{"ab" * 32}/archive"' in page
+    assert 'id="chart-evaluation"' in page and "eval:accuracy:1" in page

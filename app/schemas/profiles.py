@@ -1,0 +1,76 @@
+"""Schemas of task profiles: a task's measured speed on a node."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from app.models import ProfileStatus
+from app.schemas.common import Id, PublicSchema, Schema
+from hybridtrain.contract import DEFAULT_TASK
+
+TaskRef = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]*$")]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Device = Literal["cpu", "cuda", "auto"]
+_Count = Annotated[int, Field(ge=0, le=2**62, strict=True)]
+_Rate = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+
+
+class ProfileCreate(Schema):
+    task: TaskRef = DEFAULT_TASK
+    task_args: dict[str, Any] = Field(default_factory=dict)
+    bundle_sha256: Sha256 | None = None
+    node_ids: list[Id] = Field(min_length=1, max_length=256)
+    batch_size: int = Field(default=32, ge=1, le=65536, strict=True)
+    device: Device = "auto"
+
+
+class ProfileMeasurement(Schema):
+    """The one JSON line of `python -m trainer.profile`."""
+
+    # Later trainers may print more fields: they are ignored, not refused, so an agent newer
+    # than this control plane can still report.
+    model_config = ConfigDict(extra="ignore")
+
+    params: _Count
+    train_samples: _Count | None = None
+    eval_samples: _Count | None = None
+    batch: Annotated[int, Field(ge=1, le=2**31 - 1, strict=True)]
+    samples_per_s: _Rate
+    step_s: _Rate
+    metrics: dict[Annotated[str, Field(max_length=32)], bool] = Field(
+        default_factory=dict, max_length=64
+    )
+
+
+class ProfileReport(Schema):
+    """What an agent POSTs when a profile has run: its measurement, or why it failed."""
+
+    status: Literal["done", "failed"]
+    result: ProfileMeasurement | None = None
+    # Any length is taken (a traceback's tail); the stored text is cut to MAX_ERROR_CHARS.
+    error: Annotated[str, Field(max_length=1_000_000)] | None = None
+
+
+class TaskProfilePublic(PublicSchema):
+    id: int
+    node_id: int
+    task_key: str
+    task: str
+    task_args: dict[str, Any]
+    bundle_sha256: str | None
+    batch_size: int
+    device: str
+    status: ProfileStatus
+    params: int | None
+    train_samples: int | None
+    eval_samples: int | None
+    samples_per_s: float | None
+    step_s: float | None
+    metrics: dict[str, bool] | None
+    error: str | None
+    created_by: str
+    created_at: datetime
+    measured_at: datetime | None

@@ -1,0 +1,223 @@
+"""Names and arithmetic shared by the control plane, the agent and the trainer.
+
+Standard library only: the control plane (no torch), the agent (no torch in its own process)
+and the trainer all import this one module, so a strategy, a metric name, a flag of the launch
+contract or the batch split exists once (conventions: names shared across processes live once).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# -- strategies and their knobs ---------------------------------------------------------------
+
+STRATEGIES = ("allreduce", "allreduce-powersgd", "ps", "ps-gc", "ps-bz-gc")
+PS_STRATEGIES = ("ps", "ps-gc", "ps-bz-gc")
+DEFAULT_STRATEGY = "ps-bz-gc"
+ALLOCATIONS = ("equal", "flops", "measured")
+COMPRESSORS = ("none", "topk", "randomk")
+VALUE_DTYPES = ("fp32", "fp16")
+SELECT_METHODS = ("estimate", "threshold", "topk", "sort")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def is_ps(strategy: str) -> bool:
+    """Whether `strategy` runs a parameter server as rank 0."""
+    return strategy in PS_STRATEGIES
+
+
+def default_allocation(strategy: str) -> str:
+    """`ps-bz-gc` sizes batches by speed (its point); every baseline splits equally."""
+    return "flops" if strategy == "ps-bz-gc" else "equal"
+
+
+# -- the batch split (seed 000, section III-A) ------------------------------------------------
+
+
+def proportional_batch_sizes(global_batch: int, speeds: Sequence[float]) -> list[int]:
+    """Step 1: split `global_batch` in proportion to `speeds`; sums exactly to B, each >= 1.
+
+    Largest-remainder rounding after reserving one sample per worker, so the rounding error of
+    any share is below one sample and ties break towards the lower worker index (the same
+    answer on every rank and in the control plane's planner).
+    """
+    m = len(speeds)
+    if m == 0:
+        raise ValueError("speeds: at least one worker is required")
+    if any(not (s > 0) or not math.isfinite(s) for s in speeds):
+        raise ValueError(f"speeds: every speed must be a finite number > 0, got {list(speeds)}")
+    if global_batch < m:
+        raise ValueError(f"global batch {global_batch} is smaller than the {m} workers")
+    total = float(sum(speeds))
+    # Reserve the guaranteed sample first so a very slow worker still gets n_m >= 1 without
+    # taking more than its share from the others.
+    spare = global_batch - m
+    exact = [spare * s / total for s in speeds]
+    sizes = [int(e) for e in exact]
+    left = spare - sum(sizes)
+    order = sorted(range(m), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:left]:
+        sizes[i] += 1
+    return [n + 1 for n in sizes]
+
+
+def equal_batch_sizes(global_batch: int, workers: int) -> list[int]:
+    """Equal shares of `global_batch` (the first `B mod M` workers get one more)."""
+    return proportional_batch_sizes(global_batch, [1.0] * workers)
+
+
+def aggregation_weights(batch_sizes: Sequence[int]) -> list[float]:
+    """alpha_m = n_m / sum(n) (eq. 1)."""
+    total = sum(batch_sizes)
+    if total <= 0:
+        raise ValueError(f"batch sizes must sum to a positive number, got {list(batch_sizes)}")
+    return [n / total for n in batch_sizes]
+
+
+# -- the adaptive density rule (step 5) ----------------------------------------------------------
+
+
+def adapt_densities(
+    densities: list[float],
+    times: list[float],
+    *,
+    target: float,
+    low: float,
+    high: float,
+    gamma: float,
+    floor: float = 0.0,
+) -> list[float]:
+    """Step 5, the per-worker density rule: d_m <- d_m * (mean(T) / T_m)^gamma, renormalised.
+
+    A worker whose last transmission took longer than the mean compresses harder, a faster one
+    lighter. The geometric mean is then pinned to `target` so the total budget does not drift
+    (the arithmetic mean in the ratio would otherwise push every density up), and each density is
+    clipped to [low, high]. With bytes proportional to density the fixed point is d_m
+    proportional to the link's bandwidth. Times are raised to `floor` first, so links too fast
+    for their time to matter keep the target. Missing or non-positive times leave densities as
+    they are.
+    """
+    if len(densities) != len(times):
+        raise ValueError(f"{len(densities)} densities but {len(times)} transmission times")
+    if not densities or any(not (t > 0) for t in times):
+        return [min(high, max(low, d)) for d in densities]
+    times = [max(t, floor) for t in times]
+    mean = sum(times) / len(times)
+    proposed = [d * (mean / t) ** gamma for d, t in zip(densities, times)]
+    geo = math.exp(sum(math.log(p) for p in proposed) / len(proposed))
+    return [min(high, max(low, p * target / geo)) for p in proposed]
+
+
+def steps_for_epochs(epochs: float, train_samples: int, global_batch: int) -> int:
+    """Steps that pass over `train_samples` `epochs` times at `global_batch` (the trainer
+    treats its shuffled epochs as one stream, so a partial last batch carries into the next)."""
+    if train_samples <= 0 or global_batch <= 0 or epochs <= 0:
+        raise ValueError("epochs, train samples and global batch must all be positive")
+    return max(1, math.ceil(epochs * train_samples / global_batch))
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+# What the trainer itself measures. A task adds its own evaluation metrics under their own
+# names (`accuracy`, `val_loss`, `r2`, ...); `val_loss`, the task's loss on its evaluation
+# data, is reported for every task that has evaluation data.
+SYSTEM_METRICS = frozenset(
+    {"loss", "batch_size", "samples_per_s", "compute_s", "data_s", "compress_s", "comm_s", "wait_s",
+     "bytes_sent", "bytes_recv", "density", "time_to_target_s", "max_steps", "params"}
+)
+VAL_LOSS = "val_loss"
+# The metric name of runs stored before task metrics existed (read, never written).
+LEGACY_TIME_TO_TARGET = "time_to_accuracy_s"
+METRIC_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+def check_metric_name(name: str) -> str:
+    """`name` if a task may report a metric under it; ValueError saying why not otherwise."""
+    if not METRIC_NAME.match(name):
+        raise ValueError(f"metric name {name!r}: use 1-32 of a-z, 0-9 and _, starting with a letter")
+    if name in SYSTEM_METRICS:
+        raise ValueError(f"metric name {name!r} is one the trainer reports itself")
+    return name
+
+
+@dataclass(frozen=True)
+class Target:
+    """A stopping or reporting target: `metric` reaching `value` from the `op` side."""
+
+    metric: str
+    op: str  # ">=" or "<="
+    value: float
+
+    def reached(self, measured: float) -> bool:
+        """Whether `measured` meets the target (NaN never does)."""
+        if not math.isfinite(measured):
+            return False
+        return measured >= self.value if self.op == ">=" else measured <= self.value
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.op == ">="
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.value:g}"
+
+
+_TARGET = re.compile(r"^\s*([a-z][a-z0-9_]{0,31})\s*(>=|<=)\s*([-+0-9.eE]+)\s*$")
+
+
+def parse_target(text: str) -> Target:
+    """'accuracy>=0.9' or 'val_loss <= 0.3' as a Target; ValueError naming what is wrong."""
+    m = _TARGET.match(text)
+    if m is None:
+        raise ValueError(f"target {text!r}: expected METRIC>=VALUE or METRIC<=VALUE, e.g. accuracy>=0.9")
+    try:
+        value = float(m.group(3))
+    except ValueError:
+        raise ValueError(f"target {text!r}: {m.group(3)!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"target {text!r}: the value must be finite")
+    if m.group(1) in SYSTEM_METRICS:
+        raise ValueError(f"target {text!r}: {m.group(1)} is not an evaluation metric")
+    return Target(m.group(1), m.group(2), value)
+
+
+# -- tasks --------------------------------------------------------------------------------------
+
+_TASK_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+DEFAULT_TASK = "hybridtrain.tasks.digits:smallcnn"
+
+
+def check_task_ref(ref: str) -> str:
+    """`ref` if it has the form package.module:function; ValueError otherwise."""
+    if not _TASK_REF.match(ref or ""):
+        raise ValueError(f"task {ref!r}: expected module:function, e.g. examples.diabetes:task")
+    return ref
+
+
+# -- the launch contract ------------------------------------------------------------------------
+
+# Environment through which a launcher (`hybridtrain launch`, the agent) tells a user's own
+# training script which role it plays; `hybridtrain.init()` reads it. The script names no
+# rank, port or address itself, as under torchrun.
+ENV_ROLE = "HYBRIDTRAIN_ROLE"
+ENV_RANK = "HYBRIDTRAIN_RANK"
+ENV_WORLD_SIZE = "HYBRIDTRAIN_WORLD_SIZE"
+ENV_MASTER_ADDR = "HYBRIDTRAIN_MASTER_ADDR"
+ENV_MASTER_PORT = "HYBRIDTRAIN_MASTER_PORT"
+# The run's configuration (the trainer's TrainConfig) as JSON.
+ENV_CONFIG = "HYBRIDTRAIN_CONFIG"
+LAUNCH_ENV = (ENV_ROLE, ENV_RANK, ENV_WORLD_SIZE, ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_CONFIG)
+
+# Trainer flags a launch order sets through its own fields, never through `options`.
+RESERVED_FLAGS = frozenset(
+    {"role", "rank", "world-size", "master-addr", "master-port", "batch-sizes", "report-url",
+     "report-token"}
+)
+# A bundle of the user's code: a gzipped tar, named by the sha256 of its bytes.
+BUNDLE_MEDIA_TYPE = "application/gzip"
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# The Celery task that asks an agent to profile a task on its node (control plane -> agent).
+PROFILE_TASK = "hybridtrain.profile_task"

@@ -1,0 +1,204 @@
+"""`hybridtrain testbed up|down|status|probe` and `hybridtrain bench paper`.
+
+`register(sub)` adds both commands to the `hybridtrain` parser; handlers import lazily so
+`hybridtrain --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+_STATE_DIR_HELP = "where state files live (default var/testbed)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `testbed` and `bench` to the `hybridtrain` parser."""
+    tb = sub.add_parser("testbed", help="the in-box hybrid-cloud testbed (needs root)")
+    tb_sub = tb.add_subparsers(dest="testbed_command", required=True)
+
+    p = tb_sub.add_parser("up", help="build a testbed from a YAML config")
+    p.add_argument("--config", required=True, help="e.g. bench/testbeds/paper.yaml")
+    p.add_argument("--no-services", action="store_true",
+                   help="only namespaces, links and cgroups: no control plane, no agents")  # fmt: skip
+    p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
+    p.set_defaults(func=_up)
+
+    p = tb_sub.add_parser("down", help="remove a testbed (every testbed without --name)")
+    p.add_argument("--name", help="the testbed's name (the config's `name`)")
+    p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
+    p.set_defaults(func=_down)
+
+    p = tb_sub.add_parser("status", help="what a testbed is made of and how it is doing")
+    p.add_argument("--name", help="the testbed's name (default: the only one up)")
+    p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
+    p.set_defaults(func=_status)
+
+    p = tb_sub.add_parser("probe", help="measure TCP throughput between every pair of sites")
+    p.add_argument("--name", help="the testbed's name (default: the only one up)")
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
+    p.set_defaults(func=_probe)
+
+    bench = sub.add_parser("bench", help="benchmarks that need a testbed")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bench_sub.add_parser("paper", help="seed 000's comparison of five strategies (needs root)")
+    p.add_argument("--config", default="bench/testbeds/paper.yaml")
+    p.add_argument("--quick", action="store_true", help="a shorter run (under 5 minutes)")
+    p.add_argument("--out", type=Path, default=Path("results.json"))
+    p.add_argument("--docs", default=None,
+                   help="the Markdown file whose paper section is rewritten ('-' to skip; "
+                        "default docs/BENCHMARKS.md for a full run, none for --quick)")  # fmt: skip
+    p.add_argument("--strategies", default=None, help="comma-separated subset, for debugging")
+    over = p.add_argument_group("workload overrides (default: the settings in docs/testbed.md)")
+    over.add_argument("--task", type=_task, help="module:function, e.g. hybridtrain.tasks.digits:widecnn")
+    over.add_argument("--task-args", type=_task_args, help='the task\'s JSON args, e.g. \'{"lr": 0.05}\'')
+    over.add_argument("--global-batch", type=int)
+    over.add_argument("--max-steps", type=int)
+    over.add_argument("--target", type=_target, help="e.g. 'accuracy>=0.95' or 'val_loss<=0.3'")
+    over.add_argument("--target-accuracy", type=_target_accuracy, dest="target",
+                      help="the same as --target accuracy>=X")  # fmt: skip
+    over.add_argument("--balanced-step-s", type=float,
+                      help="calibrate the global batch to this balanced compute per step")
+    over.add_argument("--pipeline-chunks", type=int, help="PS strategies' pipeline (1: none)")
+    over.add_argument("--server-k-fraction", type=float, help="ps-gc and ps-bz-gc server k")
+    p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
+    p.set_defaults(func=_bench_paper)
+
+
+def _task(text: str) -> str:
+    from hybridtrain.contract import check_task_ref
+
+    try:
+        return check_task_ref(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _task_args(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg} at character {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"lr\": 0.05}'")
+    return value
+
+
+def _target(text: str) -> str:
+    from hybridtrain.contract import parse_target
+
+    try:
+        parse_target(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    # The text as given (without blanks), not the parsed value, whose str() keeps 6 digits.
+    return "".join(text.split())
+
+
+def _target_accuracy(text: str) -> str:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    return _target(f"accuracy>={value!r}")
+
+
+def _fail(exc: Exception) -> int:
+    print(f"hybridtrain: {exc}", file=sys.stderr)
+    return 2
+
+
+def _up(args: argparse.Namespace) -> int:
+    from testbed import lifecycle
+    from testbed.errors import TestbedError
+
+    try:
+        state = lifecycle.up(args.config, state_dir=args.state_dir, services=not args.no_services)
+    except TestbedError as exc:
+        return _fail(exc)
+    print(f"testbed {state.name} is up; `hybridtrain testbed down --name {state.name}` removes it")
+    for name, ep in state.endpoints.items():
+        print(f"  {name:<16} {ep['role']:<13} {ep['site']:<10} {ep['address']:<14} "
+              f"netns {ep['netns']:<26} {ep['cpu_cores']:.3f} cores")  # fmt: skip
+    if url := state.services.get("forwarded_url"):
+        print(f"  control plane: {url} (forwarded from {state.services['internal_url']})")
+        print(f"  admin token in {args.state_dir / state.name / 'admin_token'}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from testbed import lifecycle
+    from testbed.errors import TestbedError
+
+    try:
+        lifecycle.down(args.name, state_dir=args.state_dir)
+    except TestbedError as exc:
+        return _fail(exc)
+    return 0
+
+
+def _only_name(args: argparse.Namespace) -> str:
+    from testbed.errors import TestbedError
+    from testbed.state import known_names
+
+    if args.name:
+        return str(args.name)
+    names = known_names(args.state_dir)
+    if len(names) != 1:
+        raise TestbedError(
+            f"{len(names)} testbeds have state in {args.state_dir} ({', '.join(names) or 'none'}); "
+            "name one with --name"
+        )
+    return names[0]
+
+
+def _status(args: argparse.Namespace) -> int:
+    from testbed import lifecycle
+    from testbed.errors import TestbedError
+
+    try:
+        info = lifecycle.status(_only_name(args), state_dir=args.state_dir)
+    except TestbedError as exc:
+        return _fail(exc)
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from testbed import probe
+    from testbed.errors import TestbedError
+    from testbed.state import load
+
+    try:
+        state = load(args.state_dir, _only_name(args))
+        if state is None:
+            raise TestbedError("no such testbed")
+    except TestbedError as exc:
+        return _fail(exc)
+    # One endpoint per site stands for the site; a pair of endpoints in a site measures its LAN.
+    by_site: dict[str, list[str]] = {}
+    for name, ep in state.endpoints.items():
+        by_site.setdefault(ep["site"], []).append(name)
+    sites = sorted(by_site)
+    print(f"{'from':<12}{'to':<12}{'Mbit/s':>10}")
+    for a, b in itertools.product(sites, sites):
+        src = state.endpoints[by_site[a][0]]
+        if a == b:
+            if len(by_site[a]) < 2:
+                continue
+            dst = state.endpoints[by_site[a][1]]
+        else:
+            dst = state.endpoints[by_site[b][0]]
+        rate = probe.measure(src["netns"], dst["netns"], dst["address"], seconds=args.seconds)
+        print(f"{a:<12}{b:<12}{rate:>10.1f}")
+    return 0
+
+
+def _bench_paper(args: argparse.Namespace) -> int:
+    from testbed import paperbench
+
+    return paperbench.main(args)

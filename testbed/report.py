@@ -1,0 +1,193 @@
+"""The paper benchmark's Markdown section and Plotly charts (small pure functions, then I/O).
+
+Only the section under `SECTION` in docs/BENCHMARKS.md is rewritten; the rest of that shared
+file is left as it is. Charts are one standalone HTML file (Plotly from its CDN; PNG files
+as well when kaleido is installed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SECTION = "## Paper benchmark (hybridtrain bench paper)"
+CHART_FILE = "paper-bench.html"
+
+_LABELS = {
+    "allreduce": "All-Reduce",
+    "allreduce-powersgd": "All-Reduce + PowerSGD",
+    "ps": "PS",
+    "ps-gc": "PS-gc",
+    "ps-bz-gc": "PS-bz-gc",
+}
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "n/a"
+    return format(value, spec) if spec else str(value)
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    """The results table, one row per strategy, with throughput relative to ps-bz-gc."""
+    results = doc["results"]
+    bz = results.get("ps-bz-gc", {}).get("samples_per_s")
+    lines = [
+        ("| strategy | samples/s | ps-bz-gc is x faster | time to target (s) | final accuracy "
+         "| MB/step (all ranks) | granularity | egress (USD) | steps | status |"),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for strategy, r in results.items():
+        sps = r.get("samples_per_s")
+        speedup = f"{bz / sps:.2f}" if bz and sps else "n/a"
+        mb = r["bytes_per_step"] / 1e6 if r.get("bytes_per_step") is not None else None
+        lines.append(
+            f"| {_LABELS.get(strategy, strategy)} | {_fmt(sps, '.1f')} | {speedup} "
+            f"| {_fmt(r.get('tta_s'), '.1f')} | {_fmt(r.get('final_accuracy'), '.4f')} "
+            f"| {_fmt(mb, '.2f')} | {_fmt(r.get('granularity'), '.2f')} "
+            f"| {_fmt(r.get('egress_usd'), '.4f')} | {r.get('steps')} | {r.get('status')} |"
+        )
+    ideal = doc.get("ideal_samples_per_s")
+    lines.append(f"| ideal (sum of standalone workers) | {_fmt(ideal, '.1f')} | | | | | | | | |")
+    return "\n".join(lines)
+
+
+def targets_table(doc: dict[str, Any]) -> str:
+    """The issue's targets: measured value, goal, met or missed."""
+    lines = ["| target | measured | goal | met |", "| --- | ---: | ---: | --- |"]
+    for name, t in doc.get("targets", {}).items():
+        lines.append(f"| {name} | {_fmt(t['value'])} | {t['goal']} | {'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines)
+
+
+def profile_table(doc: dict[str, Any]) -> str:
+    """Where a step's time goes, per strategy (means over the steady state, seconds)."""
+    cols = ["slowest_worker_compute_s", "worker_compress_s", "worker_comm_s", "worker_wait_s",
+            "server_wait_s", "server_compress_s", "server_comm_s"]  # fmt: skip
+    head = "| strategy | step (s) | " + " | ".join(c.removesuffix("_s").replace("_", " ") for c in cols) + " |"
+    lines = [head, "| --- |" + " ---: |" * (len(cols) + 1)]
+    for strategy, r in doc["results"].items():
+        prof = r.get("profile", {})
+        cells = " | ".join(_fmt(prof.get(c), ".3f") for c in cols)
+        lines.append(f"| {_LABELS.get(strategy, strategy)} | {_fmt(r.get('step_s'), '.3f')} | {cells} |")
+    return "\n".join(lines)
+
+
+def figures(doc: dict[str, Any]) -> list[Any]:
+    """Time-to-target bars, throughput bars (with the ideal), loss against training time."""
+    import plotly.graph_objects as go
+
+    results = doc["results"]
+    names = [_LABELS.get(s, s) for s in results]
+    tta = go.Figure(go.Bar(x=names, y=[r.get("tta_s") for r in results.values()]))
+    tta.update_layout(title=f"Time to {workload(doc['settings'])[2]} (s, lower is better)",
+                      yaxis_title="seconds")
+    thr = go.Figure(go.Bar(x=names, y=[r.get("samples_per_s") for r in results.values()]))
+    if doc.get("ideal_samples_per_s"):
+        thr.add_hline(y=doc["ideal_samples_per_s"], line_dash="dash", annotation_text="ideal")
+    thr.update_layout(title="Training throughput (samples/s, higher is better)", yaxis_title="samples/s")
+    loss = go.Figure()
+    for strategy, r in results.items():
+        curve = r.get("loss_curve") or []
+        if curve:
+            t0 = curve[0][0]
+            loss.add_trace(go.Scatter(x=[t - t0 for t, _ in curve], y=[v for _, v in curve],
+                                      mode="lines", name=_LABELS.get(strategy, strategy)))  # fmt: skip
+    loss.update_layout(title="Training loss against time", xaxis_title="seconds since the first step",
+                       yaxis_title="loss", yaxis_type="log")  # fmt: skip
+    return [tta, thr, loss]
+
+
+def workload(settings: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+    """(task, task args, target) of a results document's settings, also of one written before
+    tasks existed (model, dataset, lr, target_accuracy)."""
+    if "task" in settings:
+        return settings["task"], settings.get("task_args") or {}, settings.get("target") or "none"
+    task = f"hybridtrain.tasks.{settings.get('dataset')}:{settings.get('model')}"
+    args = {"lr": settings["lr"]} if "lr" in settings else {}
+    target = settings.get("target_accuracy")
+    return task, args, "none" if target is None else f"accuracy>={target}"
+
+
+def section(doc: dict[str, Any], chart_links: list[str]) -> str:
+    """The whole Markdown section (heading included)."""
+    s = doc["settings"]
+    task, task_args, target = workload(s)
+    tb = doc["testbed"]
+    load = doc.get("machine", {}).get("load_avg_at_end")
+    parts = [
+        SECTION,
+        "",
+        (f"Measured {doc.get('date', '')} on this {doc.get('machine', {}).get('cpus')}-CPU "
+         f"machine (1-minute load average at the end {load[0]:.1f}), in "
+         f"{doc.get('duration_s', 0) / 60:.1f} minutes. Reproduce (root): `{doc.get('command')}`."),
+        "",
+        (f"Testbed `{tb['name']}` ({tb['description']}); see docs/testbed.md. Workload: task "
+         f"`{task}` with args `{json.dumps(task_args)}`, global batch {s['global_batch']}, "
+         f"seed {s['seed']}, at most {s['max_steps']} steps, target `{target}`; compression "
+         f"{s['compression'] or 'trainer defaults'}. Throughput is the steady state after "
+         f"{s['skip_steps']} steps; time to target is the trainer's own (training time, "
+         "start-up excluded)."),
+        "",
+        markdown_table(doc),
+        "",
+        "Targets of issue 7, from this one invocation:",
+        "",
+        targets_table(doc),
+        "",
+        ("Where a step's time goes (seconds, means over the steady state; worker columns are "
+         "means over the workers, `wait` is the time from a worker's send to the server's reply):"),
+        "",
+        profile_table(doc),
+        "",
+        "Charts: " + ", ".join(f"[{Path(c).name}]({c})" for c in chart_links) + ". "
+        "What this profile says about each target, and by how much a missed one is missed: "
+        "docs/testbed.md, \"Where the step goes\".",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def replace_section(document: str, new_section: str) -> str:
+    """`document` with its SECTION (up to the next `## ` heading) replaced, or appended."""
+    lines = document.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    if start is None:
+        sep = "" if document.endswith("\n") or not document else "\n"
+        return document + sep + ("\n" if document else "") + new_section
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    tail = "".join(lines[end:])
+    return "".join(lines[:start]) + new_section + ("\n" if tail else "") + tail
+
+
+def write_docs(doc: dict[str, Any], docs_path: Path) -> list[Path]:
+    """Write the charts next to `docs_path` and rewrite its section; the paths written."""
+    figs = figures(doc)
+    chart_dir = docs_path.parent / "bench"
+    chart_dir.mkdir(parents=True, exist_ok=True)
+    html = chart_dir / CHART_FILE
+    html.write_text(
+        "<html><head><meta charset='utf-8'><title>hybridtrain bench paper</title></head><body>"
+        + "".join(
+            f.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False)
+            for i, f in enumerate(figs)
+        )
+        + "</body></html>"
+    )
+    written = [html]
+    links = [f"bench/{CHART_FILE}"]
+    try:
+        import kaleido  # noqa: F401
+
+        for fig, name in zip(figs, ("tta", "throughput", "loss")):
+            png = chart_dir / f"paper-{name}.png"
+            fig.write_image(png)
+            written.append(png)
+            links.append(f"bench/{png.name}")
+    except ImportError:
+        pass  # kaleido is not installed here: the HTML file is the chart
+    old = docs_path.read_text() if docs_path.exists() else "# Benchmarks\n"
+    docs_path.write_text(replace_section(old, section(doc, links)))
+    written.append(docs_path)
+    return written

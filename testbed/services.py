@@ -1,0 +1,214 @@
+"""The testbed's services: broker and control plane in their namespace, one agent per node.
+
+Order (each process is recorded in the state file before `up` goes on):
+1. redis-server in the control plane's namespace, bound to its testbed address only;
+2. `hybridtrain server` there, on SQLite under var/testbed/<name>/, with a fresh admin token;
+3. a forwarder from 127.0.0.1 into that namespace, so the host (the CLI, a browser, the
+   benchmark) reaches the API without any testbed address in the root namespace;
+4. the sites and nodes registered through the REST API, each node with its provider, region,
+   declared GPU and a label naming its namespace; the server pod is a node without GPUs;
+5. `hybridtrain agent` inside each node's namespace, in the node's host cgroup, with its node's
+   join token and a trainer command that moves each role onto the node's quota (incgroup.py);
+6. wait until every node is online.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from testbed import forward, processes
+from testbed.errors import ServiceError
+from testbed.state import TestbedState, save
+from testbed.topology import Plan
+
+Log = Callable[[str], None]
+REDIS_PORT = 6379
+READY_TIMEOUT_S = 180.0
+
+
+def _hybridtrain() -> list[str]:
+    # The same interpreter and code as this process, whatever is on PATH inside `ip netns exec`.
+    return [sys.executable, "-m", "app.cli"]
+
+
+def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = print) -> None:
+    """Start broker, control plane, forwarder and agents of the testbed, and register the nodes."""
+    if the_plan.config.control_plane is None:
+        raise ServiceError("the config has no control_plane section: nothing to start")
+    cp = the_plan.endpoint("cp")
+    port = the_plan.config.control_plane.port
+    work = (state_dir / state.name).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    admin_token = secrets.token_urlsafe(24)
+    (work / "admin_token").write_text(admin_token + "\n")
+    (work / "admin_token").chmod(0o600)
+    broker_url = f"redis://{cp.address}:{REDIS_PORT}/0"
+    internal_url = f"http://{cp.address}:{port}"
+    cp_group = Path(state.endpoints["cp"]["cgroup"])
+
+    t0 = time.monotonic()
+    _start_redis(state, state_dir, cp.netns, cp.address, cp_group, work)
+    processes.spawn(
+        state, state_dir, name="control-plane", argv=[*_hybridtrain(), "server", "--host",
+        cp.address, "--port", str(port), "--log-level", "warning", "--no-access-log"],
+        netns_name=cp.netns, cgroup=cp_group,
+        env={
+            "HYBRIDTRAIN_DATABASE_URL": f"sqlite+pysqlite:///{work / 'control-plane.db'}",
+            "HYBRIDTRAIN_ADMIN_TOKEN": admin_token,
+            "HYBRIDTRAIN_SECRET_KEY": secrets.token_urlsafe(32),
+            "CELERY_BROKER_URL": broker_url,
+            "HYBRIDTRAIN_PUBLIC_URL": internal_url,
+        },
+    )  # fmt: skip
+    fwd_port = forward.free_port()
+    processes.spawn(
+        state, state_dir, name="forwarder", argv=[sys.executable, "-m", "testbed.forward",
+        "--listen-port", str(fwd_port), "--netns", cp.netns, "--to", f"{cp.address}:{port}"],
+        netns_name=None, cgroup=Path(state.cgroup),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{fwd_port}"
+    state.services.update(
+        {"internal_url": internal_url, "forwarded_url": url, "broker_url": broker_url,
+         "admin_token_file": str(work / "admin_token")}
+    )  # fmt: skip
+    save(state, state_dir)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin_token}"},
+                      timeout=30.0, trust_env=False) as api:  # fmt: skip
+        _wait_healthy(api, state)
+        log(f"testbed {state.name}: control plane up at {url} in {time.monotonic() - t0:.1f} s")
+        node_ids, tokens = _register(api, the_plan, log)
+        state.services["node_ids"] = node_ids
+        save(state, state_dir)
+        for name, token in tokens.items():
+            ep = the_plan.endpoint(name)
+            # The agent on the node's host group; its roles on the node's quota (incgroup.py).
+            trainer = [sys.executable, "-m", "testbed.incgroup",
+                       state.endpoints[name]["cgroup"], "--", sys.executable, "-m", "trainer"]
+            processes.spawn(
+                state, state_dir, name=f"agent-{name}", argv=[*_hybridtrain(), "agent",
+                "--server", internal_url, "--token", token,
+                "--state-dir", str(work / "agents" / name), "--broker-url", broker_url,
+                "--advertise-address", ep.address, "--role-threads", "1",
+                "--trainer-command", json.dumps(trainer), "--log-level", "WARNING"],
+                netns_name=ep.netns, cgroup=Path(state.endpoints[name]["host_cgroup"]),
+            )  # fmt: skip
+        _wait_online(api, node_ids, state)
+    log(f"testbed {state.name}: {len(node_ids)} agents online, {time.monotonic() - t0:.1f} s")
+
+
+def _start_redis(
+    state: TestbedState, state_dir: Path, ns: str, address: str, group: Path, work: Path
+) -> None:
+    redis = shutil.which("redis-server")
+    if redis is None:
+        raise ServiceError("the testbed's broker needs redis-server on PATH")
+    (work / "redis").mkdir(exist_ok=True)
+    processes.spawn(
+        state, state_dir, name="redis", argv=[redis, "--bind", address, "--port", str(REDIS_PORT),
+        "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir", str(work / "redis")],
+        netns_name=ns, cgroup=group,
+    )  # fmt: skip
+
+
+def _alive_or_raise(state: TestbedState) -> None:
+    for record in state.processes:
+        if not processes.is_alive(record):
+            tail = Path(record.log).read_text(errors="replace").splitlines()[-15:]
+            raise ServiceError(f"{record.name} exited; the end of {record.log}:\n" + "\n".join(tail))
+
+
+def _wait_healthy(api: httpx.Client, state: TestbedState) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        _alive_or_raise(state)
+        try:
+            if api.get("/healthz").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise ServiceError(f"the control plane did not answer /healthz within {READY_TIMEOUT_S:.0f} s")
+
+
+def _check(resp: httpx.Response, what: str) -> Any:
+    if resp.status_code >= 400:
+        raise ServiceError(f"{what}: {resp.status_code} {resp.text[:500]}")
+    return resp.json()
+
+
+def _ensure_gpu_models(api: httpx.Client, the_plan: Plan, log: Log) -> None:
+    catalog = {m["name"]: m for m in _check(api.get("/api/v1/gpu-models", params={"limit": 500}),
+                                            "list GPU models")["data"]}  # fmt: skip
+    for node in the_plan.config.nodes:
+        tflops = node.tflops / node.gpu_count
+        known = catalog.get(node.gpu)
+        if known is None:
+            raise ServiceError(f"GPU model {node.gpu!r} of node {node.name} is not in the catalog")
+        if abs(float(known["fp32_tflops"]) - tflops) > 0.05 * tflops:
+            log(f"warning: {node.gpu} is {known['fp32_tflops']} TFLOPs in the catalog but "
+                f"{tflops} in the testbed (GPU_FP32_TFLOPS or fp32_tflops in the config)")  # fmt: skip
+
+
+def _register(api: httpx.Client, the_plan: Plan, log: Log) -> tuple[dict[str, int], dict[str, str]]:
+    _ensure_gpu_models(api, the_plan, log)
+    cfg = the_plan.config
+    site_ids: dict[str, int] = {}
+    for site in cfg.sites:
+        body = {"name": site.name, "kind": site.kind, "provider": site.provider,
+                "region": site.region, "zone": site.zone, "continent": site.continent}  # fmt: skip
+        site_ids[site.name] = _check(api.post("/api/v1/sites", json=body), f"site {site.name}")["id"]
+    node_ids: dict[str, int] = {}
+    tokens: dict[str, str] = {}
+    for ep in the_plan.endpoints:
+        if ep.role == "control-plane":
+            continue
+        labels = {"testbed": cfg.name, "netns": ep.netns, "cpu_quota_cores": f"{ep.cpu_cores:.3f}"}
+        body: dict[str, Any] = {"site_id": site_ids[ep.site], "name": ep.name,
+                                "address": ep.address, "labels": labels}  # fmt: skip
+        if ep.role == "node":
+            node = next(n for n in cfg.nodes if n.name == ep.name)
+            body |= {"gpus": [{"model": node.gpu, "count": node.gpu_count}],
+                     "instance_type": node.instance_type, "spot": node.spot}  # fmt: skip
+        else:
+            assert cfg.server is not None
+            body["labels"] |= {"role": "parameter-server", "pod_of": cfg.server.host}
+        created = _check(api.post("/api/v1/nodes", json=body), f"node {ep.name}")
+        node_ids[ep.name] = created["id"]
+        tokens[ep.name] = created["join_token"]
+    return node_ids, tokens
+
+
+def _wait_online(api: httpx.Client, node_ids: dict[str, int], state: TestbedState) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    pending = set(node_ids)
+    while pending and time.monotonic() < deadline:
+        _alive_or_raise(state)
+        for name in sorted(pending):
+            node = _check(api.get(f"/api/v1/nodes/{node_ids[name]}"), f"node {name}")
+            if node["status"] == "online":
+                pending.discard(name)
+        time.sleep(1.0)
+    if pending:
+        raise ServiceError(f"agents of {', '.join(sorted(pending))} did not come online "
+                           f"within {READY_TIMEOUT_S:.0f} s; see var/testbed/{state.name}/logs/")  # fmt: skip
+
+
+def admin_client(state: TestbedState) -> httpx.Client:
+    """An API client for a running testbed, through its forwarder, with the admin token."""
+    token = Path(state.services["admin_token_file"]).read_text().strip()
+    return httpx.Client(
+        base_url=state.services["forwarded_url"],
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60.0,
+        trust_env=False,
+    )
+

@@ -1,0 +1,101 @@
+"""Launch and profile orders: validation of the bundle and script fields, and the argv built."""
+
+from __future__ import annotations
+
+import pytest
+from agent_testing import role_spec
+from pydantic import ValidationError
+
+from agents.spec import MAX_SCRIPT_ARGS, ProfileSpec, RoleSpec, trainer_argv
+from hybridtrain.contract import RESERVED_FLAGS
+
+SHA = "3f2a" + "0" * 60
+
+
+def _spec(**fields) -> RoleSpec:
+    return RoleSpec.model_validate({**role_spec(5, 1), **fields})
+
+
+def test_role_spec_accepts_a_bundle_and_script_args():
+    spec = _spec(bundle={"sha256": SHA, "path": "/api/v1/runs/5/bundle"}, script_args=["--epochs", "3"])
+    assert spec.bundle is not None and spec.bundle.sha256 == SHA
+    assert spec.bundle.short == "3f2a00000000\u2026"
+    assert spec.script_args == ["--epochs", "3"]
+
+
+def test_role_spec_without_the_new_fields_has_no_bundle_and_no_script_args():
+    spec = _spec()
+    assert spec.bundle is None and spec.script_args == []
+
+
+@pytest.mark.parametrize("sha", ["3F2A" + "0" * 60, "abc", "g" * 64, "0" * 65])
+def test_role_spec_rejects_a_bundle_sha256_that_is_not_64_lowercase_hex(sha):
+    with pytest.raises(ValidationError, match="bundle.sha256"):
+        _spec(bundle={"sha256": sha, "path": "/api/v1/runs/5/bundle"})
+
+
+@pytest.mark.parametrize(
+    "path", ["http://evil.example/api/v1/x", "/api/v2/runs/5/bundle", "runs/5/bundle",
+             "/api/v1/../../etc/passwd", "/api/v1/runs/5/bundle?x=1"],
+)
+def test_role_spec_rejects_a_bundle_path_outside_the_api(path):
+    with pytest.raises(ValidationError, match="bundle.path"):
+        _spec(bundle={"sha256": SHA, "path": path})
+
+
+def test_role_spec_rejects_unknown_bundle_fields():
+    with pytest.raises(ValidationError, match="url"):
+        _spec(bundle={"sha256": SHA, "path": "/api/v1/runs/5/bundle", "url": "http://x"})
+
+
+def test_role_spec_rejects_more_than_64_script_args():
+    with pytest.raises(ValidationError, match="script_args"):
+        _spec(script_args=["x"] * (MAX_SCRIPT_ARGS + 1))
+
+
+def test_role_spec_rejects_a_script_arg_with_a_nul():
+    with pytest.raises(ValidationError, match=r"script_args\[1\]: contains a NUL"):
+        _spec(script_args=["ok", "bad\0arg"])
+
+
+@pytest.mark.parametrize("flag", sorted(RESERVED_FLAGS))
+def test_role_spec_refuses_every_reserved_flag_of_the_contract_in_options(flag):
+    with pytest.raises(ValidationError, match="set by the spec itself"):
+        _spec(options={flag.replace("-", "_"): "x"})
+
+
+def test_role_spec_still_refuses_pythonpath_in_env():
+    with pytest.raises(ValidationError, match="PYTHONPATH"):
+        _spec(env={"PYTHONPATH": "/tmp"})
+
+
+def test_trainer_argv_appends_script_args_after_a_double_dash():
+    spec = _spec(options={"script": "train.py"}, script_args=["--epochs", "3", "--", "x y"])
+    argv = trainer_argv(spec, ["python", "-m", "trainer"])
+    assert argv[argv.index("--script") + 1] == "train.py"
+    cut = argv.index("--")
+    assert argv[cut + 1:] == ["--epochs", "3", "--", "x y"]
+    assert "--role" in argv[:cut] and "--report-token" in argv[:cut]
+
+
+def test_trainer_argv_has_no_double_dash_without_script_args():
+    assert "--" not in trainer_argv(_spec(), ["python", "-m", "trainer"])
+
+
+def test_profile_spec_accepts_a_full_order():
+    spec = ProfileSpec.model_validate({
+        "task": "examples.diabetes:task", "task_args": {"lr": 0.1},
+        "bundle": {"sha256": SHA, "path": "/api/v1/agent/profiles/3/bundle"},
+        "batch_size": 32, "device": "cpu",
+    })
+    assert spec.task == "examples.diabetes:task" and spec.bundle is not None
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [({"task": "no-colon"}, "task"), ({"device": "tpu"}, "device"), ({"batch_size": 0}, "batch_size")],
+)
+def test_profile_spec_rejects_a_bad_field_naming_it(fields, where):
+    order = {"task": "hybridtrain.tasks.digits:smallcnn", "batch_size": 8, "device": "cpu", **fields}
+    with pytest.raises(ValidationError, match=where):
+        ProfileSpec.model_validate(order)

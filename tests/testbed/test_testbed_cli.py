@@ -1,0 +1,43 @@
+"""`hybridtrain bench paper`'s workload flags: a task, its JSON args and a target."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from testbed.cli import register
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hybridtrain")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", "paper", *argv])
+
+
+def test_target_accuracy_is_an_alias_of_an_accuracy_target() -> None:
+    assert _parse("--target-accuracy", "0.9").target == "accuracy>=0.9"
+
+
+def test_a_target_is_kept_as_written_without_blanks() -> None:
+    assert _parse("--target", "val_loss <= 0.3").target == "val_loss<=0.3"
+
+
+def test_task_args_are_parsed_as_a_json_object() -> None:
+    args = _parse("--task", "hybridtrain.tasks.shapes:resnet18", "--task-args", '{"lr": 0.05}')
+    assert args.task == "hybridtrain.tasks.shapes:resnet18" and args.task_args == {"lr": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [("--task-args", "[1]", "JSON object"), ("--task-args", "{lr", "not JSON"),
+     ("--task", "widecnn", "module:function"), ("--target", "accuracy>0.9", "METRIC>=VALUE")],
+)  # fmt: skip
+def test_a_bad_workload_flag_is_one_line_naming_the_flag(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(flag, value)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}" in error and says in error

@@ -1,0 +1,195 @@
+"""The benchmark's reductions: figures from metric records, targets, the docs section."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from typing import Any
+
+import pytest
+
+from testbed.paperbench import (
+    FULL,
+    calibrated_batch,
+    check_targets,
+    link_prices,
+    profile_argv,
+    run_body,
+    samples_per_s,
+    summarise,
+    with_overrides,
+)
+from testbed.report import SECTION, markdown_table, replace_section, section, workload
+
+
+def _records(
+    step_s: float, steps: int, *, ps: bool, tta_name: str = "time_to_target_s"
+) -> list[dict[str, Any]]:
+    recs: list[dict[str, Any]] = []
+    workers = [1, 2] if ps else [0, 1]
+    for k in range(1, steps + 1):
+        t = 1000.0 + k * step_s
+        recs.append({"rank": 0, "peer": None, "name": "loss", "step": k, "t": t, "value": 1.0 / k})
+        for w in workers:
+            recs.append({"rank": w, "peer": None, "name": "compute_s", "step": k, "t": t, "value": step_s / 2})
+            # Rank 2 (cloud-a) is in the cloud: what it sends to rank 0 (on-prem) is egress.
+            recs.append({"rank": w, "peer": 0 if ps else 1 - w, "name": "bytes_sent", "step": k, "t": t,
+                         "value": 1000.0})
+    recs.append({"rank": 0, "peer": None, "name": "accuracy", "step": steps, "t": t, "value": 0.9})
+    recs.append({"rank": 0, "peer": None, "name": tta_name, "step": steps, "t": t, "value": 42.0})
+    return recs  # fmt: skip
+
+
+def test_summarise_turns_step_times_into_throughput_and_granularity() -> None:
+    out = summarise(
+        _records(2.0, 12, ps=True), strategy="ps-bz-gc", global_batch=512, skip_steps=6,
+        rank_node={0: "lab-ps", 1: "lab-a", 2: "cloud-a"},
+        egress_usd_per_gb=lambda src, dst: 0.12 if src == "cloud-a" else 0.0,
+        standalone={1: (256, 256.0), 2: (256, 512.0)},
+    )  # fmt: skip
+    assert out["samples_per_s"] == pytest.approx(256.0)
+    # The slowest worker needs 1 s alone of the 2 s step: as much compute as communication.
+    assert out["granularity"] == pytest.approx(1.0)
+    assert out["bytes_per_step"] == 2000
+    assert out["tta_s"] == 42.0 and out["final_accuracy"] == 0.9
+    assert out["egress_usd"] == pytest.approx(12 * 1000 / 2**30 * 0.12, abs=1e-8)
+
+
+def test_summarise_reads_the_time_to_accuracy_of_runs_from_before_task_metrics() -> None:
+    out = summarise(_records(2.0, 12, ps=True, tta_name="time_to_accuracy_s"), strategy="ps",
+                    global_batch=512, skip_steps=6, rank_node={}, egress_usd_per_gb=None)  # fmt: skip
+    assert out["tta_s"] == 42.0
+
+
+def test_summarise_leaves_egress_unknown_without_the_bills_prices() -> None:
+    out = summarise(_records(2.0, 12, ps=True), strategy="ps", global_batch=512, skip_steps=6,
+                    rank_node={0: "lab-ps", 1: "lab-a", 2: "cloud-a"}, egress_usd_per_gb=None)  # fmt: skip
+    assert out["egress_usd"] is None
+
+
+def test_link_prices_are_the_bills_own_per_link_rates() -> None:
+    bill = {"egress_by_link": [
+        {"src": "cloud-a", "dst": "lab-ps", "bytes": 10, "traffic_class": "internet",
+         "continent": "north_america", "payer": "gcp", "usd_per_gb": 0.12, "usd": 1e-9},
+    ]}  # fmt: skip
+    price = link_prices(bill)
+    assert price("cloud-a", "lab-ps") == 0.12
+    # A link the bill did not see costs nothing here, so the cross-check shows the difference.
+    assert price("lab-ps", "cloud-a") == 0.0
+
+
+def test_targets_compare_ps_bz_gc_with_each_baseline() -> None:
+    results = {
+        "ps-bz-gc": {"samples_per_s": 250.0, "tta_s": 40.0, "final_accuracy": 0.955},
+        "ps": {"samples_per_s": 80.0, "tta_s": 100.0, "final_accuracy": 0.96},
+        "allreduce": {"samples_per_s": 130.0},
+        "allreduce-powersgd": {"samples_per_s": 140.0},
+    }
+    targets = check_targets(results, ideal=300.0)
+    assert targets["throughput vs ps"]["met"] and targets["tta reduction vs ps"]["met"]
+    assert not targets["throughput vs allreduce"]["met"]  # 1.92x
+    assert targets["accuracy vs ps (points)"]["value"] == pytest.approx(-0.5)
+    assert targets["share of ideal"]["value"] == pytest.approx(0.833)
+
+
+def test_every_strategy_gets_the_same_hyperparameters() -> None:
+    bodies = [run_body(s, FULL, [1, 2, 3, 4], 5, "x") for s in ("ps", "ps-bz-gc", "allreduce")]
+    shared = ("task", "task_args", "global_batch_size", "max_steps", "target", "stop_at_target",
+              "eval_every", "seed")
+    assert len({json.dumps([b[k] for k in shared]) for b in bodies}) == 1
+    assert "ps_node_id" not in bodies[2] and bodies[0]["ps_node_id"] == 5
+
+
+def test_the_run_body_names_a_task_and_a_target_instead_of_model_and_accuracy() -> None:
+    body = run_body("ps-bz-gc", FULL, [1, 2], 3, "x")
+    assert body["task"] == "hybridtrain.tasks.digits:widecnn" and body["task_args"] == {"lr": 0.1}
+    assert body["target"] == "accuracy>=0.95"
+    assert not {"model", "dataset", "lr", "target_accuracy"} & body.keys()
+
+
+def test_docs_section_is_replaced_and_the_rest_kept() -> None:
+    doc = f"# Benchmarks\n\n## Other\nkeep me\n\n{SECTION}\nold\n\n## After\nkeep too\n"
+    out = replace_section(doc, f"{SECTION}\nnew\n")
+    assert "old" not in out and "new" in out and "keep me" in out and "keep too" in out
+    assert replace_section("# Benchmarks\n", f"{SECTION}\nnew\n").endswith(f"{SECTION}\nnew\n")
+
+
+def test_markdown_table_has_a_row_per_strategy_and_the_ideal() -> None:
+    doc = {"results": {"ps": {"samples_per_s": 80.0, "steps": 10, "status": "succeeded"},
+                       "ps-bz-gc": {"samples_per_s": 240.0, "steps": 10, "status": "succeeded"}},
+           "ideal_samples_per_s": 300.0}  # fmt: skip
+    table = markdown_table(doc)
+    assert "| PS | 80.0 | 3.00 |" in table and "ideal" in table
+
+
+def test_the_calibrated_batch_computes_for_the_asked_time_at_the_measured_speed() -> None:
+    assert calibrated_batch(91.8, 2.0, workers=4) == 184  # 183.6 samples, to a multiple of 8
+    assert calibrated_batch(300.0, 2.0, workers=4) == 600
+
+
+def test_the_calibrated_batch_stays_within_its_bounds() -> None:
+    assert calibrated_batch(1.0, 2.0, workers=4) == 32  # 8 samples per worker at least
+    assert calibrated_batch(10_000.0, 2.0, workers=4) == 1024
+    with pytest.raises(ValueError):
+        calibrated_batch(0.0, 2.0, workers=4)
+
+
+def test_a_batch_given_on_the_command_line_is_not_calibrated() -> None:
+    given = with_overrides(FULL, argparse.Namespace(global_batch=128))
+    assert given.global_batch == 128 and given.balanced_step_s is None
+    assert with_overrides(FULL, argparse.Namespace()).balanced_step_s == FULL.balanced_step_s
+
+
+def test_the_balanced_compute_time_can_be_overridden_and_is_still_calibrated() -> None:
+    s = with_overrides(FULL, argparse.Namespace(balanced_step_s=2.6))
+    assert s.balanced_step_s == 2.6 and s.global_batch == FULL.global_batch
+
+
+def test_pipeline_and_server_k_can_be_overridden_for_an_a_b_comparison() -> None:
+    s = with_overrides(FULL, argparse.Namespace(pipeline_chunks=1, server_k_fraction=0.5))
+    assert s.pipeline_chunks == 1 and s.compression["server_k_fraction"] == 0.5
+    assert s.compression["density"] == FULL.compression["density"]
+
+
+def test_every_parameter_server_strategy_gets_the_same_pipeline() -> None:
+    settings = replace(FULL, pipeline_chunks=4)
+    bodies = {s: run_body(s, settings, [1, 2], 3, "x") for s in ("ps", "ps-gc", "ps-bz-gc", "allreduce")}
+    assert all(bodies[s]["compression"]["pipeline_chunks"] == 4 for s in ("ps", "ps-gc", "ps-bz-gc"))
+    assert "compression" not in bodies["allreduce"]
+
+
+def test_the_workload_can_be_overridden_with_a_task_its_args_and_a_target() -> None:
+    task = "hybridtrain.tasks.shapes:resnet18"
+    s = with_overrides(FULL, argparse.Namespace(task=task, task_args={"lr": 0.05}, target="val_loss<=0.3"))
+    assert (s.task, s.task_args, s.target) == (task, {"lr": 0.05}, "val_loss<=0.3")
+
+
+def test_the_ideal_is_measured_by_the_trainers_profiler_on_the_task() -> None:
+    argv = profile_argv(FULL, 96)
+    assert argv[1:3] == ["-m", "trainer.profile"]
+    assert argv[argv.index("--task") + 1] == FULL.task
+    assert json.loads(argv[argv.index("--task-args") + 1]) == FULL.task_args
+    assert argv[argv.index("--batch") + 1] == "96" and argv[argv.index("--device") + 1] == "cpu"
+
+
+def test_the_docs_section_names_the_task_and_the_target() -> None:
+    doc = {"results": {}, "settings": asdict(FULL), "testbed": {"name": "paper", "description": "d"},
+           "machine": {"cpus": 2, "load_avg_at_end": [1.0]}}  # fmt: skip
+    text = section(doc, [])
+    assert "`hybridtrain.tasks.digits:widecnn` with args `{\"lr\": 0.1}`" in text
+    assert "target `accuracy>=0.95`" in text
+
+
+def test_settings_of_results_from_before_tasks_read_as_a_task_and_a_target() -> None:
+    old = {"model": "widecnn", "dataset": "digits", "lr": 0.1, "target_accuracy": 0.95}
+    assert workload(old) == ("hybridtrain.tasks.digits:widecnn", {"lr": 0.1}, "accuracy>=0.95")
+
+
+def test_the_measured_rate_is_read_past_warnings_after_the_json_line() -> None:
+    line = json.dumps({"params": 10, "batch": 96, "samples_per_s": 123.5, "step_s": 0.7})
+    assert samples_per_s(f"starting\n{line}\nUserWarning: something at exit\n") == 123.5
+
+
+def test_a_measurement_without_a_json_line_has_no_rate() -> None:
+    assert samples_per_s("Traceback (most recent call last):\nValueError: bad task\n") is None

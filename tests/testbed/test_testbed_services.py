@@ -1,0 +1,52 @@
+"""The whole stack on a testbed: control plane and agents in namespaces, a run over REST."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testbed import lifecycle, netns, services
+from testbed.topology import name_prefix
+
+pytestmark = pytest.mark.e2e
+
+
+def test_agents_in_namespaces_run_a_ps_bz_gc_run_through_the_api(
+    needs_root: None, write_config: Callable[..., Path], state_dir: Path
+) -> None:
+    path = write_config(
+        server={"name": "lab-ps", "host": "lab-a", "cpu_cores": 0.3},
+        control_plane={"site": "lab", "cpu_cores": 0.3},
+    )
+    name = yaml.safe_load(path.read_text())["name"]
+    try:
+        state = lifecycle.up(path, state_dir=state_dir, log=lambda _m: None)
+        ids = state.services["node_ids"]
+        with services.admin_client(state) as api:
+            nodes = {n["name"]: n for n in api.get("/api/v1/nodes").json()["data"]}
+            assert {n["status"] for n in nodes.values()} == {"online"}
+            assert nodes["cloud-a"]["gpus"] == [{"model": "V100 SXM2", "count": 1}]
+            assert nodes["lab-a"]["labels"]["netns"] == f"{name_prefix(name)}lab-a"
+            # No task named: the default one (hybridtrain.contract.DEFAULT_TASK) trains.
+            run = api.post("/api/v1/runs", json={
+                "name": "tiny", "node_ids": [ids["lab-a"], ids["lab-b"], ids["cloud-a"]],
+                "ps_node_id": ids["lab-ps"], "strategy": "ps-bz-gc", "global_batch_size": 64,
+                "max_steps": 5, "device": "cpu",
+            }).json()  # fmt: skip
+            deadline = time.monotonic() + 240
+            while run["status"] not in ("succeeded", "failed", "cancelled"):
+                assert time.monotonic() < deadline, f"run still {run['status']}"
+                time.sleep(2)
+                run = api.get(f"/api/v1/runs/{run['id']}").json()
+            assert run["status"] == "succeeded", run.get("reason")
+            # The server ran in its pod, and the batch follows the declared GPUs' FLOPs.
+            assert run["master_addr"] == state.endpoints["lab-ps"]["address"]
+            sizes = {w["node_name"]: w["batch_size"] for w in run["workers"] if w["role"] == "worker"}
+            assert sizes["lab-a"] > sizes["lab-b"] > sizes["cloud-a"]
+    finally:
+        lifecycle.down(name, state_dir=state_dir, log=lambda _m: None)
+    assert netns.list_namespaces(name_prefix(name)) == []

@@ -1,0 +1,147 @@
+"""The paper's algorithm (seed 000, section III) as small functions over explicit state.
+
+No sockets, threads or clocks here: `trainer.ps` runs these pieces over the protocol of
+`trainer.frames`, and the tests call them directly.
+
+Per step t:
+ 1. Allocation: n_m = B * s_m / sum(s) (`hybridtrain.contract.proportional_batch_sizes`).
+ 2. Worker m: g_m, the gradient of its mean loss on its n_m samples. Tiny and 1-D tensors go
+    dense; the rest is compressed: under DGC's momentum correction the velocity
+    u_m <- mu * u_m + g_m is what is compressed; Top-k of (residual + u_m or g_m) at the
+    worker's density d_m^t is sent, the rest kept as the residual (error feedback), and the sent
+    coordinates of u_m restart at zero (`worker_sparsify`).
+ 3. Server: G = sum_m alpha_m * g~_m with alpha_m = n_m / B (eq. 1-2, `aggregate`), plus its own
+    residual, re-sparsified to k_s = server_k_fraction of the elements (`server_sparsify`).
+ 4. Every worker applies the same G (eq. 3) with the same optimizer, so the replicas stay equal.
+ 5. The densities adapt to transmission times (`adapt_densities`) and, under `measured`
+    allocation, the batch split to compute times (`trainer.allocation.rebalance`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridtrain.contract import adapt_densities  # noqa: F401 - step 5 lives in the contract (the planner's model uses it too)
+from trainer.compression import CompressionState, Compressor, Payload
+from trainer.frames import Grad, LayoutSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each parameter lives in the flat gradient: dense tensors first, then compressed."""
+
+    spec: LayoutSpec
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: nn.Module, dense_numel: int) -> Layout:
+        """1-D tensors (biases, norms) and tensors under `dense_numel` elements travel dense."""
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        is_dense = [p.dim() <= 1 or p.numel() < dense_numel for _, p in params]
+        order = [i for i, d in enumerate(is_dense) if d] + [i for i, d in enumerate(is_dense) if not d]
+        names, numels, offsets, off = [], [], [], 0
+        for i in order:
+            name, p = params[i]
+            names.append(name)
+            numels.append(p.numel())
+            offsets.append(off)
+            off += p.numel()
+        nd = sum(p.numel() for (_, p), d in zip(params, is_dense) if d)
+        buffers = sum(b.numel() for b in float_buffers(model))
+        return cls(LayoutSpec(tuple(names), tuple(numels), nd, buffers), tuple(offsets))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.spec.names
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return self.spec.numels
+
+    @property
+    def dense_numel(self) -> int:
+        return self.spec.dense_numel
+
+    @property
+    def sparse_numel(self) -> int:
+        return self.spec.sparse_numel
+
+    @property
+    def numel(self) -> int:
+        return self.spec.numel
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """BatchNorm running statistics and other float buffers (not trained, so never in gradients)."""
+    return [b for _, b in model.named_buffers() if b.dtype.is_floating_point]
+
+
+def chunks(sparse_numel: int, count: int) -> tuple[tuple[int, int], ...]:
+    """`count` contiguous, near-equal (start, stop) ranges tiling the compressed part."""
+    if not 1 <= count <= max(1, sparse_numel):
+        raise ValueError(f"cannot split {sparse_numel} compressed elements into {count} chunks")
+    bounds = [round(i * sparse_numel / count) for i in range(count + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def worker_sparsify(
+    grad: torch.Tensor,
+    *,
+    codec: Compressor,
+    state: CompressionState,
+    velocity: torch.Tensor | None,
+    momentum: float,
+    dense_step: bool,
+) -> Payload:
+    """Step 2 for one chunk: what the worker sends of `grad` (updates `state` and `velocity`).
+
+    With a velocity (momentum correction) u <- momentum * u + grad is what travels; a dense step
+    (warm-up, or no compression) sends it whole, otherwise the codec's Top-k with error feedback,
+    and the velocity of every sent coordinate restarts at zero (DGC's momentum factor masking).
+    """
+    sent = grad if velocity is None else velocity.mul_(momentum).add_(grad)
+    if dense_step:
+        return Payload(sent.numel(), sent)
+    payload = codec.compress(sent, state)
+    if velocity is not None and payload.indices is not None:
+        velocity.index_fill_(0, payload.indices, 0.0)
+    return payload
+
+
+def aggregate(grads: Sequence[Grad], dense_numel: int, chunk_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3, eq. 1-2: sum_m alpha_m * g~_m of one chunk, alpha_m = n_m / sum(n) (fp32)."""
+    total = sum(g.samples for g in grads)
+    if total <= 0:
+        raise ValueError("aggregate: the workers reported no samples")
+    dense = torch.zeros(dense_numel)
+    sparse = torch.zeros(chunk_numel)
+    for g in grads:
+        alpha = g.samples / total
+        # Widen to fp32 before weighting and summing (fp16 values would lose the small terms).
+        dense.add_(g.dense.values.float(), alpha=alpha)
+        if g.sparse.indices is None:
+            sparse.add_(g.sparse.values.float(), alpha=alpha)
+        else:
+            sparse.index_add_(0, g.sparse.indices, g.sparse.values.float(), alpha=alpha)
+    return dense, sparse
+
+
+def server_sparsify(update: torch.Tensor, *, codec: Compressor, state: CompressionState,
+                    dense_step: bool) -> Payload:
+    """Step 3's re-sparsification: Top-k_s of (server residual + G), the rest kept back."""
+    if dense_step:
+        return Payload(update.numel(), update)
+    return codec.compress(update, state)
+
+
+def apply_payload(target: torch.Tensor, payload: Payload) -> None:
+    """Write a (possibly sparse) payload into the flat tensor `target` (zeros elsewhere)."""
+    if payload.indices is None:
+        target.copy_(payload.values.to(target.device, torch.float32))
+    else:
+        target.zero_()
+        target.index_add_(0, payload.indices.to(target.device), payload.values.to(target.device, torch.float32))

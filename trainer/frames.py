@@ -1,0 +1,328 @@
+"""The messages of the parameter-server protocol: one frozen dataclass per kind, each with its
+encoding beside it (conventions: messages are typed). Nothing outside this module knows which
+scalar of a frame is which.
+
+A worker's life, as the server sees it: HELLO (its model's layout) -> WELCOME (the plan) ->
+STATE from worker 1 only, forwarded by the server to every other worker as their starting
+weights -> per step, one GRAD per chunk, answered by one UPDATE per chunk -> now and then
+BUFFERS (answered by BUFFERS_AVG) and EVAL (answered by EVAL_RESULT) -> BYE, answered by BYE.
+ABORT, either way, carries the reason a run cannot go on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from trainer.compression import Payload
+from trainer.wire import Message, decode, encode
+
+SERVER = 0
+HELLO, WELCOME, STATE, GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT, BYE, ABORT = range(1, 12)
+KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", STATE: "STATE", GRAD: "GRAD", UPDATE: "UPDATE",
+              BUFFERS: "BUFFERS", BUFFERS_AVG: "BUFFERS_AVG", EVAL: "EVAL",
+              EVAL_RESULT: "EVAL_RESULT", BYE: "BYE", ABORT: "ABORT"}
+
+
+def _dense(values: torch.Tensor) -> Payload:
+    values = values.detach().reshape(-1).float().cpu()
+    return Payload(values.numel(), values)
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """What a worker's model looks like on the wire: parameter names and sizes in flat order,
+    how many leading elements travel dense, and the float buffers' total size."""
+
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    dense_numel: int
+    buffer_numel: int
+
+    @property
+    def numel(self) -> int:
+        """All parameters."""
+        return sum(self.numels)
+
+    @property
+    def sparse_numel(self) -> int:
+        """The compressed part."""
+        return self.numel - self.dense_numel
+
+    def difference(self, other: LayoutSpec) -> str | None:
+        """A sentence naming the first difference from `other`, or None when equal."""
+        if self == other:
+            return None
+        if self.names != other.names:
+            mine, theirs = set(self.names), set(other.names)
+            extra, missing = sorted(mine - theirs)[:3], sorted(theirs - mine)[:3]
+            if extra or missing:
+                return f"parameters {extra} only on one side, {missing} only on the other"
+            return "the same parameters in a different order"
+        for name, a, b in zip(self.names, self.numels, other.numels):
+            if a != b:
+                return f"parameter {name} has {a} elements on one side and {b} on the other"
+        return (f"dense part {self.dense_numel} vs {other.dense_numel}, buffers "
+                f"{self.buffer_numel} vs {other.buffer_numel} elements")
+
+
+@dataclass(frozen=True)
+class Hello:
+    sender: int
+    layout: LayoutSpec
+    train_samples: int | None
+    kind: ClassVar[int] = HELLO
+
+    def message(self) -> Message:
+        text = json.dumps({"names": self.layout.names, "numels": self.layout.numels,
+                           "dense_numel": self.layout.dense_numel,
+                           "buffer_numel": self.layout.buffer_numel,
+                           "train_samples": self.train_samples})
+        return Message(HELLO, 0, self.sender, text=text)
+
+    @classmethod
+    def parse(cls, m: Message) -> Hello:
+        d = json.loads(m.text)
+        layout = LayoutSpec(tuple(d["names"]), tuple(d["numels"]), d["dense_numel"], d["buffer_numel"])
+        return cls(m.sender, layout, d["train_samples"])
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The server's plan at the start: batch sizes, densities and the run's length in steps."""
+
+    batch_sizes: tuple[int, ...]
+    densities: tuple[float, ...]
+    max_steps: int
+    start_step: int = 0
+    kind: ClassVar[int] = WELCOME
+
+    def message(self) -> Message:
+        text = json.dumps({"batch_sizes": self.batch_sizes, "densities": self.densities,
+                           "max_steps": self.max_steps, "start_step": self.start_step})
+        return Message(WELCOME, 0, SERVER, text=text)
+
+    @classmethod
+    def parse(cls, m: Message) -> Welcome:
+        d = json.loads(m.text)
+        return cls(tuple(d["batch_sizes"]), tuple(d["densities"]), d["max_steps"], d["start_step"])
+
+
+@dataclass(frozen=True)
+class State:
+    """Worker 1's parameters and float buffers (flat, layout order), the replicas' start."""
+
+    sender: int
+    params: torch.Tensor
+    buffers: torch.Tensor
+    kind: ClassVar[int] = STATE
+
+    def message(self) -> Message:
+        return Message(STATE, 0, self.sender, payloads=[_dense(self.params), _dense(self.buffers)])
+
+    @classmethod
+    def parse(cls, m: Message) -> State:
+        return cls(m.sender, m.payloads[0].values, m.payloads[1].values)
+
+
+@dataclass(frozen=True)
+class Grad:
+    """One chunk of a worker's gradient (step 2), with what the server plans from (step 5)."""
+
+    step: int
+    sender: int
+    chunk: int
+    loss: float
+    samples: int
+    compute_s: float
+    last_tx_s: float
+    topk_s: float
+    dense: Payload
+    sparse: Payload
+    kind: ClassVar[int] = GRAD
+
+    def message(self) -> Message:
+        scalars = [self.chunk, self.loss, self.samples, self.compute_s, self.last_tx_s, self.topk_s]
+        return Message(GRAD, self.step, self.sender, scalars, [self.dense, self.sparse])
+
+    @classmethod
+    def parse(cls, m: Message) -> Grad:
+        chunk, loss, samples, compute_s, last_tx_s, topk_s = m.scalars
+        return cls(m.step, m.sender, int(chunk), loss, int(samples), compute_s, last_tx_s, topk_s,
+                   m.payloads[0], m.payloads[1])
+
+
+@dataclass(frozen=True)
+class Update:
+    """The server's answer to one chunk (steps 3-4); the last chunk's also carries the step's
+    loss and the next step's densities and batch sizes (step 5)."""
+
+    step: int
+    chunk: int
+    dense: Payload
+    sparse: Payload
+    loss: float = math.nan
+    densities: tuple[float, ...] = ()
+    batch_sizes: tuple[int, ...] = ()
+    kind: ClassVar[int] = UPDATE
+
+    def message(self) -> Message:
+        m = len(self.densities)
+        scalars = [self.chunk, self.loss, m, *self.densities, *self.batch_sizes]
+        return Message(UPDATE, self.step, SERVER, scalars, [self.dense, self.sparse])
+
+    @classmethod
+    def parse(cls, m: Message) -> Update:
+        chunk, loss, count = m.scalars[:3]
+        count = int(count)
+        densities = tuple(m.scalars[3 : 3 + count])
+        sizes = tuple(int(n) for n in m.scalars[3 + count : 3 + 2 * count])
+        return cls(m.step, int(chunk), m.payloads[0], m.payloads[1], loss, densities, sizes)
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """A worker's float buffers (BatchNorm statistics), weighted by its batch share."""
+
+    step: int
+    sender: int
+    samples: int
+    values: torch.Tensor
+    kind: ClassVar[int] = BUFFERS
+
+    def message(self) -> Message:
+        return Message(BUFFERS, self.step, self.sender, [self.samples], [_dense(self.values)])
+
+    @classmethod
+    def parse(cls, m: Message) -> Buffers:
+        return cls(m.step, m.sender, int(m.scalars[0]), m.payloads[0].values)
+
+
+@dataclass(frozen=True)
+class BuffersAvg:
+    step: int
+    values: torch.Tensor
+    kind: ClassVar[int] = BUFFERS_AVG
+
+    def message(self) -> Message:
+        return Message(BUFFERS_AVG, self.step, SERVER, payloads=[_dense(self.values)])
+
+    @classmethod
+    def parse(cls, m: Message) -> BuffersAvg:
+        return cls(m.step, m.payloads[0].values)
+
+
+@dataclass(frozen=True)
+class Eval:
+    """A worker's sums of each metric over its slice of the evaluation data, and its count."""
+
+    step: int
+    sender: int
+    sums: dict[str, float]
+    count: int
+    kind: ClassVar[int] = EVAL
+
+    def message(self) -> Message:
+        return Message(EVAL, self.step, self.sender, [self.count], text=json.dumps(self.sums))
+
+    @classmethod
+    def parse(cls, m: Message) -> Eval:
+        return cls(m.step, m.sender, json.loads(m.text), int(m.scalars[0]))
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """The run's metrics (means over the whole evaluation set) and whether to stop."""
+
+    step: int
+    values: dict[str, float]
+    stop: bool
+    kind: ClassVar[int] = EVAL_RESULT
+
+    def message(self) -> Message:
+        return Message(EVAL_RESULT, self.step, SERVER, [float(self.stop)], text=json.dumps(self.values))
+
+    @classmethod
+    def parse(cls, m: Message) -> EvalResult:
+        return cls(m.step, json.loads(m.text), bool(m.scalars[0]))
+
+
+@dataclass(frozen=True)
+class Bye:
+    """A worker is done after `step` steps; the server answers with its own."""
+
+    step: int
+    sender: int
+    kind: ClassVar[int] = BYE
+
+    def message(self) -> Message:
+        return Message(BYE, self.step, self.sender)
+
+    @classmethod
+    def parse(cls, m: Message) -> Bye:
+        return cls(m.step, m.sender)
+
+
+@dataclass(frozen=True)
+class Abort:
+    """The run cannot go on; `reason` says why (shown on the run's page)."""
+
+    sender: int
+    reason: str
+    kind: ClassVar[int] = ABORT
+
+    def message(self) -> Message:
+        return Message(ABORT, 0, self.sender, text=self.reason)
+
+    @classmethod
+    def parse(cls, m: Message) -> Abort:
+        return cls(m.sender, m.text)
+
+
+Frame = Hello | Welcome | State | Grad | Update | Buffers | BuffersAvg | Eval | EvalResult | Bye | Abort
+_PARSERS: dict[int, type] = {c.kind: c for c in (Hello, Welcome, State, Grad, Update, Buffers, BuffersAvg,
+                                                 Eval, EvalResult, Bye, Abort)}
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent what the protocol does not allow here, or aborted the run."""
+
+
+def pack(frame: Frame) -> torch.Tensor:
+    """The frame as bytes for the transport."""
+    return encode(frame.message())
+
+
+def unpack(raw: torch.Tensor) -> Frame:
+    """The typed frame of `raw`."""
+    m = decode(raw)
+    parser = _PARSERS.get(m.kind)
+    if parser is None:
+        raise ProtocolError(f"unknown frame kind {m.kind} from rank {m.sender}")
+    return parser.parse(m)
+
+
+def expect(raw: torch.Tensor, cls: type, step: int | None = None, *, peer: int | None = None) -> Frame:
+    """Unpack `raw` as a `cls` (of `step`); an ABORT raises its reason, anything else says what
+    came instead."""
+    frame = unpack(raw)
+    if isinstance(frame, Abort):
+        raise ProtocolError(frame.reason)
+    who = f"rank {peer}" if peer is not None else "the peer"
+    if not isinstance(frame, cls):
+        raise ProtocolError(f"expected {KIND_NAMES[cls.kind]} from {who}, got {KIND_NAMES[frame.kind]}"
+                            + ("" if step is None else f" (step {getattr(frame, 'step', '?')}, wanted {step})")
+                            + ": every worker must make the same hybridtrain calls in the same order")
+    if step is not None and getattr(frame, "step", step) != step:
+        raise ProtocolError(f"expected {KIND_NAMES[cls.kind]} of step {step} from {who}, got step "
+                            f"{frame.step}: the workers are out of step")
+    return frame
+
+
+__all__ = ["Abort", "Buffers", "BuffersAvg", "Bye", "Eval", "EvalResult", "Frame", "Grad", "Hello",
+           "LayoutSpec", "ProtocolError", "SERVER", "State", "Update", "Welcome", "expect", "pack",
+           "unpack"]

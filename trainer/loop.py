@@ -1,0 +1,368 @@
+"""The user's side of the trainer: a few calls that turn a plain PyTorch loop into a worker.
+
+    import hybridtrain as ht
+    ctx = ht.init(global_batch=64)
+    model = ht.prepare_model(Net())
+    opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model)
+    for x, y in ht.data_loader(train_set):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
+        loss.backward()
+        opt.step(loss=loss)
+    ht.evaluate(model, test_set, metrics=[ht.accuracy()], loss=F.cross_entropy)
+
+The launcher (`hybridtrain launch`, or a node agent) says through the environment which rank
+this process is; the script names no rank, port or address. Run plainly (`python train.py`)
+the same script trains as a single worker. The built-in task loop (`trainer.taskloop`) is
+written with these same calls, so users' scripts and tasks share one code path.
+
+The context is per process, like torch.distributed's default group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridtrain.contract import (
+    ENV_CONFIG,
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
+    ENV_RANK,
+    ENV_ROLE,
+    ENV_WORLD_SIZE,
+    parse_target,
+)
+from hybridtrain.task import Metric
+from trainer import ddp as ddp_baseline
+from trainer.config import TrainConfig, initial_batch_sizes
+from trainer.devices import resolve_device
+from trainer.evaluation import metric_sums
+from trainer.loader import ShardedLoader, eval_slice
+from trainer.metrics import HttpReporter, MetricsLogger
+
+_current: Context | None = None
+
+
+class Context:
+    """Where this process stands in the run: its rank, device, batch share, step and stop flag."""
+
+    def __init__(self, cfg: TrainConfig, *, rank: int, role: str, device: torch.device,
+                 metrics: MetricsLogger, standalone: bool = False, fail_at_step: int | None = None) -> None:
+        self.cfg, self.rank, self.role, self.device, self.metrics = cfg, rank, role, device, metrics
+        self.standalone = standalone
+        self.fail_at_step = fail_at_step
+        self.step = 0
+        self.should_stop = False
+        self.batch_sizes = initial_batch_sizes(cfg)
+        self.max_steps = cfg.max_steps
+        self.target = parse_target(cfg.target) if cfg.target else None
+        self.train_samples: int | None = None
+        self.client: Any = None  # trainer.ps.PSClient once the optimizer is wrapped (PS strategies)
+        self.ddp_hook: ddp_baseline.ByteCountingHook | None = None
+        self.model: nn.Module | None = None
+        self.reached_at: float | None = None
+        self.elapsed_s = 0.0
+        self._t0 = time.time()
+        self._batch_ready_at: float | None = None
+        self._data_s = 0.0
+        self._last_print = 0.0
+        self.finished = False
+
+    # -- what user code reads --------------------------------------------------------------------
+    @property
+    def worker(self) -> int:
+        """This worker's 0-based index (rank - 1 under a parameter server)."""
+        return self.rank - 1 if self.cfg.is_ps and not self.standalone else self.rank
+
+    @property
+    def workers(self) -> int:
+        return self.cfg.workers
+
+    @property
+    def strategy(self) -> str:
+        return self.cfg.strategy
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.batch_sizes)
+
+    @property
+    def batch_size(self) -> int:
+        """This worker's share of the global batch now (it follows re-balancing)."""
+        return self.batch_sizes[self.worker]
+
+    @property
+    def is_first_worker(self) -> bool:
+        return self.worker == 0
+
+    def elapsed(self) -> float:
+        """Training seconds so far, across resumes."""
+        return self.elapsed_s + time.time() - self._t0
+
+    # -- bookkeeping the calls below share ---------------------------------------------------------
+    def _loader_state(self) -> tuple[int, int, int, Sequence[int], bool]:
+        return self.step + 1, self.max_steps, self.worker, self.batch_sizes, self.should_stop
+
+    def _batch_read(self, seconds: float) -> None:
+        self._data_s += seconds
+        self._batch_ready_at = time.perf_counter()
+
+    def _note_eval(self, values: dict[str, float], stop: bool | None = None) -> None:
+        reached = self.target is not None and self.target.metric in values and self.target.reached(
+            values[self.target.metric])
+        self.should_stop = stop if stop is not None else (reached and self.cfg.stop_at_target)
+        # The server logs a PS run's evaluation; otherwise the first worker does.
+        logs = self.standalone or not self.cfg.is_ps and self.rank == 0
+        if logs:
+            for name, value in values.items():
+                self.metrics.log(self.step, name, value)
+            if reached and self.reached_at is None:
+                self.reached_at = self.elapsed()
+                self.metrics.log(self.step, "time_to_target_s", self.reached_at)
+        self.progress(values)
+
+    def progress(self, values: dict[str, float] | None = None) -> None:
+        """A line on stderr every few seconds (and at each evaluation), from the first worker
+        (the server prints a PS run's)."""
+        if self.worker != 0 or (self.cfg.is_ps and not self.standalone):
+            return
+        now = time.time()
+        if values is None and now - self._last_print < 2.0 and self.step != self.max_steps:
+            return
+        self._last_print = now
+        loss = self.metrics.last.get("loss", math.nan)
+        extra = "".join(f" {k} {v:.4f}" for k, v in (values or {}).items())
+        total = f"/{self.max_steps}" if self.max_steps < 10**9 else ""
+        print(f"[{self.strategy} worker {self.worker}] step {self.step}{total} loss {loss:.4f}"
+              f"{extra} elapsed {self.elapsed():.1f}s", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        """Say goodbye to the server (PS) and flush the metrics; idempotent."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.client is not None:
+            self.client.close()
+
+
+def current() -> Context:
+    """The process's context; `init()` must have run."""
+    if _current is None:
+        raise RuntimeError("call hybridtrain.init() first")
+    return _current
+
+
+def bootstrap(cfg: TrainConfig, *, rank: int, role: str, world_size: int, master_addr: str,
+              master_port: int, fail_at_step: int | None = None) -> Context:
+    """Join the run's process group as a worker and make the process's context (launchers)."""
+    global _current
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg.threads)
+    reporter = HttpReporter(cfg.report_url, cfg.report_token) if cfg.report_url else None
+    metrics = MetricsLogger(rank, role, cfg.metrics_out, reporter)
+    device = resolve_device(cfg.device, rank)
+    backend = "nccl" if (not cfg.is_ps and device.type == "cuda") else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    _current = Context(cfg, rank=rank, role=role, device=device, metrics=metrics, fail_at_step=fail_at_step)
+    return _current
+
+
+def init(**defaults: Any) -> Context:
+    """This process's place in the run, from its launcher; run plainly, a single worker.
+
+    Keyword arguments are defaults for a plain run (`global_batch`, `max_steps`, `device`,
+    `seed`, ...: TrainConfig fields); under a launcher its settings win.
+    """
+    global _current
+    if _current is not None:
+        return _current
+    if ENV_CONFIG in os.environ:
+        cfg = TrainConfig.from_dict(json.loads(os.environ[ENV_CONFIG]))
+        ctx = bootstrap(cfg, rank=int(os.environ[ENV_RANK]), role=os.environ.get(ENV_ROLE, "worker"),
+                        world_size=int(os.environ[ENV_WORLD_SIZE]), master_addr=os.environ[ENV_MASTER_ADDR],
+                        master_port=int(os.environ[ENV_MASTER_PORT]))
+        atexit.register(ctx.finish)
+        return ctx
+    base = {"strategy": "allreduce", "workers": 1, "global_batch": 64, "max_steps": 10**9, "device": "cpu"}
+    cfg = TrainConfig.from_dict(base | defaults | {"workers": 1})
+    _current = Context(cfg, rank=0, role="worker", device=resolve_device(cfg.device, 0),
+                       metrics=MetricsLogger(0, "worker", cfg.metrics_out), standalone=True)
+    return _current
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """`model` on this worker's device; for the all-reduce strategies inside DDP (whose start
+    broadcasts the first worker's weights). Under a parameter server the replicas take the
+    first worker's weights when the optimizer is wrapped."""
+    ctx = current()
+    model = model.to(ctx.device)
+    ctx.model = model
+    if ctx.standalone or ctx.cfg.is_ps:
+        return model
+    wrapped, hook = ddp_baseline.wrap(model, ctx.cfg, ctx.rank, ctx.batch_sizes, ctx.device)
+    ctx.ddp_hook = hook
+    ctx._t0 = time.time()
+    return wrapped
+
+
+class DistributedOptimizer:
+    """Wraps any torch optimizer: `step()` is the run's synchronisation (the paper's compressed
+    push and pull under a parameter server; DDP has already all-reduced for the baselines).
+
+    Build LR schedulers on the optimizer you pass in: its parameter groups are used as they are.
+    Other attributes (param_groups, state_dict, ...) are the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
+        ctx = current()
+        self.optimizer = optimizer
+        self.ctx = ctx
+        module = _unwrap(model) if model is not None else ctx.model
+        if module is None:
+            raise RuntimeError("DistributedOptimizer needs the model: pass it, or call prepare_model first")
+        self.module = module
+        if ctx.cfg.is_ps and not ctx.standalone:
+            from trainer.ps import PSClient
+            from trainer.transport import ThrottledTransport, TorchTransport
+
+            transport = TorchTransport(ctx.rank)
+            if ctx.cfg.link_mbps:
+                transport = ThrottledTransport(transport, ctx.cfg.link_mbps[ctx.worker], peer=0)
+            client = PSClient(ctx.cfg, ctx.rank, transport, module, optimizer, ctx.metrics,
+                              device=ctx.device, train_samples=ctx.train_samples)
+            client.start()
+            ctx.client = client
+            ctx.batch_sizes = list(client.batch_sizes)
+            ctx.max_steps = client.max_steps
+            ctx._t0 = time.time()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (under a PS they stay views of one flat buffer)."""
+        if self.ctx.client is not None:
+            self.ctx.client.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> None:
+        """One synchronous step of the run; `loss` (optional) is charted."""
+        ctx = self.ctx
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step does not take a closure: compute the loss and "
+                             "call backward() before step()")
+        step = ctx.step + 1
+        if ctx.fail_at_step == step:
+            raise RuntimeError(f"injected failure at step {step} (--inject-failure)")
+        now = time.perf_counter()
+        compute_s = now - ctx._batch_ready_at if ctx._batch_ready_at is not None else 0.0
+        if ctx.cfg.emulate_speeds and ctx.cfg.speeds:
+            # Stretch compute to what a device of relative speed s_m would take.
+            slow = max(ctx.cfg.speeds) / ctx.cfg.speeds[ctx.worker]
+            time.sleep(compute_s * (slow - 1.0))
+            compute_s *= slow
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (math.nan if loss is None else float(loss))
+        samples = ctx.batch_size
+        if ctx.client is not None:
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            ctx.client.push_pull(step, loss=value, samples=samples, compute_s=compute_s)
+            ctx.batch_sizes = list(ctx.client.batch_sizes)
+        else:
+            self.optimizer.step()
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            elapsed = time.perf_counter() - (ctx._batch_ready_at or now)
+            mlog = ctx.metrics.log
+            if math.isfinite(value):
+                mlog(step, "loss", value)
+            mlog(step, "batch_size", samples)
+            mlog(step, "samples_per_s", samples / max(elapsed, 1e-9))
+            mlog(step, "compute_s", elapsed)
+            w = ctx.workers
+            if ctx.ddp_hook is not None and w > 1:
+                nbytes = ctx.ddp_hook.take()
+                mlog(step, "bytes_sent", nbytes, peer=(ctx.rank + 1) % w)
+                mlog(step, "bytes_recv", nbytes, peer=(ctx.rank - 1) % w)
+        ctx.metrics.log(step, "data_s", ctx._data_s)
+        ctx._data_s = 0.0
+        ctx._batch_ready_at = None
+        ctx.step = step
+        ctx.progress()
+
+
+def data_loader(dataset: Any, *, collate: Callable | None = None, transform: Callable | None = None,
+                workers: int | None = None, pin_memory: bool | None = None) -> ShardedLoader:
+    """This worker's share of every global batch of `dataset` (a map-style or iterable torch
+    data set); one iteration is one epoch, cut short at the run's last step or its target."""
+    ctx = current()
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
+        ctx.train_samples = len(dataset)
+    if workers is None:
+        workers = ctx.cfg.data_workers or 0
+    return ShardedLoader(dataset, ctx._loader_state, seed=ctx.cfg.seed, collate=collate, transform=transform,
+                         workers=workers,
+                         pin_memory=ctx.device.type == "cuda" if pin_memory is None else pin_memory,
+                         on_batch=ctx._batch_read)
+
+
+def evaluate(model: nn.Module, dataset: Any, *, metrics: Sequence[Metric] = (),
+             loss: Callable[[Any, Any], Any] | None = None, batch_size: int = 512,
+             collate: Callable | None = None) -> dict[str, float]:
+    """The run's metrics on `dataset` (each worker scores its share; means over all of it), plus
+    `val_loss` when `loss` is given. Logged, checked against the run's target
+    (`ctx.should_stop`), and returned."""
+    ctx = current()
+    module = _unwrap(model)
+    n = None if isinstance(dataset, torch.utils.data.IterableDataset) else len(dataset)
+    if ctx.standalone:
+        sums, count = metric_sums(module, dataset, part=None, metrics=metrics, loss=loss,
+                                  batch_size=batch_size, device=ctx.device, collate=collate)
+        values = {k: v / max(1, count) for k, v in sums.items()}
+        ctx._note_eval(values)
+        return values
+    if n is None:
+        lo = sum(ctx.batch_sizes[: ctx.worker])
+        part: Any = (lo, lo + ctx.batch_size, ctx.global_batch)
+    else:
+        part = eval_slice(n, ctx.worker, ctx.batch_sizes)
+    if ctx.client is not None:
+        ctx.client.average_buffers(ctx.step)
+        sums, count = metric_sums(module, dataset, part=part, metrics=metrics, loss=loss,
+                                  batch_size=batch_size, device=ctx.device, collate=collate)
+        values, stop = ctx.client.combine_eval(ctx.step, sums, count)
+        ctx._note_eval(values, stop)
+        return values
+    alpha = ctx.batch_size / ctx.global_batch
+    with torch.no_grad():
+        ddp_baseline.average_buffers(module, alpha)
+    sums, count = metric_sums(module, dataset, part=part, metrics=metrics, loss=loss,
+                              batch_size=batch_size, device=ctx.device, collate=collate)
+    values = ddp_baseline.combine_eval(sums, count, ctx.device)
+    ctx._note_eval(values)
+    return values
+
+
+def reset_for_tests() -> None:
+    """Forget the process's context (tests that build several in one process)."""
+    global _current
+    _current = None

@@ -1,0 +1,158 @@
+"""`python -m trainer.profile --task T [--task-args J] [--batch N] [--seconds S]`: what the
+control plane needs to know of a task on this node, as one JSON line on stdout.
+
+{"params", "dense_params", "buffer_numel", "train_samples", "eval_samples", "batch",
+"samples_per_s", "step_s", "worker_compress_s", "server_compress_s", "aggregate_s", "metrics"}:
+the parameter count and the part that travels dense (1-D and small tensors, at the trainer's
+default --dense-numel), the data sets' sizes (null for a stream), the node's throughput of
+forward, backward and optimizer step at batch N (after one warm-up step), measured for about S
+seconds, and what the compression path costs on this node: a worker's error feedback, top-k at
+the default density and frame encoding of the model's compressed part (`worker_compress_s`),
+the server's top-k of it at the default k_s and encoding (`server_compress_s`), and decoding and
+adding one worker's compressed frame (`aggregate_s`), each the median of a few repeats. The
+control plane's performance model (app/predict.py) reads these. A task that cannot be loaded exits 1 with the reason on stderr. Node agents run this
+in a child process, so the agent itself never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from hybridtrain.task import TaskError, load_task, parse_task_args
+
+
+def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, device: str = "cpu") -> dict:
+    """Measure the task at `batch` on `device`; the result as a JSON-ready dict."""
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset, default_collate
+
+    from trainer.devices import resolve_device, to_device
+    from trainer.loader import make_loader
+
+    task = load_task(task_ref, task_args)
+    dev = resolve_device(device, 0)
+    torch.manual_seed(0)
+    model = task.model().to(dev)
+    optimizer = task.optimizer(model)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sized = not isinstance(task.train_data, IterableDataset)
+    train_samples = len(task.train_data) if sized else None
+    eval_data = task.eval_data
+    eval_samples = len(eval_data) if eval_data is not None and not isinstance(eval_data, IterableDataset) else None
+    if sized:
+        batches = make_loader(task.train_data, first_step=1, last_step=10**9, worker=0, batch_sizes=[batch],
+                              seed=0, collate=task.collate or default_collate, transform=task.transform)
+    else:
+        batches = _cycle(lambda: iter(DataLoader(task.train_data, batch_size=batch, collate_fn=task.collate)))
+
+    def one_step() -> None:
+        inputs, target = next(batches)
+        inputs, target = to_device(inputs, dev), to_device(target, dev)
+        optimizer.zero_grad()
+        task.loss(model(inputs), target).backward()
+        optimizer.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    one_step()  # warm-up: allocator, kernels, lazy modules
+    steps, t0 = 0, time.perf_counter()
+    while steps < 2 or time.perf_counter() - t0 < seconds:
+        one_step()
+        steps += 1
+    step_s = (time.perf_counter() - t0) / steps
+    from trainer.algorithm import Layout
+    from trainer.config import TrainConfig
+
+    layout = Layout.of(model, TrainConfig.dense_numel)
+    costs = compression_costs(layout.sparse_numel)
+    return {"params": params, "dense_params": layout.dense_numel, "buffer_numel": layout.spec.buffer_numel,
+            "train_samples": train_samples, "eval_samples": eval_samples, "batch": batch,
+            "samples_per_s": batch / step_s, "step_s": step_s, **costs, "metrics": task.metric_directions}
+
+
+def compression_costs(sparse_numel: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds of the PS strategies' compression path on this node for a compressed part of
+    `sparse_numel` elements, at the trainer's default density, k_s and selection."""
+    import statistics
+
+    import torch
+
+    from trainer.algorithm import aggregate
+    from trainer.compression import CompressionState, Payload, build_compressor
+    from trainer.config import TrainConfig
+    from trainer.frames import Grad, pack, unpack
+
+    if sparse_numel == 0:
+        return {"worker_compress_s": 0.0, "server_compress_s": 0.0, "aggregate_s": 0.0}
+    cfg = TrainConfig()
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(sparse_numel, generator=gen)
+    codec = build_compressor(cfg.compressor, value_dtype=cfg.value_dtype, select=cfg.select)
+    worker, server, agg = [], [], []
+    for i in range(repeats + 1):
+        state = CompressionState(density=cfg.density, residual=torch.randn(sparse_numel, generator=gen))
+        t0 = time.perf_counter()
+        sent = codec.compress(grad, state)
+        frame = pack(Grad(1, 1, 0, 0.0, 1, 0.0, 0.0, 0.0, Payload(0, torch.zeros(0)), sent))
+        t1 = time.perf_counter()
+        dense, total = aggregate([unpack(frame)], 0, sparse_numel)
+        t2 = time.perf_counter()
+        s_state = CompressionState(density=cfg.server_k_fraction, residual=torch.zeros(sparse_numel))
+        update = codec.compress(total + grad, s_state)
+        pack(Grad(1, 0, 0, 0.0, 1, 0.0, 0.0, 0.0, Payload(0, dense), update))
+        t3 = time.perf_counter()
+        if i:  # the first round warms the allocator and the selection's workspace
+            worker.append(t1 - t0)
+            agg.append(t2 - t1)
+            server.append(t3 - t2)
+    return {"worker_compress_s": statistics.median(worker), "server_compress_s": statistics.median(server),
+            "aggregate_s": statistics.median(agg)}
+
+
+def _cycle(make):
+    """Batches of a stream, read again from its start when it ends (a short stream still
+    gives the profile enough steps)."""
+    while True:
+        empty = True
+        for item in make():
+            empty = False
+            yield item
+        if empty:
+            raise TaskError("the training data yielded no batch")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, profile, print one JSON line; 1 on a bad task, 2 on bad usage."""
+    p = argparse.ArgumentParser(prog="python -m trainer.profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", required=True)
+    p.add_argument("--task-args", default="{}")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.batch < 1 or args.seconds < 0:
+        p.error("--batch must be >= 1 and --seconds >= 0")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        result = profile(args.task, parse_task_args(args.task_args), batch=args.batch, seconds=args.seconds,
+                         device=args.device)
+    except TaskError as exc:
+        print(f"profile: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the user's code may raise anything; say what
+        print(f"profile: task {args.task} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The training loop of a task (`--task module:function`), written with the same calls a user's
+own loop makes (`trainer.loop`), so the built-in models and users' tasks share one path:
+DataLoader shards, the task's loss, optimizer, schedule and metrics, evaluation on schedule,
+checkpoints and resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+import torch
+
+from hybridtrain.task import Task, TaskError, load_task
+from trainer import checkpoint
+from trainer import loop as ht
+from trainer.devices import to_device
+
+
+def check_target(task: Task, target: str | None, ref: str) -> None:
+    """A target must name a metric the task reports, in the direction the task says is better."""
+    if not target:
+        return
+    from hybridtrain.contract import parse_target
+
+    t = parse_target(target)
+    directions = task.metric_directions
+    if t.metric not in directions:
+        raise TaskError(f"target {target}: task {ref} reports no metric {t.metric!r} "
+                        f"(it reports {', '.join(sorted(directions)) or 'none: it has no eval_data'})")
+    if directions[t.metric] != t.higher_is_better:
+        better = "higher" if directions[t.metric] else "lower"
+        raise TaskError(f"target {target}: {better} {t.metric} is better for task {ref}, so the target "
+                        f"should read {t.metric}{'>=' if directions[t.metric] else '<='}{t.value:g}")
+
+
+def run_task(ctx: ht.Context, *, task: Task | None = None) -> None:
+    """Train the run's task on this worker to the last step or the target."""
+    cfg = ctx.cfg
+    if task is None:
+        task = load_task(cfg.task, json.loads(cfg.task_args))
+    check_target(task, cfg.target, cfg.task)
+    # Seeded so a run is repeatable; the replicas' common start comes from worker 1 anyway.
+    torch.manual_seed(cfg.seed)
+    model = ht.prepare_model(task.model())
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    optimizer = task.optimizer(module)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TaskError(f"task {cfg.task}: optimizer(model) returned {type(optimizer).__name__}, "
+                        "not a torch.optim.Optimizer")
+    loader = ht.data_loader(task.train_data, collate=task.collate, transform=task.transform,
+                            workers=cfg.data_workers if cfg.data_workers is not None else task.data_workers)
+    start = checkpoint.agreed_resume_step(cfg.checkpoint_dir, ctx.rank) if cfg.resume else 0
+    opt = ht.DistributedOptimizer(optimizer, model)
+    schedule = task.schedule(optimizer, ctx.max_steps) if task.schedule else None
+    if start:
+        _restore(ctx, module, optimizer, schedule, start)
+    autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.amp
+                else contextlib.nullcontext())
+    while ctx.step < ctx.max_steps and not ctx.should_stop:
+        progressed = False
+        for inputs, target in loader:
+            progressed = True
+            opt.zero_grad()
+            inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
+            with autocast:
+                loss = task.loss(model(inputs), target)
+            loss.backward()
+            opt.step(loss=loss)
+            if schedule is not None:
+                schedule.step()
+            last = ctx.step == ctx.max_steps
+            if task.eval_data is not None and (ctx.step % cfg.eval_every == 0 or last):
+                ht.evaluate(model, task.eval_data, metrics=task.metrics, loss=task.loss,
+                            batch_size=task.eval_batch_size, collate=task.collate)
+            if cfg.checkpoint_every and (ctx.step % cfg.checkpoint_every == 0 or last or ctx.should_stop):
+                _save(ctx, module, optimizer, schedule)
+        if not progressed:
+            raise TaskError(f"task {cfg.task}: the training data yielded no batch at step {ctx.step + 1}")
+    ctx.finish()
+
+
+def _save(ctx: ht.Context, module: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule) -> None:
+    state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+             "schedule": schedule.state_dict() if schedule is not None else None,
+             "elapsed_s": ctx.elapsed(), "batch_sizes": ctx.batch_sizes}
+    if ctx.client is not None:
+        state["ps"] = ctx.client.state_dict()
+    if ctx.ddp_hook is not None:
+        from trainer.ddp import powersgd_state
+
+        state["powersgd"] = powersgd_state(ctx.ddp_hook)
+    checkpoint.save(ctx.cfg.checkpoint_dir, ctx.step, ctx.rank, state, ctx.cfg)
+
+
+def _restore(ctx: ht.Context, module: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule,
+             step: int) -> None:
+    state = checkpoint.load(ctx.cfg.checkpoint_dir, step, ctx.rank, ctx.cfg)
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if schedule is not None and state.get("schedule") is not None:
+        schedule.load_state_dict(state["schedule"])
+    if ctx.client is not None:
+        ctx.client.load_state_dict(state["ps"])
+        ctx.client.step = step
+    if ctx.ddp_hook is not None:
+        from trainer.ddp import load_powersgd_state
+
+        load_powersgd_state(ctx.ddp_hook, state.get("powersgd"))
+    ctx.batch_sizes = list(state["batch_sizes"])
+    ctx.elapsed_s = state["elapsed_s"]
+    ctx.step = step
+    print(f"[worker rank {ctx.rank}] resumed from step {step}", file=sys.stderr, flush=True)
