@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from agents import profiles
+from agents import probe, profiles
 from agents import supervisor as supervision
 from agents.bundles import BundleCache
 from agents.client import ControlPlaneClient, call_with_retry
@@ -92,6 +92,7 @@ class Agent:
         self._stop = threading.Event()
         self._fatal: str | None = None
         self._worker: Any = None
+        self.probe_server: probe.ProbeServer | None = None
 
     # -- registration ---------------------------------------------------------------------
 
@@ -107,6 +108,37 @@ class Agent:
                 log.warning("no torch here, so no speed measurement: %s", exc)
         self.hardware = hw
         return hw
+
+    def start_probe_server(self) -> probe.ProbeServer | None:
+        """Start the link probe server on the advertised address (or all addresses when that
+        one cannot be bound, as behind NAT); None when disabled by probe_port -1."""
+        if self.settings.probe_port < 0:
+            return None
+        host = (self.hardware.address if self.hardware else None) or "0.0.0.0"
+        port = self.settings.probe_port
+        limits = {"max_seconds": self.settings.probe_max_seconds}
+        try:
+            server = probe.ProbeServer(host, port, **limits).start()
+        except OSError as exc:
+            if host == "0.0.0.0":
+                log.warning("no link probe server: cannot bind port %d: %s", port, exc)
+                return None
+            log.warning("cannot bind the probe server to %s (%s); binding all addresses", host, exc)
+            try:
+                server = probe.ProbeServer("0.0.0.0", port, **limits).start()
+            except OSError as again:
+                log.warning("no link probe server: cannot bind port %d: %s", port, again)
+                return None
+        self.probe_server = server
+        return server
+
+    def hardware_json(self) -> dict[str, Any]:
+        """The hardware report, with the probe server's port when one runs."""
+        assert self.hardware is not None
+        data = self.hardware.to_json()
+        if self.probe_server is not None:
+            data["probe_port"] = self.probe_server.port
+        return data
 
     def register(self) -> AgentState:
         """Bind to the node: reuse the saved agent token, or register with the join token."""
@@ -146,7 +178,7 @@ class Agent:
             self.client.register,
             join_token=self.settings.join_token.get_secret_value(),
             agent_token=state.agent_token,
-            hardware=self.hardware.to_json(),
+            hardware=self.hardware_json(),
             deadline_s=60,
         )
         state.node_id = int(answer["node_id"])
@@ -170,7 +202,7 @@ class Agent:
             "t": time.time(),
         }
         if first and self.hardware is not None:
-            body["hardware"] = self.hardware.to_json()
+            body["hardware"] = self.hardware_json()
         return body
 
     def _apply_heartbeat_answer(self, answer: dict[str, Any]) -> None:
@@ -244,12 +276,14 @@ class Agent:
             log.warning("a previous agent left run %s rank %s running; killed it",
                         record.get("run_id"), record.get("rank"))
         self.supervisor = sup
+        self.start_probe_server()
         state = self.register()
         supervision.install(sup)
         profiles.install(profiles.Profiling(
             client=self.client, cache=bundles, state_dir=self.state_dir,
             command=self.settings.profile_command, timeout_s=self.settings.profile_timeout_s,
         ))
+        probe.install(probe.Probing(client=self.client, node_id=state.node_id))
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
 
@@ -292,6 +326,9 @@ class Agent:
             sup.close()
             supervision.install(None)
             profiles.install(None)
+            probe.install(None)
+            if self.probe_server is not None:
+                self.probe_server.close()
             try:
                 self.client.heartbeat(self._heartbeat_body())
             except ControlPlaneError:

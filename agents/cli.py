@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help='JSON list that runs a role, default ["python", "-m", "trainer"]')
     parser.add_argument("--profile-command", type=json.loads,
                         help='JSON list that profiles a task, default ["python", "-m", "trainer.profile"]')
+    parser.add_argument("--probe-port", type=int,
+                        help="port of the link probe server; 0 picks a free one, -1 runs none")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     parser.add_argument("--detect", action="store_true",
                         help="print the detected hardware (and speed) as JSON and exit")

@@ -1,6 +1,6 @@
 """The agent's HTTP client for the control plane (see "Agent ↔ control plane" in
-docs/architecture.md): register, heartbeat, role events, logs, profile results and bundle
-downloads."""
+docs/architecture.md): register, heartbeat, role events, logs, profile results, link
+probes and bundle downloads."""
 
 from __future__ import annotations
 
@@ -121,6 +121,10 @@ class ControlPlaneClient:
     def profile_result(self, profile_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
         """Report a task profile: {"status": "done", "result": ...} or {"status": "failed", ...}."""
         return self._post(f"/profiles/{profile_id}", body)
+
+    def link_results(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Report link probes: {"results": [...], "errors": [...]} measured from this node."""
+        return self._post("/links", body)
 
 
 def _raise_for_status(response: httpx.Response, path: str) -> None:

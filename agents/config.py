@@ -67,6 +67,10 @@ class AgentSettings(BaseSettings):
     http_timeout_s: float = Field(default=10.0, gt=0)
     # Seconds a role's start/exit report is retried before it is left to the heartbeat.
     event_retry_s: float = Field(default=30.0, ge=0)
+    # Port of the link probe server (agents.probe): 0 picks a free one, -1 runs none.
+    probe_port: int = Field(default=0, ge=-1, le=65535)
+    # Longest bulk send this node's probe server accepts from another node.
+    probe_max_seconds: float = Field(default=30.0, gt=0)
     log_level: str = "INFO"
 
     @field_validator("server_url")

@@ -46,7 +46,7 @@ def run_profile(
     argv: list[str],
     *,
     cwd: Path,
-    pythonpath: Path | None = None,
+    code_dir: Path | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Run the profiler `argv` in `cwd` and return the JSON object it printed.
@@ -56,8 +56,11 @@ def run_profile(
     """
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH")) if p)
+    if code_dir is not None:
+        # As for a role (agents.supervisor): the profiler puts the user's code first on its
+        # import path once its own packages are loaded, never before them.
+        env["PYTHONSAFEPATH"] = "1"
+        argv = [*argv, "--code-dir", str(code_dir)]
     guard = [sys.executable, "-I", "-m", "agents.guard", str(os.getpid()), "--", *argv]
     try:
         proc = subprocess.Popen(

@@ -6,8 +6,10 @@ one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that forked a ch
 so spawning from short-lived task threads would kill roles when those threads end.
 
 A role whose launch order names a bundle of the user's code runs in `runs/<run>/code`, the
-bundle unpacked there (once per run), with that directory first on its PYTHONPATH; a bundle
-that cannot be fetched or unpacked ends the role before it starts, reported as an exit.
+bundle unpacked there (once per run), and the trainer is told so (`--code-dir`): it puts that
+directory first on its import path once its own packages are loaded, and PYTHONSAFEPATH keeps
+`python -m trainer` from finding a user's own `trainer/` in the working directory first. A
+bundle that cannot be fetched or unpacked ends the role before it starts, reported as an exit.
 
 Per role, one reader thread copies output to `runs/<run>/rank<R>.log` and a bounded buffer;
 one watcher thread reports "started", waits for the guard to exit (without reaping it, so
@@ -217,9 +219,9 @@ class Supervisor:
             if existing is not None:
                 return existing
             log_path = run_dir / f"rank{spec.rank}.log"
-            argv = trainer_argv(spec, self.trainer_command)
-            # -I: the role's cwd and PYTHONPATH hold the user's code, which must not shadow
-            # the guard's own package (a user's `agents/` directory, say).
+            argv = with_code_dir(trainer_argv(spec, self.trainer_command), code_dir)
+            # -I: the role's cwd holds the user's code, which must not shadow the guard's own
+            # package (a user's `agents/` directory, say).
             guard = [sys.executable, "-I", "-m", "agents.guard", str(os.getpid()), "--", *argv]
             env = self._role_env(spec, code_dir)
             try:
@@ -307,8 +309,7 @@ class Supervisor:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.role_threads)
         env.update(spec.env)
         if code_dir is not None:
-            # Set by the agent itself: the spec's env may never name PYTHONPATH.
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_dir), env.get("PYTHONPATH")) if p)
+            env["PYTHONSAFEPATH"] = "1"
         return env
 
     # -- watching --------------------------------------------------------------------------
@@ -653,3 +654,11 @@ def current() -> Supervisor:
             "no supervisor in this process: hybridtrain tasks run inside `hybridtrain agent`"
         )
     return _current
+
+
+def with_code_dir(argv: list[str], code_dir: Path | None) -> list[str]:
+    """`argv` with `--code-dir DIR` among the trainer's options (before a script's `--`)."""
+    if code_dir is None:
+        return argv
+    at = argv.index("--") if "--" in argv else len(argv)
+    return [*argv[:at], "--code-dir", str(code_dir), *argv[at:]]

@@ -1,7 +1,7 @@
 """Celery tasks on a node's own queue: launch one trainer role, cancel a run's roles,
-profile a task.
+profile a task, probe links to other nodes.
 
-Each task is a thin wrapper: `launch_role`, `cancel_run` and `profile_task` below are plain
+Each task is a thin wrapper: `launch_role`, `cancel_run`, `profile_task` and `probe_links` are plain
 functions that take what they use explicitly, so tests call them without a broker; the tasks
 hand them the supervisor (or profiling context) of the running agent.
 """
@@ -14,14 +14,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from agents import profiles
+from agents import probe, profiles
 from agents import supervisor as supervision
 from agents.bundles import BundleCache, remove_tree
 from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE, app
 from agents.client import ControlPlaneClient, call_with_retry
 from agents.errors import AgentError, ControlPlaneError, ControlPlaneRejected, LaunchError
 from agents.spec import ProfileSpec, RoleSpec
-from hybridtrain.contract import PROFILE_TASK
+from hybridtrain.contract import PROBE_LINKS_TASK, PROFILE_TASK
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,58 @@ def _measure(
         code.mkdir(parents=True, exist_ok=True)
     argv = profiles.profile_argv(order, command or profiles.DEFAULT_COMMAND)
     return profiles.run_profile(
-        argv, cwd=code, pythonpath=code if order.bundle is not None else None, timeout_s=timeout_s,
+        argv, cwd=code, code_dir=code if order.bundle is not None else None, timeout_s=timeout_s,
     )
+
+
+# Bounds of one probe order: a bulk send is capped so an order of many targets stays minutes long.
+MAX_PROBE_SECONDS = 30.0
+MAX_PROBE_TARGETS = 256
+
+
+def probe_links(
+    spec: dict[str, Any],
+    *,
+    client: ControlPlaneClient,
+    node_id: int | None = None,
+    measure: Any = probe.measure,
+    report_retry_s: float = 30.0,
+) -> dict[str, Any]:
+    """Measure the link to each target in turn and report them; returns the body sent.
+
+    `spec` is {"targets": [{"node_id", "host", "port"}], "seconds": s}; a target that fails
+    is reported under "errors" with the reason, the others under "results".
+    """
+    body: dict[str, Any] = {"results": [], "errors": []}
+    if node_id is not None:
+        body["src_node_id"] = node_id
+    try:
+        seconds = float(spec.get("seconds", 1.0))
+        targets = list(spec["targets"])
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("invalid probe order %r: %s", spec, exc)
+        return body
+    seconds = min(max(seconds, 0.05), MAX_PROBE_SECONDS)
+    for target in targets[:MAX_PROBE_TARGETS]:
+        try:
+            dst = int(target["node_id"])
+            host, port = str(target["host"]), int(target["port"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("probe order names an invalid target %r", target)
+            continue
+        try:
+            result = measure(host, port, seconds=seconds)
+        except probe.ProbeError as exc:
+            body["errors"].append({"dst_node_id": dst, "error": str(exc)[:1000]})
+            continue
+        body["results"].append({"dst_node_id": dst, **result.to_json()})
+        log.info("link to node %s (%s:%s): %.1f Mbit/s, %.2f ms", dst, host, port,
+                 result.mbps, result.rtt_ms)
+    try:
+        call_with_retry(client.link_results, body, deadline_s=report_retry_s)
+    except ControlPlaneError as exc:
+        log.warning("could not report link probes: %s", exc)
+    return body
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -148,3 +198,12 @@ def profile_task_task(profile_id: int, spec: dict[str, Any]) -> dict[str, Any]:
         profile_id, spec, client=ctx.client, cache=ctx.cache, state_dir=ctx.state_dir,
         command=ctx.command, timeout_s=ctx.timeout_s,
     )
+
+
+# Early ack: a probe is cheap to order again, and a re-delivered one would measure a link
+# twice. Bounded by its targets times (seconds + the probe's timeouts).
+@app.task(name=PROBE_LINKS_TASK)
+def probe_links_task(spec: dict[str, Any]) -> dict[str, Any]:
+    """Celery entry point of `probe_links`."""
+    ctx = probe.current()
+    return probe_links(spec, client=ctx.client, node_id=ctx.node_id)

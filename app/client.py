@@ -92,6 +92,10 @@ class HybridtrainClient:
         """Preview a run's plan."""
         return self._call("POST", "/runs/plan", json=dict(body))
 
+    def optimize_plan(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The plan the performance model finds best over candidate nodes, explained."""
+        return self._call("POST", "/plans/optimize", json=dict(body))
+
     def create_run(self, body: Mapping[str, Any], *, idempotency_key: str | None = None) -> dict[str, Any]:
         """Launch a run; with the same `idempotency_key`, a retry returns the same run."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}

@@ -17,10 +17,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _add_token(sub)
     from testbed.cli import register as register_testbed  # testbed, bench paper
     from app.run_commands import register as register_runs  # runs, nodes, local
-    from app.run_commands import register_bundles
+    from app.run_commands import register_bundles, register_plans
 
     register_runs(sub)
     register_bundles(sub)
+    register_plans(sub)
 
     register_testbed(sub)
 

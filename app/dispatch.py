@@ -1,6 +1,7 @@
 """Orders to node agents, published as Celery tasks on each node's own queue.
 
-Queries decide *what* to send and return `LaunchOrder`/`CancelOrder`/`ProfileOrder` values;
+Queries decide *what* to send and return `LaunchOrder`/`CancelOrder`/`ProfileOrder`/`ProbeOrder`
+values;
 the caller commits first and only then hands them to `Dispatcher.send`, so an agent never acts
 on a run (or profile) the database does not hold (conventions: enqueue after commit).
 """
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridtrain.contract import PROFILE_TASK
+from hybridtrain.contract import PROBE_LINKS_TASK, PROFILE_TASK
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,25 @@ class ProfileOrder:
     spec: dict[str, Any] = field(hash=False)
 
 
+@dataclass(frozen=True)
+class ProbeOrder:
+    """Measure the links from a node to other nodes' probe servers.
+
+    `spec` is {"targets": [{"node_id", "host", "port"}], "seconds": float}."""
+
+    node_id: int
+    spec: dict[str, Any] = field(hash=False)
+
+
+# A probe order still queued after this long is dropped: links measured much later than asked
+# would answer a question nobody is waiting on any more.
+PROBE_EXPIRES_S = 600.0
+
 # A profile order still queued after this long is dropped: its requester has moved on, and a
 # node that was away should not start measuring stale requests when it returns.
 PROFILE_EXPIRES_S = 600.0
 
-Order = LaunchOrder | CancelOrder | ProfileOrder
+Order = LaunchOrder | CancelOrder | ProfileOrder | ProbeOrder
 
 
 class Dispatcher:
@@ -101,6 +116,11 @@ class Dispatcher:
                 celery.send_task(
                     PROFILE_TASK, args=[order.profile_id, order.spec], queue=queue,
                     expires=PROFILE_EXPIRES_S, retry=True, retry_policy=retry,
+                )
+            elif isinstance(order, ProbeOrder):
+                celery.send_task(
+                    PROBE_LINKS_TASK, args=[order.spec], queue=queue,
+                    expires=PROBE_EXPIRES_S, retry=True, retry_policy=retry,
                 )
             else:
                 celery.send_task(

@@ -95,7 +95,10 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     create.add_argument("--value-dtype", choices=VALUE_DTYPES, default=None)
     create.add_argument("--idempotency-key", default=None,
                         help="a retry with the same key returns the same run (e.g. the CI job id)")
-    create.add_argument("--plan-only", action="store_true", help="print the plan, launch nothing")
+    create.add_argument("--plan-only", action="store_true",
+                        help="print the plan and its predicted throughput and cost, launch nothing")
+    create.add_argument("--all-strategies", action="store_true",
+                        help="with --plan-only: predict every strategy, side by side, as a table")
     create.add_argument("--wait", action="store_true",
                         help="wait for the end; exit 0 only if the run succeeded")
     create.add_argument("--timeout", type=float, default=None, help="seconds to --wait at most")
@@ -138,6 +141,28 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     logs.add_argument("--rank", type=int, default=None)
     logs.add_argument("--tail", type=int, default=50)
     logs.set_defaults(func=_runs_logs)
+
+
+def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `plans optimize` to the `hybridtrain` parser."""
+    plans = sub.add_parser("plans", help="choose nodes, server and strategy from the performance model")
+    plans_sub = plans.add_subparsers(dest="plans_command", required=True)
+    opt = plans_sub.add_parser("optimize", help="the cheapest (or fastest) plan over candidate nodes, explained")
+    _connection_args(opt)
+    where = opt.add_mutually_exclusive_group(required=True)
+    where.add_argument("--nodes", type=_ints, help="candidate node ids, e.g. 1,2,3")
+    where.add_argument("--cluster", type=int, help="a cluster id")
+    opt.add_argument("--task", default=None, metavar="MOD:FN")
+    opt.add_argument("--task-args", default=None, metavar="JSON")
+    opt.add_argument("--bundle", default=None, metavar="SHA256")
+    opt.add_argument("--global-batch", type=int, default=None)
+    opt.add_argument("--goal", choices=("cost", "fastest"), default="cost",
+                     help="lowest $/1M samples (default) or highest samples/s")
+    opt.add_argument("--budget-usd-per-h", type=float, default=None)
+    opt.add_argument("--deadline-s", type=float, default=None, help="with --max-steps: finish within")
+    opt.add_argument("--max-steps", type=int, default=None)
+    opt.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+    opt.set_defaults(func=_plans_optimize)
 
 
 def register_bundles(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -315,6 +340,27 @@ def _upload(client: Any, packed: Any, workdir: str) -> str:
     return packed.sha256
 
 
+def prediction_table(plans: list[dict[str, Any]]) -> str:
+    """Each strategy's predicted throughput, step, granularity and cost, as a Markdown table."""
+    rows = ["| strategy | samples/s | step s | granularity | egress $/h | compute $/h | $/1M samples | egress share |",
+            "|---|---|---|---|---|---|---|---|"]
+    reasons = []
+    for plan in plans:
+        p = plan.get("prediction")
+        if p is None:
+            reasons.append(f"{plan['strategy']}: {plan.get('prediction_unavailable') or 'no prediction'}")
+            continue
+        c = p["costs"]
+
+        def num(v: Any, fmt: str) -> str:
+            return "n/a" if v is None else format(v, fmt)
+
+        rows.append(f"| {plan['strategy']} | {p['samples_per_s']:.1f} | {p['step_s']:.3f} | "
+                    f"{num(p['granularity'], '.2f')} | {c['egress_usd_per_h']:.3f} | {c['compute_usd_per_h']:.3f} | "
+                    f"{num(c['usd_per_million_samples'], '.3f')} | {num(c['egress_share'], '.0%')} |")
+    return "\n".join(rows + reasons)
+
+
 def _describe(run: dict[str, Any]) -> str:
     ranks = " ".join(f"{w['rank']}:{w['status']}" for w in run["workers"])
     reason = f" ({run['reason']})" if run.get("reason") else ""
@@ -335,7 +381,10 @@ def _runs_create(args: argparse.Namespace) -> int:
         if packed is not None:
             body["bundle_sha256"] = _upload(client, packed, args.workdir)
         if args.plan_only:
-            _print_json(client.plan_run(body))
+            if args.all_strategies:
+                print(prediction_table(client.plan_run({**body, "strategies": "all"})["plans"]))
+            else:
+                _print_json(client.plan_run(body))
             return 0
         run = client.create_run(body, idempotency_key=args.idempotency_key)
         print(f"hybridtrain: {_describe(run)}", file=sys.stderr)
@@ -461,4 +510,34 @@ def _bundles_delete(args: argparse.Namespace) -> int:
     with _client(args) as client:
         client.delete_bundle(sha256)
     print(f"hybridtrain: deleted bundle {sha256}", file=sys.stderr)
+    return 0
+
+
+@_guard
+def _plans_optimize(args: argparse.Namespace) -> int:
+    try:
+        body: dict[str, Any] = {"goal": args.goal}
+        if args.nodes is not None:
+            body["node_ids"] = args.nodes
+        else:
+            body["cluster_id"] = args.cluster
+        for key, value in [("task", _task_flag(args.task)), ("task_args", _task_args_flag(args.task_args)),
+                           ("bundle_sha256", _bundle_flag(args.bundle)),
+                           ("global_batch_size", args.global_batch), ("budget_usd_per_h", args.budget_usd_per_h),
+                           ("deadline_s", args.deadline_s), ("max_steps", args.max_steps)]:
+            if value is not None:
+                body[key] = value
+    except UsageError as exc:
+        print(f"hybridtrain: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    with _client(args) as client:
+        answer = client.optimize_plan(body)
+    if args.json:
+        _print_json(answer)
+        return 0
+    plan = answer["plan"]
+    print(answer["explanation"])
+    print(prediction_table([plan]))
+    print(f"nodes: {', '.join(str(w['node_id']) for w in plan['workers'] if w['role'] == 'worker')}; "
+          f"server: {plan.get('ps_node_id') or 'none'}; strategy {plan['strategy']}")
     return 0

@@ -221,3 +221,7 @@ BUNDLE_MEDIA_TYPE = "application/gzip"
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # The Celery task that asks an agent to profile a task on its node (control plane -> agent).
 PROFILE_TASK = "hybridtrain.profile_task"
+# The Celery task that asks an agent to measure its links to other nodes' probe servers
+# (control plane -> agent); args [spec], spec = {"targets": [{"node_id", "host", "port"}],
+# "seconds": float}.
+PROBE_LINKS_TASK = "hybridtrain.probe_links"

@@ -93,12 +93,15 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
             # The agent on the node's host group; its roles on the node's quota (incgroup.py).
             trainer = [sys.executable, "-m", "testbed.incgroup",
                        state.endpoints[name]["cgroup"], "--", sys.executable, "-m", "trainer"]
+            # Task profiles measure the node's compute, so they too run on the node's quota.
+            profiler = [*trainer[:-1], "trainer.profile"]
             processes.spawn(
                 state, state_dir, name=f"agent-{name}", argv=[*_hybridtrain(), "agent",
                 "--server", internal_url, "--token", token,
                 "--state-dir", str(work / "agents" / name), "--broker-url", broker_url,
                 "--advertise-address", ep.address, "--role-threads", "1",
-                "--trainer-command", json.dumps(trainer), "--log-level", "WARNING"],
+                "--trainer-command", json.dumps(trainer), "--profile-command", json.dumps(profiler),
+                "--log-level", "WARNING"],
                 netns_name=ep.netns, cgroup=Path(state.endpoints[name]["host_cgroup"]),
             )  # fmt: skip
         _wait_online(api, node_ids, state)

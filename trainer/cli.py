@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     code.add_argument("--script", default=None,
                       help="workers run this training script of your own instead of a task (its "
                            "arguments follow --); see `hybridtrain launch`")
+    code.add_argument("--code-dir", default=None,
+                      help="where the task's or script's modules are (first on the import path once "
+                           "the trainer's own packages are loaded); launchers set it")
     code.add_argument("--data-workers", type=int, default=None,
                       help="DataLoader processes per worker (default: the task's, else 0)")
     code.add_argument("--amp", action="store_true", help="bf16 autocast around the task's forward pass and loss")
@@ -104,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--pipeline-chunks", type=int, default=d.pipeline_chunks,
                     help="PS strategies: compress, send, aggregate and answer the gradient in this many "
                          "chunks, one on the wire and at the server while the next is compressed")
+    gc.add_argument("--overlap", action="store_true",
+                    help="PS strategies: compress and send each chunk of the gradient as soon as the "
+                         "backward pass has produced it (use with --pipeline-chunks N > 1)")
     gc.add_argument("--dense-numel", type=int, default=d.dense_numel,
                     help="tensors with fewer elements (and all 1-D ones) travel dense")
     gc.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
@@ -126,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     sysg.add_argument("--sites", type=_labels, default=(),
                       help="site label per rank, server first (PS strategies): the server's update "
                            "crosses to each remote site once and a worker there relays it")
+    sysg.add_argument("--aggregate-at-sites", action="store_true",
+                      help="with --sites: a remote site's workers send their gradients to its relay "
+                           "over the LAN; it combines them and sends one frame across the WAN")
     sysg.add_argument("--emulate-speeds", action="store_true",
                       help="stretch each worker's compute to its --speeds share (local demos)")
     sysg.add_argument("--verbose", action="store_true")
@@ -186,6 +195,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--pipeline-chunks must be in 1..64, got {args.pipeline_chunks}")
     if args.pipeline_chunks > 1 and not ps:
         raise UsageError(f"--pipeline-chunks pipelines a parameter server's step; {args.strategy} has none")
+    if args.aggregate_at_sites and not args.sites:
+        raise UsageError("--aggregate-at-sites combines each remote site's gradients at its relay: give --sites")
+    if args.aggregate_at_sites and args.overlap:
+        raise UsageError("--aggregate-at-sites and --overlap do not go together yet: a relay would hold "
+                         "its own backward pass until its site's chunks arrive")
+    if args.overlap and not ps:
+        raise UsageError(f"--overlap overlaps a parameter server's push with backward; {args.strategy} has none "
+                         "(DDP overlaps its all-reduce already)")
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
     target = _target(args)
@@ -214,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         rebalance_every=args.rebalance_every, max_steps=args.max_steps,
         epochs=args.epochs, target=target, stop_at_target=args.stop_at_target, seed=args.seed,
         task=args.task, task_args=json.dumps(task_args, sort_keys=True), script=args.script,
+        code_dir=args.code_dir,
         script_args=tuple(args.script_args), data_workers=args.data_workers, amp=args.amp,
         compressor=args.compressor,
         value_dtype=args.value_dtype, select=args.select, density=args.density,
@@ -221,7 +239,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         density_time_floor_s=args.density_time_floor,
         server_k_fraction=args.server_k_fraction, error_feedback=args.error_feedback,
         warmup_steps=args.warmup_steps, momentum_correction=args.momentum_correction,
-        pipeline_chunks=args.pipeline_chunks,
+        pipeline_chunks=args.pipeline_chunks, overlap=args.overlap, site_aggregation=args.aggregate_at_sites,
         dense_numel=args.dense_numel, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         metrics_out=args.metrics_out, report_url=args.report_url, report_token=args.report_token,

@@ -21,7 +21,7 @@ __all__ = ["PS_STRATEGIES", "RESUMABLE_CHANGES", "STRATEGIES", "TrainConfig", "d
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "epochs", "target", "checkpoint_every", "checkpoint_dir", "metrics_out",
      "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume",
-     "sites", "stop_at_target", "data_workers", "eval_every"}
+     "sites", "stop_at_target", "data_workers", "eval_every", "code_dir"}
 )
 
 
@@ -52,6 +52,9 @@ class TrainConfig:
     task_args: str = "{}"
     script: str | None = None
     script_args: tuple[str, ...] = ()
+    # Where the user's modules are: put first on sys.path after the trainer's own packages are
+    # imported, so a user's top-level `trainer/` or `hybridtrain/` cannot replace them.
+    code_dir: str | None = None
     data_workers: int | None = None
     compressor: str = "topk"
     value_dtype: str = "fp16"
@@ -71,6 +74,13 @@ class TrainConfig:
     warmup_steps: int = 5
     # PS strategies: the compressed part travels in this many chunks, pipelined (trainer.ps).
     pipeline_chunks: int = 1
+    # PS strategies: a chunk is compressed and sent as soon as the backward pass has produced
+    # its gradients, while the rest of backward runs (trainer.ps.PSClient); the last chunk and
+    # the dense part go at step().
+    overlap: bool = False
+    # PS strategies with --sites: a remote site's workers send their gradients to the site's
+    # relay, which combines them and sends one frame across the WAN (trainer.ps).
+    site_aggregation: bool = False
     dense_numel: int = 1024
     eval_every: int = 50
     checkpoint_every: int = 0

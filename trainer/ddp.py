@@ -9,6 +9,7 @@ all-reduced buffer to and from its ring neighbours), because gloo does not expos
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -30,6 +31,11 @@ class ByteCountingHook:
         self.scale = scale
         self.powersgd = powersgd
         self.bucket_bytes = 0
+        # When this step's first bucket was handed over, its last one, and when the last
+        # all-reduce completed (perf_counter seconds; None before the step's first bucket).
+        self.first_call: float | None = None
+        self.last_call = 0.0
+        self.last_done = 0.0
 
     def _payload_bytes(self, bucket: dist.GradBucket) -> int:
         state = self.powersgd
@@ -49,19 +55,36 @@ class ByteCountingHook:
         return elements * 4
 
     def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Scale, count, then run the wrapped hook."""
+        """Scale, count, then run the wrapped hook, timing when its all-reduce completes."""
+        now = time.perf_counter()
+        if self.first_call is None:
+            self.first_call = now
+        self.last_call = now
         if self.scale != 1.0:
             bucket.buffer().mul_(self.scale)
         w = self.world_size
         self.bucket_bytes += int(self._payload_bytes(bucket) * 2 * (w - 1) / w)
         if self.powersgd is not None:
-            return psgd.powerSGD_hook(self.powersgd, bucket)
-        return default_hooks.allreduce_hook(None, bucket)
+            fut = psgd.powerSGD_hook(self.powersgd, bucket)
+        else:
+            fut = default_hooks.allreduce_hook(None, bucket)
 
-    def take(self) -> int:
-        """Bytes counted since the last call."""
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            self.last_done = max(self.last_done, time.perf_counter())
+            return f.value()
+
+        return fut.then(done)
+
+    def take(self) -> tuple[int, float, float]:
+        """Since the last call: (bytes, seconds the all-reduces ran from the first bucket to the
+        last completion, seconds of that not hidden behind the backward pass)."""
         n, self.bucket_bytes = self.bucket_bytes, 0
-        return n
+        if self.first_call is None:
+            return n, 0.0, 0.0
+        comm = max(0.0, self.last_done - self.first_call)
+        exposed = max(0.0, self.last_done - self.last_call)
+        self.first_call = None
+        return n, comm, exposed
 
 
 def wrap(model: nn.Module, cfg: TrainConfig, rank: int, batch_sizes: list[int],

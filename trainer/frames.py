@@ -143,17 +143,26 @@ class Grad:
     topk_s: float
     dense: Payload
     sparse: Payload
+    # A site's combined frame (per-site aggregation): each worker's own figures, which the
+    # server plans from, as (rank, loss, samples, compute_s, last_tx_s, topk_s).
+    members: tuple[tuple[float, ...], ...] = ()
     kind: ClassVar[int] = GRAD
 
     def message(self) -> Message:
         scalars = [self.chunk, self.loss, self.samples, self.compute_s, self.last_tx_s, self.topk_s]
-        return Message(GRAD, self.step, self.sender, scalars, [self.dense, self.sparse])
+        text = json.dumps(self.members) if self.members else ""
+        return Message(GRAD, self.step, self.sender, scalars, [self.dense, self.sparse], text)
 
     @classmethod
     def parse(cls, m: Message) -> Grad:
         chunk, loss, samples, compute_s, last_tx_s, topk_s = m.scalars
+        members = tuple(tuple(r) for r in json.loads(m.text)) if m.text else ()
         return cls(m.step, m.sender, int(chunk), loss, int(samples), compute_s, last_tx_s, topk_s,
-                   m.payloads[0], m.payloads[1])
+                   m.payloads[0], m.payloads[1], members)
+
+    def own(self) -> tuple[float, ...]:
+        """This frame's sender's own figures, in the shape of `members`' rows."""
+        return (self.sender, self.loss, self.samples, self.compute_s, self.last_tx_s, self.topk_s)
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,11 @@ def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
     port = free_port()
     world = cfg.world_size
     env = dict(os.environ)
-    # The working directory first: a user's task module or script beside them imports as it
-    # would in their own `python` (the agents put a run's code bundle there too).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), _TRAINER_ROOT, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_TRAINER_ROOT, env.get("PYTHONPATH")]))
+    # The working directory is the user's code (`--code-dir`), searched first once the
+    # trainer's own packages are loaded; PYTHONSAFEPATH keeps `-m trainer` from finding a
+    # user's own `trainer/` there first.
+    env["PYTHONSAFEPATH"] = "1"
     env["OMP_NUM_THREADS"] = str(cfg.threads)
     # Roles always write metrics, so the summary has numbers even without --metrics-out.
     out = cfg.metrics_out or os.path.join(tempfile.mkdtemp(prefix="hybridtrain-"), "metrics.jsonl")
@@ -98,6 +100,8 @@ def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
           f"127.0.0.1:{port}", file=sys.stderr, flush=True)
     try:
         options, tail = (argv[: argv.index("--")], argv[argv.index("--") :]) if "--" in argv else (argv, [])
+        if cfg.code_dir is None:
+            options = [*options, "--code-dir", os.getcwd()]
         for rank in range(world):
             cmd = [sys.executable, "-m", "trainer", *options, "--role", _role_of(cfg, rank),
                    "--rank", str(rank), "--world-size", str(world),

@@ -297,12 +297,17 @@ class DistributedOptimizer:
                 mlog(step, "loss", value)
             mlog(step, "batch_size", samples)
             mlog(step, "samples_per_s", samples / max(elapsed, 1e-9))
-            mlog(step, "compute_s", elapsed)
             w = ctx.workers
             if ctx.ddp_hook is not None and w > 1:
-                nbytes = ctx.ddp_hook.take()
+                nbytes, comm_s, exposed_s = ctx.ddp_hook.take()
+                # DDP all-reduces during the backward pass: communication is the all-reduces'
+                # span, compute the step less the part of it the backward pass did not hide.
+                mlog(step, "compute_s", max(0.0, elapsed - exposed_s))
+                mlog(step, "comm_s", comm_s)
                 mlog(step, "bytes_sent", nbytes, peer=(ctx.rank + 1) % w)
                 mlog(step, "bytes_recv", nbytes, peer=(ctx.rank - 1) % w)
+            else:
+                mlog(step, "compute_s", elapsed)
         ctx.metrics.log(step, "data_s", ctx._data_s)
         ctx._data_s = 0.0
         ctx._batch_ready_at = None

@@ -1,10 +1,11 @@
 """`python -m trainer.profile --task T [--task-args J] [--batch N] [--seconds S]`: what the
 control plane needs to know of a task on this node, as one JSON line on stdout.
 
-{"params", "dense_params", "buffer_numel", "train_samples", "eval_samples", "batch",
-"samples_per_s", "step_s", "worker_compress_s", "server_compress_s", "aggregate_s", "metrics"}:
-the parameter count and the part that travels dense (1-D and small tensors, at the trainer's
-default --dense-numel), the data sets' sizes (null for a stream), the node's throughput of
+{"params", "dense_params", "buffer_numel", "matrix_shapes", "train_samples", "eval_samples",
+"batch", "samples_per_s", "step_s", "worker_compress_s", "server_compress_s", "aggregate_s",
+"metrics"}: the parameter count, the part that travels dense (1-D and small tensors, at the
+trainer's default --dense-numel) and the (rows, cols) of every matrix-shaped parameter (which
+PowerSGD factors), the data sets' sizes (null for a stream), the node's throughput of
 forward, backward and optimizer step at batch N (after one warm-up step), measured for about S
 seconds, and what the compression path costs on this node: a worker's error feedback, top-k at
 the default density and frame encoding of the model's compressed part (`worker_compress_s`),
@@ -68,7 +69,10 @@ def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, devic
 
     layout = Layout.of(model, TrainConfig.dense_numel)
     costs = compression_costs(layout.sparse_numel)
+    # PowerSGD factors each matrix-shaped gradient as DDP's hook sees it: rows x (numel / rows).
+    shapes = [[p.shape[0], p.numel() // p.shape[0]] for p in model.parameters() if p.requires_grad and p.dim() > 1]
     return {"params": params, "dense_params": layout.dense_numel, "buffer_numel": layout.spec.buffer_numel,
+            "matrix_shapes": shapes,
             "train_samples": train_samples, "eval_samples": eval_samples, "batch": batch,
             "samples_per_s": batch / step_s, "step_s": step_s, **costs, "metrics": task.metric_directions}
 
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--code-dir", default=None, help="where the task's modules are (agents set it)")
     args = p.parse_args(argv)
     if args.batch < 1 or args.seconds < 0:
         p.error("--batch must be >= 1 and --seconds >= 0")
@@ -141,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from trainer.runtime import use_code_dir
+
+    use_code_dir(args.code_dir)
     try:
         result = profile(args.task, parse_task_args(args.task_args), batch=args.batch, seconds=args.seconds,
                          device=args.device)

@@ -20,6 +20,9 @@ of the compressed part, so the server aggregates chunk c and its update travels 
 workers compress chunk c+1. The server is model-agnostic: it learns the layout from every
 worker's HELLO (a different one aborts the run at once, naming the difference) and forwards
 worker 1's weights to the others, so the replicas start equal whatever the model factory did.
+With `--overlap` a chunk leaves as soon as the backward pass has produced its gradients; with
+`--aggregate-at-sites` a remote site's relay combines its site's chunks into one frame (the
+mirror of the update's relay). docs/trainer.md, steps 7-9, says why and what each costs.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from trainer.frames import (
     unpack,
 )
 from trainer.metrics import MetricsLogger
-from trainer.relay import SERVER, plan_relay
+from trainer.relay import SERVER, RelayPlan, plan_relay
 from trainer.transport import Inbox, Transport
 from trainer.wire import peek_kind
 
@@ -102,6 +105,39 @@ def _codec(cfg: TrainConfig, name: str) -> Compressor:
                             select=cfg.select)
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One worker's own figures of a step, as the server plans from them."""
+
+    rank: int
+    loss: float
+    samples: int
+    compute_s: float
+    last_tx_s: float
+    topk_s: float
+
+
+def worker_rows(grads: list[Grad]) -> list[_Row]:
+    """Each worker's figures in rank order, a site's combined frame expanded into its members."""
+    rows = [_Row(int(r[0]), r[1], int(r[2]), r[3], r[4], r[5]) for g in grads for r in (g.members or (g.own(),))]
+    return sorted(rows, key=lambda r: r.rank)
+
+
+def uplink_senders(cfg: TrainConfig, relay: RelayPlan) -> list[int]:
+    """The ranks whose GRAD frames reach the server: every worker, or with per-site
+    aggregation the workers of the server's site, lone remote workers, and each remote
+    site's relay."""
+    workers = list(range(1, cfg.workers + 1))
+    if not cfg.site_aggregation:
+        return workers
+    return [w for w in workers if relay.source(w) == SERVER]
+
+
+def dense_chunk(cfg: TrainConfig) -> int:
+    """The chunk whose frames carry the dense part: the first, or the last with --overlap."""
+    return cfg.pipeline_chunks - 1 if cfg.overlap else 0
+
+
 @dataclass
 class _SgdRules:
     """How a torch SGD optimizer is adapted: decay moves into the gradient (step 1), and under
@@ -109,6 +145,21 @@ class _SgdRules:
 
     decay: list[float] = field(default_factory=list)  # per param group, moved out of the optimizer
     momentum: float = 0.0  # the velocity's factor; 0 when momentum correction is off
+
+
+@dataclass
+class _Sending:
+    """One step's sends so far: which chunk goes next, their waits and their times."""
+
+    step: int
+    samples: int
+    next_chunk: int = 0
+    waits: list = field(default_factory=list)
+    topk_s: float = 0.0
+    encode_s: float = 0.0
+    tx_s: float = 0.0
+    # Overlap: params whose gradient the backward pass has produced, and whose SGD decay is in.
+    ready: set = field(default_factory=set)
 
 
 class PSClient:
@@ -152,9 +203,24 @@ class PSClient:
         self.velocity = (torch.zeros(self.layout.sparse_numel, device=device)
                          if self.rules.momentum else None)
         self._forward_s = 0.0
+        # Which chunk carries the dense part (1-D and small tensors): the first, or with
+        # overlap the last, since their gradients are complete only at the end of backward.
+        self.dense_chunk = dense_chunk(cfg)
+        self._sending: _Sending | None = None
+        self._chunk_params = self._params_by_chunk()
+        if cfg.overlap:
+            for name in self._chunk_params_names():
+                self._params[name].register_post_accumulate_grad_hook(self._on_grad)
         source = self.relay.source(rank)
         self._update_source = source
-        self.inbox = Inbox(transport, sorted({SERVER, source}), timeout_s=cfg.timeout_s,
+        # Per-site aggregation: a remote site's workers send their chunks to the site's relay
+        # (`up`), which combines its `site` members' with its own and re-sparsifies the sum,
+        # with an error-feedback residual per chunk of its own, into one frame for the server.
+        self.up = source if cfg.site_aggregation else SERVER
+        self.site = self.relay.forwards_of(rank) if cfg.site_aggregation else ()
+        self.site_codec = _codec(cfg, "topk")
+        self.site_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
+        self.inbox = Inbox(transport, sorted({SERVER, source, *self.site}), timeout_s=cfg.timeout_s,
                            last_kinds=_LAST, on_frame=self._forward)
 
     # -- the optimizer --------------------------------------------------------------------------
@@ -194,15 +260,22 @@ class PSClient:
         return all(p.grad is not None and base <= p.grad.data_ptr() < end for p in self._params.values())
 
     def zero_grad(self) -> None:
-        """Zero the flat gradient, keeping every parameter's .grad a view of it."""
+        """Zero the flat gradient, keeping every parameter's .grad a view of it; the next
+        step's sends may start (with overlap, from the backward pass)."""
         self.flat_grad.zero_()
         self._bind_grads()
+        # The bytes so far are the last step's (and its evaluation's): this step's may start now.
+        self.flush_bytes()
+        self._sending = _Sending(self.step + 1, self.batch_sizes[self.index])
 
-    def collect_grads(self) -> None:
+    def collect_grads(self, done: set | frozenset = frozenset()) -> None:
         """Autograd accumulates into the bound views; copy back if user code replaced one, then
-        add an SGD optimizer's weight decay (step 1)."""
+        add an SGD optimizer's weight decay (step 1) to the gradients not in `done` (those sent
+        early already have theirs)."""
         if not self._grads_are_views():
             for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
+                if self._params[name] in done:
+                    continue
                 g = self._params[name].grad
                 self.flat_grad[off : off + n].copy_(g.reshape(-1) if g is not None else 0)
             self._bind_grads()
@@ -211,8 +284,54 @@ class PSClient:
                 for group, decay in zip(self.optimizer.param_groups, self.rules.decay):
                     if decay:
                         for p in group["params"]:
-                            if p.grad is not None:
+                            if p.grad is not None and p not in done:
                                 p.grad.add_(p, alpha=decay)
+
+    # -- overlap ----------------------------------------------------------------------------------
+    def _params_by_chunk(self) -> list[set[nn.Parameter]]:
+        """For each chunk of the compressed part, the parameters whose elements it holds."""
+        nd = self.layout.dense_numel
+        out: list[set[nn.Parameter]] = [set() for _ in self.bounds]
+        for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
+            if off < nd:
+                continue
+            lo, hi = off - nd, off - nd + n
+            for c, (a, b) in enumerate(self.bounds):
+                if a < hi and lo < b:
+                    out[c].add(self._params[name])
+        return out
+
+    def _chunk_params_names(self) -> list[str]:
+        nd = self.layout.dense_numel
+        return [n for n, off in zip(self.layout.names, self.layout.offsets) if off >= nd]
+
+    def _decay_of(self, p: nn.Parameter) -> float:
+        for group, decay in zip(self.optimizer.param_groups, self.rules.decay):
+            if any(q is p for q in group["params"]):
+                return decay
+        return 0.0
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        """The backward pass has produced `p`'s gradient: send every chunk now complete (in
+        order; the last chunk waits for step(), which has the loss and the dense part)."""
+        sending = self._sending
+        if sending is None:
+            return
+        if p in sending.ready:
+            raise RuntimeError("--overlap sends each gradient as soon as the backward pass produces it: "
+                               "a second backward before step() (gradient accumulation) is not supported")
+        base, end = self.flat_grad.data_ptr(), self.flat_grad.data_ptr() + self.flat_grad.nbytes
+        if p.grad is None or not base <= p.grad.data_ptr() < end:
+            raise RuntimeError("--overlap needs each parameter's .grad to stay the view the optimizer "
+                               "wrapper gave it: call the wrapper's zero_grad(), not the model's")
+        decay = self._decay_of(p) if self.rules.decay else 0.0
+        if decay:
+            with torch.no_grad():
+                p.grad.add_(p, alpha=decay)
+        sending.ready.add(p)
+        last = len(self.bounds) - 1
+        while sending.next_chunk < last and self._chunk_params[sending.next_chunk] <= sending.ready:
+            self._send_chunk(sending, sending.next_chunk, math.nan, 0.0)
 
     # -- start and end ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -245,8 +364,15 @@ class PSClient:
     def close(self) -> None:
         """BYE to the server; returns once the server has said BYE too."""
         self.transport.send(SERVER, pack(Bye(self.step, self.rank)))
+        if self.up != SERVER:  # ends the relay's wait on this worker's chunks
+            self.transport.send(self.up, pack(Bye(self.step, self.rank)))
         # A relay forwards the server's BYE to its peers from the inbox thread, which ends theirs.
         expect(self.inbox.get(SERVER)[0], Bye, peer=SERVER)
+        # Every other receiving thread ends with its peer's BYE too (the relay's forward of the
+        # server's; each site member's own): wait for them all, since a thread still blocked in a
+        # receive when the process group is torn down aborts the process.
+        for peer in sorted({self._update_source, *self.site} - {SERVER}):
+            expect(self.inbox.get(peer)[0], Bye, peer=peer)
         self.flush_bytes()
 
     def flush_bytes(self) -> None:
@@ -267,8 +393,9 @@ class PSClient:
 
     # -- one step -----------------------------------------------------------------------------------
     def compress(self, step: int, chunk: int) -> tuple[Payload, Payload]:
-        """Step 2 for one chunk: (the dense part, chunk 0 only; the chunk through the codec)."""
-        nd = self.layout.dense_numel if chunk == 0 else 0
+        """Step 2 for one chunk: (the dense part, on the dense chunk only; the chunk through the
+        codec)."""
+        nd = self.layout.dense_numel if chunk == self.dense_chunk else 0
         dense = Payload(nd, self.flat_grad[:nd].cpu())
         a, b = self.bounds[chunk]
         grad = self.flat_grad[self.layout.dense_numel + a : self.layout.dense_numel + b]
@@ -293,7 +420,7 @@ class PSClient:
         """Step 4 for one chunk: the server's update into `flat_grad`; after the last chunk, one
         optimizer step and the next step's plan."""
         nd = self.layout.dense_numel
-        if update.chunk == 0:
+        if update.chunk == self.dense_chunk:
             self.flat_grad[:nd].copy_(update.dense.values.to(self.device, torch.float32))
         a, b = self.bounds[update.chunk]
         apply_payload(self.flat_grad[nd + a : nd + b], update.sparse)
@@ -320,35 +447,77 @@ class PSClient:
         finally:
             self._bind_grads()
 
+    def _send_chunk(self, sending: _Sending, c: int, loss: float, compute_s: float) -> None:
+        """Compress chunk `c` of `sending`'s step and post it to the server."""
+        tc = time.perf_counter()
+        dense, sparse = self.compress(sending.step, c)
+        te = time.perf_counter()
+        sending.topk_s += te - tc
+        grad = Grad(sending.step, self.rank, c, loss, sending.samples, compute_s, self.last_tx_s,
+                    sending.topk_s, dense, sparse)
+        if self.site:
+            grad = self._combine_site(grad)
+            te = time.perf_counter()
+            sending.topk_s = grad.topk_s
+        frame = pack(grad)
+        ts = time.perf_counter()
+        sending.encode_s += ts - te
+        sending.waits.append(self.transport.post_many([self.up], frame))
+        sending.tx_s += time.perf_counter() - ts
+        sending.next_chunk = c + 1
+
+    def _combine_site(self, own: Grad) -> Grad:
+        """The relay's frame of one chunk for its whole site: its own and its members' chunks
+        weighted by batch share (eq. 1-2 within the site), re-sparsified with the relay's own
+        error feedback at its density; it counts the site's samples, and the last chunk's
+        carries every member's own figures for the server's plan."""
+        t0 = time.perf_counter()
+        members = [expect(self.inbox.get(m)[0], Grad, own.step, peer=m) for m in self.site]
+        for m in members:
+            if m.chunk != own.chunk:
+                raise ProtocolError(f"relay {self.rank}: expected chunk {own.chunk} of step {own.step} from "
+                                    f"rank {m.sender}, got chunk {m.chunk}")
+        group = [own, *members]
+        a, b = self.bounds[own.chunk]
+        dense, sparse = aggregate(group, own.dense.numel, b - a)
+        state = self.site_states[own.chunk]
+        state.density = self.densities[self.index]
+        state.step = own.step
+        combined = server_sparsify(sparse, codec=self.site_codec, state=state, dense_step=self.dense_step(own.step))
+        last = own.chunk == len(self.bounds) - 1
+        spent = own.topk_s + time.perf_counter() - t0
+        mine = (own.sender, own.loss, own.samples, own.compute_s, own.last_tx_s, spent)
+        return Grad(own.step, self.rank, own.chunk, own.loss, sum(g.samples for g in group), own.compute_s,
+                    own.last_tx_s, spent, Payload(dense.numel(), dense),
+                    Payload(combined.numel, combined.values, combined.indices, combined.seed),
+                    (mine, *(m.own() for m in members)) if last else ())
+
     def push_pull(self, step: int, *, loss: float, samples: int, compute_s: float) -> None:
         """Steps 2-5 of one synchronous step; the gradients are in the parameters' .grad.
 
         With several chunks the step is a pipeline: chunk c+1 is compressed while chunk c is on
         the wire and being aggregated by the server, whose update of chunk c comes back meanwhile.
         """
-        self.collect_grads()
-        self.flush_bytes()
+        t0 = time.perf_counter()
+        sending = self._sending if self._sending is not None and self._sending.step == step else None
+        if sending is None:  # zero_grad() was not called: nothing went early, and bytes were not flushed
+            sending = _Sending(step, samples)
+            self.flush_bytes()
+        self._sending = None  # a late hook (a second backward) must not send into the next step
+        self.collect_grads(sending.ready)
         density = self.densities[self.index] if not self.dense_step(step) else 1.0
         self._forward_s = 0.0
-        t0 = time.perf_counter()
-        topk_s = encode_s = tx_s = 0.0
-        waits = []
-        for c in range(len(self.bounds)):
-            tc = time.perf_counter()
-            dense, sparse = self.compress(step, c)
-            te = time.perf_counter()
-            topk_s += te - tc
-            frame = pack(Grad(step, self.rank, c, loss, samples, compute_s, self.last_tx_s, topk_s,
-                              dense, sparse))
-            ts = time.perf_counter()
-            encode_s += ts - te
-            waits.append(self.transport.post_many([SERVER], frame))
-            tx_s += time.perf_counter() - ts
+        # Chunks sent from the backward pass spent that time compressing and posting, not
+        # computing: re-balancing reads compute_s as per-sample work.
+        step_s = compute_s
+        compute_s = max(0.0, compute_s - sending.topk_s - sending.encode_s - sending.tx_s)
+        while sending.next_chunk < len(self.bounds):
+            self._send_chunk(sending, sending.next_chunk, loss, compute_s)
         ts = time.perf_counter()
-        for wait in waits:
+        for wait in sending.waits:
             wait()
         sent = time.perf_counter()
-        tx_s += sent - ts
+        topk_s, encode_s, tx_s = sending.topk_s, sending.encode_s, sending.tx_s + sent - ts
         last_arrival = sent
         for c in range(len(self.bounds)):
             raw, _ = self.inbox.get(self._update_source)
@@ -359,7 +528,7 @@ class PSClient:
             self.apply(update)
         self.last_tx_s = tx_s
         self.step = step
-        total = time.perf_counter() - t0 + compute_s
+        total = step_s + time.perf_counter() - t0
         mlog = self.metrics.log
         if math.isfinite(loss):
             mlog(step, "loss", loss)
@@ -367,7 +536,10 @@ class PSClient:
         mlog(step, "samples_per_s", samples / max(total, 1e-9))
         mlog(step, "compute_s", compute_s)
         mlog(step, "compress_s", topk_s + encode_s)
-        mlog(step, "comm_s", tx_s + self._forward_s)
+        # Communication is all of the step this worker did not spend computing or compressing:
+        # its sends, the server's work and the update's way back (the bill's granularity is
+        # compute_s / comm_s). The send alone (`tx_s`) is what the density rule reads.
+        mlog(step, "comm_s", max(0.0, total - compute_s - topk_s - encode_s))
         mlog(step, "wait_s", max(0.0, last_arrival - sent))
         mlog(step, "density", density)
 
@@ -404,6 +576,7 @@ class PSClient:
             "batch_sizes": self.batch_sizes,
             "last_tx_s": self.last_tx_s,
             "velocity": self.velocity,
+            "site_residual": _join_residuals(self.site_states) if self.site else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -420,6 +593,8 @@ class PSClient:
         self.last_tx_s = state["last_tx_s"]
         if self.velocity is not None:
             self.velocity.copy_(state["velocity"])
+        if self.site:
+            _split_residual(self.site_states, state.get("site_residual"), self.bounds)
         self._bind_grads()
 
 
@@ -450,6 +625,9 @@ class ParameterServer:
         self._last_print = 0.0
         self._resume_state: dict | None = None
         self._warned_target = False
+        # With per-site aggregation a remote site's relay sends its site's gradient in one frame:
+        # the server hears GRAD frames from these ranks only (and every other frame from all).
+        self.senders = uplink_senders(cfg, self.relay)
         self.inbox = Inbox(transport, self.workers, timeout_s=cfg.timeout_s, last_kinds=_LAST)
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -459,8 +637,14 @@ class ParameterServer:
             self._handshake()
             while True:
                 round_start = time.perf_counter()
-                first = {w: self.inbox.get(w) for w in self.workers}
+                first = {w: self.inbox.get(w) for w in self.senders}
                 frames = {w: unpack(raw) for w, (raw, _) in first.items()}
+                if not all(isinstance(f, Grad) for f in frames.values()):
+                    # Not a step: every worker takes part (an evaluation, the goodbye).
+                    for w in self.workers:
+                        if w not in first:
+                            first[w] = self.inbox.get(w)
+                            frames[w] = unpack(first[w][0])
                 kinds = {type(f) for f in frames.values()}
                 aborts = [f for f in frames.values() if isinstance(f, Abort)]
                 if aborts:
@@ -550,13 +734,13 @@ class ParameterServer:
         frames = first
         for chunk in range(len(self.bounds)):
             if chunk:
-                got = {w: self.inbox.get(w) for w in self.workers}
+                got = {w: self.inbox.get(w) for w in self.senders}
                 frames = {w: expect(raw, Grad, step, peer=w) for w, (raw, _) in got.items()}
                 for w, (_, t) in got.items():
                     arrival[w] += t
             t1 = time.perf_counter()
             wait_s += t1 - before
-            grads = [frames[w] for w in self.workers]
+            grads = [frames[w] for w in self.senders]
             if any(g.chunk != chunk for g in grads):
                 raise ProtocolError(f"server: expected chunk {chunk} of step {step}, got "
                                     f"{[(g.sender, g.chunk) for g in grads]}")
@@ -576,7 +760,7 @@ class ParameterServer:
         mlog = self.metrics.log
         if math.isfinite(update.loss):
             mlog(step, "loss", update.loss)
-        mlog(step, "batch_size", sum(g.samples for g in grads))
+        mlog(step, "batch_size", sum(g.samples for g in grads))  # a site's frame counts its site
         mlog(step, "samples_per_s", sum(g.samples for g in grads) / max(t3 - t0, 1e-9))
         mlog(step, "wait_s", wait_s)
         mlog(step, "compress_s", compress_s)
@@ -590,29 +774,31 @@ class ParameterServer:
         """Steps 3 and 5 for one chunk: the weighted sum (eq. 1-2) and server compression; with
         the last chunk, the step's loss and next step's plan."""
         a, b = self.bounds[chunk]
-        dense, sparse = aggregate(grads, self.layout.dense_numel if chunk == 0 else 0, b - a)
+        dense, sparse = aggregate(grads, self.layout.dense_numel if chunk == dense_chunk(self.cfg) else 0, b - a)
         state = self.codec_states[chunk]
         state.step = step
         dense_step = step <= self.cfg.warmup_steps or not self.cfg.compresses
         payload = server_sparsify(sparse, codec=self.codec, state=state, dense_step=dense_step)
         if chunk < len(self.bounds) - 1:
             return Update(step, chunk, Payload(dense.numel(), dense), payload)
-        # The last chunk's frames carry the step's full timings (compression summed).
-        self._plan(step, grads, arrival or {})
-        alphas = aggregation_weights([g.samples for g in grads])
-        losses = [g.loss for g in grads]
+        # The last chunk's frames carry the step's full timings (compression summed); a site's
+        # combined frame carries each of its workers' own.
+        rows = worker_rows(grads)
+        self._plan(step, rows, arrival or {})
+        alphas = aggregation_weights([r.samples for r in rows])
+        losses = [r.loss for r in rows]
         loss = sum(w * x for w, x in zip(alphas, losses)) if all(map(math.isfinite, losses)) else math.nan
         return Update(step, chunk, Payload(dense.numel(), dense), payload, loss,
                       tuple(self.densities), tuple(self.batch_sizes))
 
-    def _plan(self, step: int, grads: list[Grad], arrival: dict[int, float]) -> None:
+    def _plan(self, step: int, grads: list[_Row], arrival: dict[int, float]) -> None:
         """Densities from last transmission times (step 5); batch sizes from compute and
         compression times."""
         if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
             # A link's time is the longer of the worker's own send time (previous step) and the
             # frame's arrival time seen here (this step): the first alone misses a shaped link
             # whose bytes sit in a socket buffer, the second alone an emulated --link-mbps.
-            times = [max(g.last_tx_s, arrival.get(g.sender, 0.0)) for g in grads]
+            times = [max(g.last_tx_s, arrival.get(g.rank, 0.0)) for g in grads]
             self.densities = adapt_densities(
                 self.densities, times, target=self.cfg.density,
                 low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,

@@ -61,8 +61,20 @@ def _serve(cfg: TrainConfig, spec: RoleSpec) -> None:
         metrics.close()
 
 
+def use_code_dir(code_dir: str | None) -> None:
+    """Put the user's code first on the import path. The trainer's and hybridtrain's own
+    modules are already imported (and their submodules resolve through their packages), so a
+    user's module of the same top-level name cannot replace them; launchers also start
+    Python with PYTHONSAFEPATH, so the working directory is not searched before them."""
+    if code_dir and code_dir not in sys.path:
+        sys.path.insert(0, code_dir)
+
+
 def _work(cfg: TrainConfig, spec: RoleSpec) -> None:
-    from trainer import loop
+    import hybridtrain.task  # noqa: F401 - loaded before the user's code can shadow it
+    from trainer import loop, taskloop  # noqa: F401
+
+    use_code_dir(cfg.code_dir)
 
     # A task that cannot be loaded fails here, before the rendezvous, within seconds.
     task = load_task(cfg.task, json.loads(cfg.task_args)) if not cfg.script else None

@@ -5,13 +5,16 @@ from fastapi import APIRouter
 from app.api.responses import COMMON
 from app.api.routes import (
     agent,
+    agent_links,
     agent_profiles,
     bundles,
     clusters,
     egress_prices,
     gpu_models,
     instance_prices,
+    links,
     nodes,
+    plans,
     profiles,
     run_costs,
     run_logs,
@@ -32,6 +35,7 @@ api_router.include_router(
 api_router.include_router(egress_prices.router, prefix="/prices/egress", tags=["prices"])
 api_router.include_router(tokens.router, prefix="/tokens", tags=["tokens"])
 api_router.include_router(runs.router, prefix="/runs", tags=["runs"])
+api_router.include_router(plans.router, prefix="/plans", tags=["plans"])
 api_router.include_router(run_metrics.router, prefix="/runs", tags=["metrics"])
 api_router.include_router(run_logs.router, prefix="/runs", tags=["logs"])
 api_router.include_router(run_costs.router, prefix="/runs", tags=["costs"])
@@ -40,3 +44,6 @@ api_router.include_router(bundles.router, prefix="/bundles", tags=["bundles"])
 api_router.include_router(bundles.run_router, prefix="/runs", tags=["bundles"])
 api_router.include_router(profiles.router, prefix="/tasks/profiles", tags=["task-profiles"])
 api_router.include_router(agent_profiles.router, prefix="/agent", tags=["agent"])
+api_router.include_router(links.router, prefix="/links", tags=["links"])
+api_router.include_router(links.site_router, prefix="/site-links", tags=["links"])
+api_router.include_router(agent_links.router, prefix="/agent", tags=["agent"])

@@ -11,6 +11,7 @@ from app.models.enums import (
     TrafficClass,
 )
 from app.models.inventory import Cluster, GpuModel, Node, NodeGpu, Site, cluster_nodes
+from app.models.links import LinkMeasurement, SiteLink
 from app.models.prices import EgressPrice, InstancePrice
 from app.models.profiles import ProfileStatus, TaskProfile
 from app.models.runs import NodeAgent, Run, RunLog, RunMetric, RunStatus, RunWorker, WorkerStatus
@@ -26,6 +27,7 @@ __all__ = [
     "EgressPrice",
     "GpuModel",
     "InstancePrice",
+    "LinkMeasurement",
     "Node",
     "NodeAgent",
     "NodeGpu",
@@ -39,6 +41,7 @@ __all__ = [
     "RunWorker",
     "Site",
     "SiteKind",
+    "SiteLink",
     "TaskProfile",
     "TokenScope",
     "TrafficClass",

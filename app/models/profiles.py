@@ -49,6 +49,9 @@ class TaskProfile(Base):
     step_s: Mapped[float | None] = mapped_column(Double)
     # Evaluation metric name -> whether higher is better, as the task declares them.
     metrics: Mapped[dict[str, Any] | None]
+    # The agent's whole result (trainer.profile's JSON): the performance model's inputs
+    # (dense_params, buffer_numel, worker_compress_s, ...) have no columns of their own.
+    result: Mapped[dict[str, Any] | None]
     error: Mapped[str | None] = mapped_column(Text)
     created_by: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -146,6 +146,9 @@ class Run(TimestampMixin, Base):
     launched_at: Mapped[datetime | None]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # The model's prediction when the run was created (app.queries.predictions), priced; None
+    # where a node had no profile of the task. Its page sets it beside what the run measured.
+    prediction: Mapped[dict[str, Any] | None]
 
     workers: Mapped[list[RunWorker]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True,

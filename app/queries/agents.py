@@ -14,11 +14,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, selectinload
 
-from app.dispatch import CancelOrder
+from app.dispatch import CancelOrder, Order
 from app.errors import ConflictError, NotFoundError
 from app.models import Node, NodeAgent, NodeStatus, Run, RunLog, RunStatus, RunWorker, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES, FINISHED_WORKER_STATUSES
+from app.queries.links import join_probe_orders
 from app.queries.nodes import node_by_join_token
 from app.queries.runs import end_run, get_run
 from app.schemas.agent import MAX_LINE, HardwareReport, Heartbeat, LogBatch, RoleEvent
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 # Lines kept per rank; older ones are deleted as new ones arrive.
 LOG_LINES_KEPT = 2000
+# Set in a node's detected hardware when its agent first registers; its next heartbeat (the
+# registration's own commit is long done by then, and the agent is consuming its queue) orders
+# the probes between it and other nodes, and clears the mark.
+PROBE_ON_JOIN = "probe_on_join"
 
 
 class JoinRefused(Exception):
@@ -108,6 +113,8 @@ def register_agent(
             )
         )
     record_hardware(node, hardware)
+    if created:
+        node.detected_hardware = {**(node.detected_hardware or {}), PROBE_ON_JOIN: True}
     if not node.address and hardware.address:
         node.address = hardware.address
     node.last_heartbeat = utcnow()
@@ -222,7 +229,7 @@ def _exit_text(rank: int, role: str, event: RoleEvent) -> str:
 @dataclass
 class HeartbeatOutcome:
     stop: list[dict[str, Any]] = field(default_factory=list)
-    orders: list[CancelOrder] = field(default_factory=list)
+    orders: list[Order] = field(default_factory=list)
 
 
 def apply_heartbeat(
@@ -239,6 +246,7 @@ def apply_heartbeat(
     if node.status in (NodeStatus.pending, NodeStatus.offline):
         log.info("node %s (id %s) is online", node.name, node.id)
         node.status = NodeStatus.online
+    just_joined = bool((node.detected_hardware or {}).get(PROBE_ON_JOIN))
     if beat.hardware is not None:
         record_hardware(node, beat.hardware)
         if not node.address and beat.hardware.address:
@@ -246,6 +254,11 @@ def apply_heartbeat(
     else:
         refresh_mismatch(node)
     out = HeartbeatOutcome()
+    if just_joined:
+        node.detected_hardware = {
+            k: v for k, v in (node.detected_hardware or {}).items() if k != PROBE_ON_JOIN
+        }
+        out.orders += join_probe_orders(session, node=node)
     reported = {(r.run_id, r.rank): r for r in beat.roles}
     runs: dict[int, Run] = {}
     for (run_id, rank), role in sorted(reported.items()):

@@ -21,6 +21,7 @@ from app.billing import (
     InstancePrice,
     LinkBytes,
     NodeUsage,
+    PriceLookup,
     RunUsage,
     Site,
     SiteKind,
@@ -34,6 +35,28 @@ from app.models.runs import Run, RunMetric, RunWorker
 from app.queries.prices import EgressKey as EgressSeries
 from app.queries.prices import egress_price_in_force
 from hybridtrain.contract import LEGACY_TIME_TO_TARGET
+
+
+class CachedPriceLookup:
+    """A `PriceLookup` that asks `inner` once per key and instant: the optimizer prices the same
+    few nodes and links across thousands of plans."""
+
+    def __init__(self, inner: PriceLookup) -> None:
+        self.inner = inner
+        self._egress: dict[tuple[EgressKey, datetime], Decimal | None] = {}
+        self._instance: dict[tuple[InstanceKey, datetime], InstancePrice | None] = {}
+
+    def egress_usd_per_gb(self, key: EgressKey, at: datetime) -> Decimal | None:
+        """The inner lookup's answer, remembered."""
+        if (key, at) not in self._egress:
+            self._egress[(key, at)] = self.inner.egress_usd_per_gb(key, at)
+        return self._egress[(key, at)]
+
+    def instance_price(self, key: InstanceKey, at: datetime) -> InstancePrice | None:
+        """The inner lookup's answer, remembered."""
+        if (key, at) not in self._instance:
+            self._instance[(key, at)] = self.inner.instance_price(key, at)
+        return self._instance[(key, at)]
 
 
 class DbPriceLookup:
@@ -237,11 +260,13 @@ def _node_usages(
         if first is None:
             first, last = run_start, end
         seconds = max(0.0, (last - first).total_seconds()) if first and last else 0.0
-        usages.append(_node_usage(node, seconds))
+        usages.append(node_usage(node, seconds))
     return usages
 
 
-def _node_usage(node: Node, seconds: float) -> NodeUsage:
+def node_usage(node: Node, seconds: float) -> NodeUsage:
+    """How `app.billing` prices `node` for `seconds` (its site, GPU, spot or amortised rate);
+    the node must be loaded with its site and GPUs."""
     site = billing_site(node.site)
     onprem = site.kind is SiteKind.onprem
     # An instance is priced by its one kind of GPU; a mixed node is priced by instance type only.
@@ -256,3 +281,48 @@ def _node_usage(node: Node, seconds: float) -> NodeUsage:
         gpu_count=gpu.count if gpu else 1,
         amortised_usd_per_hour=Decimal(str(node.amortised_usd_per_h)) if onprem else None,
     )
+
+
+def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+    # (predicted - measured) / measured: +10 means the model promised 10 % more than came.
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return (predicted - measured) / measured * 100.0
+
+
+def predicted_vs_measured(
+    session: Session, *, run: Run, bill: Bill, links: dict[tuple[int, int], int] | None = None
+) -> dict | None:
+    """The run's stored prediction beside what it measured: samples/s, bytes leaving their site
+    per step, $/1M samples, each with the error in % of the measured; None without a prediction."""
+    prediction = run.prediction
+    if not prediction:
+        return None
+    if links is None:
+        links = link_totals(session, run_id=run.id)
+    sites = run_sites_by_rank(session, run=run)
+    crossing = sum(
+        total for (rank, peer), total in links.items()
+        if rank in sites and peer in sites and sites[rank].name != sites[peer].name
+    )
+    steps = bill.samples / run.global_batch_size if run.global_batch_size else 0
+    measured = {
+        "samples_per_s": bill.samples_per_s,
+        "egress_bytes_per_step": crossing / steps if steps else None,
+        "usd_per_million_samples": (
+            None if bill.usd_per_million_samples is None else float(bill.usd_per_million_samples)
+        ),
+    }
+    predicted = {
+        "samples_per_s": prediction.get("samples_per_s"),
+        "egress_bytes_per_step": prediction.get("egress_bytes_per_step"),
+        "usd_per_million_samples": (prediction.get("costs") or {}).get("usd_per_million_samples"),
+    }
+    return {
+        "metrics": [
+            {"metric": name, "predicted": predicted[name], "measured": measured[name],
+             "error_pct": _error_pct(predicted[name], measured[name])}
+            for name in ("samples_per_s", "egress_bytes_per_step", "usd_per_million_samples")
+        ],
+        "prediction": prediction,
+    }

@@ -192,6 +192,8 @@ def record_report(session: Session, *, profile: TaskProfile, report: ProfileRepo
         profile.samples_per_s = result.samples_per_s
         profile.step_s = result.step_s
         profile.metrics = dict(result.metrics)
+        # The whole result: the performance model's inputs ride along (app.queries.predictions).
+        profile.result = result.model_dump(mode="json")
         profile.error = None
     else:
         if not report.error:

@@ -26,6 +26,7 @@ from app.models.runs import FINISHED_WORKER_STATUSES
 from app.planner import GpuSpec, Plan, PlanError, PlanNode, plan_run
 from app.queries.bundles import get_bundle
 from app.queries.common import paginate
+from app.queries import predictions
 from app.queries.profiles import latest_profiles
 from app.schemas.runs import RunCreate
 from app.security import hash_secret, new_secret
@@ -115,39 +116,97 @@ def task_facts(session: Session, *, data: RunCreate, node_ids: Sequence[int]) ->
     )
 
 
-def make_plan(session: Session, *, data: RunCreate) -> tuple[Plan, TaskFacts | None]:
-    """Plan `data` over its nodes (or cluster) without storing anything; with what the task
-    profiles of its nodes say of its task."""
-    if data.bundle_sha256 is not None:
-        get_bundle(session, sha256=data.bundle_sha256, field="bundle_sha256")
-    if data.cluster_id is not None:
-        cluster = session.get(Cluster, data.cluster_id)
+def load_plan_nodes(
+    session: Session, *, node_ids: Sequence[int] | None, cluster_id: int | None
+) -> list[Node]:
+    """The nodes a request names (its node_ids, or its cluster's), in its order; NotFoundError
+    naming the field for an unknown one, InvalidFieldError for an empty cluster."""
+    if cluster_id is not None:
+        cluster = session.get(Cluster, cluster_id)
         if cluster is None:
-            raise NotFoundError("cluster", data.cluster_id, field="cluster_id")
+            raise NotFoundError("cluster", cluster_id, field="cluster_id")
         ids = cluster.node_ids
         if not ids:
             raise InvalidFieldError("cluster_id", f"cluster {cluster.name} has no nodes")
-        nodes = _load_nodes(session, ids, field="cluster_id")
-    else:
-        assert data.node_ids is not None
-        nodes = _load_nodes(session, data.node_ids, field="node_ids")
+        return _load_nodes(session, ids, field="cluster_id")
+    if not node_ids:
+        raise InvalidFieldError("node_ids", "node_ids: at least one node is required")
+    return _load_nodes(session, node_ids, field="node_ids")
+
+
+def check_usable(nodes: Iterable[Node]) -> None:
+    """ConflictError unless every node is online."""
+    _check_usable(nodes)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A plan with what the task profiles say of its task and what the model predicts of it
+    (`prediction` None with `prediction_unavailable` saying why)."""
+
+    plan: Plan
+    facts: TaskFacts | None
+    prediction: dict[str, Any] | None = None
+    prediction_unavailable: str | None = None
+
+
+def make_planned(session: Session, *, data: RunCreate) -> Planned:
+    """Plan `data` over its nodes (or cluster) without storing anything, with the prediction.
+
+    A PS run whose server is not pinned gets the server the model prefers (lowest predicted
+    $/1M samples, ties to the fastest) where every node has a profile of the task; otherwise
+    the planner's link weights place it.
+    """
+    if data.bundle_sha256 is not None:
+        get_bundle(session, sha256=data.bundle_sha256, field="bundle_sha256")
+    nodes = load_plan_nodes(session, node_ids=data.node_ids, cluster_id=data.cluster_id)
     ps_node = None
     if data.ps_node_id is not None:
         ps_node = _load_nodes(session, [data.ps_node_id], field="ps_node_id")[0]
     _check_usable([*nodes, *([ps_node] if ps_node else [])])
     facts = task_facts(session, data=data, node_ids=[n.id for n in nodes])
+    plan_nodes = [plan_node(n) for n in nodes]
+
+    def planned(server: PlanNode | None) -> Plan:
+        try:
+            return plan_run(
+                strategy=data.strategy,
+                global_batch_size=data.global_batch_size,
+                nodes=plan_nodes,
+                allocation=data.allocation,
+                ps_node=server,
+                task_speeds=facts.speeds if facts else None,
+            )
+        except PlanError as exc:
+            raise InvalidFieldError(exc.field, exc.message) from exc
+
+    plan = planned(plan_node(ps_node) if ps_node else None)
+    if data.script is not None:
+        return Planned(plan, facts, None, "a script run has no task profile to predict from: "
+                                         "the model needs one of a task")
+    inputs = predictions.model_inputs(
+        session, nodes=list({n.id: n for n in [*nodes, *([ps_node] if ps_node else [])]}.values()),
+        task=data.task, task_args=data.task_args, bundle_sha256=data.bundle_sha256,
+        compression=data.compression, eval_every=data.eval_every,
+        max_steps=data.steps(facts.train_samples if facts else None),
+    )
+    if isinstance(inputs, str):
+        return Planned(plan, facts, None, inputs)
+    if is_ps(data.strategy) and ps_node is None:
+        best = predictions.best_server(inputs, plan, [n for n in plan_nodes if n.address])
+        if best is not None and best != plan.ps_node_id:
+            plan = planned(next(n for n in plan_nodes if n.id == best))
     try:
-        plan = plan_run(
-            strategy=data.strategy,
-            global_batch_size=data.global_batch_size,
-            nodes=[plan_node(n) for n in nodes],
-            allocation=data.allocation,
-            ps_node=plan_node(ps_node) if ps_node else None,
-            task_speeds=facts.speeds if facts else None,
-        )
-    except PlanError as exc:
-        raise InvalidFieldError(exc.field, exc.message) from exc
-    return plan, facts
+        return Planned(plan, facts, predictions.predict_plan(inputs, plan))
+    except InvalidFieldError as exc:
+        return Planned(plan, facts, None, f"the model cannot predict this plan: {exc.message}")
+
+
+def make_plan(session: Session, *, data: RunCreate) -> tuple[Plan, TaskFacts | None]:
+    """Plan `data` over its nodes (or cluster) without storing anything; with what the task
+    profiles of its nodes say of its task."""
+    planned = make_planned(session, data=data)
+    return planned.plan, planned.facts
 
 
 # -- creation ----------------------------------------------------------------------------------
@@ -187,7 +246,8 @@ def create_run(
     fingerprint: str,
 ) -> tuple[Run, str]:
     """Plan and store a queued run; returns it with its metrics token (shown only here)."""
-    plan, facts = make_plan(session, data=data)
+    planned = make_planned(session, data=data)
+    plan, facts = planned.plan, planned.facts
     token = new_secret(METRICS_TOKEN_PREFIX)
     run = Run(
         name=data.name,
@@ -216,6 +276,7 @@ def create_run(
         created_by=created_by,
         idempotency_key=idempotency_key,
         request_fingerprint=fingerprint,
+        prediction=planned.prediction,
         workers=[
             RunWorker(
                 rank=w.rank, role=w.role, node_id=w.node_id, node_name=w.node_name,
@@ -271,14 +332,19 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
         # re-splits from observed compute times.
         options["allocation"] = "measured"
         options["rebalance-every"] = run.rebalance_every
+    across = is_ps(run.strategy) and len(set(sites)) > 1 and all(sites)
     for key, value in (run.compression or {}).items():
-        if key in ("error_feedback", "momentum_correction"):
+        if key == "aggregate_at_sites":
+            # Only where there are sites to aggregate at: a run within one site has none.
+            if value and across:
+                options["aggregate-at-sites"] = True
+        elif key in ("error_feedback", "momentum_correction"):
             # The trainer's flags are --error-feedback / --no-error-feedback and the like.
             flag = key.replace("_", "-")
             options[flag if value else f"no-{flag}"] = True
         else:
             options[key.replace("_", "-")] = value
-    if is_ps(run.strategy) and len(set(sites)) > 1 and all(sites):
+    if across:
         # The server's update then crosses to each remote site once (trainer/relay.py).
         options["sites"] = ",".join(sites)
     return options

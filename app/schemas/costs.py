@@ -7,7 +7,7 @@ exact sum); JSON numbers keep that precision for any bill a run can run up.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -45,6 +45,22 @@ class GranularityPublic(PublicSchema):
     ratio: float | None
 
 
+class PredictedMetric(PublicSchema):
+    """One figure as predicted when the run was created and as measured so far."""
+
+    metric: Literal["samples_per_s", "egress_bytes_per_step", "usd_per_million_samples"]
+    predicted: float | None
+    measured: float | None
+    error_pct: float | None = Field(description="(predicted - measured) / measured, in %")
+
+
+class PredictedVsMeasured(PublicSchema):
+    """The run's stored prediction beside what it measured."""
+
+    metrics: list[PredictedMetric]
+    prediction: dict[str, Any] = Field(description="the whole prediction (POST /runs/plan's)")
+
+
 class RunCost(PublicSchema):
     """What a run cost and delivered, live while it runs and final once it has finished."""
 
@@ -71,3 +87,6 @@ class RunCost(PublicSchema):
     granularity: GranularityPublic
     granularity_by_worker: dict[str, GranularityPublic]
     unpriced: list[str]
+    predicted: PredictedVsMeasured | None = Field(
+        default=None, description="predicted beside measured (null: the run has no prediction)"
+    )

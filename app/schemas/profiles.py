@@ -70,6 +70,8 @@ class TaskProfilePublic(PublicSchema):
     samples_per_s: float | None
     step_s: float | None
     metrics: dict[str, bool] | None
+    result: dict[str, Any] | None = Field(
+        default=None, description="everything the profiler measured (the performance model's inputs)")
     error: str | None
     created_by: str
     created_at: datetime

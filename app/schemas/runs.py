@@ -52,6 +52,16 @@ class CompressionOptions(Schema):
         "(the server and the wire work on one while the workers compress the next); default 1",
     )
     powersgd_rank: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
+    overlap: Flag | None = Field(
+        default=None,
+        description="PS strategies: compress and send each chunk as soon as the backward pass has "
+        "produced it (with pipeline_chunks > 1); default off",
+    )
+    aggregate_at_sites: Flag | None = Field(
+        default=None,
+        description="PS strategies across sites: each remote site's workers send their gradients to "
+        "the site's relay, which sends one combined frame across the WAN; default off",
+    )
 
     @model_validator(mode="after")
     def _ordered_densities(self) -> CompressionOptions:
@@ -162,6 +172,11 @@ class RunCreate(Schema):
         chunks = self.compression.pipeline_chunks if self.compression else None
         if chunks not in (None, 1) and not contract.is_ps(self.strategy):
             raise ValueError(f"compression.pipeline_chunks: only PS strategies pipeline, not {self.strategy}")
+        for flag in ("overlap", "aggregate_at_sites"):
+            if self.compression and getattr(self.compression, flag) and not contract.is_ps(self.strategy):
+                raise ValueError(f"compression.{flag}: only PS strategies have it, not {self.strategy}")
+        if self.compression and self.compression.overlap and self.compression.aggregate_at_sites:
+            raise ValueError("compression.overlap and compression.aggregate_at_sites do not go together yet")
         return self
 
     @property

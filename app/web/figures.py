@@ -173,6 +173,8 @@ def evaluation_figure(series: Sequence[SeriesLike], t0: float, names: Sequence[s
         for s in by_name(series, name)
     ]
     layout = base_layout("Evaluation", " s", "value")
+    # Plotly hides the legend of a single trace, which would leave a lone metric unnamed.
+    layout["showlegend"] = True
     if not traces:
         layout["annotations"] = [_no_data("no evaluation yet")]
     return {"data": traces, "layout": layout}

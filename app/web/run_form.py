@@ -15,6 +15,7 @@ from typing import Any
 from starlette.datastructures import FormData
 
 from app.errors import ConflictError, HybridtrainError
+from app.schemas.predictions import OptimizeRequest, OptimizeResultPublic, PlanWithPrediction
 from app.schemas.runs import RunCreate
 from app.web import forms
 from hybridtrain.contract import DEFAULT_TASK, is_ps
@@ -28,7 +29,7 @@ TEXT_FIELDS = (
     "compression_density_min", "compression_density_max", "compression_server_k_fraction",
     "compression_error_feedback", "compression_momentum_correction", "compression_warmup_steps",
     "compression_pipeline_chunks", "compression_powersgd_rank",
-    "idempotency_key",
+    "idempotency_key", "suggest_goal", "suggest_budget",
 )
 COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank")
 COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction")
@@ -36,8 +37,11 @@ DEFAULTS = {
     "place": "nodes", "strategy": "ps-bz-gc", "kind": "task", "task": DEFAULT_TASK, "task_args": "",
     "global_batch_size": "64", "length": "steps", "max_steps": "300", "device": "auto",
     "seed": "0", "allocation": "", "compression_error_feedback": "",
-    "compression_momentum_correction": "", "at_target": "stop",
+    "compression_momentum_correction": "", "at_target": "stop", "suggest_goal": "cost",
+    "suggest_budget": "",
 }
+# Above this share of the bill, the preview calls egress out: it is then the cost to cut.
+EGRESS_CALLOUT_SHARE = 1 / 3
 
 
 def field_name(loc: str) -> str:
@@ -153,3 +157,72 @@ def launch_errors(exc: HybridtrainError) -> dict[str, str]:
     if isinstance(exc, ConflictError) and "node" in exc.message:
         return {"node_ids": exc.message}
     return forms.domain_errors(exc, field_name)
+
+
+def prediction_rows(plans: list[PlanWithPrediction]) -> dict[str, Any]:
+    """The preview's table of every strategy's prediction, and the egress callout (strategies
+    whose egress is over EGRESS_CALLOUT_SHARE of their $/h), or why there is no prediction."""
+    rows, heavy, unavailable = [], [], None
+    for plan in plans:
+        p = plan.prediction
+        if p is None:
+            unavailable = plan.prediction_unavailable
+            continue
+        server = next((w.node_name for w in plan.workers if w.role == "ps"), None)
+        rows.append({
+            "strategy": plan.strategy, "server": server, "samples_per_s": p.samples_per_s,
+            "step_s": p.step_s, "breakdown": p.breakdown, "granularity": p.granularity,
+            "egress_usd_per_h": p.costs.egress_usd_per_h, "compute_usd_per_h": p.costs.compute_usd_per_h,
+            "usd_per_million_samples": p.costs.usd_per_million_samples, "egress_share": p.costs.egress_share,
+            "egress_bytes_per_step": p.egress_bytes_per_step, "unpriced": p.costs.unpriced,
+        })
+        if p.costs.egress_share is not None and p.costs.egress_share > EGRESS_CALLOUT_SHARE:
+            heavy.append(f"{plan.strategy} ({p.costs.egress_share:.0%})")
+    callout = None
+    if heavy:
+        callout = (f"Egress is over a third of the bill for {', '.join(heavy)}: moving the server or "
+                   "leaving out a remote site may cost less (try Suggest).")
+    return {"predictions": rows, "egress_callout": callout, "predictions_unavailable": unavailable}
+
+
+def optimize_request(values: dict[str, Any]) -> tuple[OptimizeRequest | None, dict[str, str]]:
+    """The optimizer's request from the form: its nodes (or cluster), task, batch and steps, and
+    the goal and budget next to the Suggest button; or the errors by field."""
+    model, errors = run_create({**values, "name": values.get("name") or "suggested"})
+    if model is None:
+        return None, errors
+    budget_text = str(values.get("suggest_budget") or "").strip()
+    body: dict[str, Any] = {
+        "task": model.task, "task_args": model.task_args, "bundle_sha256": model.bundle_sha256,
+        "global_batch_size": model.global_batch_size, "max_steps": model.max_steps,
+        "goal": values.get("suggest_goal") or "cost", "compression": model.compression,
+        "eval_every": model.eval_every,
+    }
+    if model.cluster_id is not None:
+        body["cluster_id"] = model.cluster_id
+    else:
+        body["node_ids"] = model.node_ids
+    if budget_text:
+        try:
+            body["budget_usd_per_h"] = float(budget_text)
+        except ValueError:
+            return None, {"suggest_budget": f"not a number of dollars per hour: {budget_text[:20]!r}"}
+    request, problems = forms.parse(OptimizeRequest, forms.non_blank(body), _suggest_field)
+    return request, problems
+
+
+def _suggest_field(loc: str) -> str:
+    return {"budget_usd_per_h": "suggest_budget", "goal": "suggest_goal"}.get(loc, field_name(loc))
+
+
+def suggestion(answer: OptimizeResultPublic) -> dict[str, Any]:
+    """What the form fills in from the optimizer's answer, and the sentence that explains it."""
+    plan = answer.plan
+    nodes = list(dict.fromkeys(w.node_id for w in plan.workers if w.role == "worker"))
+    prediction = plan.prediction
+    return {
+        "strategy": plan.strategy, "node_ids": nodes, "ps_node_id": plan.ps_node_id,
+        "allocation": plan.allocation, "explanation": answer.explanation,
+        "samples_per_s": prediction.samples_per_s if prediction else None,
+        "usd_per_million_samples": prediction.costs.usd_per_million_samples if prediction else None,
+    }

@@ -1,11 +1,15 @@
-// The launch form: show the fields of the chosen options, and preview the plan (batch split
-// and server placement) from the server's planner as the form changes.
+// The launch form: show the fields of the chosen options, preview the plan (batch split and
+// server placement) from the server's planner as the form changes, with every strategy's
+// predicted throughput and cost side by side; "Suggest" asks the optimizer and fills the form.
 (function () {
   "use strict";
   var form = document.getElementById("launch-form");
   if (!form) return;
   var state = document.getElementById("plan-state");
   var body = document.getElementById("plan-body");
+  var predictionBody = document.getElementById("prediction-body");
+  var suggestButton = document.getElementById("suggest-button");
+  var explanation = document.getElementById("suggest-explanation");
   var colors = ["#2f6fed", "#e4572e", "#17a398", "#f3a712", "#7b5ea7", "#db3a7a", "#4c9f38", "#8c6d46", "#3fa7d6", "#6c757d"];
   var timer = null;
   var sequence = 0;
@@ -26,8 +30,71 @@
     return node;
   }
 
+  function fixed(value, digits) {
+    return value === null || value === undefined ? "—" : Number(value).toFixed(digits);
+  }
+
+  function usd(value, digits) {
+    return value === null || value === undefined ? "—" : "$" + Number(value).toFixed(digits);
+  }
+
+  function ms(seconds) {
+    if (seconds === undefined || seconds === null) return "—";
+    var v = seconds * 1000;
+    if (v === 0) return "0";
+    return v.toFixed(v >= 10 ? 0 : v >= 1 ? 1 : 2);
+  }
+
+  // Every strategy's predicted samples/s, step breakdown, granularity and $ side by side.
+  function renderPredictions(json, chosen) {
+    predictionBody.replaceChildren();
+    if (!json.predictions || !json.predictions.length) {
+      var why = json.predictions_unavailable;
+      if (why) predictionBody.appendChild(el("p", { "class": "small muted", "id": "prediction-unavailable" }, "No prediction: " + why));
+      return;
+    }
+    predictionBody.appendChild(el("h3", {}, "Predicted, per strategy"));
+    var table = el("table", { "class": "table plan-table", "id": "prediction-table" });
+    var head = el("tr");
+    ["Strategy", "Samples/s", "Step ms", "Granularity", "Egress $/h", "Compute $/h", "$ / 1M samples"].forEach(function (h) {
+      head.appendChild(el("th", h === "Step ms" ? { "title": "compute · compress · upload · server · download, in ms" } : {}, h));
+    });
+    table.appendChild(el("thead")).appendChild(head);
+    var tbody = el("tbody");
+    json.predictions.forEach(function (p) {
+      var b = p.breakdown || {};
+      var row = el("tr", { "data-strategy": p.strategy });
+      if (p.strategy === chosen) row.setAttribute("class", "chosen");
+      var name = el("td", {}, p.strategy);
+      if (p.server) name.appendChild(el("div", { "class": "small muted" }, "server " + p.server));
+      row.appendChild(name);
+      row.appendChild(el("td", { "class": "num" }, fixed(p.samples_per_s, 1)));
+      var parts = el("td", { "class": "num", "title": "step " + ms(p.step_s) + " ms" },
+        [b.compute_s, b.compress_s, b.upload_s, b.server_s, b.download_s].map(ms).join("·"));
+      parts.style.whiteSpace = "nowrap";
+      row.appendChild(parts);
+      row.appendChild(el("td", { "class": "num" }, fixed(p.granularity, 2)));
+      row.appendChild(el("td", { "class": "num" }, usd(p.egress_usd_per_h, 3)));
+      row.appendChild(el("td", { "class": "num" }, usd(p.compute_usd_per_h, 3)));
+      row.appendChild(el("td", { "class": "num" }, usd(p.usd_per_million_samples, 4)));
+      tbody.appendChild(row);
+    });
+    table.appendChild(tbody);
+    // Seven columns outgrow the card on a narrow screen: scroll them rather than overflow.
+    var scroller = el("div");
+    scroller.style.overflowX = "auto";
+    scroller.appendChild(table);
+    predictionBody.appendChild(scroller);
+    predictionBody.appendChild(el("p", { "class": "small muted" },
+      "Step ms: compute · compress · upload · server · download. Egress is billed per byte sent; compute per node-hour."));
+    if (json.egress_callout) {
+      predictionBody.appendChild(el("p", { "class": "flash flash-info", "id": "egress-callout", "role": "note" }, json.egress_callout));
+    }
+  }
+
   function renderErrors(errors) {
     body.replaceChildren();
+    predictionBody.replaceChildren();
     var list = el("ul", { "class": "plan-errors" });
     Object.keys(errors).forEach(function (field) {
       var label = field === "__form__" ? "" : field.replace(/_/g, " ") + ": ";
@@ -92,11 +159,51 @@
       return response.json().then(function (json) { return { ok: response.ok, json: json }; });
     }).then(function (result) {
       if (mine !== sequence) return;  // a newer preview is on its way
-      if (result.ok) renderPlan(result.json.plan);
-      else renderErrors(result.json.errors || { "__form__": result.json.detail || "cannot plan" });
+      if (result.ok) {
+        renderPlan(result.json.plan);
+        renderPredictions(result.json, result.json.plan.strategy);
+      } else renderErrors(result.json.errors || { "__form__": result.json.detail || "cannot plan" });
     }).catch(function () {
       if (mine === sequence) state.textContent = "preview unavailable";
     });
+  }
+
+  // The optimizer's choice fills the form (nodes, strategy, server, split), then re-previews.
+  function applySuggestion(s) {
+    var place = form.querySelector("input[name=place][value=nodes]");
+    if (place) place.checked = true;
+    form.querySelectorAll("input[name=node_ids]").forEach(function (box) {
+      box.checked = s.node_ids.indexOf(Number(box.value)) !== -1;
+    });
+    document.getElementById("f-strategy").value = s.strategy;
+    document.getElementById("f-ps_node_id").value = s.ps_node_id === null ? "" : String(s.ps_node_id);
+    document.getElementById("f-allocation").value = s.allocation;
+    explanation.textContent = s.explanation;
+    explanation.hidden = false;
+    syncSections();
+    preview();
+  }
+
+  function suggest() {
+    var fields = new FormData(form);
+    fields.delete("bundle_file");
+    explanation.hidden = false;
+    explanation.textContent = "searching…";
+    suggestButton.disabled = true;
+    fetch("/runs/suggest", {
+      method: "POST", body: new URLSearchParams(fields), credentials: "same-origin",
+      headers: { "Accept": "application/json", "Content-Type": "application/x-www-form-urlencoded" }
+    }).then(function (response) {
+      return response.json().then(function (json) { return { ok: response.ok, json: json }; });
+    }).then(function (result) {
+      if (result.ok) { applySuggestion(result.json.suggestion); return; }
+      var errors = result.json.errors || { "__form__": result.json.detail || "cannot suggest" };
+      explanation.textContent = Object.keys(errors).map(function (k) {
+        return (k === "__form__" ? "" : k.replace(/_/g, " ") + ": ") + errors[k];
+      }).join("; ");
+    }).catch(function () {
+      explanation.textContent = "suggestion unavailable";
+    }).then(function () { suggestButton.disabled = false; });
   }
 
   function schedule() {
@@ -106,6 +213,7 @@
 
   form.addEventListener("change", function () { syncSections(); schedule(); });
   form.addEventListener("input", schedule);
+  if (suggestButton) suggestButton.addEventListener("click", suggest);
   form.addEventListener("submit", function () {
     document.getElementById("launch-button").disabled = true;
   });

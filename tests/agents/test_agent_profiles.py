@@ -25,7 +25,7 @@ AGENT_TOKEN = "hta_test-agent-token"
 STANDIN = (
     "import json, os, sys; print('warming up'); "
     "print(json.dumps({'argv': sys.argv[1:], 'cwd': os.getcwd(), "
-    "'pythonpath': os.environ.get('PYTHONPATH'), 'samples_per_s': 123.5}))"
+    "'safe_path': os.environ.get('PYTHONSAFEPATH'), 'samples_per_s': 123.5}))"
 )
 STANDIN_COMMAND = [sys.executable, "-c", STANDIN]
 
@@ -62,11 +62,12 @@ def test_profile_argv_carries_task_args_as_json():
 
 
 def test_run_profile_returns_the_json_line_the_child_printed(tmp_path):
-    result = run_profile([*STANDIN_COMMAND, "--batch", "8"], cwd=tmp_path, pythonpath=tmp_path)
+    result = run_profile([*STANDIN_COMMAND, "--batch", "8"], cwd=tmp_path, code_dir=tmp_path)
 
-    assert result["samples_per_s"] == 123.5 and result["argv"] == ["--batch", "8"]
+    assert result["samples_per_s"] == 123.5 and result["argv"] == ["--batch", "8", "--code-dir", str(tmp_path)]
     assert result["cwd"] == str(tmp_path)
-    assert result["pythonpath"].split(os.pathsep)[0] == str(tmp_path)
+    # The working directory is not searched before the profiler's own packages.
+    assert result["safe_path"] == "1"
 
 
 def test_run_profile_failure_carries_the_childs_last_stderr_lines(tmp_path):
@@ -100,7 +101,7 @@ def test_profile_task_fetches_the_bundle_with_the_agent_token_and_reports_the_re
     assert body["status"] == "done"
     result = body["result"]
     code = tmp_path / "state" / "profiles" / "5" / "code"
-    assert result["cwd"] == str(code) and result["pythonpath"].split(os.pathsep)[0] == str(code)
+    assert result["cwd"] == str(code) and result["argv"][-2:] == ["--code-dir", str(code)]
     assert result["argv"][result["argv"].index("--task-args") + 1] == '{"lr":0.5}'
     assert control_plane.profiles == [(5, body)]
     # The unpacked copy goes once measured; the archive stays cached for the next profile.

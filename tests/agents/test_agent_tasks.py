@@ -265,11 +265,12 @@ def test_role_killed_by_sigsegv_is_reported_without_the_oom_hint(supervisor, rep
 # -- roles running the user's code from a bundle ------------------------------------------------
 
 # The role of these tests: it reports where it runs and what it can import, like a user's
-# script would need to.
+# script would need to; as the trainer does, it puts --code-dir first on its import path.
 PROBE = (
-    "import json, os, sys; import usercode; "
-    "print('PROBE ' + json.dumps({'cwd': os.getcwd(), 'sys_path': sys.path, "
-    "'pythonpath': os.environ.get('PYTHONPATH'), 'user': usercode.VALUE, "
+    "import json, os, sys; safe = '' not in sys.path and os.getcwd() not in sys.path; "
+    "sys.path.insert(0, sys.argv[sys.argv.index('--code-dir') + 1]); import usercode; "
+    "print('PROBE ' + json.dumps({'cwd': os.getcwd(), 'sys_path': sys.path, 'safe': safe, "
+    "'safe_path': os.environ.get('PYTHONSAFEPATH'), 'user': usercode.VALUE, "
     "'argv': sys.argv[1:]}), flush=True)"
 )
 
@@ -306,7 +307,8 @@ def _probe(reporter: RecordingReporter, run_id: int, rank: int) -> dict[str, Any
     return json.loads(line[len("PROBE "):])
 
 
-def test_bundle_role_runs_in_the_unpacked_code_with_it_on_pythonpath(bundle_supervisor, reporter, control_plane):
+def test_bundle_role_runs_in_the_unpacked_code_which_it_imports_after_its_own_packages(
+        bundle_supervisor, reporter, control_plane):
     order = _bundle_order(control_plane, 25, 1, script_args=["--epochs", "3"])
 
     launch_role(25, 1, order, supervisor=bundle_supervisor)
@@ -314,9 +316,11 @@ def test_bundle_role_runs_in_the_unpacked_code_with_it_on_pythonpath(bundle_supe
     probe = _probe(reporter, 25, 1)
     code = bundle_supervisor.state_dir / "runs" / "25" / "code"
     assert probe["cwd"] == str(code)
-    assert probe["pythonpath"].split(os.pathsep)[0] == str(code)
-    assert str(code) in probe["sys_path"] and probe["user"] == 42
-    assert probe["argv"][-3:] == ["--", "--epochs", "3"]
+    # The working directory was not on the import path before the role added --code-dir:
+    # a user's own `trainer/` there cannot replace the trainer that `-m trainer` starts.
+    assert probe["safe"] and probe["safe_path"] == "1"
+    assert probe["argv"][-5:] == ["--code-dir", str(code), "--", "--epochs", "3"]
+    assert probe["sys_path"][0] == str(code) and probe["user"] == 42
     exited = wait_until(lambda: reporter.event(25, "exited"), 20, "the exit event")
     assert exited["exit_code"] == 0
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+
 from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
 from sqlalchemy import select
 
@@ -409,3 +411,39 @@ def test_a_run_within_one_site_needs_no_relay(online_node, client, dispatched, m
     _create(client, run_body([a, b]))
 
     assert all("sites" not in o for o in _options_by_rank(dispatched, [a, b]).values())
+
+
+def test_site_aggregation_is_sent_to_the_trainers_of_a_run_across_sites(online_node, client, dispatched, make_site):
+    onprem, cloud = make_site()["id"], make_site()["id"]
+    nodes = [online_node("RTX 3090", site_id=onprem), online_node("V100 PCIe", site_id=cloud),
+             online_node("V100 PCIe", site_id=cloud)]
+
+    _create(client, run_body(nodes, compression={"aggregate_at_sites": True, "overlap": False}))
+
+    options = _options_by_rank(dispatched, nodes)
+    assert all(o.get("aggregate-at-sites") is True and "sites" in o for o in options.values())
+    assert all("overlap" not in o or o["overlap"] is False for o in options.values())
+
+
+def test_site_aggregation_is_left_out_of_a_run_within_one_site(online_node, client, dispatched, make_site):
+    site = make_site()["id"]
+    a, b = online_node("RTX 3090", site_id=site), online_node("T4", site_id=site)
+
+    _create(client, run_body([a, b], compression={"aggregate_at_sites": True}))
+
+    assert all("aggregate-at-sites" not in o for o in _options_by_rank(dispatched, [a, b]).values())
+
+
+def test_overlap_is_sent_to_the_trainers(online_node, client, dispatched):
+    a, b = online_node(), online_node()
+
+    _create(client, run_body([a, b], compression={"overlap": True, "pipeline_chunks": 4}))
+
+    assert all(o.get("overlap") is True for o in _options_by_rank(dispatched, [a, b]).values())
+
+
+@pytest.mark.parametrize("flag", ["overlap", "aggregate_at_sites"])
+def test_overlap_and_site_aggregation_are_for_parameter_server_runs_only(online_node, client, flag):
+    response = client.post(f"{API}/runs", json=run_body([online_node()], strategy="allreduce",
+                                                        compression={flag: True}))
+    assert response.status_code == 422 and f"compression.{flag}" in response.text

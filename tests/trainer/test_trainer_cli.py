@@ -118,6 +118,47 @@ def test_pipeline_chunks_out_of_range_or_without_a_server_are_a_usage_error(stra
     assert proc.returncode == 2 and "--pipeline-chunks" in proc.stderr
 
 
+def test_overlap_for_a_strategy_without_a_server_is_a_usage_error():
+    proc = run_cli("--strategy", "allreduce", "--workers", "2", "--overlap")
+    assert proc.returncode == 2 and "--overlap" in proc.stderr
+
+
+def test_an_overlapped_pipelined_run_keeps_the_replicas_identical_and_learns(tmp_path):
+    proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30", "--eval-every", "30",
+                   "--pipeline-chunks", "3", "--overlap", "--dense-numel", "256",
+                   "--checkpoint-every", "30", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                   "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    states = [torch.load(tmp_path / "ckpt" / "step-00000030" / f"rank-{r}.pt", weights_only=False) for r in (1, 2, 3)]
+    for s in states[1:]:
+        for k, v in states[0]["model"].items():
+            assert torch.equal(v, s["model"][k]), k
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert series(records, "accuracy")[30] > 0.5
+    sent = {(r["rank"], r["peer"]): r["value"] for r in records if r["name"] == "bytes_sent" and r["step"] == 10}
+    recv = {(r["peer"], r["rank"]): r["value"] for r in records if r["name"] == "bytes_recv" and r["step"] == 10}
+    assert sent == recv
+
+
+def test_a_site_aggregated_run_sends_each_cloud_step_across_once_and_learns(tmp_path):
+    proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30",
+                   "--eval-every", "30", "--sites", "onprem,onprem,cloud,cloud", "--aggregate-at-sites",
+                   "--pipeline-chunks", "2", "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(tmp_path / "m.jsonl")
+    links = {(r["rank"], r["peer"]) for r in records if r["name"] == "bytes_sent" and r["step"] == 10}
+    # Worker 3 hands its gradient to worker 2, its site's relay, which sends the site's one
+    # frame to the server and hands the server's update back to worker 3.
+    assert links == {(0, 1), (0, 2), (1, 0), (2, 0), (2, 3), (3, 2)}
+    assert series(records, "accuracy")[30] > 0.5
+    assert series(records, "batch_size", 0)[10] == 48  # the server counts the whole batch
+
+
+def test_site_aggregation_needs_sites():
+    proc = run_cli("--strategy", "ps-bz-gc", "--workers", "2", "--aggregate-at-sites")
+    assert proc.returncode == 2 and "--aggregate-at-sites" in proc.stderr
+
+
 def test_sites_for_a_strategy_without_a_server_are_a_usage_error():
     proc = run_cli("--strategy", "allreduce", "--workers", "2", "--sites", "a,a")
     assert proc.returncode == 2 and "--sites" in proc.stderr
@@ -180,6 +221,23 @@ def test_peer_baselines_train_and_count_bytes(strategy, tmp_path):
         assert sent[20] < sent[5] / 3  # PowerSGD took over from plain all-reduce at step 10
     else:
         assert sent[20] == sent[5]
+    # The all-reduces' span is the communication the bill's granularity divides by.
+    comm = series(records, "comm_s")
+    assert len(comm) == 40 and all(v > 0 for v in comm.values())
+
+
+def test_a_ps_workers_communication_is_the_step_it_did_not_spend_computing_or_compressing(gc_run):
+    proc, out = gc_run
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(out / "run.jsonl")
+    for rank in (1, 2, 3):
+        comm, wait = series(records, "comm_s", rank), series(records, "wait_s", rank)
+        compute, rate, size = (series(records, n, rank) for n in ("compute_s", "samples_per_s", "batch_size"))
+        compress = series(records, "compress_s", rank)
+        for step in (20, 100):
+            assert comm[step] >= wait[step]
+            step_s = size[step] / rate[step]
+            assert compute[step] + compress[step] + comm[step] == pytest.approx(step_s, rel=0.02)
 
 
 def test_epochs_become_steps_from_the_tasks_training_set(tmp_path):
@@ -277,3 +335,20 @@ def test_the_same_script_run_plainly_trains_as_one_worker(tmp_path):
                           timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert "worker 0 of 1 done at step 24" in proc.stdout  # 2 epochs of 400 // 32 steps
+
+
+def test_a_users_own_trainer_and_hybridtrain_packages_do_not_replace_the_trainers(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    for name in ("trainer", "hybridtrain"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user\\'s own {name}')\n")
+    _module(tmp_path, "mytask", "from hybridtrain.tasks.digits import smallcnn as task\n")
+    command = Path(sys.executable).parent / "hybridtrain"
+    proc = subprocess.run([str(command), "train", "--task", "mytask:task", "--workers", "2", "--max-steps", "3",
+                           "--threads", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "3 steps" in proc.stderr

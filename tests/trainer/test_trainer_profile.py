@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = {"params", "dense_params", "buffer_numel", "train_samples", "eval_samples", "batch", "samples_per_s",
+KEYS = {"params", "dense_params", "buffer_numel", "matrix_shapes", "train_samples", "eval_samples", "batch", "samples_per_s",
         "step_s", "worker_compress_s", "server_compress_s", "aggregate_s", "metrics"}
 
 
@@ -58,6 +58,8 @@ def test_profile_reports_the_dense_part_and_the_compression_costs_on_this_node(d
     assert digits_result["buffer_numel"] > 0  # BatchNorm statistics
     for key in ("worker_compress_s", "server_compress_s", "aggregate_s"):
         assert 0 < digits_result[key] < 5, key
+    # smallcnn's three convolutions and its head, as PowerSGD sees them (rows x the rest).
+    assert digits_result["matrix_shapes"] == [[16, 9], [32, 144], [64, 288], [10, 256]]
 
 
 def test_profile_reports_the_data_set_sizes_of_digits(digits_result):

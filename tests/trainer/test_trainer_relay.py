@@ -127,3 +127,71 @@ def test_a_checkpoint_holds_one_flat_residual_whatever_the_chunking():
     again.load_state_dict(state)
     for a, b in zip(worker.codec_states, again.codec_states):
         assert torch.equal(a.residual, b.residual)
+
+
+# -- overlap: chunks leave while the backward pass runs --------------------------------------------
+
+def test_an_overlapped_step_learns_exactly_what_a_step_without_overlap_learns():
+    fixed = {"density": 0.1, "density_min": 0.1, "density_max": 0.1, "server_k_fraction": 0.25}
+    plain, _ = _train(PAPER_SITES, pipeline_chunks=3, **fixed)
+    overlapped, _ = _train(PAPER_SITES, pipeline_chunks=3, overlap=True, **fixed)
+    for a, b in zip(plain, overlapped):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb)
+
+
+def _overlapping_client(chunks: int, hub: InMemoryHub) -> tuple[PSClient, torch.nn.Module]:
+    cfg = TrainConfig(strategy="ps-bz-gc", workers=1, global_batch=8, warmup_steps=0, dense_numel=16,
+                      pipeline_chunks=chunks, overlap=True)
+    model = tiny_mlp()
+    return PSClient(cfg, 1, hub.transport(1), model, sgd(model), MetricsLogger(1, "worker")), model
+
+
+def test_with_overlap_every_chunk_but_the_last_leaves_during_the_backward_pass():
+    hub = InMemoryHub()
+    client, model = _overlapping_client(3, hub)
+    client.zero_grad()
+    model(torch.randn(8, 12)).sum().backward()
+    # Chunks 0 and 1 are on their way; the last, with the dense part and the loss, waits for step().
+    assert hub.sent[(1, SERVER)] == 2
+
+
+def test_overlap_refuses_gradient_accumulation_with_a_message():
+    client, model = _overlapping_client(2, InMemoryHub())
+    client.zero_grad()
+    model(torch.randn(8, 12)).sum().backward()
+    with pytest.raises(RuntimeError, match="gradient accumulation"):
+        model(torch.randn(8, 12)).sum().backward()
+
+
+# -- per-site aggregation: a remote site's gradients cross the WAN once ------------------------------
+
+EXACT = {"density": 1.0, "density_min": 1.0, "density_max": 1.0, "server_k_fraction": 1.0, "value_dtype": "fp32"}
+
+
+def test_a_site_aggregated_run_learns_the_reference_aggregation_when_nothing_is_dropped():
+    direct, _ = _train(PAPER_SITES, **EXACT)
+    aggregated, _ = _train(PAPER_SITES, site_aggregation=True, **EXACT)
+    for a, b in zip(direct, aggregated):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            # Only the order of the sums differs: the site's weighted mean is taken at its relay.
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sites_workers_send_their_gradients_to_its_relay_which_sends_one_frame_across():
+    steps, evals = 8, 2
+    _, hub = _train(PAPER_SITES, site_aggregation=True, pipeline_chunks=2)
+    # Worker 4 (cloud) sends HELLO, its counts at each evaluation and BYE to the server; its
+    # chunks go to rank 3, its site's relay, over the LAN (and its BYE, ending the relay's wait).
+    assert hub.sent[(4, SERVER)] == 1 + evals + 1
+    assert hub.sent[(4, 3)] == steps * 2 + 1
+    # The relay sends one frame per chunk for the whole site, as many as an on-prem worker.
+    assert hub.sent[(3, SERVER)] == hub.sent[(2, SERVER)]
+
+
+def test_a_site_aggregated_compressed_run_keeps_the_replicas_identical():
+    models, _ = _train(PAPER_SITES, site_aggregation=True, pipeline_chunks=2, density=0.1, density_min=0.05,
+                       density_max=0.2)
+    for other in models[1:]:
+        for pa, pb in zip(models[0].parameters(), other.parameters()):
+            assert torch.equal(pa, pb)

@@ -12,7 +12,8 @@ from app.errors import ConflictError, NotFoundError
 from app.models import Node, ProfileStatus, TaskProfile
 from app.queries import profiles as queries
 from app.queries.bundles import get_bundle
-from app.schemas.profiles import ProfileReport, TaskProfilePublic
+from app.schemas.predictions import ProfileReportFull
+from app.schemas.profiles import TaskProfilePublic
 
 router = APIRouter()
 
@@ -26,7 +27,7 @@ def _own_profile(session: Session, profile_id: int, node: Node, *, lock: bool = 
 
 @router.post("/profiles/{profile_id}", response_model=TaskProfilePublic, responses=NOT_FOUND)
 def report_profile(
-    session: SessionDep, node: AgentNodeDep, profile_id: IdPath, body: ProfileReport
+    session: SessionDep, node: AgentNodeDep, profile_id: IdPath, body: ProfileReportFull
 ) -> TaskProfilePublic:
     """Store the measurement (or the failure) of a profile ordered from this agent's node."""
     profile = _own_profile(session, profile_id, node, lock=True)

@@ -10,7 +10,7 @@ from app.billing import Bill, Granularity
 from app.models.runs import Run
 from app.queries import costs
 from app.queries.runs import get_run
-from app.schemas.costs import GranularityPublic, LinkSpend, NodeSpend, RunCost
+from app.schemas.costs import GranularityPublic, LinkSpend, NodeSpend, PredictedVsMeasured, RunCost
 
 router = APIRouter()
 
@@ -19,7 +19,13 @@ router = APIRouter()
 def read_run_cost(session: SessionDep, _: ReadDep, run_id: IdPath) -> RunCost:
     """The run's bill at the prices in force when it started: live while it runs, then final."""
     run = get_run(session, run_id=run_id)
-    return bill_public(run, costs.run_bill(session, run=run))
+    links = costs.link_totals(session, run_id=run.id)
+    bill = costs.run_bill(session, run=run, links=links)
+    public = bill_public(run, bill)
+    compared = costs.predicted_vs_measured(session, run=run, bill=bill, links=links)
+    if compared is not None:
+        public.predicted = PredictedVsMeasured.model_validate(compared)
+    return public
 
 
 def _granularity(g: Granularity) -> GranularityPublic:

@@ -16,7 +16,9 @@ from app.models.base import utcnow
 from app.queries import runs as queries
 from app.run_lock import run_state_lock
 from app.schemas.common import Page
-from app.schemas.runs import PlanPublic, PlanTaskPublic, RunCancel, RunCreate, RunPublic
+from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
+from app.schemas.runs import PlanTaskPublic, RunCancel, RunCreate, RunPublic
+from hybridtrain.contract import STRATEGIES, is_ps
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +33,48 @@ IdempotencyKey = Annotated[
 ]
 
 
-@router.post("/plan", response_model=PlanPublic, responses=NOT_FOUND_OR_CONFLICT)
-def plan_run(session: SessionDep, _: CiDep, body: RunCreate) -> PlanPublic:
-    """Preview the plan of a run (ranks, server, batch sizes) without launching it."""
-    plan, facts = queries.make_plan(session, data=body)
-    return PlanPublic(
+@router.post("/plan", response_model=PlanWithPrediction | PlanSetPublic, responses=NOT_FOUND_OR_CONFLICT)
+def plan_run(session: SessionDep, _: CiDep, body: PlanRequest) -> PlanWithPrediction | PlanSetPublic:
+    """Preview the plan of a run (ranks, server, batch sizes) and its predicted throughput and
+    cost without launching it; "strategies": "all" plans every strategy side by side."""
+    data = RunCreate.model_validate(body.model_dump(exclude={"strategies"}))
+    if body.strategies == "all":
+        return PlanSetPublic(plans=[
+            plan_public(data, queries.make_planned(session, data=variant))
+            for variant in strategy_variants(data)
+        ])
+    return plan_public(data, queries.make_planned(session, data=data))
+
+
+def strategy_variants(data: RunCreate) -> list[RunCreate]:
+    """`data` once per strategy, without the options another kind of strategy refuses (a pinned
+    server, re-balancing, pipelined chunks are PS-only; an allocation applies as given)."""
+    variants = []
+    for strategy in STRATEGIES:
+        update: dict = {"strategy": strategy}
+        if not is_ps(strategy):
+            update |= {"ps_node_id": None, "rebalance_every": None}
+            if data.compression is not None and data.compression.pipeline_chunks not in (None, 1):
+                update["compression"] = data.compression.model_copy(update={"pipeline_chunks": None})
+        variants.append(data.model_copy(update=update))
+    return variants
+
+
+def plan_public(data: RunCreate, planned: queries.Planned) -> PlanWithPrediction:
+    """The API's view of a plan, with its prediction."""
+    plan, facts = planned.plan, planned.facts
+    return PlanWithPrediction(
         strategy=plan.strategy, allocation=plan.allocation,
         global_batch_size=plan.global_batch_size,
-        max_steps=body.steps(facts.train_samples if facts else None),
+        max_steps=data.steps(facts.train_samples if facts else None),
         world_size=plan.world_size, ps_node_id=plan.ps_node_id, master_addr=plan.master_addr,
         workers=[w.__dict__ for w in plan.workers],
         task=PlanTaskPublic(
             ref=facts.ref, params=facts.params, train_samples=facts.train_samples,
             profiled_nodes=facts.profiled_nodes,
         ) if facts else None,
+        prediction=planned.prediction,
+        prediction_unavailable=planned.prediction_unavailable,
     )
 
 

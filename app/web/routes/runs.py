@@ -8,6 +8,7 @@ functions, so the pages and the API plan, launch and cancel runs the same way.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,14 +26,16 @@ from starlette.responses import Response
 from app import bundles as bundle_storage
 from app.api.deps import DispatcherDep, SessionDep, SettingsDep
 from app.config import Settings
+from app.api.routes import plans as plans_api
 from app.api.routes import runs as runs_api
 from app.errors import HybridtrainError, NotFoundError
 from app.models import Bundle, Cluster, Node
-from app.queries import dashboard
+from app.queries import costs, dashboard
 from app.queries import runs as run_queries
 from app.queries.agents import read_logs
 from app.schemas.common import MAX_ID
 from app.queries.bundles import list_bundles
+from app.schemas.predictions import PlanRequest
 from app.schemas.runs import RunCancel
 from app.web import run_data, run_form
 from app.web.auth import CiViewerDep, FormDep, StreamViewerDep, UploadFormDep, Viewer, ViewerDep
@@ -102,15 +105,43 @@ def read_launch_form(request: Request, session: SessionDep, viewer: CiViewerDep)
 
 @router.post("/runs/plan")
 def preview_plan(session: SessionDep, viewer: CiViewerDep, form: FormDep) -> JSONResponse:
-    """The plan the form would launch (batch split, server placement), or its errors, as JSON."""
+    """The plan the form would launch (batch split, server placement) with every strategy's
+    prediction side by side, or its errors, as JSON."""
     body, errors = run_form.run_create(run_form.echoed(form))
     if body is None:
         return JSONResponse({"errors": errors}, status_code=422)
     try:
-        plan = runs_api.plan_run(session=session, _=viewer.principal, body=body)
+        plan = runs_api.plan_run(session=session, _=viewer.principal, body=PlanRequest.model_validate(body.model_dump()))
     except HybridtrainError as exc:
         return JSONResponse({"errors": run_form.launch_errors(exc)}, status_code=422)
-    return JSONResponse({"plan": plan.model_dump(mode="json")})
+    out: dict[str, Any] = {"plan": plan.model_dump(mode="json")}
+    try:
+        every = runs_api.plan_run(session=session, _=viewer.principal,
+                                  body=PlanRequest.model_validate(body.model_dump() | {"strategies": "all"}))
+    except HybridtrainError as exc:
+        # The chosen strategy plans; another (a server without an address, say) may not.
+        out["predictions_unavailable"] = exc.message
+    else:
+        out |= run_form.prediction_rows(every.plans)  # type: ignore[union-attr]
+    return JSONResponse(out)
+
+
+@router.post("/runs/suggest")
+def suggest_plan(session: SessionDep, viewer: CiViewerDep, form: FormDep) -> JSONResponse:
+    """The optimizer's plan for the form's nodes, task and batch under the chosen goal (and
+    budget), as the fields to fill in and the explanation; or the errors by field."""
+    request, errors = run_form.optimize_request(run_form.echoed(form))
+    if request is None:
+        return JSONResponse({"errors": errors}, status_code=422)
+    try:
+        answer = plans_api.optimize_plan(session=session, _=viewer.principal, body=request)
+    except HybridtrainError as exc:
+        return JSONResponse({"errors": run_form.launch_errors(exc)}, status_code=422)
+    if isinstance(answer, JSONResponse):  # no plan within the budget: the cheapest there is
+        detail = json.loads(answer.body)
+        return JSONResponse({"errors": {"suggest_budget": detail["detail"][0]["msg"]},
+                             "cheapest": detail.get("cheapest")}, status_code=422)
+    return JSONResponse({"suggestion": run_form.suggestion(answer)})
 
 
 def _store_upload(session: Session, settings: Settings, file: UploadFile, created_by: str) -> str:
@@ -193,6 +224,7 @@ def read_run_page(request: Request, session: SessionDep, viewer: ViewerDep, run_
         "run": run,
         "charts": charts,
         "bill": charts.bill,
+        "predicted": costs.predicted_vs_measured(session, run=run, bill=charts.bill),
         "logs": [_log_line(line) for line in logs],
         "active": run.status in run_data.ACTIVE,
         "live": {

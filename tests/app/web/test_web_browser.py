@@ -2,7 +2,8 @@
 in, adding a site and a node through the forms, a refused launch, a big finished run, a metric
 reaching an open chart, and a run launched on live agents, watched and cancelled.
 
-Each test saves screenshots of the pages it visits into docs/screenshots/.
+Each test saves screenshots of the pages it visits (into docs/screenshots/ with
+HYBRIDTRAIN_SCREENSHOTS=docs/screenshots; a scratch folder otherwise).
 """
 
 from __future__ import annotations

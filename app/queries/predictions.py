@@ -1,0 +1,215 @@
+"""Predictions from what the database holds: the model's inputs for a set of nodes, a plan's
+predicted step and hour, the server placement the model prefers, and the optimizer's choice.
+
+The model itself is pure (`app.predict`, `app.optimize`); this module gathers its figures: each
+node's newest finished profile of the task (`result` JSON), the links between the nodes
+(`app.queries.links.link_estimates`: measured, declared or assumed), and the prices in force
+(`DbPriceLookup`, with each node priced as its bill prices it, `app.queries.costs.node_usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from app.billing import NodeUsage, PriceLookup
+from app.errors import InvalidFieldError
+from app.models import Node
+from app.optimize import Candidate, OptimizeResult, optimize
+from app.planner import Plan, PlanNode
+from app.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict, predict_costs
+from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
+from app.queries.profiles import latest_profiles, task_key
+from app.schemas.runs import CompressionOptions
+from hybridtrain.contract import is_ps
+
+# The profile fields without which the model cannot size a step.
+_REQUIRED = ("params", "dense_params", "samples_per_s")
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Everything the model needs for some nodes: their specs, pricing and sites, the links
+    between them, the task's size, the run's compression settings and the prices."""
+
+    specs: dict[int, NodeSpec]
+    usages: dict[int, NodeUsage]
+    sites: dict[int, int]
+    links: dict[tuple[int, int], LinkSpec]
+    measured_at: dict[tuple[int, int], datetime | None]
+    task: TaskSpec
+    compression: CompressionSpec
+    prices: PriceLookup
+    at: datetime
+    max_steps: int | None
+
+
+def compression_spec(options: CompressionOptions | None, *, eval_every: int | None) -> CompressionSpec:
+    """The model's view of a run's compression options (the trainer's defaults where unset)."""
+    spec = CompressionSpec()
+    changes: dict[str, Any] = {}
+    if eval_every is not None:
+        changes["eval_every"] = eval_every
+    if options is not None:
+        for name in ("density", "density_min", "density_max", "server_k_fraction", "warmup_steps",
+                     "pipeline_chunks", "compressor", "powersgd_rank"):
+            value = getattr(options, name)
+            if value is not None:
+                changes[name] = value
+        if options.value_dtype is not None:
+            changes["value_bytes"] = 4 if options.value_dtype == "fp32" else 2
+    return replace(spec, **changes)
+
+
+def _profile_call(task: str, task_args: dict[str, Any], bundle_sha256: str | None, node_ids: list[int]) -> str:
+    body: dict[str, Any] = {"task": task, "node_ids": node_ids}
+    if task_args:
+        body["task_args"] = task_args
+    if bundle_sha256:
+        body["bundle_sha256"] = bundle_sha256
+    return f"POST /api/v1/tasks/profiles {json.dumps(body, sort_keys=True)}"
+
+
+def model_inputs(
+    session: Session,
+    *,
+    nodes: Sequence[Node],
+    task: str,
+    task_args: dict[str, Any],
+    bundle_sha256: str | None,
+    compression: CompressionOptions | None,
+    eval_every: int | None,
+    max_steps: int | None,
+    at: datetime | None = None,
+) -> ModelInputs | str:
+    """The model's inputs for `nodes` (loaded with site and GPUs), or why there are none: the
+    nodes without a usable profile of the task, and the call that measures them."""
+    from app.queries.links import link_estimates  # P1's module; imported late to keep start-up light
+
+    ids = list(dict.fromkeys(n.id for n in nodes))
+    profiles = latest_profiles(session, task_key=task_key(task, task_args, bundle_sha256), node_ids=ids)
+    missing = [n for n in nodes if not _usable(profiles.get(n.id))]
+    if missing:
+        names = ", ".join(f"{n.name} (id {n.id})" for n in missing)
+        return (f"no finished profile of {task} with the model's inputs on node(s) {names}; "
+                f"measure it with {_profile_call(task, task_args, bundle_sha256, [n.id for n in missing])}")
+    # The task's size is the same everywhere; the newest profile speaks for it.
+    newest = max(profiles.values(), key=lambda p: (p.measured_at or datetime.min.replace(tzinfo=UTC), p.id))
+    task_spec = TaskSpec.from_profile(newest.result)
+    estimates = link_estimates(session, node_ids=ids)
+    return ModelInputs(
+        specs={n.id: NodeSpec.from_profile(n.id, n.name, n.site_id, profiles[n.id].result) for n in nodes},
+        usages={n.id: node_usage(n, 0.0) for n in nodes},
+        sites={n.id: n.site_id for n in nodes},
+        links={k: LinkSpec(e.mbps, e.rtt_ms, e.source) for k, e in estimates.items()},
+        measured_at={k: e.measured_at for k, e in estimates.items()},
+        task=task_spec,
+        compression=compression_spec(compression, eval_every=eval_every),
+        prices=CachedPriceLookup(DbPriceLookup(session)),
+        at=at or datetime.now(UTC),
+        max_steps=max_steps,
+    )
+
+
+def _usable(profile: Any) -> bool:
+    result = getattr(profile, "result", None)
+    return bool(result) and all(result.get(k) is not None for k in _REQUIRED) and result["samples_per_s"] > 0
+
+
+def _priced(inputs: ModelInputs, strategy: str, workers: list[tuple[NodeSpec, int]], server: NodeSpec | None):
+    prediction = predict(strategy, workers=workers, server=server, links=inputs.links, task=inputs.task,
+                         compression=inputs.compression, relay=True, max_steps=inputs.max_steps)
+    node_ids = {w.node_id for w, _ in workers} | ({server.node_id} if server is not None else set())
+    costs = predict_costs(prediction, nodes=[inputs.usages[i] for i in node_ids], prices=inputs.prices,
+                          at=inputs.at)
+    return prediction, costs
+
+
+def _workers(inputs: ModelInputs, plan: Plan) -> list[tuple[NodeSpec, int]]:
+    return [(inputs.specs[w.node_id], w.batch_size or 0) for w in plan.workers if w.role == "worker"]
+
+
+def predict_plan(inputs: ModelInputs, plan: Plan) -> dict[str, Any]:
+    """The plan's predicted step and priced hour, JSON-ready (`PredictionPublic`)."""
+    server = inputs.specs[plan.ps_node_id] if plan.ps_node_id is not None else None
+    prediction, costs = _priced(inputs, plan.strategy, _workers(inputs, plan), server)
+    out = prediction.to_dict()
+    out["costs"] = costs.to_dict()
+    out["egress_bytes_per_step"] = sum(
+        b for s, d, b in prediction.bytes_per_step if inputs.sites.get(s) != inputs.sites.get(d)
+    )
+    out["links"] = [
+        {"src_node_id": s, "dst_node_id": d, "mbps": inputs.links[(s, d)].mbps,
+         "rtt_ms": inputs.links[(s, d)].rtt_ms, "source": inputs.links[(s, d)].source,
+         "measured_at": _iso(inputs.measured_at.get((s, d)))}
+        for s, d, _ in prediction.bytes_per_step if (s, d) in inputs.links
+    ]
+    return _finite(out)
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _finite(value: Any) -> Any:
+    # JSON (and JSONB) hold no infinities: an unbounded figure is reported as null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def best_server(inputs: ModelInputs, plan: Plan, candidates: Sequence[PlanNode]) -> int | None:
+    """Among `candidates`, the server node of the lowest predicted $/1M samples (ties: the most
+    samples/s, then the planner's order); None when no candidate can be predicted."""
+    workers = _workers(inputs, plan)
+    best: tuple[tuple[float, float], int] | None = None
+    for node in candidates:
+        if node.id not in inputs.specs:
+            continue
+        try:
+            prediction, costs = _priced(inputs, plan.strategy, workers, inputs.specs[node.id])
+        except InvalidFieldError:
+            continue
+        usd = costs.usd_per_million_samples
+        key = (math.inf if usd is None else usd, -prediction.samples_per_s)
+        if best is None or key < best[0]:
+            best = (key, node.id)
+    return None if best is None else best[1]
+
+
+def run_optimizer(inputs: ModelInputs, *, node_ids: Sequence[int], servers: Sequence[int],
+                  global_batch: int, goal: str, budget_usd_per_h: float | None,
+                  deadline_s: float | None, strategies: Sequence[str] | None) -> OptimizeResult:
+    """`app.optimize.optimize` over the nodes of `inputs`; raises its `InvalidFieldError`s
+    (NoPlanError for a budget or deadline nobody meets)."""
+    candidates = [Candidate(inputs.specs[i], inputs.usages[i]) for i in node_ids]
+    kwargs: dict[str, Any] = {}
+    if strategies:
+        kwargs["strategies"] = tuple(strategies)
+    if any(is_ps(s) for s in (strategies or ("ps",))):
+        kwargs["servers"] = list(servers)
+    return optimize(candidates, global_batch=global_batch, goal=goal, links=inputs.links, task=inputs.task,
+                    prices=inputs.prices, at=inputs.at, compression=inputs.compression,
+                    budget_usd_per_h=budget_usd_per_h, deadline_s=deadline_s, max_steps=inputs.max_steps,
+                    relay=True, **kwargs)
+
+
+def plan_choice_public(choice: Any) -> dict[str, Any]:
+    """A short JSON view of one of the optimizer's plans (no per-worker detail)."""
+    p = choice.prediction
+    return _finite({
+        "strategy": choice.strategy, "server_node_id": choice.server_node_id,
+        "node_ids": list(choice.node_ids), "batch_sizes": [n for _, n in choice.workers],
+        "samples_per_s": p.samples_per_s, "step_s": p.step_s, "granularity": p.granularity,
+        "time_to_max_steps_s": p.time_to_max_steps_s, "costs": choice.costs.to_dict(),
+    })

@@ -1,0 +1,152 @@
+"""Schemas of predictions: a plan's predicted step and hour (app.predict), the optimizer's
+request and answer (POST /api/v1/plans/optimize), and a profile's full result as agents send it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from app.schemas.common import Id, PublicSchema, Schema
+from app.schemas.profiles import ProfileMeasurement, ProfileReport
+from app.schemas.runs import (
+    CompressionOptions,
+    PlanPublic,
+    RunCreate,
+    Sha256,
+    Strategy,
+)
+from hybridtrain import contract
+
+_Count = Annotated[int, Field(ge=0, le=2**62, strict=True)]
+_Seconds = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
+
+# The optimizer tries every subset up to app.optimize.EXHAUSTIVE_MAX candidates (1023 subsets at
+# 10, ~7 s) and greedy removal beyond; more than this many would keep a request waiting too long.
+MAX_OPTIMIZE_CANDIDATES = 12
+
+
+class ProfileMeasurementFull(ProfileMeasurement):
+    """trainer.profile's JSON line with the performance model's inputs typed (so that no NaN or
+    stray type reaches the stored result); any other field is still ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    dense_params: _Count | None = None
+    buffer_numel: _Count | None = None
+    worker_compress_s: _Seconds | None = None
+    server_compress_s: _Seconds | None = None
+    aggregate_s: _Seconds | None = None
+    matrix_shapes: Annotated[list[tuple[_Count, _Count]], Field(max_length=100_000)] | None = None
+
+
+class ProfileReportFull(ProfileReport):
+    """An agent's profile report whose result keeps the model's inputs."""
+
+    result: ProfileMeasurementFull | None = None
+
+
+class LinkBytesPublic(PublicSchema):
+    """Bytes one node sends another in a step (warm-up steps amortised)."""
+
+    src_node_id: int
+    dst_node_id: int
+    bytes: int
+
+
+class CostPredictionPublic(PublicSchema):
+    """An hour of the predicted run, priced (app.predict.CostPrediction)."""
+
+    samples_per_hour: float
+    bytes_by_class_per_hour: dict[str, int]
+    egress_usd_per_h: float
+    compute_usd_per_h: float
+    total_usd_per_h: float
+    usd_per_million_samples: float | None
+    egress_share: float | None = Field(description="egress over egress + compute (null: nothing priced)")
+    unpriced: list[str]
+
+
+class PredictionPublic(PublicSchema):
+    """One strategy's predicted step (app.predict.Prediction) and the cost of an hour of it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    strategy: str
+    samples_per_s: float
+    step_s: float
+    breakdown: dict[str, float] = Field(description="compute_s, compress_s, upload_s, server_s, download_s (+ overlap_s, eval_s)")
+    granularity: float | None = Field(description="compute over communication, the bill's definition")
+    per_worker: list[dict[str, Any]]
+    bytes_per_step: list[LinkBytesPublic]
+    egress_bytes_per_step: int = Field(description="bytes that leave their site each step")
+    time_to_max_steps_s: float | None
+    assumptions: list[str]
+    global_batch: int
+    server_node_id: int | None
+    node_names: dict[str, str]
+    links: list[dict[str, Any]] = Field(description="each link the plan uses: mbps, rtt_ms, source, measured_at")
+    costs: CostPredictionPublic
+
+
+class PlanWithPrediction(PlanPublic):
+    """A plan and what the model predicts of it (null, with the reason, when it cannot)."""
+
+    prediction: PredictionPublic | None = None
+    prediction_unavailable: str | None = Field(default=None, description="why there is no prediction")
+
+
+class PlanSetPublic(PublicSchema):
+    """Every strategy's plan side by side ("strategies": "all")."""
+
+    plans: list[PlanWithPrediction]
+
+
+class PlanRequest(RunCreate):
+    """A run to plan; "strategies": "all" plans every strategy at once."""
+
+    strategies: Literal["all"] | None = Field(
+        default=None, description='"all": one plan with its prediction per strategy'
+    )
+
+
+class OptimizeRequest(Schema):
+    """Candidate nodes (or a cluster), the task and global batch, and the goal with its limits."""
+
+    node_ids: Annotated[list[Id], Field(min_length=1, max_length=256)] | None = None
+    cluster_id: Id | None = None
+    task: Annotated[str, Field(max_length=255)] = contract.DEFAULT_TASK
+    task_args: dict[str, Any] = Field(default_factory=dict)
+    bundle_sha256: Sha256 | None = None
+    global_batch_size: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = 64
+    goal: Literal["cost", "fastest"] = Field(
+        default="cost", description="cost: lowest $/1M samples; fastest: most samples/s"
+    )
+    budget_usd_per_h: Annotated[float, Field(ge=0, le=1_000_000, allow_inf_nan=False)] | None = None
+    deadline_s: Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)] | None = None
+    max_steps: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
+    strategies: Annotated[list[Strategy], Field(min_length=1)] | None = Field(
+        default=None, description="the strategies to consider (default all)"
+    )
+    compression: CompressionOptions | None = None
+    eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
+
+    @model_validator(mode="after")
+    def _one_way(self) -> OptimizeRequest:
+        if (self.node_ids is None) == (self.cluster_id is None):
+            raise ValueError("give exactly one of node_ids and cluster_id")
+        if self.node_ids is not None and len(set(self.node_ids)) != len(self.node_ids):
+            raise ValueError("node_ids: each node may appear once")
+        return self
+
+
+class OptimizeResultPublic(PublicSchema):
+    """The chosen plan with its prediction, and a sentence or two saying why."""
+
+    goal: str
+    plan: PlanWithPrediction
+    explanation: str
+    left_out_node_ids: list[int]
+    evaluated: int = Field(description="plans the search predicted")
+    runners_up: list[dict[str, Any]] = Field(description="the best plan of each other strategy")
+    baseline: dict[str, Any] | None = Field(description="the best plan on every candidate")

@@ -1,0 +1,279 @@
+"""Link probes on real sockets: the probe server and client, the probe task's report, a real
+agent advertising its probe server and running a probe order from the broker, and (as root)
+a bandwidth limit measured through a shaped link in a network namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from agent_testing import ROOT, FakeControlPlane, wait_until
+
+from agents.agent import Agent
+from agents.celery_app import make_celery, prepare_embedded_broker
+from agents.client import ControlPlaneClient
+from agents.config import AgentSettings
+from agents.hardware import Hardware
+from agents.probe import Measurement, ProbeError, ProbeServer, measure
+from agents.tasks import probe_links
+from hybridtrain.contract import PROBE_LINKS_TASK
+
+
+@pytest.fixture
+def server():
+    with ProbeServer("127.0.0.1") as running:
+        yield running
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- server and client --------------------------------------------------------------------------
+
+
+def test_bulk_probe_on_loopback_measures_bandwidth_and_rtt(server):
+    m = measure("127.0.0.1", server.port, seconds=0.3)
+
+    assert m.mbps > 0
+    assert 0 < m.rtt_ms < 50
+    assert m.bytes > 0
+    assert 0 < m.seconds <= 0.3 + 0.5
+
+
+def test_probe_of_a_refused_port_fails_quickly():
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(ProbeError, match=rf"127.0.0.1:{port} refused"):
+        measure("127.0.0.1", port, seconds=0.3)
+    assert time.monotonic() - start < 2
+
+
+def test_probe_of_a_silent_server_fails_within_its_timeout():
+    # A listening socket that never answers: the kernel accepts, nobody speaks.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        start = time.monotonic()
+        with pytest.raises(ProbeError, match="no answer within 0.5 s"):
+            measure("127.0.0.1", silent.getsockname()[1], seconds=0.3, timeout_s=0.5)
+        assert time.monotonic() - start < 2
+
+
+def test_probe_of_another_kind_of_server_says_so():
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        def answer() -> None:
+            conn, _ = other.accept()
+            with conn:
+                conn.recv(100)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        with pytest.raises(ProbeError, match="not a probe server"):
+            measure("127.0.0.1", other.getsockname()[1], seconds=0.1, timeout_s=2)
+
+
+def test_probe_server_turns_away_connections_beyond_its_limit():
+    with ProbeServer("127.0.0.1", max_connections=1) as limited:
+        with socket.create_connection(("127.0.0.1", limited.port)) as holder:
+            holder.sendall(b'{"op": "ping"}\n')
+            assert holder.recv(100) == b'{"op": "pong"}\n'
+            with pytest.raises(ProbeError, match="busy"):
+                measure("127.0.0.1", limited.port, seconds=0.1, timeout_s=2)
+
+
+def test_two_probes_of_one_server_take_turns(server):
+    results: list[Measurement] = []
+    start = time.monotonic()
+    threads = [threading.Thread(target=lambda: results.append(measure("127.0.0.1", server.port, seconds=0.3)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+
+    assert len(results) == 2 and all(r.mbps > 0 for r in results)
+    assert time.monotonic() - start >= 0.6  # one after the other, not sharing the link
+
+
+def test_probe_server_caps_a_bulk_send_at_its_byte_limit():
+    with ProbeServer("127.0.0.1", max_bytes=1 << 20) as capped:
+        m = measure("127.0.0.1", capped.port, seconds=0.5, timeout_s=3)
+    assert (1 << 20) <= m.bytes < (1 << 20) + (2 << 20)
+
+
+# -- the probe task -----------------------------------------------------------------------------
+
+
+class RecordingTransport(httpx.BaseTransport):
+    """The control plane at the HTTP seam: records each POST and answers 200."""
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, str | None, dict[str, Any]]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.posts.append((request.url.path, request.headers.get("Authorization"), json.loads(request.content)))
+        return httpx.Response(200, json={"stored": 1, "errors": 1})
+
+
+def test_probe_task_reports_measured_links_and_failures_with_the_agent_token(server):
+    transport = RecordingTransport()
+    client = ControlPlaneClient("http://cp.test", agent_token="hta_x", transport=transport)
+    refused = _free_port()
+    spec = {"targets": [{"node_id": 2, "host": "127.0.0.1", "port": server.port},
+                        {"node_id": 3, "host": "127.0.0.1", "port": refused}], "seconds": 0.2}
+
+    body = probe_links(spec, client=client, node_id=1, report_retry_s=0)
+
+    [(path, auth, sent)] = transport.posts
+    assert path == "/api/v1/agent/links" and auth == "Bearer hta_x"
+    assert sent == body
+    assert sent["src_node_id"] == 1
+    [result] = sent["results"]
+    assert result["dst_node_id"] == 2 and result["mbps"] > 0 and result["bytes"] > 0
+    assert set(result) == {"dst_node_id", "mbps", "rtt_ms", "bytes", "seconds"}
+    [error] = sent["errors"]
+    assert error["dst_node_id"] == 3 and "refused" in error["error"]
+
+
+def test_probe_task_caps_the_seconds_an_order_asks_for():
+    transport = RecordingTransport()
+    client = ControlPlaneClient("http://cp.test", agent_token="hta_x", transport=transport)
+    asked: list[float] = []
+
+    def fake_measure(host: str, port: int, *, seconds: float) -> Measurement:
+        asked.append(seconds)
+        return Measurement(mbps=1.0, rtt_ms=1.0, bytes=1, seconds=seconds)
+
+    probe_links({"targets": [{"node_id": 2, "host": "h", "port": 1}], "seconds": 3600},
+                client=client, measure=fake_measure, report_retry_s=0)
+
+    assert asked == [30.0]
+
+
+# -- the agent ----------------------------------------------------------------------------------
+
+
+def _agent(probe_port: int) -> Agent:
+    settings = AgentSettings(server_url="http://cp.test", probe_port=probe_port, benchmark_seconds=0)
+    agent = Agent(settings, client=ControlPlaneClient("http://cp.test", transport=RecordingTransport()))
+    agent.hardware = Hardware(hostname="h", cpu_cores=1, cpu_physical_cores=1, memory_gb=1.0,
+                              address="127.0.0.1")
+    return agent
+
+
+def test_agent_reports_its_probe_servers_port_in_its_hardware():
+    agent = _agent(0)
+    server = agent.start_probe_server()
+    try:
+        assert agent.hardware_json()["probe_port"] == server.port
+        assert measure("127.0.0.1", server.port, seconds=0.05).bytes > 0
+    finally:
+        server.close()
+
+
+def test_agent_with_probe_port_minus_one_runs_no_probe_server():
+    agent = _agent(-1)
+    assert agent.start_probe_server() is None
+    assert "probe_port" not in agent.hardware_json()
+
+
+class LinkRecordingPlane(FakeControlPlane):
+    """The recording control plane, also taking link reports."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[dict[str, Any]] = []
+
+    def handle(self, path: str, auth: str | None, body: dict[str, Any]) -> tuple[int, Any]:
+        if path == "/api/v1/agent/links" and self._authorized(auth):
+            with self.lock:
+                self.links.append(body)
+            return 200, {"stored": len(body["results"]), "errors": len(body["errors"])}
+        return super().handle(path, auth, body)
+
+
+def test_agent_advertises_its_probe_server_and_runs_a_probe_order_from_the_broker(
+    tmp_path: Path, start_agent, server
+):
+    broker = f"sqla+sqlite:///{tmp_path / 'broker.db'}"
+    prepare_embedded_broker(broker)
+    plane = LinkRecordingPlane()
+    try:
+        agent = start_agent(plane, broker, extra=["--advertise-address", "127.0.0.1"])
+        wait_until(lambda: plane.heartbeats and "ready" in agent.output(), 60, "the agent to be ready")
+        advertised = plane.registrations[0]["hardware"]["probe_port"]
+        assert measure("127.0.0.1", advertised, seconds=0.05).bytes > 0
+
+        celery = make_celery(broker)
+        spec = {"targets": [{"node_id": 9, "host": "127.0.0.1", "port": server.port}], "seconds": 0.1}
+        celery.send_task(PROBE_LINKS_TASK, args=[spec], queue=plane.queue)
+        celery.close()
+
+        [report] = wait_until(lambda: list(plane.links), 30, "the agent's link report")
+        assert report["src_node_id"] == plane.node_id
+        assert [r["dst_node_id"] for r in report["results"]] == [9] and report["errors"] == []
+        assert agent.stop(signal.SIGTERM) == 0
+    finally:
+        plane.close()
+
+
+# -- a shaped link ------------------------------------------------------------------------------
+
+SERVE_IN_NAMESPACE = (
+    "import sys, time; from agents.probe import ProbeServer; "
+    "s = ProbeServer(sys.argv[1], int(sys.argv[2])).start(); print('ready', flush=True); time.sleep(60)"
+)
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="needs root and tc")
+def test_probe_measures_a_50_mbit_tbf_link_within_15_percent():
+    tag = uuid.uuid4().hex[:6]
+    ns, outside, inside = f"p1probe{tag}", f"p1o{tag}", f"p1i{tag}"
+    # Outside the testbed's 10.213.0.0/16, so a running testbed is never disturbed.
+    net = f"10.98.{int(tag[2:4], 16)}"
+    proc = None
+    try:
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+        _sh("ip", "link", "set", inside, "netns", ns)
+        _sh("ip", "addr", "add", f"{net}.1/30", "dev", outside)
+        _sh("ip", "link", "set", outside, "up")
+        _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{net}.2/30", "dev", inside)
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", inside, "up")
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        # The probe's data flows from here into the namespace: shape that direction.
+        _sh("tc", "qdisc", "add", "dev", outside, "root", "tbf", "rate", "50mbit",
+            "burst", "32kbit", "latency", "100ms")
+        port = 47000 + int(tag[:3], 16) % 1000
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", SERVE_IN_NAMESPACE, f"{net}.2", str(port)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+
+        m = measure(f"{net}.2", port, seconds=2.0)
+
+        assert m.mbps == pytest.approx(50.0, rel=0.15)
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "link", "del", outside], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)

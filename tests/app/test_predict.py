@@ -1,0 +1,243 @@
+"""The performance model on hand-computed cases: one link, two sites sharing a pipe, a relay
+saving a WAN copy, the all-reduce ring paced by its slowest link, pipelining, warm-up, the
+densities' fixed point, and an hour of it priced through the bill."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+
+from app.billing import EgressKey, InstanceKey, InstancePrice, NodeUsage, Provider, Site, StaticPriceTable, TrafficClass
+from app.predict import (
+    BACKWARD_SHARE,
+    DDP_OVERLAP,
+    CompressionSpec,
+    LinkSpec,
+    NodeSpec,
+    PredictError,
+    TaskSpec,
+    predict,
+    predict_costs,
+)
+from hybridtrain.wiresize import grad_frame_bytes, kept_for, update_frame_bytes
+
+T0 = datetime(2024, 1, 1, tzinfo=UTC)
+TASK = TaskSpec(params=1000, dense_params=100, buffer_numel=0)
+DENSE_UP = 8 + 23 + 6 * 8 + (10 + 100 * 4) + (10 + 900 * 4)  # GRAD, both payloads fp32
+
+
+def node(i: int, site: int = 1, sps: float = 100.0, *, agg: float = 0.0, wc: float = 0.0, sc: float = 0.0) -> NodeSpec:
+    return NodeSpec(i, f"n{i}", site, sps, worker_compress_s=wc, server_compress_s=sc, aggregate_s=agg)
+
+
+def mesh(nodes, lan=LinkSpec(1000, 1.0, "assumed"), wan=LinkSpec(100, 40.0, "assumed"), **overrides):
+    """A link for every ordered pair: `lan` within a site, `wan` across; overrides by id pair."""
+    links = {(a.node_id, b.node_id): (lan if a.site_id == b.site_id else wan)
+             for a in nodes for b in nodes if a.node_id != b.node_id}
+    links.update(overrides)
+    return links
+
+
+def xfer(nbytes: float, mbps: float, rtt_ms: float) -> float:
+    return nbytes * 8 / (mbps * 1e6) + rtt_ms / 2000
+
+
+def test_one_link_dense_step_adds_compute_upload_server_and_download():
+    w, s = node(1), node(2, agg=0.002)
+    link = LinkSpec(100, 10.0, "measured")
+    p = predict("ps", workers=[(w, 10)], server=s, links={(1, 2): link, (2, 1): link}, task=TASK)
+    down = 8 + 23 + (3 + 2) * 8 + (10 + 400) + (10 + 3600)
+    assert DENSE_UP == grad_frame_bytes(100, 900, None) and down == update_frame_bytes(100, 900, None, workers=1)
+    expected = 10 / 100 + xfer(DENSE_UP, 100, 10) + 0.002 + xfer(down, 100, 10)
+    assert p.step_s == pytest.approx(expected, rel=1e-12)
+    assert p.samples_per_s == pytest.approx(10 / expected)
+    assert p.bytes_per_step == [(1, 2, DENSE_UP), (2, 1, down)]
+    assert p.breakdown["upload_s"] == pytest.approx(xfer(DENSE_UP, 100, 10))
+
+
+def test_two_cloud_workers_share_one_site_to_site_pipe():
+    s, a, b = node(1, site=1), node(2, site=2), node(3, site=2)
+    p = predict("ps", workers=[(a, 8), (b, 8)], server=s, links=mesh([s, a, b]), task=TASK, relay=False)
+    assert [r["upload_s"] for r in p.per_worker] == pytest.approx([xfer(2 * DENSE_UP, 100, 40)] * 2)
+
+
+def test_granularity_is_compute_over_upload_and_download():
+    s, a = node(1, site=1), node(2, site=2, sps=50)
+    p = predict("ps", workers=[(a, 10)], server=s, links=mesh([s, a]), task=TASK)
+    row = p.per_worker[0]
+    assert row["comm_s"] == pytest.approx(row["upload_s"] + row["download_s"])
+    assert p.granularity == pytest.approx(0.2 / row["comm_s"])
+    assert row["granularity"] == pytest.approx(p.granularity)
+
+
+def test_relay_sends_the_update_across_the_wan_once():
+    s, a, b = node(1, site=1), node(2, site=2), node(3, site=2)
+    links = mesh([s, a, b])
+    direct = predict("ps", workers=[(a, 8), (b, 8)], server=s, links=links, task=TASK, relay=False)
+    relayed = predict("ps", workers=[(a, 8), (b, 8)], server=s, links=links, task=TASK, relay=True)
+    down = update_frame_bytes(100, 900, None, workers=2)
+    wan_bytes = lambda p: sum(n for src, dst, n in p.bytes_per_step if src == 1)  # noqa: E731
+    assert wan_bytes(direct) == 2 * down and wan_bytes(relayed) == down
+    assert (2, 3, down) in relayed.bytes_per_step
+    assert direct.per_worker[1]["download_s"] == pytest.approx(xfer(2 * down, 100, 40))
+    assert relayed.per_worker[1]["download_s"] == pytest.approx(xfer(down, 100, 40) + xfer(down, 1000, 1))
+    assert relayed.per_worker[0]["relay_for"] == [3]
+
+
+def test_allreduce_ring_is_paced_by_its_slowest_link():
+    nodes = [node(1, sps=1e6), node(2, sps=1e6), node(3, sps=1e6)]
+    links = mesh(nodes)
+    links[(2, 3)] = LinkSpec(10, 1.0, "measured")
+    p = predict("allreduce", workers=[(n, 4) for n in nodes], server=None, links=links, task=TASK)
+    ring = 2 * 2 * xfer(4000 / 3, 10, 1.0)
+    compute = 4 / 1e6
+    assert p.breakdown["upload_s"] == pytest.approx(ring)
+    assert p.step_s == pytest.approx(compute + ring - DDP_OVERLAP * BACKWARD_SHARE * compute)
+    assert p.bytes_per_step == [(1, 2, round(2 * 2 / 3 * 4000)), (2, 3, round(2 * 2 / 3 * 4000)),
+                                (3, 1, round(2 * 2 / 3 * 4000))]
+
+
+def test_allreduce_hides_part_of_the_ring_behind_the_backward_pass():
+    nodes = [node(1, sps=10), node(2, sps=10)]
+    p = predict("allreduce", workers=[(n, 10) for n in nodes], server=None, links=mesh(nodes), task=TASK)
+    ring = p.breakdown["upload_s"]
+    assert ring < BACKWARD_SHARE * 1.0
+    assert p.step_s == pytest.approx(1.0 + (1 - DDP_OVERLAP) * ring)
+
+
+def test_powersgd_factors_follow_the_matrix_shapes():
+    nodes = [node(1, sps=1e6), node(2, sps=1e6)]
+    task = TaskSpec(params=100 * 100 + 100, dense_params=100, matrix_shapes=((100, 100),))
+    p = predict("allreduce-powersgd", workers=[(n, 2) for n in nodes], server=None, links=mesh(nodes), task=task,
+                compression=CompressionSpec(powersgd_start=2), max_steps=1000)
+    # (100 + 100) * 2 factor elements + the 100 biases, fp32, 2(W-1)/W = 1 of it per worker.
+    steady = (400 + 100) * 4
+    warm = 10100 * 4
+    assert dict(((s, d), b) for s, d, b in p.bytes_per_step)[(1, 2)] == round((998 * steady + 2 * warm) / 1000)
+
+
+def test_pipelined_chunks_overlap_upload_server_and_download():
+    w, s = node(1, sps=1e9), node(2, agg=0.01)
+    links = mesh([w, s], lan=LinkSpec(100, 0.0, "measured"))
+    task = TaskSpec(params=100_100, dense_params=100)
+    one = predict("ps", workers=[(w, 1)], server=s, links=links, task=task)
+    two = predict("ps", workers=[(w, 1)], server=s, links=links, task=task,
+                  compression=CompressionSpec(pipeline_chunks=2))
+    up, srv, down = (two.breakdown[k] for k in ("upload_s", "server_s", "download_s"))
+    stages = [up / 2, srv / 2, down / 2]
+    assert two.step_s == pytest.approx(1e-9 + up / 2 + srv / 2 + down / 2 + max(stages))
+    assert two.step_s < one.step_s
+
+
+def test_warmup_steps_are_amortised_over_max_steps():
+    s, a = node(1, site=1), node(2, site=2, wc=0.001, sc=0.002)
+    links = mesh([s, a])
+    task = TaskSpec(params=200_000, dense_params=1000)
+    comp = CompressionSpec(warmup_steps=5)
+    dense = predict("ps", workers=[(a, 10)], server=s, links=links, task=task)
+    steady = predict("ps-gc", workers=[(a, 10)], server=s, links=links, task=task, compression=comp)
+    mixed = predict("ps-gc", workers=[(a, 10)], server=s, links=links, task=task, compression=comp, max_steps=20)
+    assert mixed.time_to_max_steps_s == pytest.approx(5 * dense.step_s + 15 * steady.step_s)
+    assert mixed.step_s == pytest.approx(mixed.time_to_max_steps_s / 20)
+
+
+def test_compressed_upload_counts_the_kept_elements():
+    s, a = node(1), node(2)
+    task = TaskSpec(params=1_000_000, dense_params=1000)
+    p = predict("ps-gc", workers=[(a, 10)], server=s, links=mesh([s, a]), task=task)
+    assert p.per_worker[0]["upload_bytes"] == grad_frame_bytes(1000, 999_000, kept_for(999_000, 0.01))
+
+
+def test_adaptive_densities_settle_in_proportion_to_bandwidth():
+    s, fast, slow = node(1, site=1), node(2, site=2), node(3, site=3)
+    task = TaskSpec(params=20_000_000, dense_params=0)
+    links = mesh([s, fast, slow], wan=LinkSpec(200, 0.0, "measured"))
+    links[(3, 1)] = LinkSpec(50, 0.0, "measured")
+    p = predict("ps-bz-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task)
+    d_fast, d_slow = (r["density"] for r in p.per_worker)
+    assert d_fast / d_slow == pytest.approx(4.0, rel=0.05)
+    assert math.sqrt(d_fast * d_slow) == pytest.approx(0.01, rel=1e-6)
+
+
+def test_predict_names_the_missing_link():
+    with pytest.raises(PredictError) as err:
+        predict("ps", workers=[(node(1), 4)], server=node(2), links={}, task=TASK)
+    assert err.value.field == "links"
+
+
+def test_predict_refuses_a_ps_strategy_without_a_server():
+    with pytest.raises(PredictError) as err:
+        predict("ps-gc", workers=[(node(1), 4)], server=None, links={}, task=TASK)
+    assert err.value.field == "server"
+
+
+def test_a_worker_on_the_server_node_uses_loopback():
+    s = node(1)
+    p = predict("ps", workers=[(s, 4)], server=s, links={}, task=TASK)
+    assert p.bytes_per_step == [] and p.per_worker[0]["upload_s"] < 1e-4
+
+
+ONPREM = Site("lab", "onprem", "onprem", "europe")
+CLOUD = Site("gcp-eu", "cloud", "gcp", "europe", "europe-west1", "b")
+PRICES = StaticPriceTable(
+    egress=[(EgressKey(Provider.gcp, TrafficClass.internet), T0, Decimal("0.1"))],
+    instances=[(InstanceKey(Provider.gcp, "europe-west1", "g1", "T4", 1), T0,
+                InstancePrice(Decimal("0.3"), Decimal("0.9")))],
+)
+
+
+def test_an_hour_is_priced_through_the_bill():
+    s, c = node(1, site=1), node(2, site=2)
+    p = predict("ps", workers=[(c, 10)], server=s, links=mesh([s, c]), task=TASK)
+    usage = [NodeUsage("n1", ONPREM, 0, amortised_usd_per_hour=Decimal("1.0")),
+             NodeUsage("n2", CLOUD, 0, instance_type="g1", gpu_model="T4")]
+    costs = predict_costs(p, nodes=usage, prices=PRICES, at=T0)
+    steps = 3600 / p.step_s
+    up_bytes = round(DENSE_UP * steps)
+    assert costs.egress_usd_per_h == pytest.approx(up_bytes / 2**30 * 0.1, abs=1e-6)
+    assert costs.compute_usd_per_h == pytest.approx(1.9)
+    assert costs.bytes_by_class_per_hour["internet"] == up_bytes + round(
+        update_frame_bytes(100, 900, None, workers=1) * steps)
+    total = costs.egress_usd_per_h + costs.compute_usd_per_h
+    assert costs.usd_per_million_samples == pytest.approx(total * 1e6 / (p.samples_per_s * 3600))
+    assert costs.egress_share == pytest.approx(costs.egress_usd_per_h / total)
+
+
+def test_predict_costs_names_a_plan_node_without_pricing():
+    s, c = node(1, site=1), node(2, site=2)
+    p = predict("ps", workers=[(c, 10)], server=s, links=mesh([s, c]), task=TASK)
+    with pytest.raises(PredictError) as err:
+        predict_costs(p, nodes=[NodeUsage("n1", ONPREM, 0)], prices=PRICES, at=T0)
+    assert err.value.field == "nodes" and "n2" in err.value.message
+
+
+def test_prediction_to_dict_is_json_ready():
+    import json
+
+    s, c = node(1, site=1), node(2, site=2)
+    p = predict("ps-bz-gc", workers=[(c, 10)], server=s, links=mesh([s, c]), task=TASK, max_steps=50)
+    d = json.loads(json.dumps(p.to_dict()))
+    assert d["strategy"] == "ps-bz-gc" and d["bytes_per_step"][0]["src_node_id"] == 1
+
+
+def test_evaluation_is_amortised_over_the_steps_when_the_held_out_size_is_known():
+    w = node(1, sps=100)
+    task = TaskSpec(params=1000, dense_params=100, eval_samples=300)
+    base = predict("allreduce", workers=[(w, 10)], server=None, links={}, task=TASK, max_steps=120)
+    with_eval = predict("allreduce", workers=[(w, 10)], server=None, links={}, task=task, max_steps=120,
+                        compression=CompressionSpec(eval_every=50))
+    # Steps 50, 100 and the last (120): three evaluations of 300 samples at 3 x 100 samples/s.
+    assert with_eval.time_to_max_steps_s == pytest.approx(base.time_to_max_steps_s + 3 * 1.0)
+
+
+def test_specs_build_from_a_task_profile():
+    profile = {"params": 3352906, "dense_params": 2698, "buffer_numel": 2688, "eval_samples": 359,
+               "samples_per_s": 105.3, "worker_compress_s": 0.0071, "server_compress_s": 0.0158,
+               "aggregate_s": 0.0040}
+    task = TaskSpec.from_profile(profile)
+    node_spec = NodeSpec.from_profile(7, "op1", 2, profile)
+    assert (task.sparse_params, task.eval_samples) == (3352906 - 2698, 359)
+    assert (node_spec.samples_per_s, node_spec.aggregate_s) == (105.3, 0.0040)

@@ -1,0 +1,101 @@
+"""hybridtrain.wiresize counts the bytes trainer.frames.pack really produces: exactly where the
+encoding does not depend on where the kept elements lie, within 2% for the delta encodings."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from hybridtrain import wiresize
+from trainer.compression import Payload, random_indices
+from trainer.frames import Buffers, Grad, Update, pack
+from trainer.wire import _encoding
+
+WIRE = 8  # the transport's length prefix
+
+
+def _sparse(numel: int, kept: int | None, fp16: bool, seed: int, *, seeded: bool = False) -> Payload:
+    gen = torch.Generator().manual_seed(seed)
+    if kept is None:
+        return Payload(numel, torch.randn(numel, generator=gen))
+    values = torch.randn(kept, generator=gen)
+    values = values.half() if fp16 else values
+    if seeded:
+        return Payload(numel, values, random_indices(numel, kept, seed), seed)
+    indices = torch.randperm(numel, generator=gen)[:kept].sort().values
+    return Payload(numel, values, indices)
+
+
+def _cases(count: int) -> list[tuple[int, int, int | None, bool]]:
+    rng = random.Random(16)
+    cases = []
+    for _ in range(count):
+        numel = rng.choice([1, 7, 100, 4096, 70_000, 300_000, 1_500_000])
+        dense = rng.choice([0, 10, 1024, 5000])
+        density = rng.choice([None, 0.0005, 0.002, 0.01, 0.03, 1 / 32, 0.05, 0.125, 0.4])
+        kept = None if density is None else wiresize.kept_for(numel, density)
+        cases.append((dense, numel, kept, rng.random() < 0.7))
+    return cases
+
+
+@pytest.mark.parametrize(("dense", "numel", "kept", "fp16"), _cases(40))
+def test_grad_frame_bytes_match_packed_frame(dense, numel, kept, fp16):
+    sparse = _sparse(numel, kept, fp16, seed=numel + dense)
+    frame = Grad(3, 1, 0, 0.5, 32, 0.1, 0.2, 0.01, Payload(dense, torch.randn(dense)), sparse)
+    real = pack(frame).numel() + WIRE
+    predicted = wiresize.grad_frame_bytes(dense, numel, kept, 2 if fp16 else 4)
+    if kept is None or _encoding(sparse)[0] not in (3, 4):
+        assert predicted == real
+    else:
+        assert predicted == pytest.approx(real, rel=0.02)
+
+
+@pytest.mark.parametrize(("dense", "numel", "kept", "fp16"), _cases(30))
+def test_update_frame_bytes_match_packed_last_chunk(dense, numel, kept, fp16):
+    sparse = _sparse(numel, kept, fp16, seed=7 * numel + dense)
+    workers = 1 + numel % 5
+    frame = Update(3, 0, Payload(dense, torch.randn(dense)), sparse, 0.25, tuple([0.01] * workers),
+                   tuple([16] * workers))
+    real = pack(frame).numel() + WIRE
+    predicted = wiresize.update_frame_bytes(dense, numel, kept, 2 if fp16 else 4, workers=workers)
+    if kept is None or _encoding(sparse)[0] not in (3, 4):
+        assert predicted == real
+    else:
+        assert predicted == pytest.approx(real, rel=0.02)
+
+
+def test_update_frame_bytes_of_a_middle_chunk_carry_no_plan():
+    sparse = _sparse(50_000, 500, True, seed=1)
+    frame = Update(4, 0, Payload(0, torch.zeros(0)), sparse)
+    predicted = wiresize.update_frame_bytes(0, 50_000, 500, 2, workers=0)
+    assert predicted == pytest.approx(pack(frame).numel() + WIRE, rel=0.02)
+
+
+def test_seeded_payload_counts_one_seed_instead_of_indices():
+    sparse = _sparse(100_000, 1000, True, seed=5, seeded=True)
+    frame = Grad(9, 2, 0, 0.5, 32, 0.1, 0.2, 0.01, Payload(0, torch.zeros(0)), sparse)
+    assert wiresize.grad_frame_bytes(0, 100_000, 1000, 2, seeded=True) == pack(frame).numel() + WIRE
+
+
+def test_buffers_frame_bytes_match_packed_frame():
+    frame = Buffers(50, 1, 32, torch.randn(1234))
+    assert wiresize.buffers_frame_bytes(1234) == pack(frame).numel() + WIRE
+
+
+def test_expected_fillers_match_a_monte_carlo_mean():
+    numel, kept, rng = 200_000, 300, random.Random(0)
+    draws = []
+    for _ in range(200):
+        idx = sorted(rng.sample(range(numel), kept))
+        gaps = [b - a for a, b in zip([-1, *idx[:-1]], idx)]
+        draws.append(sum((g - 1) // 255 for g in gaps))
+    mean = sum(draws) / len(draws)
+    assert wiresize.expected_fillers(numel, kept, 255) == pytest.approx(mean, rel=0.03)
+
+
+def test_expected_fillers_are_zero_when_no_gap_can_exceed_the_limit():
+    assert wiresize.expected_fillers(200, 10, 255) == 0.0
+    assert math.isclose(wiresize.expected_fillers(10_000, 10_000, 255), 0.0, abs_tol=1e-9)

@@ -1,0 +1,159 @@
+"""bench/predict.py's pure parts: errors, verdicts, settings, reducing runs, the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import predict as bp
+
+
+def test_error_pct_is_signed_share_of_the_measurement() -> None:
+    assert bp.error_pct(110.0, 100.0) == 10.0
+    assert bp.error_pct(85.0, 100.0) == -15.0
+
+
+def test_error_pct_is_none_without_a_measurement() -> None:
+    assert bp.error_pct(1.0, None) is None
+    assert bp.error_pct(None, 1.0) is None
+    assert bp.error_pct(1.0, 0.0) is None
+
+
+@pytest.mark.parametrize(("err", "expected"), [(None, "-"), (0.0, "goal"), (-10.0, "goal"), (12.5, "bar"),
+                                                (-15.0, "bar"), (15.1, "off")])  # fmt: skip
+def test_verdict_classifies_against_goal_and_bar(err: float | None, expected: str) -> None:
+    assert bp.verdict(err) == expected
+
+
+def test_powersgd_runs_wait_for_the_start_step() -> None:
+    assert bp.steps_for(bp.WIDECNN, "ps") == (bp.WIDECNN.max_steps, bp.WIDECNN.skip_steps)
+    max_steps, skip = bp.steps_for(bp.WIDECNN, "allreduce-powersgd")
+    assert skip == bp.WIDECNN.skip_steps + bp.POWERSGD_START
+    assert max_steps - skip == bp.WIDECNN.max_steps - bp.WIDECNN.skip_steps
+
+
+def test_run_body_compresses_only_the_compressing_strategies() -> None:
+    ps = bp.run_body("ps", bp.WIDECNN, [1, 2], 3, "x")
+    gc = bp.run_body("ps-bz-gc", bp.WIDECNN, [1, 2], 3, "x")
+    ar = bp.run_body("allreduce", bp.WIDECNN, [1, 2], 3, "x")
+    assert ps["compression"] == {"pipeline_chunks": 4} and ps["ps_node_id"] == 3
+    assert gc["compression"]["density"] == 0.05 and gc["rebalance_every"] == 5
+    assert "compression" not in ar and "ps_node_id" not in ar
+
+
+def test_plan_body_asks_for_the_steady_state() -> None:
+    body = bp.run_body("ps-gc", bp.RESNET18, [1], 2, "r")
+    plan = bp.plan_body(body)
+    assert plan["max_steps"] > 1000 and plan["name"] != body["name"]
+    assert {k: v for k, v in plan.items() if k not in ("max_steps", "name")} == \
+        {k: v for k, v in body.items() if k not in ("max_steps", "name")}
+
+
+def test_extract_predictions_reads_one_plan() -> None:
+    assert bp.extract_predictions({"strategy": "ps", "prediction": {"samples_per_s": 3.0}}) == \
+        {"ps": {"samples_per_s": 3.0}}
+
+
+def test_extract_predictions_reads_every_strategys_plan() -> None:
+    resp = {"plans": [{"strategy": "ps", "prediction": {"strategy": "ps", "samples_per_s": 1.0}},
+                      {"strategy": "allreduce", "prediction": {"strategy": "allreduce", "samples_per_s": 2.0}}]}
+    assert set(bp.extract_predictions(resp)) == {"ps", "allreduce"}
+    assert bp.extract_predictions(resp["plans"])["allreduce"]["samples_per_s"] == 2.0
+
+
+def test_extract_predictions_is_empty_without_a_prediction() -> None:
+    assert bp.extract_predictions({"strategy": "ps", "workers": []}) == {}
+
+
+def test_cross_site_bytes_counts_only_links_between_sites() -> None:
+    site_of = {1: "onprem", 2: "onprem", 3: "cloud"}
+    entries = [{"src_node_id": 1, "dst_node_id": 2, "bytes": 100},
+               {"src_node_id": 3, "dst_node_id": 1, "bytes": 40}, (1, 3, 2), (9, 1, 1000)]
+    assert bp.cross_site_bytes(entries, site_of) == 42
+
+
+def _rec(name: str, rank: int, step: int, value: float, t: float = 0.0, peer: int | None = None) -> dict:
+    return {"name": name, "rank": rank, "step": step, "value": value, "t": t, "peer": peer}
+
+
+def _ps_run() -> list[dict]:
+    """A PS run: rank 0 the server (site a), rank 1 in site a, rank 2 in site b; steps 2 s apart
+    except step 2 (4 s) and step 4 (3 s)."""
+    times = {1: 0.0, 2: 4.0, 3: 6.0, 4: 9.0, 5: 11.0, 6: 13.0}
+    recs = [_rec("loss", 0, k, 1.0, t) for k, t in times.items()]
+    for k in times:
+        recs += [_rec("compute_s", r, k, 1.0) for r in (1, 2)]
+        recs += [_rec("comm_s", r, k, 0.5) for r in (1, 2)]
+        recs += [_rec("bytes_sent", 1, k, 10.0, peer=0), _rec("bytes_sent", 2, k, 30.0, peer=0),
+                 _rec("bytes_sent", 0, k, 5.0, peer=1), _rec("bytes_sent", 0, k, 7.0, peer=2)]
+    return recs
+
+
+def test_measure_run_takes_the_median_of_the_steady_steps() -> None:
+    m = bp.measure_run(_ps_run(), strategy="ps", global_batch=10, skip_steps=2, rank_site={0: "a", 1: "a", 2: "b"})
+    # Steps 3..6 took 2, 3, 2, 2 s: median 2 s.
+    assert m["steady_steps"] == 4 and m["step_s"] == 2.0 and m["samples_per_s"] == 5.0
+
+
+def test_measure_run_counts_bytes_between_sites_per_step() -> None:
+    m = bp.measure_run(_ps_run(), strategy="ps", global_batch=10, skip_steps=2, rank_site={0: "a", 1: "a", 2: "b"})
+    assert m["egress_bytes_per_step"] == 37 and m["bytes_per_step"] == 52
+
+
+def test_measure_run_reports_granularity_both_ways() -> None:
+    m = bp.measure_run(_ps_run(), strategy="ps", global_batch=10, skip_steps=2, rank_site={})
+    assert m["granularity_trainer"] == 2.0  # compute 1 s over the send's 0.5 s
+    assert m["granularity_step"] == 1.0  # compute 1 s over the rest of a 2 s step
+
+
+def test_measure_run_leaves_out_steps_after_an_evaluation() -> None:
+    recs = _ps_run() + [_rec("accuracy", 0, 4, 0.5)]
+    m = bp.measure_run(recs, strategy="ps", global_batch=10, skip_steps=2, rank_site={})
+    assert m["steady_steps"] == 3
+
+
+def test_compare_gives_both_errors_and_the_worse_verdict() -> None:
+    pred = {"samples_per_s": 5.5, "bytes_per_step": [{"src_node_id": 1, "dst_node_id": 2, "bytes": 120}]}
+    meas = {"samples_per_s": 5.0, "egress_bytes_per_step": 100}
+    cell = bp.compare(pred, meas, {1: "a", 2: "b"})
+    assert cell["error_samples_pct"] == 10.0 and cell["error_egress_pct"] == 20.0 and cell["verdict"] == "off"
+
+
+def test_tables_have_one_row_per_cell() -> None:
+    cell = {"testbed": "paper", "task": "widecnn", "strategy": "ps", "predicted_samples_per_s": 10.0,
+            "measured_samples_per_s": 9.0, "error_samples_pct": 11.1, "predicted_egress_bytes_per_step": 2e6,
+            "measured_egress_bytes_per_step": 2e6, "error_egress_pct": 0.0, "verdict": "bar"}
+    md = bp.markdown_table([cell]).splitlines()
+    assert len(md) == 3 and "| paper | widecnn | ps | 10.0 | 9.0 | +11.1 | 2.00 | 2.00 | +0.0 | bar | - |" == md[2]
+    assert len(bp.text_table([cell]).splitlines()) == 2
+
+
+def test_summary_counts_each_error_apart() -> None:
+    cells = [{"error_samples_pct": 3.0, "error_egress_pct": 20.0}, {"error_samples_pct": -12.0, "error_egress_pct": None}]
+    assert bp.summary_counts(cells) == {"goal": 1, "bar": 1, "off": 1, "-": 1}
+
+
+def test_replace_section_replaces_only_its_own_section() -> None:
+    text = "# B\n\n## One\n\nold\n\n## Two\n\nkeep\n"
+    out = bp.replace_section(text, "## One", "## One\n\nnew\n")
+    assert out == "# B\n\n## One\n\nnew\n\n## Two\n\nkeep\n"
+
+
+def test_replace_section_appends_a_missing_section() -> None:
+    assert bp.replace_section("# B\n", "## New", "## New\n\nx\n") == "# B\n\n## New\n\nx\n"
+
+
+def test_progress_estimates_time_left_from_the_runs_done() -> None:
+    lines: list[str] = []
+    p = bp.Progress(4, lines.append, per_run_s=60.0)
+    assert p.left_s() == pytest.approx(240.0)
+    p.say("paper widecnn ps", "running")
+    assert "run 1/4" in lines[0] and "~4 min left" in lines[0] and "paper widecnn ps: running" in lines[0]
+
+
+def test_docs_section_holds_command_counts_and_table() -> None:
+    cell = {"testbed": "paper", "task": "widecnn", "strategy": "ps", "error_samples_pct": 4.0, "error_egress_pct": 0.0}
+    doc = {"cells": [cell], "command": "sudo .venv/bin/python bench/predict.py", "date": "2026-11-24T02:00Z",
+           "machine": {"cpus": 2}, "duration_s": 600.0, "testbeds": {"paper": {"fallbacks": []}}}
+    text = bp.docs_section(doc)
+    assert text.startswith(bp.SECTION) and doc["command"] in text
+    assert "within 10 %: 2 of 2" in text and "| paper | widecnn | ps |" in text
