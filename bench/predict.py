@@ -45,6 +45,7 @@ if __package__ in (None, ""):
 import httpx  # noqa: E402
 
 from hybridtrain.contract import PS_STRATEGIES, STRATEGIES  # noqa: E402
+from testbed.paperbench import strategy_fields  # noqa: E402
 
 Log = Callable[[str], None]
 SECTION = "## Prediction accuracy (bench/predict.py)"
@@ -147,15 +148,7 @@ def run_body(strategy: str, s: TaskSettings, node_ids: list[int], ps_node_id: in
         "task_args": dict(s.task_args), "global_batch_size": s.global_batch,
         "max_steps": max_steps, "seed": 0, "device": "cpu", "eval_every": 100_000,
     }  # fmt: skip
-    if strategy in PS_STRATEGIES:
-        body["ps_node_id"] = ps_node_id
-    if strategy in ("ps-gc", "ps-bz-gc") and s.compression:
-        body["compression"] = dict(s.compression)
-    if strategy in PS_STRATEGIES and s.pipeline_chunks:
-        body["compression"] = body.get("compression", {}) | {"pipeline_chunks": s.pipeline_chunks}
-    if strategy == "ps-bz-gc" and s.rebalance_every:
-        body["rebalance_every"] = s.rebalance_every
-    return body
+    return body | strategy_fields(strategy, s, ps_node_id)
 
 
 def plan_body(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -158,6 +158,13 @@ def run_body(
     }
     if s.eval_every:
         body["eval_every"] = s.eval_every
+    return body | strategy_fields(strategy, s, ps_node_id)
+
+
+def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, Any]:
+    """The run-body fields one strategy takes from benchmark settings `s` (its server, its
+    compression and pipelining, re-balancing, PowerSGD's rank); bench/predict.py shares it."""
+    body: dict[str, Any] = {}
     if strategy in PS_STRATEGIES:
         body["ps_node_id"] = ps_node_id
     if strategy in ("ps-gc", "ps-bz-gc") and s.compression:
@@ -166,7 +173,7 @@ def run_body(
         body["compression"] = body.get("compression", {}) | {"pipeline_chunks": s.pipeline_chunks}
     if strategy == "ps-bz-gc" and s.rebalance_every:
         body["rebalance_every"] = s.rebalance_every
-    if strategy == "allreduce-powersgd" and s.powersgd_rank:
+    if strategy == "allreduce-powersgd" and getattr(s, "powersgd_rank", None):
         body["compression"] = {"powersgd_rank": s.powersgd_rank}
     return body
 
