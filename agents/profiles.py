@@ -60,7 +60,7 @@ def run_profile(
         # As for a role (agents.supervisor): the profiler puts the user's code first on its
         # import path once its own packages are loaded, never before them.
         env["PYTHONSAFEPATH"] = "1"
-        argv = [*argv, "--code-dir", str(code_dir)]
+        argv = [*argv, "--code-dir", str(Path(code_dir).resolve())]  # absolute: cwd is that directory
     guard = [sys.executable, "-I", "-m", "agents.guard", str(os.getpid()), "--", *argv]
     try:
         proc = subprocess.Popen(

@@ -661,4 +661,6 @@ def with_code_dir(argv: list[str], code_dir: Path | None) -> list[str]:
     if code_dir is None:
         return argv
     at = argv.index("--") if "--" in argv else len(argv)
-    return [*argv[:at], "--code-dir", str(code_dir), *argv[at:]]
+    # Absolute: the role starts in that directory, where a relative path (an agent run with a
+    # relative --state-dir, as `hybridtrain local` does) would point below itself.
+    return [*argv[:at], "--code-dir", str(Path(code_dir).resolve()), *argv[at:]]

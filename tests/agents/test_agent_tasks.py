@@ -382,3 +382,14 @@ def test_cancel_of_a_role_that_failed_before_starting_is_a_no_op(bundle_supervis
     wait_until(lambda: reporter.event(30, "exited"), 20, "the exit event")
 
     assert cancel_run(30, "user asked", supervisor=bundle_supervisor)["cancelled_ranks"] == []
+
+
+def test_the_code_dir_reaches_the_trainer_absolute_before_a_scripts_arguments(tmp_path, monkeypatch):
+    from agents.supervisor import with_code_dir
+
+    # An agent started with a relative --state-dir (`hybridtrain local`): the role runs inside
+    # the code dir, where the relative path would point below itself.
+    monkeypatch.chdir(tmp_path)
+    argv = with_code_dir(["python", "-m", "trainer", "--", "--epochs", "3"], Path("var/agent/runs/1/code"))
+    assert argv == ["python", "-m", "trainer", "--code-dir", str(tmp_path / "var/agent/runs/1/code"),
+                    "--", "--epochs", "3"]
