@@ -3,12 +3,16 @@ database, SQLite broker, its own agent for this machine) plus two more agents jo
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import ADMIN, Deployment, _base_env, free_port, group_alive, wait_until
+from conftest import ADMIN, ROOT, Deployment, _base_env, free_port, group_alive, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -90,6 +94,20 @@ def test_run_on_embedded_defaults_succeeds_once_per_idempotency_key_and_cancels_
     assert local.post(f"/runs/{long_run['id']}/cancel").json()["status"] == "cancelled"
     wait_until(lambda: not any(group_alive(g) for g in groups), 30, "every role of the run to be gone")
     assert local.get("/runs")["count"] == 2
+
+
+def test_a_bundled_task_runs_on_the_local_agent_whose_state_dir_is_relative(local: Deployment):
+    # `hybridtrain local` starts its agent with --state-dir var/agent: the role runs inside its
+    # unpacked bundle, and must still find it (an absolute --code-dir).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYBRIDTRAIN_", "CELERY_", "DATABASE_URL"))}
+    command = [sys.executable, "-m", "app.cli", "runs", "create", "--server", local.url, "--token", ADMIN,
+               "--name", "embedded-bundle", "--nodes", str(local.nodes[0]), "--device", "cpu",
+               "--workdir", "examples/diabetes", "--task", "diabetes:task", "--strategy", "allreduce",
+               "--max-steps", "10", "--eval-every", "5", "--wait", "--timeout", "150"]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = local.get(f"/runs/{json.loads(result.stdout)['id']}")
+    assert run["status"] == "succeeded" and run["bundle_sha256"]
 
 
 def test_stopping_local_stops_its_agent(local: Deployment):
