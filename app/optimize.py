@@ -46,7 +46,7 @@ from app.predict import (
     predict,
     predict_costs,
 )
-from hybridtrain.contract import STRATEGIES, equal_batch_sizes, is_ps, proportional_batch_sizes
+from hybridtrain.contract import PS_BZ_GC, PS_GC, STRATEGIES, equal_batch_sizes, is_ps, proportional_batch_sizes
 
 # All 2^n - 1 subsets up to here (1023 at 10 candidates); greedy removal beyond.
 EXHAUSTIVE_MAX = 10
@@ -135,7 +135,7 @@ class NoPlanError(InvalidFieldError):
 
 
 def _batch_split(strategy: str, nodes: Sequence[NodeSpec], global_batch: int) -> list[int]:
-    if strategy == "ps-bz-gc":
+    if strategy == PS_BZ_GC:
         return proportional_batch_sizes(global_batch, [n.samples_per_s for n in nodes])
     return equal_batch_sizes(global_batch, len(nodes))
 
@@ -163,7 +163,7 @@ class _Search:
             srv = self.by_id[server].node if server is not None else None
             # The densities' fixed point depends on the links, not on the batch split: ps-gc's
             # serve ps-bz-gc on the same nodes and server.
-            twin = self.cache.get(({"ps-bz-gc": "ps-gc", "ps-gc": "ps-bz-gc"}.get(strategy), subset, server))
+            twin = self.cache.get(({PS_BZ_GC: PS_GC, PS_GC: PS_BZ_GC}.get(strategy), subset, server))
             densities = [r["density"] for r in twin.prediction.per_worker] if twin else None
             pred = predict(strategy, workers=list(zip(nodes, shares)), server=srv, links=self.links,
                            task=self.task, compression=self.compression, relay=self.relay,
@@ -180,7 +180,7 @@ class _Search:
         ps = [s for s in self.strategies if is_ps(s)]
         if not ps:
             return out
-        pilot = "ps-gc" if "ps-gc" in ps else ps[0]
+        pilot = PS_GC if PS_GC in ps else ps[0]
         tried = sorted((self.plan(pilot, subset, srv) for srv in self.servers),
                        key=lambda p: (not _fits(p, self.budget, self.deadline), self.key(p)))
         out.extend(tried)

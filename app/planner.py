@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hybridtrain.contract import ALLOCATIONS, STRATEGIES, is_ps, proportional_batch_sizes
+from hybridtrain.contract import ALLOCATIONS, PS_BZ_GC, STRATEGIES, is_ps, proportional_batch_sizes
 
 # Relative cost of moving a byte over each kind of link, roughly inverse bandwidth: the
 # paper's testbed has 1 Gbit/s inside a site and 100 Mbit/s between sites; seed 003 measured
@@ -111,7 +111,7 @@ def default_allocation(
     ps-bz-gc uses the catalog's FLOPs when every node declares its GPUs, else measured speeds
     (a CPU-only laptop under `hybridtrain local` declares none).
     """
-    if strategy != "ps-bz-gc":
+    if strategy != PS_BZ_GC:
         return "equal"
     if nodes and not all(n.gpus for n in nodes) and all(_measured(n, task_speeds) for n in nodes):
         return "measured"

@@ -34,7 +34,8 @@ from app.billing import (
     granularity,
 )
 from app.errors import InvalidFieldError
-from hybridtrain.contract import STRATEGIES, adapt_densities, is_ps
+from hybridtrain.contract import ALLREDUCE, ALLREDUCE_POWERSGD, STRATEGIES, adapt_densities, is_ps
+from hybridtrain.contract import compresses as contract_compresses
 from hybridtrain.wiresize import grad_frame_bytes, kept_for, update_frame_bytes
 
 # A worker on the server's own node talks to it through the loopback interface.
@@ -506,12 +507,12 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
                       if a.node_id != b.node_id})
     notes = [f"links: {', '.join(sources) or 'none (one node)'}"]
     # Warm-up steps (and PowerSGD's plain all-reduce before its start step) are the dense kind.
-    if strategy == "allreduce":
+    if strategy == ALLREDUCE:
         steady = _allreduce_step(strategy, workers, links, task, comp, compressed=False)
         warm, warm_steps = steady, 0
         notes.append(f"DDP hides {DDP_OVERLAP:g} of the ring all-reduce behind the backward pass "
                      "(2/3 of compute), fitted on the paper testbed")
-    elif strategy == "allreduce-powersgd":
+    elif strategy == ALLREDUCE_POWERSGD:
         steady = _allreduce_step(strategy, workers, links, task, comp, compressed=True)
         warm = _allreduce_step(strategy, workers, links, task, comp, compressed=False)
         # PowerSGDState counts steps from 0 and compresses from its start step on (>= 2).
@@ -520,7 +521,7 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
                      f"approximated as {POWERSGD_FACTOR_SCALE:g} * rank * sqrt(compressed params) elements "
                      "(within a factor 1.6 on the built-in CNNs)"))
     else:
-        compresses = strategy != "ps" and comp.compressor != "none"
+        compresses = contract_compresses(strategy, comp.compressor)
         warm = _ps_step(workers, server, links, task, comp, relay, None)
         if compresses:
             if densities is None:

@@ -14,9 +14,16 @@ from dataclasses import dataclass
 
 # -- strategies and their knobs ---------------------------------------------------------------
 
-STRATEGIES = ("allreduce", "allreduce-powersgd", "ps", "ps-gc", "ps-bz-gc")
-PS_STRATEGIES = ("ps", "ps-gc", "ps-bz-gc")
-DEFAULT_STRATEGY = "ps-bz-gc"
+ALLREDUCE, ALLREDUCE_POWERSGD, PS, PS_GC, PS_BZ_GC = (
+    "allreduce", "allreduce-powersgd", "ps", "ps-gc", "ps-bz-gc")
+STRATEGIES = (ALLREDUCE, ALLREDUCE_POWERSGD, PS, PS_GC, PS_BZ_GC)
+PS_STRATEGIES = (PS, PS_GC, PS_BZ_GC)
+# The strategies that sparsify gradients (unless their compressor is "none").
+COMPRESSING_STRATEGIES = (PS_GC, PS_BZ_GC)
+DEFAULT_STRATEGY = PS_BZ_GC
+# How reports and pages name them (the paper's spelling).
+STRATEGY_LABELS = {ALLREDUCE: "All-Reduce", ALLREDUCE_POWERSGD: "All-Reduce + PowerSGD", PS: "PS",
+                   PS_GC: "PS-gc", PS_BZ_GC: "PS-bz-gc"}
 ALLOCATIONS = ("equal", "flops", "measured")
 COMPRESSORS = ("none", "topk", "randomk")
 VALUE_DTYPES = ("fp32", "fp16")
@@ -29,9 +36,14 @@ def is_ps(strategy: str) -> bool:
     return strategy in PS_STRATEGIES
 
 
+def compresses(strategy: str, compressor: str = "topk") -> bool:
+    """Whether `strategy` sparsifies gradients with `compressor`."""
+    return strategy in COMPRESSING_STRATEGIES and compressor != "none"
+
+
 def default_allocation(strategy: str) -> str:
     """`ps-bz-gc` sizes batches by speed (its point); every baseline splits equally."""
-    return "flops" if strategy == "ps-bz-gc" else "equal"
+    return "flops" if strategy == PS_BZ_GC else "equal"
 
 
 # -- the batch split (seed 000, section III-A) ------------------------------------------------

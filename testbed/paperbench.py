@@ -31,7 +31,18 @@ from typing import Any
 
 import httpx
 
-from hybridtrain.contract import LEGACY_TIME_TO_TARGET, PS_STRATEGIES, STRATEGIES, VAL_LOSS, parse_target
+from hybridtrain.contract import (
+    ALLREDUCE,
+    ALLREDUCE_POWERSGD,
+    COMPRESSING_STRATEGIES,
+    LEGACY_TIME_TO_TARGET,
+    PS,
+    PS_BZ_GC,
+    PS_STRATEGIES,
+    STRATEGIES,
+    VAL_LOSS,
+    parse_target,
+)
 from testbed import lifecycle, processes, services
 from testbed.errors import TestbedError
 from testbed.state import TestbedState
@@ -167,13 +178,13 @@ def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, 
     body: dict[str, Any] = {}
     if strategy in PS_STRATEGIES:
         body["ps_node_id"] = ps_node_id
-    if strategy in ("ps-gc", "ps-bz-gc") and s.compression:
+    if strategy in COMPRESSING_STRATEGIES and s.compression:
         body["compression"] = dict(s.compression)
     if strategy in PS_STRATEGIES and s.pipeline_chunks:
         body["compression"] = body.get("compression", {}) | {"pipeline_chunks": s.pipeline_chunks}
-    if strategy == "ps-bz-gc" and s.rebalance_every:
+    if strategy == PS_BZ_GC and s.rebalance_every:
         body["rebalance_every"] = s.rebalance_every
-    if strategy == "allreduce-powersgd" and getattr(s, "powersgd_rank", None):
+    if strategy == ALLREDUCE_POWERSGD and getattr(s, "powersgd_rank", None):
         body["compression"] = {"powersgd_rank": s.powersgd_rank}
     return body
 
@@ -334,7 +345,7 @@ def summarise(
 
 def check_targets(results: dict[str, dict[str, Any]], ideal: float | None) -> dict[str, dict[str, Any]]:
     """The issue's targets, each with its measured value and whether it is met."""
-    bz, ps, ar, psgd = (results.get(k, {}) for k in ("ps-bz-gc", "ps", "allreduce", "allreduce-powersgd"))
+    bz, ps, ar, psgd = (results.get(k, {}) for k in (PS_BZ_GC, PS, ALLREDUCE, ALLREDUCE_POWERSGD))
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
@@ -495,7 +506,7 @@ def _bench_on(
     tag = uuid.uuid4().hex[:6]
 
     def ideal_at(s: BenchSettings) -> dict[str, float]:
-        plan = _check(api.post("/api/v1/runs/plan", json=run_body("ps-bz-gc", s, node_ids, ps_node_id, tag)),
+        plan = _check(api.post("/api/v1/runs/plan", json=run_body(PS_BZ_GC, s, node_ids, ps_node_id, tag)),
                       "plan preview")  # fmt: skip
         batch_by_node = {w["node_name"]: w["batch_size"] for w in plan["workers"] if w["role"] == "worker"}
         log(f"  ps-bz-gc plan at global batch {s.global_batch}: {batch_by_node}")

@@ -11,17 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
+
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
-
-_LABELS = {
-    "allreduce": "All-Reduce",
-    "allreduce-powersgd": "All-Reduce + PowerSGD",
-    "ps": "PS",
-    "ps-gc": "PS-gc",
-    "ps-bz-gc": "PS-bz-gc",
-}
-
 
 def _fmt(value: Any, spec: str = "") -> str:
     if value is None:
@@ -32,7 +25,7 @@ def _fmt(value: Any, spec: str = "") -> str:
 def markdown_table(doc: dict[str, Any]) -> str:
     """The results table, one row per strategy, with throughput relative to ps-bz-gc."""
     results = doc["results"]
-    bz = results.get("ps-bz-gc", {}).get("samples_per_s")
+    bz = results.get(PS_BZ_GC, {}).get("samples_per_s")
     lines = [
         ("| strategy | samples/s | ps-bz-gc is x faster | time to target (s) | final accuracy "
          "| MB/step (all ranks) | granularity | egress (USD) | steps | status |"),
@@ -43,7 +36,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
         speedup = f"{bz / sps:.2f}" if bz and sps else "n/a"
         mb = r["bytes_per_step"] / 1e6 if r.get("bytes_per_step") is not None else None
         lines.append(
-            f"| {_LABELS.get(strategy, strategy)} | {_fmt(sps, '.1f')} | {speedup} "
+            f"| {STRATEGY_LABELS.get(strategy, strategy)} | {_fmt(sps, '.1f')} | {speedup} "
             f"| {_fmt(r.get('tta_s'), '.1f')} | {_fmt(r.get('final_accuracy'), '.4f')} "
             f"| {_fmt(mb, '.2f')} | {_fmt(r.get('granularity'), '.2f')} "
             f"| {_fmt(r.get('egress_usd'), '.4f')} | {r.get('steps')} | {r.get('status')} |"
@@ -70,7 +63,7 @@ def profile_table(doc: dict[str, Any]) -> str:
     for strategy, r in doc["results"].items():
         prof = r.get("profile", {})
         cells = " | ".join(_fmt(prof.get(c), ".3f") for c in cols)
-        lines.append(f"| {_LABELS.get(strategy, strategy)} | {_fmt(r.get('step_s'), '.3f')} | {cells} |")
+        lines.append(f"| {STRATEGY_LABELS.get(strategy, strategy)} | {_fmt(r.get('step_s'), '.3f')} | {cells} |")
     return "\n".join(lines)
 
 
@@ -79,7 +72,7 @@ def figures(doc: dict[str, Any]) -> list[Any]:
     import plotly.graph_objects as go
 
     results = doc["results"]
-    names = [_LABELS.get(s, s) for s in results]
+    names = [STRATEGY_LABELS.get(s, s) for s in results]
     tta = go.Figure(go.Bar(x=names, y=[r.get("tta_s") for r in results.values()]))
     tta.update_layout(title=f"Time to {workload(doc['settings'])[2]} (s, lower is better)",
                       yaxis_title="seconds")
@@ -93,7 +86,7 @@ def figures(doc: dict[str, Any]) -> list[Any]:
         if curve:
             t0 = curve[0][0]
             loss.add_trace(go.Scatter(x=[t - t0 for t, _ in curve], y=[v for _, v in curve],
-                                      mode="lines", name=_LABELS.get(strategy, strategy)))  # fmt: skip
+                                      mode="lines", name=STRATEGY_LABELS.get(strategy, strategy)))  # fmt: skip
     loss.update_layout(title="Training loss against time", xaxis_title="seconds since the first step",
                        yaxis_title="loss", yaxis_type="log")  # fmt: skip
     return [tta, thr, loss]

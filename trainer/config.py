@@ -6,9 +6,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from hybridtrain.contract import (
+    DEFAULT_STRATEGY,
     DEFAULT_TASK,
     PS_STRATEGIES,
     STRATEGIES,
+    compresses,
     default_allocation,
     equal_batch_sizes,
     proportional_batch_sizes,
@@ -29,7 +31,7 @@ RESUMABLE_CHANGES = frozenset(
 class TrainConfig:
     """Everything that defines a run; saved in every checkpoint."""
 
-    strategy: str = "ps-bz-gc"
+    strategy: str = DEFAULT_STRATEGY
     workers: int = 4
     global_batch: int = 64
     batch_sizes: tuple[int, ...] = ()
@@ -110,7 +112,7 @@ class TrainConfig:
     @property
     def compresses(self) -> bool:
         """Whether gradients are sparsified (`ps-gc`, `ps-bz-gc` unless --compressor none)."""
-        return self.strategy in ("ps-gc", "ps-bz-gc") and self.compressor != "none"
+        return compresses(self.strategy, self.compressor)
 
     @property
     def world_size(self) -> int:

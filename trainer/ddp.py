@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hybridtrain.contract import ALLREDUCE_POWERSGD
 from trainer.algorithm import float_buffers
 from trainer.config import TrainConfig
 
@@ -93,7 +94,7 @@ def wrap(model: nn.Module, cfg: TrainConfig, rank: int, batch_sizes: list[int],
     # PowerSGD chains several all-reduces per bucket from future callbacks; over gloo, two
     # buckets in flight can issue them in a different order on different ranks (a collective
     # mismatch), so on CPU the PowerSGD baseline runs with a single bucket.
-    single_bucket = cfg.strategy == "allreduce-powersgd" and device.type != "cuda"
+    single_bucket = cfg.strategy == ALLREDUCE_POWERSGD and device.type != "cuda"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         ddp = DDP(
@@ -105,7 +106,7 @@ def wrap(model: nn.Module, cfg: TrainConfig, rank: int, batch_sizes: list[int],
             broadcast_buffers=False,
         )
     powersgd = None
-    if cfg.strategy == "allreduce-powersgd":
+    if cfg.strategy == ALLREDUCE_POWERSGD:
         powersgd = psgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
             start_powerSGD_iter=max(2, cfg.powersgd_start), random_seed=cfg.seed,

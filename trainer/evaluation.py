@@ -79,6 +79,6 @@ def _batches(dataset: Any, part: Any, batch_size: int, collate: Callable) -> Any
             yield collate(batch)
         return
     part = part if part is not None else slice(0, len(dataset))
-    indices = list(range(len(dataset)))[part]
-    batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    indices = range(len(dataset))[part]
+    batches = [list(indices[i : i + batch_size]) for i in range(0, len(indices), batch_size)]
     yield from DataLoader(dataset, batch_sampler=batches, collate_fn=collate)

@@ -204,7 +204,8 @@ def init(**defaults: Any) -> Context:
     return _current
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (or the model itself)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
@@ -235,7 +236,7 @@ class DistributedOptimizer:
         ctx = current()
         self.optimizer = optimizer
         self.ctx = ctx
-        module = _unwrap(model) if model is not None else ctx.model
+        module = unwrap(model) if model is not None else ctx.model
         if module is None:
             raise RuntimeError("DistributedOptimizer needs the model: pass it, or call prepare_model first")
         self.module = module
@@ -337,7 +338,7 @@ def evaluate(model: nn.Module, dataset: Any, *, metrics: Sequence[Metric] = (),
     `val_loss` when `loss` is given. Logged, checked against the run's target
     (`ctx.should_stop`), and returned."""
     ctx = current()
-    module = _unwrap(model)
+    module = unwrap(model)
     n = None if isinstance(dataset, torch.utils.data.IterableDataset) else len(dataset)
     if ctx.standalone:
         sums, count = metric_sums(module, dataset, part=None, metrics=metrics, loss=loss,

@@ -1,5 +1,6 @@
-"""The parameter-server strategies (`ps`, `ps-gc`, `ps-bz-gc`): the worker's side of a step and
-the server, over the frames of `trainer.frames` and the pure steps of `trainer.algorithm`.
+"""The parameter-server strategies (`ps`, `ps-gc`, `ps-bz-gc`): the worker's side of a step
+(`PSClient`), over the frames of `trainer.frames` and the pure steps of `trainer.algorithm`;
+the server is `trainer.server.ParameterServer`.
 
 Per step t (seed 000, section III; the numbers are `trainer.algorithm`'s):
  1. The user's code (or the task loop) computes worker m's gradient on its n_m samples; for an
@@ -29,19 +30,14 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from hybridtrain.contract import parse_target, steps_for_epochs
-from trainer import checkpoint
 from trainer.algorithm import (
     Layout,
-    adapt_densities,
     aggregate,
     apply_payload,
     chunks,
@@ -49,14 +45,12 @@ from trainer.algorithm import (
     server_sparsify,
     worker_sparsify,
 )
-from trainer.allocation import aggregation_weights, rebalance
 from trainer.compression import CompressionState, Compressor, Identity, Payload, build_compressor
 from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.frames import (
     ABORT,
     BYE,
     UPDATE,
-    Abort,
     Buffers,
     BuffersAvg,
     Bye,
@@ -64,17 +58,15 @@ from trainer.frames import (
     EvalResult,
     Grad,
     Hello,
-    LayoutSpec,
     ProtocolError,
     State,
     Update,
     Welcome,
     expect,
     pack,
-    unpack,
 )
 from trainer.metrics import MetricsLogger
-from trainer.relay import SERVER, RelayPlan, plan_relay
+from trainer.relay import SERVER, plan_relay
 from trainer.transport import Inbox, Transport
 from trainer.wire import peek_kind
 
@@ -105,34 +97,6 @@ def _codec(cfg: TrainConfig, name: str) -> Compressor:
                             select=cfg.select)
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One worker's own figures of a step, as the server plans from them."""
-
-    rank: int
-    loss: float
-    samples: int
-    compute_s: float
-    last_tx_s: float
-    topk_s: float
-
-
-def worker_rows(grads: list[Grad]) -> list[_Row]:
-    """Each worker's figures in rank order, a site's combined frame expanded into its members."""
-    rows = [_Row(int(r[0]), r[1], int(r[2]), r[3], r[4], r[5]) for g in grads for r in (g.members or (g.own(),))]
-    return sorted(rows, key=lambda r: r.rank)
-
-
-def uplink_senders(cfg: TrainConfig, relay: RelayPlan) -> list[int]:
-    """The ranks whose GRAD frames reach the server: every worker, or with per-site
-    aggregation the workers of the server's site, lone remote workers, and each remote
-    site's relay."""
-    workers = list(range(1, cfg.workers + 1))
-    if not cfg.site_aggregation:
-        return workers
-    return [w for w in workers if relay.source(w) == SERVER]
-
-
 def dense_chunk(cfg: TrainConfig) -> int:
     """The chunk whose frames carry the dense part: the first, or the last with --overlap."""
     return cfg.pipeline_chunks - 1 if cfg.overlap else 0
@@ -144,6 +108,7 @@ class _SgdRules:
     momentum correction the compressed tensors skip the optimizer's momentum (step 4)."""
 
     decay: list[float] = field(default_factory=list)  # per param group, moved out of the optimizer
+    decay_of: dict = field(default_factory=dict)  # parameter -> its group's decay (overlap's hooks)
     momentum: float = 0.0  # the velocity's factor; 0 when momentum correction is off
 
 
@@ -230,6 +195,7 @@ class PSClient:
             return rules
         for group in optimizer.param_groups:
             rules.decay.append(float(group.get("weight_decay", 0.0)))
+            rules.decay_of.update(dict.fromkeys(group["params"], rules.decay[-1]))
             group["weight_decay"] = 0.0
         if not (self.cfg.compresses and self.cfg.momentum_correction):
             return rules
@@ -305,11 +271,6 @@ class PSClient:
         nd = self.layout.dense_numel
         return [n for n, off in zip(self.layout.names, self.layout.offsets) if off >= nd]
 
-    def _decay_of(self, p: nn.Parameter) -> float:
-        for group, decay in zip(self.optimizer.param_groups, self.rules.decay):
-            if any(q is p for q in group["params"]):
-                return decay
-        return 0.0
 
     def _on_grad(self, p: nn.Parameter) -> None:
         """The backward pass has produced `p`'s gradient: send every chunk now complete (in
@@ -324,7 +285,7 @@ class PSClient:
         if p.grad is None or not base <= p.grad.data_ptr() < end:
             raise RuntimeError("--overlap needs each parameter's .grad to stay the view the optimizer "
                                "wrapper gave it: call the wrapper's zero_grad(), not the model's")
-        decay = self._decay_of(p) if self.rules.decay else 0.0
+        decay = self.rules.decay_of.get(p, 0.0)
         if decay:
             with torch.no_grad():
                 p.grad.add_(p, alpha=decay)
@@ -596,312 +557,3 @@ class PSClient:
         if self.site:
             _split_residual(self.site_states, state.get("site_residual"), self.bounds)
         self._bind_grads()
-
-
-class ParameterServer:
-    """Rank 0: owns the aggregation state (server residual, densities, batch sizes, timings) and
-    answers the workers' frames until each has said BYE."""
-
-    def __init__(self, cfg: TrainConfig, transport: Transport, metrics: MetricsLogger) -> None:
-        self.cfg, self.transport, self.metrics = cfg, transport, metrics
-        self.workers = list(range(1, cfg.workers + 1))
-        self.relay = plan_relay(cfg.sites, cfg.workers)
-        self.batch_sizes = initial_batch_sizes(cfg)
-        self.densities = [cfg.density] * cfg.workers
-        self.codec = _codec(cfg, "topk")
-        self.target = parse_target(cfg.target) if cfg.target else None
-        self.layout = None
-        self.bounds: tuple[tuple[int, int], ...] = ()
-        self.codec_states: list[CompressionState] = []
-        self.compute_window: list[list[float]] = []
-        self.overhead_window: list[list[float]] = []
-        self.max_steps = cfg.max_steps
-        self.elapsed_s = 0.0
-        self.reached_at: float | None = None
-        self.step = 0
-        self.start_step = 0
-        self.stopped = False
-        self._t0 = time.time()
-        self._last_print = 0.0
-        self._resume_state: dict | None = None
-        self._warned_target = False
-        # With per-site aggregation a remote site's relay sends its site's gradient in one frame:
-        # the server hears GRAD frames from these ranks only (and every other frame from all).
-        self.senders = uplink_senders(cfg, self.relay)
-        self.inbox = Inbox(transport, self.workers, timeout_s=cfg.timeout_s, last_kinds=_LAST)
-
-    # -- the loop ------------------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Handshake, then answer GRAD, BUFFERS and EVAL rounds until every worker says BYE."""
-        try:
-            self._handshake()
-            while True:
-                round_start = time.perf_counter()
-                first = {w: self.inbox.get(w) for w in self.senders}
-                frames = {w: unpack(raw) for w, (raw, _) in first.items()}
-                if not all(isinstance(f, Grad) for f in frames.values()):
-                    # Not a step: every worker takes part (an evaluation, the goodbye).
-                    for w in self.workers:
-                        if w not in first:
-                            first[w] = self.inbox.get(w)
-                            frames[w] = unpack(first[w][0])
-                kinds = {type(f) for f in frames.values()}
-                aborts = [f for f in frames.values() if isinstance(f, Abort)]
-                if aborts:
-                    raise ProtocolError(aborts[0].reason)
-                if len(kinds) != 1:
-                    said = ", ".join(f"rank {w}: {type(f).__name__}"
-                                     + (f" step {f.step}" if hasattr(f, "step") else "")
-                                     for w, f in frames.items())
-                    raise ProtocolError(f"the workers disagree on what comes next ({said}): every "
-                                        "worker must run the same steps and evaluations")
-                kind = kinds.pop()
-                if kind is Grad:
-                    self._serve_step(frames, {w: t for w, (_, t) in first.items()}, round_start)
-                elif kind is Buffers:
-                    self._serve_buffers(frames)
-                elif kind is Eval:
-                    self._serve_eval(frames)
-                elif kind is Bye:
-                    self.transport.send_many(self.workers, pack(Bye(self.step, SERVER)))
-                    self._finish()
-                    self.flush_bytes()
-                    return
-                else:
-                    raise ProtocolError(f"unexpected {kind.__name__} from the workers")
-        except ProtocolError as exc:
-            self._abort(str(exc))
-            raise
-
-    def _abort(self, reason: str) -> None:
-        try:
-            self.transport.send_many(self.workers, pack(Abort(SERVER, reason)))
-        except Exception:  # noqa: BLE001 - the run is failing already; the reason is what matters
-            log.debug("could not tell the workers to abort", exc_info=True)
-
-    def _handshake(self) -> None:
-        hellos = {w: expect(self.inbox.get(w)[0], Hello, peer=w) for w in self.workers}
-        first = hellos[self.workers[0]]
-        for w, hello in hellos.items():
-            diff = first.layout.difference(hello.layout)
-            if diff:
-                raise ProtocolError(f"the model replicas differ: worker {self.workers[0]} and worker {w} "
-                                    f"built different models ({diff}); the task's model factory must "
-                                    "build the same architecture on every rank")
-        self.configure(first.layout)
-        if self.cfg.epochs:
-            if not first.train_samples:
-                raise ProtocolError("--epochs needs a training set whose length is known (a map-style "
-                                    "Dataset); give --max-steps for a streaming one")
-            self.max_steps = steps_for_epochs(self.cfg.epochs, first.train_samples, self.cfg.global_batch)
-        self.transport.send_many(self.workers, pack(Welcome(tuple(self.batch_sizes), tuple(self.densities),
-                                                            self.max_steps, self.start_step)))
-        state = expect(self.inbox.get(self.workers[0])[0], State, peer=self.workers[0])
-        self.transport.send_many(self.workers[1:], pack(state))
-        self.metrics.log(0, "params", self.layout.numel)
-        self.metrics.log(0, "max_steps", self.max_steps)
-        self._t0 = time.time()
-
-    def flush_bytes(self) -> None:
-        """Log the bytes since the last flush under the last step (see `PSClient.flush_bytes`)."""
-        self.metrics.log_bytes(self.step, *self.transport.take_counts())
-
-    def configure(self, layout: LayoutSpec) -> None:
-        """Size the aggregation state for the workers' model (and restore a resumed run's)."""
-        self.layout = layout
-        self.bounds = chunks(layout.sparse_numel, self.cfg.pipeline_chunks)
-        # Each chunk keeps k_s * its share of the elements, with its own residual.
-        self.codec_states = [CompressionState(density=self.cfg.server_k_fraction, seed=self.cfg.seed)
-                             for _ in self.bounds]
-        if self._resume_state is not None:
-            self._load(self._resume_state)
-
-    def _serve_step(self, first: dict, wire: dict[int, float], t0: float) -> None:
-        """One step's rounds, chunk by chunk; `t0` is when the server began waiting for it."""
-        # This step's first frames are already consumed: their bytes belong to this step.
-        sent, recv = self.transport.take_counts()
-        firsts = {w: pack(f).numel() + 8 for w, f in first.items()}
-        self.metrics.log_bytes(self.step, sent, {w: n - firsts.get(w, 0) for w, n in recv.items()})
-        for w, n in firsts.items():
-            self.transport.bytes_recv[w] += n
-        step = next(iter(first.values())).step
-        if any(f.step != step for f in first.values()):
-            raise ProtocolError(f"the workers are out of step: {[(w, f.step) for w, f in first.items()]}")
-        before = t0
-        wait_s = compress_s = comm_s = 0.0
-        waits, sent = [], 0
-        arrival = dict(wire)
-        frames = first
-        for chunk in range(len(self.bounds)):
-            if chunk:
-                got = {w: self.inbox.get(w) for w in self.senders}
-                frames = {w: expect(raw, Grad, step, peer=w) for w, (raw, _) in got.items()}
-                for w, (_, t) in got.items():
-                    arrival[w] += t
-            t1 = time.perf_counter()
-            wait_s += t1 - before
-            grads = [frames[w] for w in self.senders]
-            if any(g.chunk != chunk for g in grads):
-                raise ProtocolError(f"server: expected chunk {chunk} of step {step}, got "
-                                    f"{[(g.sender, g.chunk) for g in grads]}")
-            update = self.aggregate(step, grads, chunk, arrival)
-            sent += update.sparse.count
-            frame = pack(update)
-            t2 = time.perf_counter()
-            compress_s += t2 - t1
-            waits.append(self.transport.post_many(self.relay.server_sends, frame))
-            before = time.perf_counter()
-            comm_s += before - t2
-        for wait in waits:
-            wait()
-        t3 = time.perf_counter()
-        comm_s += t3 - before
-        self.step = step
-        mlog = self.metrics.log
-        if math.isfinite(update.loss):
-            mlog(step, "loss", update.loss)
-        mlog(step, "batch_size", sum(g.samples for g in grads))  # a site's frame counts its site
-        mlog(step, "samples_per_s", sum(g.samples for g in grads) / max(t3 - t0, 1e-9))
-        mlog(step, "wait_s", wait_s)
-        mlog(step, "compress_s", compress_s)
-        mlog(step, "comm_s", comm_s)
-        mlog(step, "density", sent / max(1, self.layout.sparse_numel))
-        self._progress(step, update.loss)
-        if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
-            self.save_checkpoint(step)
-
-    def aggregate(self, step: int, grads: list[Grad], chunk: int, arrival: dict[int, float] | None = None) -> Update:
-        """Steps 3 and 5 for one chunk: the weighted sum (eq. 1-2) and server compression; with
-        the last chunk, the step's loss and next step's plan."""
-        a, b = self.bounds[chunk]
-        dense, sparse = aggregate(grads, self.layout.dense_numel if chunk == dense_chunk(self.cfg) else 0, b - a)
-        state = self.codec_states[chunk]
-        state.step = step
-        dense_step = step <= self.cfg.warmup_steps or not self.cfg.compresses
-        payload = server_sparsify(sparse, codec=self.codec, state=state, dense_step=dense_step)
-        if chunk < len(self.bounds) - 1:
-            return Update(step, chunk, Payload(dense.numel(), dense), payload)
-        # The last chunk's frames carry the step's full timings (compression summed); a site's
-        # combined frame carries each of its workers' own.
-        rows = worker_rows(grads)
-        self._plan(step, rows, arrival or {})
-        alphas = aggregation_weights([r.samples for r in rows])
-        losses = [r.loss for r in rows]
-        loss = sum(w * x for w, x in zip(alphas, losses)) if all(map(math.isfinite, losses)) else math.nan
-        return Update(step, chunk, Payload(dense.numel(), dense), payload, loss,
-                      tuple(self.densities), tuple(self.batch_sizes))
-
-    def _plan(self, step: int, grads: list[_Row], arrival: dict[int, float]) -> None:
-        """Densities from last transmission times (step 5); batch sizes from compute and
-        compression times."""
-        if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
-            # A link's time is the longer of the worker's own send time (previous step) and the
-            # frame's arrival time seen here (this step): the first alone misses a shaped link
-            # whose bytes sit in a socket buffer, the second alone an emulated --link-mbps.
-            times = [max(g.last_tx_s, arrival.get(g.rank, 0.0)) for g in grads]
-            self.densities = adapt_densities(
-                self.densities, times, target=self.cfg.density,
-                low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,
-                floor=self.cfg.density_time_floor_s,
-            )
-        # `measured` refines whatever split the run started from; compression time counts as a
-        # fixed per-step cost (trainer.allocation.rebalance).
-        if self.cfg.allocation == "measured" and self.cfg.workers > 1:
-            self.compute_window.append([g.compute_s for g in grads])
-            self.overhead_window.append([g.topk_s for g in grads])
-            if len(self.compute_window) >= self.cfg.rebalance_every:
-                means = [sum(col) / len(col) for col in zip(*self.compute_window)]
-                overheads = [sum(col) / len(col) for col in zip(*self.overhead_window)]
-                self.batch_sizes = rebalance(sum(self.batch_sizes), self.batch_sizes, means, overheads)
-                self.compute_window, self.overhead_window = [], []
-
-    def _serve_buffers(self, frames: dict) -> None:
-        msgs = [frames[w] for w in self.workers]
-        alphas = aggregation_weights([m.samples for m in msgs])
-        avg = sum(a * m.values.float() for a, m in zip(alphas, msgs))
-        self.transport.send_many(self.workers, pack(BuffersAvg(msgs[0].step, avg)))
-
-    def _serve_eval(self, frames: dict) -> None:
-        msgs = [frames[w] for w in self.workers]
-        step = msgs[0].step
-        count = sum(m.count for m in msgs)
-        names = sorted(set().union(*(m.sums for m in msgs)))
-        values = {n: sum(m.sums.get(n, 0.0) for m in msgs) / max(1, count) for n in names}
-        reached = False
-        if self.target is not None:
-            if self.target.metric in values:
-                reached = self.target.reached(values[self.target.metric])
-            elif not self._warned_target:
-                self._warned_target = True
-                print(f"[ps] warning: the target {self.target} names a metric the evaluation does not "
-                      f"report (it reports {', '.join(names) or 'none'})", file=sys.stderr, flush=True)
-        self.stopped = reached and self.cfg.stop_at_target
-        self.transport.send_many(self.workers, pack(EvalResult(step, values, self.stopped)))
-        for name, value in values.items():
-            self.metrics.log(step, name, value)
-        if reached and self.reached_at is None:
-            self.reached_at = self.elapsed()
-            self.metrics.log(step, "time_to_target_s", self.reached_at)
-        self._progress(step, self.metrics.last.get("loss", math.nan), values)
-
-    def _finish(self) -> None:
-        if self.cfg.checkpoint_every and self.step and self.step % self.cfg.checkpoint_every:
-            self.save_checkpoint(self.step)
-
-    def _progress(self, step: int, loss: float, values: dict[str, float] | None = None) -> None:
-        now = time.time()
-        if values is None and now - self._last_print < 2.0 and step != self.max_steps:
-            return
-        self._last_print = now
-        extra = "".join(f" {k} {v:.4f}" for k, v in (values or {}).items())
-        print(f"[ps] step {step}/{self.max_steps} loss {loss:.4f}{extra} elapsed {self.elapsed():.1f}s",
-              file=sys.stderr, flush=True)
-
-    def elapsed(self) -> float:
-        """Training seconds so far, across resumes."""
-        return self.elapsed_s + time.time() - self._t0
-
-    # -- checkpoints ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Server residual, densities, batch sizes, timing windows, elapsed time."""
-        return {
-            "residual": _join_residuals(self.codec_states),
-            "densities": self.densities,
-            "batch_sizes": self.batch_sizes,
-            "compute_window": self.compute_window,
-            "overhead_window": self.overhead_window,
-            "elapsed_s": self.elapsed(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` once the layout is known (at the handshake)."""
-        self._resume_state = state
-        self.start_step = state["step"]
-        self.step = state["step"]
-
-    def _load(self, state: dict) -> None:
-        _split_residual(self.codec_states, state["residual"], self.bounds)
-        self.densities = list(state["densities"])
-        self.batch_sizes = list(state["batch_sizes"])
-        self.compute_window = [list(r) for r in state["compute_window"]]
-        self.overhead_window = [list(r) for r in state.get("overhead_window", [])]
-        self.elapsed_s = state["elapsed_s"]
-
-    def save_checkpoint(self, step: int) -> None:
-        """The server's state of `step`."""
-        checkpoint.save(self.cfg.checkpoint_dir, step, SERVER, self.state_dict(), self.cfg)
-
-
-def serve_in_thread(server: ParameterServer) -> tuple[threading.Thread, list[BaseException]]:
-    """Run `server.serve()` on a thread (tests, in-process demos); errors land in the list."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            server.serve()
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name="parameter-server", daemon=True)
-    thread.start()
-    return thread, errors

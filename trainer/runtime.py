@@ -41,7 +41,7 @@ class RoleSpec:
 def _serve(cfg: TrainConfig, spec: RoleSpec) -> None:
     import torch.distributed as dist
 
-    from trainer.ps import ParameterServer
+    from trainer.server import ParameterServer
     from trainer.transport import TorchTransport
 
     torch.set_num_threads(cfg.threads)

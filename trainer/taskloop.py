@@ -43,7 +43,7 @@ def run_task(ctx: ht.Context, *, task: Task | None = None) -> None:
     # Seeded so a run is repeatable; the replicas' common start comes from worker 1 anyway.
     torch.manual_seed(cfg.seed)
     model = ht.prepare_model(task.model())
-    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    module = ht.unwrap(model)
     optimizer = task.optimizer(module)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TaskError(f"task {cfg.task}: optimizer(model) returned {type(optimizer).__name__}, "

@@ -14,7 +14,8 @@ from trainer.algorithm import Layout, aggregate, worker_sparsify
 from trainer.compression import CompressionState, Payload, build_compressor
 from trainer.frames import Grad, ProtocolError
 from trainer.metrics import MetricsLogger
-from trainer.ps import ParameterServer, PSClient
+from trainer.ps import PSClient
+from trainer.server import ParameterServer
 from trainer.transport import InMemoryHub
 
 

@@ -20,7 +20,8 @@ from torch.utils.data import TensorDataset
 from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.loader import batch_indices
 from trainer.metrics import MetricsLogger
-from trainer.ps import ParameterServer, PSClient, serve_in_thread
+from trainer.ps import PSClient
+from trainer.server import ParameterServer, serve_in_thread
 from trainer.transport import InMemoryHub
 
 ROOT = Path(__file__).resolve().parents[2]
