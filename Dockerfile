@@ -8,12 +8,15 @@ WORKDIR /opt/hybridtrain
 
 # Dependencies first, so code edits do not reinstall torch.
 COPY pyproject.toml README.md ./
-RUN mkdir -p app agents trainer && touch app/__init__.py agents/__init__.py trainer/__init__.py \
+RUN mkdir -p app agents trainer hybridtrain testbed \
+    && touch app/__init__.py agents/__init__.py trainer/__init__.py hybridtrain/__init__.py testbed/__init__.py \
     && pip install '.[server,agent]' && pip uninstall -y hybridtrain
 
 COPY app ./app
 COPY agents ./agents
 COPY trainer ./trainer
+COPY hybridtrain ./hybridtrain
+COPY testbed ./testbed
 COPY migrations ./migrations
 COPY alembic.ini ./
 COPY static ./static

@@ -5,10 +5,17 @@ Registration is idempotent by construction: the agent makes up its own agent tok
 in the state dir *before* registering, and sends it along with the join token; the control
 plane stores only its hash. If the answer is lost, a retry with the same pair succeeds, and
 after a restart the saved token is all the agent needs.
+
+One agent per state dir: the agent holds an flock on `{state_dir}/agent.lock` while it runs,
+so a second agent pointed at the same directory exits at once instead of re-registering over
+the first and reaping its roles. SIGTERM (a spot VM's preemption notice, or a shutdown) stops
+the roles with `stop_grace_s` to end cleanly and reports their exits before the agent exits.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -26,15 +33,20 @@ import psutil
 from agents import probe, profiles
 from agents import supervisor as supervision
 from agents.bundles import BundleCache
-from agents.client import ControlPlaneClient, call_with_retry
+from agents.client import ControlPlaneClient, call_with_retry, retry_conflicts
 from agents.config import AgentSettings
 from agents.errors import AgentAuthError, AgentConfigError, ControlPlaneError
-from agents.hardware import Hardware, detect, measure_samples_per_s
+from agents.hardware import Hardware, detect_in_child
+from agents.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "agent.json"
-STOP_REASON = "the agent on this node stopped"
+LOCK_FILE = "agent.lock"
+STOP_REASON = "spot notice / agent stopping"
+# How long a stopping agent waits for its outbox to empty; the rest waits on disk for the
+# next agent on this state dir.
+OUTBOX_DRAIN_S = 5.0
 
 
 @dataclass
@@ -70,6 +82,30 @@ class AgentState:
         return self.node_id is not None and self.queue is not None
 
 
+def lock_state_dir(state_dir: Path) -> int:
+    """Take the state dir for this process (an flock held until it exits); returns the fd.
+
+    Raises AgentConfigError naming the holder's pid when another live agent has it.
+    """
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            os.close(fd)
+            raise
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        where = state_dir.resolve()
+        raise AgentConfigError(
+            f"another agent (pid {holder}) uses {where}; give this one --state-dir DIR "
+            f"(e.g. --state-dir {where}-2)"
+        ) from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def new_agent_token() -> str:
     """A fresh agent token: 256 random bits, recognisable by its prefix."""
     return "hta_" + secrets.token_urlsafe(32)
@@ -92,20 +128,21 @@ class Agent:
         self._stop = threading.Event()
         self._fatal: str | None = None
         self._worker: Any = None
+        self._lock_fd: int | None = None
+        self.outbox: Outbox | None = None
         self.probe_server: probe.ProbeServer | None = None
 
     # -- registration ---------------------------------------------------------------------
 
     def detect_hardware(self) -> Hardware:
-        """Detect the machine and, unless disabled, measure the reference model."""
-        hw = detect(self.settings.server_url)
+        """Detect the machine and, unless disabled, measure the reference model (in a child
+        process: the agent itself never imports torch)."""
+        hw = detect_in_child(
+            self.settings.server_url, benchmark_seconds=self.settings.benchmark_seconds,
+            timeout_s=self.settings.hardware_timeout_s,
+        )
         if self.settings.advertise_address:
             hw.address = self.settings.advertise_address
-        if self.settings.benchmark_seconds > 0:
-            try:
-                hw.benchmark = measure_samples_per_s(self.settings.benchmark_seconds)
-            except ImportError as exc:
-                log.warning("no torch here, so no speed measurement: %s", exc)
         self.hardware = hw
         return hw
 
@@ -174,12 +211,13 @@ class Agent:
         # A pending state (token, no node yet) is reused so a retry sends the same token.
         state = saved if saved is not None else AgentState(server_url=server, agent_token=new_agent_token())
         state.save(self.state_dir)
-        answer = call_with_retry(
+        answer = retry_conflicts(
             self.client.register,
             join_token=self.settings.join_token.get_secret_value(),
             agent_token=state.agent_token,
             hardware=self.hardware_json(),
-            deadline_s=60,
+            deadline_s=max(60.0, self.settings.register_conflict_retry_s),
+            conflict_deadline_s=self.settings.register_conflict_retry_s,
         )
         state.node_id = int(answer["node_id"])
         state.node_name = answer.get("node_name")
@@ -255,29 +293,46 @@ class Agent:
         from agents import tasks  # noqa: F401  (registers the tasks on the app)
         from agents.celery_app import app, configure, prepare_embedded_broker
 
+        if threading.current_thread() is threading.main_thread():
+            # Until Celery installs its own handlers, a SIGTERM (a spot notice while starting)
+            # ends the start instead of killing the agent where it stands.
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: self._stop.set())
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
+        # Before anything else touches the state dir: a second agent must not reap the
+        # first one's roles or register over it.
+        self._lock_fd = lock_state_dir(self.state_dir)
         self.detect_hardware()
         bundles = BundleCache(
             self.state_dir, self.client, deadline_s=self.settings.bundle_download_timeout_s
         )
+        # Delivery starts once registered: every entry needs the agent token.
+        self.outbox = outbox = Outbox(self.state_dir, self.client)
         sup = supervision.Supervisor(
             self.client,
             state_dir=self.state_dir,
             trainer_command=self.settings.trainer_command,
             kill_grace_s=self.settings.kill_grace_s,
+            stop_grace_s=self.settings.stop_grace_s,
             log_buffer_lines=self.settings.log_buffer_lines,
+            outbox_log_lines=self.settings.outbox_log_lines,
             log_flush_interval_s=self.settings.log_flush_interval_s,
             role_threads=self.settings.role_threads,
-            event_retry_s=self.settings.event_retry_s,
             bundles=bundles,
+            outbox=outbox,
+            server_url=self.settings.server_url,
         )
         for record in sup.reap_stale():
-            log.warning("a previous agent left run %s rank %s running; killed it",
-                        record.get("run_id"), record.get("rank"))
+            log.warning("run %s rank %s died with the previous agent; reporting its exit%s",
+                        record.get("run_id"), record.get("rank"),
+                        f" (killed leftovers {record['killed']})" if record.get("killed") else "")
+        if outbox.pending():
+            log.info("%d report(s) from before this agent started wait to be delivered", outbox.pending())
         self.supervisor = sup
         self.start_probe_server()
         state = self.register()
+        outbox.start()
         supervision.install(sup)
         profiles.install(profiles.Profiling(
             client=self.client, cache=bundles, state_dir=self.state_dir,
@@ -292,6 +347,9 @@ class Agent:
 
         def announce_ready(**_: Any) -> None:
             log.info("agent ready: node %s consuming queue %s", state.node_id, state.queue)
+            if self._stop.is_set():
+                # Asked to stop while the worker started, before its handlers were in place.
+                os.kill(os.getpid(), signal.SIGTERM)
 
         def stop_roles_now(**_: Any) -> None:
             # Celery's warm shutdown drains its broker loop first (up to ~4 s on the SQL
@@ -324,6 +382,10 @@ class Agent:
             if stopped:
                 log.info("stopped %d role(s): %s", len(stopped), stopped)
             sup.close()
+            if not outbox.drain(OUTBOX_DRAIN_S):
+                log.warning("%d report(s) not delivered yet; the next agent on %s delivers them",
+                            outbox.pending(), self.state_dir)
+            outbox.close()
             supervision.install(None)
             profiles.install(None)
             probe.install(None)

@@ -21,10 +21,11 @@ LAUNCH_EXPIRES_S = 120.0
 CANCEL_EXPIRES_S = 600.0
 
 # Redis only: how long a delivered but unacknowledged message stays invisible before Redis
-# hands it out again. Only `cancel_run` acks late, and it finishes within the kill grace
-# plus one HTTP report (about a minute at most), so half an hour never re-delivers a cancel
-# that is still running, yet a cancel lost with a dying agent comes back the same day.
-REDIS_VISIBILITY_TIMEOUT_S = 1800
+# hands it out again. `launch_role` and `cancel_run` ack late; the longest of them is a launch
+# that downloads its bundle (`bundle_download_timeout_s`, 150 s, then a spawn), a cancel takes
+# the kill grace plus the sweep (under a minute). Five minutes never re-delivers an order that
+# is still running, yet one lost with an agent killed mid-order comes back within minutes.
+REDIS_VISIBILITY_TIMEOUT_S = 300
 
 # kombu's SQL transport polls every 1 s by default, which adds about a second to every
 # launch; 50 ms measured about 55 ms per task. It cannot go through `transport_options`
@@ -74,7 +75,11 @@ def configure(celery: Celery, broker_url: str) -> Celery:
     """Point `celery` at `broker_url` and apply the task settings chosen for long jobs."""
     conf: dict[str, object] = {
         "broker_url": broker_url,
+        # A broker that restarts or is not up yet is waited for, however long: an agent that
+        # gave up would leave its node deaf to orders while it still heartbeats.
         "broker_connection_retry_on_startup": True,
+        "broker_connection_retry": True,
+        "broker_connection_max_retries": None,
         # No result backend: a role's outcome travels over HTTP (run events), no caller ever
         # waits on a task result, and results would pile up in Redis for nothing.
         "result_backend": None,
@@ -83,11 +88,20 @@ def configure(celery: Celery, broker_url: str) -> Celery:
         # forged message into code execution on every agent.
         "task_serializer": "json",
         "accept_content": ["json"],
-        # Early ack by default: `launch_role` starts a process, which is not idempotent; a
-        # re-delivery after an agent crash would start a second copy of a role whose run has
-        # already failed. A launch that never happened is caught by the control plane (the
-        # role never reports "started"). `cancel_run` is idempotent and opts into acks_late.
+        # Early ack by default (profiles, probes: cheap to order again, costly to run twice).
+        # `launch_role` and `cancel_run` opt into late acks in agents.tasks: both are
+        # idempotent (a launch of a rank this node already ran is a no-op, by its record in
+        # the state dir), so an order taken by an agent that dies before finishing it is
+        # delivered again instead of lost.
         "task_acks_late": False,
+        # A late-acked order whose worker process died goes back to the queue.
+        "task_reject_on_worker_lost": True,
+        # Orders survive a broker restart: persistent messages on durable queues (kombu
+        # declares the queues that task_create_missing_queues makes durable); on Redis, as far
+        # as its own persistence (AOF or RDB) is configured.
+        "task_default_delivery_mode": "persistent",
+        # And a consumer whose channel fails right after connecting reconnects too.
+        "broker_channel_error_retry": True,
         # One message reserved at a time: a node's queue has one consumer, and with acks_late
         # tasks a prefetched message sits unacknowledged behind a running cancel for nothing.
         "worker_prefetch_multiplier": 1,

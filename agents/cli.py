@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, help="Celery pool threads (>= 2)")
     parser.add_argument("--kill-grace", dest="kill_grace_s", type=float,
                         help="seconds between SIGTERM and SIGKILL of a cancelled role")
+    parser.add_argument("--stop-grace", dest="stop_grace_s", type=float,
+                        help="seconds roles get to end when the agent gets SIGTERM (spot notice)")
     parser.add_argument("--benchmark-seconds", type=float,
                         help="length of the reference-model measurement; 0 skips it")
     parser.add_argument("--role-threads", type=int, help="OMP/MKL threads of every role")

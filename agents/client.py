@@ -118,6 +118,21 @@ class ControlPlaneClient:
         """Ship a batch of a role's output lines."""
         return self._post(f"/runs/{run_id}/logs", body)
 
+    def post_records(self, url: str, token: str | None, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST a trainer's spooled records to `url` (absolute) with the run's own `token`."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            response = self._http.post(url, json=dict(body), headers=headers)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneUnavailable(f"{url} unreachable: {exc!r}") from exc
+        _raise_for_status(response, url)
+        if response.status_code == 204 or not response.content:
+            return {}
+        try:
+            return dict(response.json())
+        except ValueError:
+            return {}
+
     def profile_result(self, profile_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
         """Report a task profile: {"status": "done", "result": ...} or {"status": "failed", ...}."""
         return self._post(f"/profiles/{profile_id}", body)
@@ -168,6 +183,27 @@ def call_with_retry(
             delay = min(delay * 2, max_delay_s)
 
 
+def retry_conflicts(
+    fn: Any, *args: Any, deadline_s: float, conflict_deadline_s: float,
+    first_delay_s: float = 1.0, max_delay_s: float = 10.0, **kwargs: Any,
+) -> Any:
+    """`call_with_retry` until `deadline_s`, also retrying 409 answers for
+    `conflict_deadline_s`: a conflict at registration is often transient (another agent of
+    the node still registering or stopping), and the control plane says "retry"."""
+    start = time.monotonic()
+    delay = first_delay_s
+    while True:
+        remaining = deadline_s - (time.monotonic() - start)
+        try:
+            return call_with_retry(fn, *args, deadline_s=max(remaining, 0.0), **kwargs)
+        except ControlPlaneRejected as exc:
+            if exc.status_code != 409 or time.monotonic() - start + delay > conflict_deadline_s:
+                raise
+            log.warning("%s; retrying in %.1f s", exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+
+
 def _detail(response: httpx.Response) -> str:
     try:
         body = response.json()
@@ -178,4 +214,4 @@ def _detail(response: httpx.Response) -> str:
     return str(body)[:300]
 
 
-__all__ = ["ControlPlaneClient", "ControlPlaneError", "call_with_retry"]
+__all__ = ["ControlPlaneClient", "ControlPlaneError", "call_with_retry", "retry_conflicts"]

@@ -46,10 +46,17 @@ class AgentSettings(BaseSettings):
     # Threads of the Celery pool: launches and cancels are short, but a cancel may wait out
     # `kill_grace_s`, and a launch must not queue behind it.
     concurrency: int = Field(default=4, ge=2)
-    # How long a role gets between SIGTERM and SIGKILL of its process group.
+    # How long a cancelled role gets between SIGTERM and SIGKILL of its process group.
     kill_grace_s: float = Field(default=10.0, ge=0)
-    # Output lines held for shipping while the control plane is unreachable; oldest dropped.
+    # How long roles get when the agent itself gets SIGTERM (a spot VM's preemption notice,
+    # or a shutdown): workers leave at their next step boundary, a server checkpoints. Clouds
+    # give 30 s (GCP, Azure) to 2 min (AWS); 25 s leaves room to report the exits.
+    stop_grace_s: float = Field(default=25.0, ge=0)
+    # Output lines held in memory per role between flushes to the outbox, and while the
+    # outbox is full; the oldest are dropped (and counted) beyond this.
     log_buffer_lines: int = Field(default=2000, ge=10)
+    # Log lines the durable outbox holds for a control plane that is down (~100 MB at worst).
+    outbox_log_lines: int = Field(default=200_000, ge=100)
     log_flush_interval_s: float = Field(default=1.0, gt=0)
     # Seconds of the reference-model measurement at start; 0 skips it.
     benchmark_seconds: float = Field(default=2.0, ge=0)
@@ -65,8 +72,11 @@ class AgentSettings(BaseSettings):
     # Sets OMP_NUM_THREADS/MKL_NUM_THREADS of every role when given (CPU nodes sharing cores).
     role_threads: int | None = Field(default=None, ge=1)
     http_timeout_s: float = Field(default=10.0, gt=0)
-    # Seconds a role's start/exit report is retried before it is left to the heartbeat.
-    event_retry_s: float = Field(default=30.0, ge=0)
+    # Longest the hardware detection child (`python -m agents.hardware`) may take, beyond
+    # its measurement; past it the agent registers what it can see without torch.
+    hardware_timeout_s: float = Field(default=120.0, gt=0)
+    # Longest a transient 409 at registration is retried before the agent gives up.
+    register_conflict_retry_s: float = Field(default=60.0, ge=0)
     # Port of the link probe server (agents.probe): 0 picks a free one, -1 runs none.
     probe_port: int = Field(default=0, ge=-1, le=65535)
     # Longest bulk send this node's probe server accepts from another node.

@@ -1,5 +1,10 @@
 """What this machine has (GPUs, CPU cores, memory) and how fast it trains a reference model.
 
+Detection with torch and the speed measurement run in a child process
+(`python -m agents.hardware --server URL --benchmark-seconds S`, one JSON object on stdout)
+that exits when done: importing torch costs the importing process 700 MB or more for good,
+and the agent must idle small (issue 17). `detect_in_child` is what the agent calls.
+
 GPU names as drivers report them ("NVIDIA GeForce RTX 3090 Ti", "Tesla V100-SXM2-16GB") are
 mapped to the GPU catalog's model names ("RTX 3090 Ti", "V100 SXM2"); a name that matches no
 pattern is reported as the driver wrote it, so the control plane can still show it.
@@ -7,7 +12,9 @@ pattern is reported as the driver wrote it, so the control plane can still show 
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import json
 import logging
 import os
 import platform
@@ -15,6 +22,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -102,6 +110,13 @@ class Hardware:
         data["devices"] = [asdict(g) for g in self.gpus]
         return data
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Hardware:
+        """The inverse of `to_json` (GPUs from its per-device list)."""
+        fields = {k: data.get(k) for k in cls.__dataclass_fields__ if k in data and k != "gpus"}
+        gpus = [GpuDevice(**{k: d[k] for k in GpuDevice.__dataclass_fields__}) for d in data.get("devices", [])]
+        return cls(**fields, gpus=gpus)
+
 
 def nvidia_driver_present() -> bool:
     """Whether an NVIDIA kernel driver is loaded; without it CUDA sees no GPU anyway, and the
@@ -178,7 +193,7 @@ def route_address(server_url: str | None) -> str | None:
         return None
 
 
-def detect(server_url: str | None = None) -> Hardware:
+def detect(server_url: str | None = None, *, use_torch: bool = True) -> Hardware:
     """Detect this machine's GPUs (torch.cuda first, then nvidia-smi), CPU cores and memory."""
     try:
         cores = len(os.sched_getaffinity(0))
@@ -197,7 +212,7 @@ def detect(server_url: str | None = None) -> Hardware:
         hw.torch = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         pass
-    from_torch = _gpus_from_torch()
+    from_torch = _gpus_from_torch() if use_torch else None
     if from_torch is not None:
         hw.gpus, hw.cuda = from_torch
         hw.gpu_source = "torch.cuda"
@@ -271,3 +286,50 @@ def measure_samples_per_s(seconds: float, *, device: str | None = None) -> dict[
         "seconds": round(elapsed, 3),
         "samples_per_s": round(steps * REFERENCE_BATCH / elapsed, 2),
     }
+
+
+def detect_in_child(
+    server_url: str | None, *, benchmark_seconds: float, timeout_s: float = 120.0,
+) -> Hardware:
+    """Detect (and measure) in a child process that exits, so this one never imports torch.
+
+    When the child fails (no torch, a broken driver, past `timeout_s` plus the measurement),
+    what this process sees without torch is returned (nvidia-smi, CPU, memory), with a warning.
+    """
+    argv = [sys.executable, "-m", "agents.hardware", "--benchmark-seconds", str(benchmark_seconds)]
+    if server_url:
+        argv += ["--server", server_url]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout_s + benchmark_seconds,
+            stdin=subprocess.DEVNULL,
+        )
+        if done.returncode == 0:
+            return Hardware.from_json(json.loads(done.stdout.strip().splitlines()[-1]))
+        why = f"exited with code {done.returncode}: {done.stderr.strip()[-500:]}"
+    except subprocess.TimeoutExpired:
+        why = f"took longer than {timeout_s + benchmark_seconds:.0f} s"
+    except (OSError, ValueError, IndexError, TypeError) as exc:
+        why = repr(exc)
+    log.warning("hardware detection in a child process failed (%s); detecting without torch", why)
+    return detect(server_url, use_torch=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m agents.hardware`: print this machine's hardware (and speed) as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m agents.hardware")
+    parser.add_argument("--server", default=None, help="control plane URL (finds the route address)")
+    parser.add_argument("--benchmark-seconds", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    hw = detect(args.server)
+    if args.benchmark_seconds > 0:
+        try:
+            hw.benchmark = measure_samples_per_s(args.benchmark_seconds)
+        except ImportError as exc:
+            print(f"no torch here, so no speed measurement: {exc}", file=sys.stderr)
+    print(json.dumps(hw.to_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

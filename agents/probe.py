@@ -6,15 +6,18 @@ The protocol is newline-delimited JSON on one connection:
 
 1. `{"op": "begin"}` -> `{"op": "ready"}` once it is this probe's turn (one probe at a time
    per server, so two probes of one node never share its link; `{"op": "queued"}` comes first
-   when it must wait).
+   when it must wait). A node's own outgoing probe holds its server's turn too, so a node is
+   in one probe at a time, sending or receiving: a link is measured one direction at a time.
 2. `{"op": "ping"}` -> `{"op": "pong"}`; the client times five of these (median RTT).
 3. `{"op": "bulk", "seconds": s}` -> `{"op": "go"}`; the client
    then streams bytes for `s` seconds and shuts its side down; the server reads to the end of
    the stream and answers `{"bytes", "timed_bytes", "seconds", "steady_bytes",
-   "steady_seconds"}`: what it received between its first and last byte by its own clock, and
-   in the second half of that time. A sender's clock would stop when the last byte enters its
-   socket buffer, which on a slow link is long before the bytes arrive; the second half leaves
-   out TCP's slow start, which on a long fat path fills much of a short probe.
+   "steady_seconds", "steady_mbps"}`: what it received between its first and last byte by its
+   own clock, in the second half of that time, and the median rate of the windows after the
+   head (`steady_window_mbps`). A sender's clock would stop when the last byte enters its
+   socket buffer, which on a slow link is long before the bytes arrive; the head holds TCP's
+   slow start and a token bucket's burst (the first bytes of a tbf-shaped link arrive at line
+   rate), and the median over windows ignores a stall of either end's CPU.
 
 The server is bounded: at most `max_connections` at once (others get `{"error": "busy"}`),
 each bulk send at most `max_seconds` + DRAIN_S long and `max_bytes` received.
@@ -22,10 +25,10 @@ each bulk send at most `max_seconds` + DRAIN_S long and `max_bytes` received.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import logging
+import random
 import socket
 import statistics
 import threading
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agents.errors import AgentError
+from agents.probe_rate import bulk_answer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,13 @@ IDLE_S = 5.0
 MIN_STEADY_S = 0.02
 # How long a bulk request waits for the server's one bulk slot before it gives up.
 BULK_WAIT_S = 60.0
+# A prober whose own node is busy (its server serves another probe) gives its target's turn
+# back and tries again after a random pause in this range (seconds), so two nodes probing each
+# other never both wait while holding a turn.
+RETRY_PAUSE_S = (0.05, 0.4)
+
+_servers: list[ProbeServer] = []
+_servers_lock = threading.Lock()
 
 
 class ProbeError(AgentError):
@@ -110,12 +121,17 @@ class ProbeServer:
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="probe-server", daemon=True)
         self._thread.start()
+        with _servers_lock:
+            _servers.append(self)
         log.info("probe server listening on %s:%d", self.host, self.port)
         return self
 
     def close(self) -> None:
         """Stop accepting and release the port; connections in progress end on their deadline."""
         self._stop.set()
+        with _servers_lock:
+            if self in _servers:
+                _servers.remove(self)
         if self._thread is not None:
             self._thread.join(timeout=2)
         if self._sock is not None:
@@ -185,6 +201,21 @@ class ProbeServer:
             conn.close()
             self._slots.release()
 
+    def try_own_turn(self) -> bool:
+        """Take this node's probe turn for an outgoing probe, if free (release with
+        `release_own_turn`)."""
+        return self._turn.acquire(blocking=False)
+
+    def release_own_turn(self) -> None:
+        """Give back the turn `try_own_turn` took."""
+        self._turn.release()
+
+    def serves(self, host: str, port: int) -> bool:
+        """Whether a probe of host:port reaches this server (a node probing itself). A server
+        bound to every address is only recognised by a loopback host: nodes often share one
+        fixed probe port, so the port alone does not tell."""
+        return port == self.port and (host == self.host or host in ("127.0.0.1", "localhost", "::1"))
+
     def _take_turn(self, conn: socket.socket, deadline: float) -> bool:
         """Wait for this server's one probe turn (saying "queued" first when it must wait), so
         that neither the pings nor the bulk of one probe share the link with another's."""
@@ -228,28 +259,9 @@ class ProbeServer:
                     break
             count += len(data)
             samples.append((time.monotonic(), count))
-        answer = _bulk_answer(samples)
+        answer = bulk_answer(samples)
         conn.settimeout(5)
         conn.sendall(json.dumps(answer).encode() + b"\n")
-
-
-def _bulk_answer(samples: list[tuple[float, int]]) -> dict[str, Any]:
-    """The receiver's count and times: the whole transfer, and its second half.
-
-    The bytes of the first read arrived before the clock started, so `timed_bytes` leaves them
-    out. The second half (`steady_*`, from the last read before the midpoint on) leaves out
-    TCP's slow start, which on a long fat path lasts a good part of a short probe.
-    """
-    if not samples:
-        return {"bytes": 0, "timed_bytes": 0, "seconds": 0.0, "steady_bytes": 0, "steady_seconds": 0.0}
-    (first, first_count), (last, count) = samples[0], samples[-1]
-    middle = first + (last - first) / 2
-    times = [t for t, _ in samples]
-    t0, c0 = samples[max(0, bisect.bisect_right(times, middle) - 1)]
-    return {
-        "bytes": count, "timed_bytes": count - first_count, "seconds": last - first,
-        "steady_bytes": count - c0, "steady_seconds": last - t0,
-    }
 
 
 class _LineReader:
@@ -280,14 +292,74 @@ class _LineReader:
 
 def measure(host: str, port: int, *, seconds: float, timeout_s: float = 5.0) -> Measurement:
     """Measure the link to the probe server at host:port: 5 pings (median RTT), then a bulk
-    send of `seconds`, rated by the bytes the receiver counted in the second half of its
-    first-to-last-byte time (the whole time when that half is too short to trust).
+    send of `seconds`, rated by the receiver's median over steady windows after the head (or
+    the second half of its first-to-last-byte time, or the whole, from an older server).
+
+    While it runs it holds this process's probe server's turn too (when the agent runs one, and
+    it is not the target), so the node neither receives nor sends another probe meanwhile; when
+    that turn is taken it gives the target's turn back and tries again after a short random
+    pause, up to BULK_WAIT_S.
 
     Raises ProbeError, naming the address, when the connection is refused or any step takes
     longer than `timeout_s` (beyond the bulk's own seconds and drain; a probe told "queued"
     waits up to BULK_WAIT_S for its turn).
     """
     where = f"{host}:{port}"
+    own = _own_server(host, port)
+    deadline = time.monotonic() + BULK_WAIT_S
+    while True:
+        conn = _connect(host, port, timeout_s, where)
+        try:
+            with conn:
+                reader = _wait_for_turn(conn, where, timeout_s)
+                if own is not None and not own.try_own_turn():
+                    if time.monotonic() > deadline:
+                        raise ProbeError(f"probe of {where}: this node stayed busy with other probes "
+                                         f"for {BULK_WAIT_S:g} s")
+                    conn.close()  # gives the target's turn back
+                    time.sleep(random.uniform(*RETRY_PAUSE_S))
+                    continue
+                try:
+                    return _probe(conn, reader, where, seconds, timeout_s)
+                finally:
+                    if own is not None:
+                        own.release_own_turn()
+        except TimeoutError:
+            raise ProbeError(f"probe of {where}: no answer within {timeout_s:g} s") from None
+        except OSError as exc:
+            raise ProbeError(f"probe of {where} failed: {exc}") from None
+
+
+# The longest an agent waits for a scheduled probe slot (a clock far off, or an order that
+# waited in the queue, must not hold the agent's probes for long).
+MAX_SLOT_WAIT_S = 300.0
+
+
+def wait_for_slot(start_at: Any, *, now: float | None = None, sleep: Any = time.sleep) -> float:
+    """Sleep until `start_at` (epoch seconds, from the control plane's probe schedule), at most
+    MAX_SLOT_WAIT_S; a missing, invalid or past time waits not at all. Returns the seconds slept."""
+    try:
+        at = float(start_at)
+    except (TypeError, ValueError):
+        return 0.0
+    delay = min(MAX_SLOT_WAIT_S, at - (time.time() if now is None else now))
+    if not delay > 0:
+        return 0.0
+    sleep(delay)
+    return delay
+
+
+def _own_server(host: str, port: int) -> ProbeServer | None:
+    """This process's probe server (the agent's), unless there are several (tests) or the
+    probe is of that server itself."""
+    with _servers_lock:
+        running = list(_servers)
+    if len(running) != 1 or running[0].serves(host, port):
+        return None
+    return running[0]
+
+
+def _connect(host: str, port: int, timeout_s: float, where: str) -> socket.socket:
     try:
         conn = socket.create_connection((host, port), timeout=timeout_s)
     except ConnectionRefusedError:
@@ -296,49 +368,56 @@ def measure(host: str, port: int, *, seconds: float, timeout_s: float = 5.0) -> 
         raise ProbeError(f"probe of {where}: no connection within {timeout_s:g} s") from None
     except OSError as exc:
         raise ProbeError(f"probe of {where} failed to connect: {exc}") from None
-    try:
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reader = _LineReader(conn)
-            # Our turn first: pings timed while another probe fills the link would time its queue.
-            conn.sendall(b'{"op": "begin"}\n')
-            answer = _answer(reader, where)
-            if answer.get("op") == "queued":
-                conn.settimeout(BULK_WAIT_S + timeout_s)
-                answer = _answer(reader, where)
-                conn.settimeout(timeout_s)
-            if answer.get("op") != "ready":
-                raise ProbeError(f"probe of {where}: expected 'ready', got {answer!r}")
-            rtts = []
-            for _ in range(PINGS):
-                start = time.perf_counter()
-                _expect(conn, reader, {"op": "ping"}, "pong", where)
-                rtts.append((time.perf_counter() - start) * 1000.0)
-            _expect(conn, reader, {"op": "bulk", "seconds": seconds}, "go", where)
-            conn.settimeout(seconds + timeout_s)
-            chunk = b"\0" * CHUNK_BYTES
-            stop = time.monotonic() + seconds
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                # A receiver at its byte cap closes early; its answer is still waiting.
-                while time.monotonic() < stop:
-                    conn.sendall(chunk)
-                conn.shutdown(socket.SHUT_WR)
-            # The receiver answers once the buffered bytes have drained (at most DRAIN_S).
-            conn.settimeout(timeout_s + DRAIN_S)
-            answer = _answer(reader, where)
-    except TimeoutError:
-        raise ProbeError(f"probe of {where}: no answer within {timeout_s:g} s") from None
-    except OSError as exc:
-        raise ProbeError(f"probe of {where} failed: {exc}") from None
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def _wait_for_turn(conn: socket.socket, where: str, timeout_s: float) -> _LineReader:
+    """Ask for the target's turn and wait for it (pings timed while another probe fills the
+    link would time its queue)."""
+    reader = _LineReader(conn)
+    conn.sendall(b'{"op": "begin"}\n')
+    answer = _answer(reader, where)
+    if answer.get("op") == "queued":
+        conn.settimeout(BULK_WAIT_S + timeout_s)
+        answer = _answer(reader, where)
+        conn.settimeout(timeout_s)
+    if answer.get("op") != "ready":
+        raise ProbeError(f"probe of {where}: expected 'ready', got {answer!r}")
+    return reader
+
+
+def _probe(conn: socket.socket, reader: _LineReader, where: str, seconds: float, timeout_s: float) -> Measurement:
+    """The pings and the bulk send, on a connection that holds the target's turn."""
+    rtts = []
+    for _ in range(PINGS):
+        start = time.perf_counter()
+        _expect(conn, reader, {"op": "ping"}, "pong", where)
+        rtts.append((time.perf_counter() - start) * 1000.0)
+    _expect(conn, reader, {"op": "bulk", "seconds": seconds}, "go", where)
+    conn.settimeout(seconds + timeout_s)
+    chunk = b"\0" * CHUNK_BYTES
+    stop = time.monotonic() + seconds
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        # A receiver at its byte cap closes early; its answer is still waiting.
+        while time.monotonic() < stop:
+            conn.sendall(chunk)
+        conn.shutdown(socket.SHUT_WR)
+    # The receiver answers once the buffered bytes have drained (at most DRAIN_S).
+    conn.settimeout(timeout_s + DRAIN_S)
+    answer = _answer(reader, where)
     try:
         received = int(answer["bytes"])
         timed = int(answer.get("timed_bytes", received))
         elapsed = float(answer["seconds"])
         steady = int(answer.get("steady_bytes", 0))
         steady_s = float(answer.get("steady_seconds", 0.0))
+        windowed = float(answer.get("steady_mbps") or 0.0)
     except (KeyError, TypeError, ValueError):
         raise ProbeError(f"probe of {where}: unexpected answer {answer!r}") from None
-    if steady > 0 and steady_s >= MIN_STEADY_S:
+    if windowed > 0 and steady_s >= MIN_STEADY_S:
+        mbps = windowed
+    elif steady > 0 and steady_s >= MIN_STEADY_S:
         mbps = steady * 8 / steady_s / 1e6
     else:
         mbps = timed * 8 / elapsed / 1e6 if elapsed > 0 else 0.0

@@ -9,6 +9,7 @@ order of the `profile_task` task: measure one task on this node.
 from __future__ import annotations
 
 import re
+import socket
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -66,6 +67,9 @@ class RoleSpec(BaseModel):
     world_size: int = Field(ge=1)
     master_addr: str = Field(min_length=1, max_length=255)
     master_port: int = Field(ge=1, le=65535)
+    # Rank 0: master_port is a suggestion; the agent keeps it if it is free on this node, else
+    # binds a free one, and names the port in the rank's `started` event.
+    pick_port: bool = False
     # Every worker's batch size in rank order, so each rank knows its own share and alpha.
     batch_sizes: list[int] = Field(default_factory=list)
     report_url: str | None = None
@@ -77,12 +81,28 @@ class RoleSpec(BaseModel):
     bundle: BundleRef | None = None
     # Handed to the user's script after a literal `--`.
     script_args: list[str] = Field(default_factory=list, max_length=MAX_SCRIPT_ARGS)
+    # Where checkpoints are uploaded and, with the `resume` option, the latest is read from.
+    checkpoint_url: str | None = Field(default=None, max_length=2000)
+    # Admit this rank into a run that is already training (a node added mid-run).
+    join: bool = False
+    # The run's restart count when this order was made: a launch of a rank the agent already
+    # runs is a repeat when the attempt is the same, a relaunch when it is higher.
+    attempt: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> RoleSpec:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
         return self
+
+    @field_validator("checkpoint_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+            raise ValueError(f"checkpoint_url: expected an http(s) URL without query, got {value!r}")
+        return value
 
     @field_validator("batch_sizes")
     @classmethod
@@ -174,8 +194,10 @@ def trainer_argv(spec: RoleSpec, command: list[str]) -> list[str]:
         argv += ["--batch-sizes", _render(spec.batch_sizes)]
     if spec.report_url:
         argv += ["--report-url", spec.report_url]
-    if spec.report_token:
-        argv += ["--report-token", spec.report_token]
+    if spec.checkpoint_url:
+        argv += ["--checkpoint-url", spec.checkpoint_url]
+    if spec.join:
+        argv.append("--join")
     for name, value in spec.options.items():
         flag = "--" + name.replace("_", "-")
         if value is None or value is False:
@@ -187,3 +209,17 @@ def trainer_argv(spec: RoleSpec, command: list[str]) -> list[str]:
     if spec.script_args:
         argv += ["--", *spec.script_args]
     return argv
+
+
+def free_port(preferred: int, host: str = "") -> int:
+    """`preferred` if a listener can bind it on `host` (all addresses by default) now, else a
+    port the kernel hands out free. The socket is closed before the trainer binds: a small
+    window, against the seconds a port reported in a heartbeat would stay unclaimed."""
+    for port in (preferred, 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return int(probe.getsockname()[1])
+    raise OSError("no free TCP port on this node")

@@ -14,138 +14,53 @@ bundle that cannot be fetched or unpacked ends the role before it starts, report
 Per role, one reader thread copies output to `runs/<run>/rank<R>.log` and a bounded buffer;
 one watcher thread reports "started", waits for the guard to exit (without reaping it, so
 its pid cannot be reused while the group is swept), SIGKILLs what is left of the group,
-reaps, flushes the logs and reports "exited". One shipper thread sends buffered lines to
-the control plane every `log_flush_interval_s`.
+reaps, flushes the logs and reports "exited" together with what the trainer spooled. One
+shipper thread moves buffered lines to the outbox every `log_flush_interval_s`.
+
+Nothing is sent from here: every report goes into the durable outbox (agents.outbox), whose
+one sender delivers in order once the control plane answers. A role's record in the ledger
+(agents.records) is kept after its exit, so a launch order delivered again is a no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-
-import psutil
+from typing import Any
 
 from agents.bundles import BundleCache
-from agents.client import call_with_retry
-from agents.errors import BundleError, ControlPlaneError, LaunchError
-from agents.spec import RoleSpec, trainer_argv
+from agents.errors import BundleError, LaunchError
+from agents.groups import Spawner, create_time, killpg, wait_group_empty
+from agents.outbox import EVENT, LOGS, Entry, Message, Outbox, Transport
+from agents.records import EXITED, RoleRecords
+from agents.restart import report_lost_roles
+from agents.reports import SPOOL_FILE, spool_messages, toward_server, with_flag
+from agents.roles import (
+    MAX_LINE_CHARS,
+    TOKEN_FILE,
+    role_base_env,
+    write_secret,
+    NOT_STARTED_EXIT_CODE,
+    RoleProcess,
+    exit_reason,
+    from_record,
+    redact,
+)
+from agents.spec import RoleSpec, free_port, trainer_argv
+from hybridtrain.contract import CAUSE_AGENT_STOPPING, CAUSE_CANCEL
 
 log = logging.getLogger(__name__)
 
-# Long lines (a tensor printed whole) are cut so one line cannot fill a log batch.
-MAX_LINE_CHARS = 4000
 LOG_BATCH_LINES = 500
-TAIL_LINES = 20
 # Exited roles stay in heartbeats this long, so an exit whose event was lost still arrives.
 EXITED_RETENTION_S = 600.0
-# The exit code reported for a role that could not be started (its bundle failed).
-NOT_STARTED_EXIT_CODE = 1
-OOM_HINT = " (likely the kernel's out-of-memory killer: check `dmesg`)"
-
-
-class Reporter(Protocol):
-    """Where the supervisor reports to: the control plane client, or a recorder in tests."""
-
-    def role_event(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
-
-    def logs(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
-
-
-@dataclass
-class RoleProcess:
-    """A role this agent started, and what became of it."""
-
-    spec: RoleSpec
-    # None for a role that failed before its process started.
-    proc: subprocess.Popen[bytes] | None
-    log_path: Path
-    started_at: float
-    state: str = "running"  # running, exited
-    exit_code: int | None = None
-    signal: int | None = None
-    cancel_reason: str | None = None
-    ended_at: float | None = None
-    reason: str | None = None
-    reported_exit: bool = False
-    pending: deque[dict[str, Any]] = field(default_factory=deque)
-    dropped: int = 0
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # The guard has exited (a zombie still holding the group id); the group is swept and the
-    # guard reaped; the exit has been reported (or given up on).
-    leader_exited: threading.Event = field(default_factory=threading.Event)
-    gone: threading.Event = field(default_factory=threading.Event)
-    finished: threading.Event = field(default_factory=threading.Event)
-    reaped: bool = False
-    reader: threading.Thread | None = None
-    # Lines carry a sequence number: batches may arrive out of order after a retry.
-    next_seq: int = 0
-    ship_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.spec.run_id, self.spec.rank)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def snapshot(self) -> dict[str, Any]:
-        """The role as a heartbeat reports it."""
-        return {
-            "run_id": self.spec.run_id,
-            "rank": self.spec.rank,
-            "role": self.spec.role,
-            "pid": self.pid,
-            "state": self.state,
-            "exit_code": self.exit_code,
-            "signal": self.signal,
-            "cancelled": self.cancel_reason is not None,
-            "reason": self.reason,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-        }
-
-
-class _Spawner:
-    """One thread that lives as long as the agent and does every fork."""
-
-    def __init__(self) -> None:
-        self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="role-spawner", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._requests.get()
-            if item is None:
-                return
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the caller, who re-raises it
-                future.set_exception(exc)
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        future: Future[Any] = Future()
-        self._requests.put((fn, future))
-        return future.result()
 
 
 class Supervisor:
@@ -153,49 +68,66 @@ class Supervisor:
 
     def __init__(
         self,
-        reporter: Reporter,
+        reporter: Transport,
         *,
         state_dir: Path,
         trainer_command: list[str],
         kill_grace_s: float = 10.0,
+        stop_grace_s: float = 25.0,
         log_buffer_lines: int = 2000,
+        outbox_log_lines: int = 200_000,
         log_flush_interval_s: float = 1.0,
         role_threads: int | None = None,
-        event_retry_s: float = 30.0,
         bundles: BundleCache | None = None,
+        outbox: Outbox | None = None,
+        server_url: str | None = None,
     ) -> None:
-        self.reporter = reporter
         self.state_dir = Path(state_dir)
         self.trainer_command = list(trainer_command)
         self.kill_grace_s = kill_grace_s
+        self.stop_grace_s = stop_grace_s
         self.log_buffer_lines = log_buffer_lines
+        self.outbox_log_lines = outbox_log_lines
         self.log_flush_interval_s = log_flush_interval_s
         self.role_threads = role_threads
-        self.event_retry_s = event_retry_s
         self.bundles = bundles
+        self.server_url = server_url
         self._roles: dict[tuple[int, int], RoleProcess] = {}
         # Launches fetching their bundle: a repeat order for one of them is refused.
         self._preparing: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self._closing = threading.Event()
-        self._spawner = _Spawner()
-        self._records = self.state_dir / "roles"
-        self._records.mkdir(parents=True, exist_ok=True)
+        self._spawner = Spawner()
+        self.records = RoleRecords(self.state_dir)
+        # The agent hands in its outbox and starts it once registered; alone (tests, tools)
+        # the supervisor keeps and starts one of its own.
+        self._owns_outbox = outbox is None
+        self.outbox = outbox or Outbox(self.state_dir, reporter)
+        self.outbox.on_delivered = self._on_delivered
+        if self._owns_outbox:
+            self.outbox.start()
         self._shipper = threading.Thread(target=self._ship_loop, name="log-shipper", daemon=True)
         self._shipper.start()
 
     # -- launching -------------------------------------------------------------------------
 
     def launch(self, spec: RoleSpec) -> RoleProcess:
-        """Start one role; a repeated order for a (run, rank) already started is a no-op.
+        """Start one role; an order for a (run, rank) already started here is a no-op.
 
-        With a bundle, the code is fetched and unpacked first (in the calling thread, bounded
-        by the cache's deadlines); if that fails the role is returned already exited, its
-        reason reported to the control plane as for any other exit.
+        "Already started" includes a rank that ran to its end, also under an earlier agent
+        process on this state dir (a broker re-delivering the order): its exit is reported
+        again instead. With a bundle, the code is fetched and unpacked first (in the calling
+        thread, bounded by the cache's deadlines); if that fails the role is returned already
+        exited, its reason reported to the control plane as for any other exit.
         """
         key = (spec.run_id, spec.rank)
         if self._closing.is_set():
             raise LaunchError("the agent is stopping; not starting new roles")
+        spec = toward_server(spec, self.server_url)
+        if spec.pick_port:
+            # Rank 0 listens: on the suggested port if it is free here, else on one that is.
+            spec = spec.model_copy(update={"master_port": free_port(spec.master_port)})
+        self._end_earlier_attempt(spec)
         with self._lock:
             existing = self._existing(spec)
             if existing is not None:
@@ -219,7 +151,20 @@ class Supervisor:
             if existing is not None:
                 return existing
             log_path = run_dir / f"rank{spec.rank}.log"
-            argv = with_code_dir(trainer_argv(spec, self.trainer_command), code_dir)
+            argv = trainer_argv(spec, self.trainer_command)
+            spool = None
+            if spec.report_url:
+                # What the trainer could not deliver before it exits; posted after the exit.
+                spool = run_dir / f"rank{spec.rank}" / SPOOL_FILE
+                spool.parent.mkdir(parents=True, exist_ok=True)
+                spool.unlink(missing_ok=True)
+                argv = with_flag(argv, "--report-spool", str(spool.resolve()), after=len(self.trainer_command))
+            if spec.report_token:
+                # Not on the command line, which anyone on the node can read in `ps`.
+                token_file = write_secret(run_dir / f"rank{spec.rank}" / TOKEN_FILE, spec.report_token)
+                argv = with_flag(argv, "--report-token-file", str(token_file.resolve()),
+                                 after=len(self.trainer_command))
+            argv = with_code_dir(argv, code_dir, after=len(self.trainer_command))
             # -I: the role's cwd holds the user's code, which must not shadow the guard's own
             # package (a user's `agents/` directory, say).
             guard = [sys.executable, "-I", "-m", "agents.guard", str(os.getpid()), "--", *argv]
@@ -239,12 +184,12 @@ class Supervisor:
                 )
             except OSError as exc:
                 raise LaunchError(f"cannot start run {spec.run_id} rank {spec.rank}: {exc}") from exc
-            role = RoleProcess(spec=spec, proc=proc, log_path=log_path, started_at=time.time())
+            role = RoleProcess(spec=spec, proc=proc, log_path=log_path, started_at=time.time(), spool=spool)
             self._roles[role.key] = role
-        self._write_record(role)
+            self._write_record(role)
         log.info(
             "started run %s rank %s (%s) as pid %s: %s",
-            spec.run_id, spec.rank, spec.role, proc.pid, " ".join(_redact(argv)),
+            spec.run_id, spec.rank, spec.role, proc.pid, " ".join(redact(argv)),
         )
         role.reader = threading.Thread(
             target=self._read_output, args=(role,), name=f"out-{spec.run_id}-{spec.rank}",
@@ -257,13 +202,51 @@ class Supervisor:
         ).start()
         return role
 
-    def _existing(self, spec: RoleSpec) -> RoleProcess | None:
-        existing = self._roles.get((spec.run_id, spec.rank))
-        if existing is not None:
-            log.warning(
-                "run %s rank %s was already started (pid %s, %s); ignoring the repeat",
-                spec.run_id, spec.rank, existing.pid, existing.state,
+    def _end_earlier_attempt(self, spec: RoleSpec) -> None:
+        """Stop this rank's role of an earlier attempt (the run restarts) and wait until its
+        exit is queued, so that it is reported before the new attempt's start."""
+        with self._lock:
+            old = self._roles.get((spec.run_id, spec.rank))
+        if old is None or old.spec.attempt >= spec.attempt:
+            return
+        # The control plane also sends a cancel for it; whichever comes first stops it.
+        self._stop([old], f"relaunched as attempt {spec.attempt}", cause=CAUSE_CANCEL,
+                   grace_s=self.kill_grace_s)
+        if not old.finished.wait(timeout=self.kill_grace_s + 30):
+            raise LaunchError(
+                f"run {spec.run_id} rank {spec.rank}: attempt {old.spec.attempt} did not end; "
+                f"not starting attempt {spec.attempt}"
             )
+
+    def _existing(self, spec: RoleSpec) -> RoleProcess | None:
+        # Called with self._lock held. A higher `attempt` is a relaunch (the run restarted),
+        # not a repeat; launch() has ended the earlier attempt's role by now.
+        key = (spec.run_id, spec.rank)
+        existing = self._roles.get(key)
+        if existing is None:
+            record = self.records.get(*key)
+            if record is None or record.get("state") != EXITED or not record.get("event"):
+                return None
+            if int(record.get("attempt") or 0) < spec.attempt:
+                return None
+            existing = from_record(spec, record, self.state_dir)
+            self._roles[key] = existing
+        elif existing.spec.attempt < spec.attempt:
+            if existing.state == "running":
+                raise LaunchError(
+                    f"run {spec.run_id} rank {spec.rank}: attempt {existing.spec.attempt} still "
+                    f"runs here; not starting attempt {spec.attempt}"
+                )
+            del self._roles[key]
+            return None
+        log.warning(
+            "run %s rank %s was already started (pid %s, %s); ignoring the repeat",
+            spec.run_id, spec.rank, existing.pid, existing.state,
+        )
+        if existing.exit_event is not None:
+            # The control plane may have missed the end (the order came back because the
+            # broker lost track of it): tell it again; exits are idempotent there.
+            self.outbox.put(EVENT, spec.run_id, existing.exit_event)
         return existing
 
     def _prepare_code(self, spec: RoleSpec, run_dir: Path) -> Path | None:
@@ -295,14 +278,12 @@ class Supervisor:
         with contextlib.suppress(OSError), open(role.log_path, "a") as sink:
             sink.write(why + "\n")
         log.warning("run %s rank %s not started: %s", spec.run_id, spec.rank, why)
-        threading.Thread(
-            target=self._report_exit, args=(role,), name=f"exit-{spec.run_id}-{spec.rank}",
-            daemon=True,
-        ).start()
+        self._write_record(role)
+        self._report_exit(role)
         return role
 
     def _role_env(self, spec: RoleSpec, code_dir: Path | None = None) -> dict[str, str]:
-        env = dict(os.environ)
+        env = role_base_env(os.environ)
         # Line-buffered output, so logs reach the control plane as they are written.
         env["PYTHONUNBUFFERED"] = "1"
         if self.role_threads is not None:
@@ -315,7 +296,7 @@ class Supervisor:
     # -- watching --------------------------------------------------------------------------
 
     def _read_output(self, role: RoleProcess) -> None:
-        assert role.proc.stdout is not None
+        assert role.proc is not None and role.proc.stdout is not None
         with open(role.log_path, "ab", buffering=0) as sink:
             for raw in iter(role.proc.stdout.readline, b""):
                 sink.write(raw)
@@ -331,36 +312,30 @@ class Supervisor:
 
     def _watch(self, role: RoleProcess) -> None:
         spec = role.spec
+        assert role.proc is not None and role.pid is not None
         started = {
             "rank": spec.rank,
             "role": spec.role,
+            "attempt": spec.attempt,
             "event": "started",
             "pid": role.pid,
             "t": role.started_at,
         }
-        try:
-            answer = self._report_event(spec.run_id, started)
-            if answer.get("action") == "stop":
-                # The run ended while this launch was in flight. Cancel from another thread:
-                # cancel waits for the exit that this very thread observes below.
-                reason = answer.get("reason") or "stopped by the control plane"
-                threading.Thread(
-                    target=self.cancel, args=(spec.run_id,), kwargs={"reason": reason, "rank": spec.rank},
-                    daemon=True,
-                ).start()
-        except ControlPlaneError as exc:
-            log.warning("could not report the start of run %s rank %s: %s", *role.key, exc)
+        if spec.pick_port:
+            # The other ranks' orders wait for this: they connect to it.
+            started["port"] = spec.master_port
+        self.outbox.put(EVENT, spec.run_id, started)
 
         self._wait_leader(role)
         with role.lock:
             # Whatever the role left in its group (its own children) goes now, while the
             # unreaped guard still holds the group id, so the id cannot have been reused.
-            _killpg(role.pid, signal.SIGKILL)
+            killpg(role.pid, signal.SIGKILL)
             code = role.proc.wait()
             role.reaped = True
         # SIGKILL is delivered asynchronously: "gone" must mean gone, so wait until no live
         # member of the group is left.
-        if not _wait_group_empty(role.pid, timeout_s=15.0):
+        if not wait_group_empty(role.pid, timeout_s=15.0):
             log.warning("run %s rank %s: processes of group %s outlived SIGKILL for 15 s",
                         *role.key, role.pid)
         role.gone.set()
@@ -368,39 +343,47 @@ class Supervisor:
             role.reader.join(timeout=5)
         role.exit_code, role.signal = (code, None) if code >= 0 else (None, -code)
         role.ended_at = time.time()
-        role.reason = _exit_reason(role)
+        role.reason = exit_reason(role)
         role.state = "exited"
-        self._remove_record(role)
         log.info("run %s rank %s exited: %s", *role.key, role.reason or "success")
 
         self._flush_logs(role, final=True)
         self._report_exit(role)
 
     def _report_exit(self, role: RoleProcess) -> None:
+        """Queue the exit, after what the trainer spooled, and mark the record ended."""
         spec = role.spec
         exited = {
             "rank": spec.rank,
             "role": spec.role,
+            # Which launch of the rank ended: an exit of an earlier attempt, arriving after the
+            # run restarted, must not count against the new one.
+            "attempt": spec.attempt,
             "event": "exited",
             "pid": role.pid,
             "exit_code": role.exit_code,
             "signal": role.signal,
             "cancelled": role.cancel_reason is not None,
+            "cause": role.cause,
             "reason": role.reason,
             "tail": list(role.tail),
             "t": role.ended_at,
         }
-        try:
-            self._report_event(spec.run_id, exited)
-            role.reported_exit = True
-        except ControlPlaneError as exc:
-            log.warning(
-                "could not report the exit of run %s rank %s (the heartbeat carries it): %s",
-                *role.key, exc,
-            )
+        reports: list[Message] = []
+        if role.spool is not None:
+            reports = spool_messages(role.spool, run_id=spec.run_id, url=spec.report_url, token=spec.report_token)
+        # Reports first: the control plane may stop taking the run's reports once every
+        # rank has ended. Queued before the record says "exited", so a crash in between
+        # reports the exit twice (harmless) rather than never.
+        self.outbox.put_many([*reports, Message(EVENT, spec.run_id, exited)])
+        role.exit_event = exited
+        self.records.exited(spec.run_id, spec.rank, exited)
+        if role.spool is not None:
+            role.spool.unlink(missing_ok=True)
         role.finished.set()
 
     def _wait_leader(self, role: RoleProcess) -> None:
+        assert role.pid is not None
         try:
             # WNOWAIT: learn of the exit but leave the zombie, keeping the pid (= group id).
             os.waitid(os.P_PID, role.pid, os.WEXITED | os.WNOWAIT)
@@ -408,9 +391,21 @@ class Supervisor:
             pass  # SIGCHLD ignored somewhere: the kernel reaped it; wait() below copes
         role.leader_exited.set()
 
-    def _report_event(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]:
-        deadline = 3.0 if self._closing.is_set() else self.event_retry_s
-        return call_with_retry(self.reporter.role_event, run_id, body, deadline_s=deadline) or {}
+    def _on_delivered(self, entry: Entry, answer: dict[str, Any]) -> None:
+        if entry.kind != EVENT or entry.body.get("event") != "started" or answer.get("action") != "stop":
+            return
+        # The run ended while this launch was in flight. Cancel from another thread: a
+        # cancel waits for the exit, whose report queues behind this very sender. A late
+        # answer about an earlier attempt must not stop the current one.
+        with self._lock:
+            role = self._roles.get((entry.run_id, int(entry.body.get("rank", -1))))
+        if role is None or role.spec.attempt != entry.body.get("attempt", role.spec.attempt):
+            return
+        reason = answer.get("reason") or "stopped by the control plane"
+        threading.Thread(
+            target=self.cancel, args=(entry.run_id,),
+            kwargs={"reason": reason, "rank": entry.body.get("rank")}, daemon=True,
+        ).start()
 
     # -- logs ------------------------------------------------------------------------------
 
@@ -421,74 +416,71 @@ class Supervisor:
                     self._flush_logs(role)
 
     def _flush_logs(self, role: RoleProcess, *, final: bool = False) -> None:
-        with role.ship_lock:
-            self._flush_logs_locked(role, final=final)
+        """Move the role's buffered lines to the outbox in batches of 500.
 
-    def _flush_logs_locked(self, role: RoleProcess, *, final: bool) -> None:
-        while True:
+        While the outbox already holds `outbox_log_lines` lines (the control plane is long
+        gone) lines stay in the bounded memory buffer, which drops the oldest and counts
+        them; the final flush of an ended role always goes.
+        """
+        with role.ship_lock:
+            messages = []
             with role.lock:
                 if not role.pending:
                     return
-                batch = [role.pending.popleft() for _ in range(min(LOG_BATCH_LINES, len(role.pending)))]
+                if not final and self.outbox.pending_log_lines() + len(role.pending) > self.outbox_log_lines:
+                    return
                 dropped, role.dropped = role.dropped, 0
-            body = {"rank": role.spec.rank, "lines": batch, "dropped": dropped}
-            try:
-                self.reporter.logs(role.spec.run_id, body)
-            except ControlPlaneError as exc:
-                with role.lock:
-                    # Put the batch back in front; what no longer fits is counted as dropped.
-                    room = self.log_buffer_lines - len(role.pending)
-                    keep = batch[-room:] if room > 0 else []
-                    role.pending.extendleft(reversed(keep))
-                    role.dropped += dropped + len(batch) - len(keep)
-                if final:
-                    log.warning("dropping %d log lines of run %s rank %s: %s",
-                                len(role.pending), *role.key, exc)
-                    role.pending.clear()
-                else:
-                    log.debug("log shipping for run %s rank %s postponed: %s", *role.key, exc)
-                return
+                while role.pending:
+                    batch = [role.pending.popleft() for _ in range(min(LOG_BATCH_LINES, len(role.pending)))]
+                    messages.append(Message(LOGS, role.spec.run_id,
+                                            {"rank": role.spec.rank, "lines": batch, "dropped": dropped}))
+                    dropped = 0
+            self.outbox.put_many(messages)
 
     # -- stopping --------------------------------------------------------------------------
 
-    def cancel(self, run_id: int, *, reason: str, rank: int | None = None) -> list[int]:
-        """Stop the run's roles on this node: SIGTERM their groups, SIGKILL after the grace.
+    def cancel(self, run_id: int, *, reason: str, rank: int | None = None,
+               before_attempt: int | None = None) -> list[int]:
+        """Stop the run's roles on this node (with `before_attempt`, only those launched for an
+        earlier attempt): SIGTERM their groups, SIGKILL after the grace.
 
         Returns the ranks that were running. Idempotent: a run with nothing running is a no-op.
         """
         targets = [
             r for r in self.roles()
             if r.spec.run_id == run_id and (rank is None or r.spec.rank == rank)
+            and (before_attempt is None or r.spec.attempt < before_attempt)
         ]
-        return self._stop(targets, reason)
+        return self._stop(targets, reason, cause=CAUSE_CANCEL, grace_s=self.kill_grace_s)
 
     def stop_all(self, reason: str = "the agent stopped") -> list[tuple[int, int]]:
-        """Stop every role (the agent is shutting down) and wait for their exit reports."""
+        """The agent is stopping (a spot notice, a shutdown): take no new role, SIGTERM every
+        role's group, SIGKILL what is left after `stop_grace_s`, and queue their exits."""
         self._closing.set()
         targets = self.roles()
-        self._stop(targets, reason)
+        self._stop(targets, reason, cause=CAUSE_AGENT_STOPPING, grace_s=self.stop_grace_s)
         for role in targets:
             role.finished.wait(timeout=10)
         return [r.key for r in targets if r.cancel_reason == reason]
 
-    def _stop(self, targets: list[RoleProcess], reason: str) -> list[int]:
+    def _stop(self, targets: list[RoleProcess], reason: str, *, cause: str, grace_s: float) -> list[int]:
         stopped = []
         for role in targets:
             with role.lock:
-                if role.reaped or role.leader_exited.is_set():
+                if role.reaped or role.leader_exited.is_set() or role.pid is None:
                     continue
                 if role.cancel_reason is None:
-                    role.cancel_reason = reason
-                _killpg(role.pid, signal.SIGTERM)
+                    role.cancel_reason, role.cause = reason, cause
+                killpg(role.pid, signal.SIGTERM)
                 stopped.append(role)
-        deadline = time.monotonic() + self.kill_grace_s
+        deadline = time.monotonic() + grace_s
         for role in stopped:
             if not role.leader_exited.wait(timeout=max(0.0, deadline - time.monotonic())):
                 with role.lock:
-                    if not role.reaped:
+                    if not role.reaped and role.pid is not None:
                         log.warning("run %s rank %s ignored SIGTERM for %.0f s; killing",
-                                    *role.key, self.kill_grace_s)
-                        _killpg(role.pid, signal.SIGKILL)
+                                    *role.key, grace_s)
+                        killpg(role.pid, signal.SIGKILL)
         for role in stopped:
             # The watcher sweeps the group and reaps; a stop returns once the processes are gone.
             role.gone.wait(timeout=20)
@@ -510,132 +502,31 @@ class Supervisor:
         return [r.snapshot() for r in self.roles()]
 
     def _write_record(self, role: RoleProcess) -> None:
-        try:
-            create_time = psutil.Process(role.pid).create_time()
-        except psutil.Error:
-            create_time = None
-        record = {
-            "run_id": role.spec.run_id,
-            "rank": role.spec.rank,
-            "role": role.spec.role,
+        spec = role.spec
+        self.records.started({
+            "run_id": spec.run_id,
+            "rank": spec.rank,
+            "role": spec.role,
             "pid": role.pid,
-            "create_time": create_time,
-        }
-        path = self._record_path(role.spec.run_id, role.spec.rank)
-        path.write_text(json.dumps(record))
-
-    def _remove_record(self, role: RoleProcess) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._record_path(role.spec.run_id, role.spec.rank).unlink()
-
-    def _record_path(self, run_id: int, rank: int) -> Path:
-        return self._records / f"{run_id}-{rank}.json"
+            "create_time": create_time(role.pid),
+            "log": str(role.log_path),
+            "spool": str(role.spool) if role.spool else None,
+            "report_url": spec.report_url,
+            "report_token": spec.report_token,
+            "attempt": spec.attempt,
+        })
 
     def reap_stale(self) -> list[dict[str, Any]]:
-        """Kill what a previous agent process on this state dir left running; return it.
-
-        A record's group is killed if its leader is the same process (same start time) or
-        is gone while members remain: Linux keeps a pid allocated while a group uses it, so
-        members of a group whose leader died can only be that role's leftovers.
-        """
-        stale = []
-        for path in sorted(self._records.glob("*.json")):
-            try:
-                record = json.loads(path.read_text())
-                pgid = int(record["pid"])
-            except (OSError, ValueError, KeyError):
-                path.unlink(missing_ok=True)
-                continue
-            leader_alive = False
-            try:
-                leader = psutil.Process(pgid)
-                created = record.get("create_time")
-                if created is None or abs(leader.create_time() - created) > 0.01:
-                    # Another process took the pid after the group dissolved: not ours.
-                    path.unlink(missing_ok=True)
-                    continue
-                leader_alive = True
-            except psutil.NoSuchProcess:
-                pass
-            members = _group_members(pgid)
-            if leader_alive or members:
-                _killpg(pgid, signal.SIGKILL)
-                record["killed"] = sorted({pgid, *members} if leader_alive else set(members))
-                log.warning("killed leftovers of run %s rank %s (group %s)",
-                            record.get("run_id"), record.get("rank"), pgid)
-                stale.append(record)
-            path.unlink(missing_ok=True)
-        return stale
+        """Report the roles that died with a previous agent process on this state dir, and
+        kill whatever of them is left; returns their records (see agents.restart)."""
+        return report_lost_roles(self.records, self.outbox)
 
     def close(self) -> None:
-        """Stop the shipper thread (after stop_all)."""
+        """Stop the shipper thread (after stop_all), and the outbox if it is this one's."""
         self._closing.set()
-
-
-def _killpg(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signum)
-
-
-def _wait_group_empty(pgid: int, *, timeout_s: float) -> bool:
-    """Poll until process group `pgid` has no live member left; False if some remain.
-
-    Zombies do not count: an orphan killed by SIGKILL stays a zombie until PID 1 reaps it,
-    which a container's PID 1 may never do. A loaded machine can take seconds to deliver a
-    SIGKILL to a process in uninterruptible sleep, hence a bound of several seconds.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        if not _group_members(pgid, live_only=True):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-
-
-def _group_members(pgid: int, *, live_only: bool = False) -> list[int]:
-    members = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and not (live_only and proc.status() == psutil.STATUS_ZOMBIE):
-                members.append(proc.pid)
-        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
-            continue
-    return members
-
-
-def _exit_reason(role: RoleProcess) -> str | None:
-    spec = role.spec
-    who = f"rank {spec.rank} ({spec.role})"
-    if role.cancel_reason is not None:
-        return f"{who} stopped: {role.cancel_reason}"
-    if role.signal is not None:
-        try:
-            name = signal.Signals(role.signal).name
-        except ValueError:
-            name = f"signal {role.signal}"
-        # SIGKILL from nobody we know of is, on Linux, nearly always the OOM killer.
-        hint = OOM_HINT if role.signal == signal.SIGKILL else ""
-        return f"{who} was killed by {name}{hint}"
-    if role.exit_code:
-        last = next((line for line in reversed(role.tail) if line.strip()), "")
-        suffix = f": {last.strip()}" if last else ""
-        return f"{who} exited with code {role.exit_code}{suffix}"
-    return None
-
-
-def _redact(argv: list[str]) -> list[str]:
-    out = list(argv)
-    for i, arg in enumerate(out[:-1]):
-        if arg == "--report-token":
-            out[i + 1] = "***"
-    return out
+        if self._owns_outbox:
+            self.outbox.drain(timeout_s=5.0)
+            self.outbox.close()
 
 
 _current: Supervisor | None = None
@@ -656,11 +547,11 @@ def current() -> Supervisor:
     return _current
 
 
-def with_code_dir(argv: list[str], code_dir: Path | None) -> list[str]:
-    """`argv` with `--code-dir DIR` among the trainer's options (before a script's `--`)."""
+def with_code_dir(argv: list[str], code_dir: Path | None, *, after: int) -> list[str]:
+    """`argv` with `--code-dir DIR` among the trainer's options (after the first `after` words,
+    the trainer command)."""
     if code_dir is None:
         return argv
-    at = argv.index("--") if "--" in argv else len(argv)
     # Absolute: the role starts in that directory, where a relative path (an agent run with a
     # relative --state-dir, as `hybridtrain local` does) would point below itself.
-    return [*argv[:at], "--code-dir", str(Path(code_dir).resolve()), *argv[at:]]
+    return with_flag(argv, "--code-dir", str(Path(code_dir).resolve()), after=after)

@@ -27,7 +27,11 @@ log = logging.getLogger(__name__)
 
 
 def launch_role(run_id: int, rank: int, spec: dict[str, Any], *, supervisor: supervision.Supervisor) -> dict[str, Any]:
-    """Validate a launch order and start the role; returns its run, rank and pid."""
+    """Validate a launch order and start the role; returns its run, rank, pid and state.
+
+    An order for a rank that this node already runs, or already ran (recorded in the state
+    dir), starts nothing and reports that rank's current state.
+    """
     if spec.get("run_id", run_id) != run_id or spec.get("rank", rank) != rank:
         raise LaunchError(
             f"launch order for run {run_id} rank {rank} carries a spec for "
@@ -38,12 +42,14 @@ def launch_role(run_id: int, rank: int, spec: dict[str, Any], *, supervisor: sup
     except ValidationError as exc:
         raise LaunchError(f"invalid launch order for run {run_id} rank {rank}: {exc}") from exc
     role = supervisor.launch(role_spec)
-    return {"run_id": run_id, "rank": rank, "pid": role.pid}
+    return {"run_id": run_id, "rank": rank, "pid": role.pid, "state": role.state}
 
 
-def cancel_run(run_id: int, reason: str, *, supervisor: supervision.Supervisor) -> dict[str, Any]:
-    """Stop every role of the run on this node; returns the ranks that were running."""
-    ranks = supervisor.cancel(run_id, reason=reason)
+def cancel_run(run_id: int, reason: str, *, supervisor: supervision.Supervisor,
+               before_attempt: int | None = None) -> dict[str, Any]:
+    """Stop every role of the run on this node (with `before_attempt`, those of earlier
+    attempts only); returns the ranks that were running."""
+    ranks = supervisor.cancel(run_id, reason=reason, before_attempt=before_attempt)
     return {"run_id": run_id, "cancelled_ranks": ranks}
 
 
@@ -150,6 +156,9 @@ def probe_links(
         except (KeyError, TypeError, ValueError):
             log.warning("probe order names an invalid target %r", target)
             continue
+        # The control plane schedules probes in rounds that share no node and no WAN pipe:
+        # probing before the round's slot would share a link and under-read it.
+        probe.wait_for_slot(target.get("start_at"))
         try:
             result = measure(host, port, seconds=seconds)
         except probe.ProbeError as exc:
@@ -171,10 +180,11 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err['msg']}"
 
 
-# Early ack (the app default): starting a process twice is worse than not at all, and the
-# control plane notices a role that never reports "started". No retries: a LaunchError is a
-# bad order or a stopping agent, which a retry would not fix.
-@app.task(name=LAUNCH_ROLE)
+# Late ack: a launch is idempotent per (run, rank) on this node (the supervisor's records
+# outlive the agent process), so an order whose agent died before starting the role is
+# delivered again rather than lost. No retries: a LaunchError is a bad order or a stopping
+# agent, which a retry would not fix.
+@app.task(name=LAUNCH_ROLE, acks_late=True)
 def launch_role_task(run_id: int, rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Celery entry point of `launch_role`."""
     return launch_role(run_id, rank, spec, supervisor=supervision.current())
@@ -183,9 +193,9 @@ def launch_role_task(run_id: int, rank: int, spec: dict[str, Any]) -> dict[str, 
 # Cancelling is idempotent (a run with nothing running is a no-op), so it acks late: an
 # agent that dies mid-cancel gets the order again when it comes back.
 @app.task(name=CANCEL_RUN, acks_late=True)
-def cancel_run_task(run_id: int, reason: str = "cancelled") -> dict[str, Any]:
+def cancel_run_task(run_id: int, reason: str = "cancelled", before_attempt: int | None = None) -> dict[str, Any]:
     """Celery entry point of `cancel_run`."""
-    return cancel_run(run_id, reason, supervisor=supervision.current())
+    return cancel_run(run_id, reason, supervisor=supervision.current(), before_attempt=before_attempt)
 
 
 # Early ack: a profile is cheap to ask for again, and a re-delivered one would compete for

@@ -159,8 +159,9 @@ def bundle_path(bundle_dir: Path, sha256: str) -> Path:
     return bundle_dir / f"{sha256}.tar.gz"
 
 
-def _write_atomically(target: Path, source: IO[bytes]) -> None:
-    # A reader (or a crash) never sees half an archive under the final, content-addressed name.
+def write_atomically(target: Path, source: IO[bytes]) -> None:
+    """Copy `source` to `target` so that a reader (or a crash) never sees half a file under
+    the final name (bundles and checkpoints alike)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=target.parent, prefix=".upload-", suffix=".part")
     try:
@@ -190,7 +191,7 @@ def store_bundle(
         bundle.content = upload.file.read()
     else:
         bundle.stored_in = BundleStorage.dir
-        _write_atomically(bundle_path(bundle_dir, upload.sha256), upload.file)
+        write_atomically(bundle_path(bundle_dir, upload.sha256), upload.file)
     session.add(bundle)
     session.flush()
     return bundle

@@ -35,9 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("launch", help="run your own training script on local workers: "
                                   "`hybridtrain launch --workers 4 train.py ARGS`")
     sub.add_parser("agent", help="run a node agent (see `hybridtrain agent --help`)")
-    from app import commands
+    from app import commands, event_commands, token_commands
 
     commands.register(sub)
+    event_commands.register(sub)
+    token_commands.register(sub)
     return parser
 
 

@@ -116,6 +116,18 @@ class HybridtrainClient:
         """Cancel an active run."""
         return self._call("POST", f"/runs/{run_id}/cancel", json={"reason": reason} if reason else None)
 
+    def drain_node(self, node_id: int) -> dict[str, Any]:
+        """Let a node finish its runs and give it no new one."""
+        return self._call("POST", f"/nodes/{node_id}/drain")
+
+    def undrain_node(self, node_id: int) -> dict[str, Any]:
+        """End a node's drain: it takes runs again."""
+        return self._call("POST", f"/nodes/{node_id}/undrain")
+
+    def add_run_nodes(self, run_id: int, node_ids: Sequence[int]) -> dict[str, Any]:
+        """Add workers on these nodes to a running PS run."""
+        return self._call("POST", f"/runs/{run_id}/nodes", json={"node_ids": list(node_ids)})
+
     def metrics(
         self,
         run_id: int,
@@ -184,7 +196,7 @@ class HybridtrainClient:
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
                 continue
             failing_since, backoff = None, poll_s
-            state = (run["status"], tuple(w["status"] for w in run["workers"]))
+            state = (run["status"], run.get("restarts"), tuple(w["status"] for w in run["workers"]))
             if state != last and on_change is not None:
                 on_change(run)
             last = state

@@ -7,14 +7,12 @@ handlers import what they need lazily so `hybridtrain --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add every control-plane subcommand to the `hybridtrain` parser."""
     _add_server(sub)
     _add_db(sub)
-    _add_token(sub)
     from testbed.cli import register as register_testbed  # testbed, bench paper
     from app.run_commands import register as register_runs  # runs, nodes, local
     from app.run_commands import register_bundles, register_plans
@@ -58,6 +56,9 @@ def _run_server(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
+        # Forwarded headers are honoured only from HYBRIDTRAIN_TRUSTED_PROXIES (app/main.py);
+        # uvicorn's own default would trust any client on 127.0.0.1.
+        proxy_headers=False,
     )
     return 0
 
@@ -100,56 +101,4 @@ def _db_current(_: argparse.Namespace) -> int:
     from app.config import get_settings
 
     print(db.current_revision(get_settings().database_url) or "none (run `hybridtrain db upgrade`)")
-    return 0
-
-
-def _add_token(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = sub.add_parser("token", help="manage API tokens")
-    token_sub = parser.add_subparsers(dest="token_command", required=True)
-    create = token_sub.add_parser(
-        "create", help="create an API token and print its secret (shown only this once)"
-    )
-    create.add_argument("--name", required=True)
-    create.add_argument("--scope", required=True, choices=["admin", "ci", "read"])
-    create.set_defaults(func=_token_create)
-
-
-def _token_create(args: argparse.Namespace) -> int:
-    from pydantic import TypeAdapter, ValidationError
-    from sqlalchemy.exc import OperationalError
-
-    from app import db
-    from app.config import get_settings
-    from app.errors import DuplicateError
-    from app.models import TokenScope
-    from app.queries.tokens import create_token
-    from app.schemas.common import Name
-
-    settings = get_settings()
-    try:
-        name = TypeAdapter(Name).validate_python(args.name)
-    except ValidationError as exc:
-        print(f"hybridtrain: invalid --name: {exc.errors()[0]['msg']}", file=sys.stderr)
-        return 2
-    try:
-        revision = db.current_revision(settings.database_url)
-    except OperationalError as exc:
-        print(f"hybridtrain: cannot reach the database: {exc.orig}", file=sys.stderr)
-        return 1
-    if revision != db.head_revision():
-        print("hybridtrain: the database is not migrated; run `hybridtrain db upgrade`",
-              file=sys.stderr)
-        return 1
-    engine = db.make_engine(settings)
-    try:
-        with db.session_scope(db.make_sessionmaker(engine)) as session:
-            token, secret = create_token(session, name=name, scope=TokenScope(args.scope))
-            scope = token.scope
-    except DuplicateError as exc:
-        print(f"hybridtrain: {exc.message}", file=sys.stderr)
-        return 1
-    finally:
-        engine.dispose()
-    print(f"# token '{name}' (scope {scope}); the secret is shown once:", file=sys.stderr)
-    print(secret)
     return 0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import warnings
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _EXAMPLE_SECRET = "local-development-secret-change-me"
 
@@ -29,6 +30,10 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("CELERY_BROKER_URL", "HYBRIDTRAIN_CELERY_BROKER_URL"),
     )
     admin_token: str | None = None
+    # The bearer token Prometheus sends to GET /metrics. Unset, /metrics answers only clients
+    # on this host that no proxy relayed, so a control plane on a public address does not hand
+    # its run names, node names and spend to anyone (docs/deploy.md, "Monitoring").
+    metrics_token: SecretStr | None = Field(default=None, min_length=16)
     secret_key: str = _EXAMPLE_SECRET
     # The address agents and trainers use to reach this control plane.
     public_url: str = "http://127.0.0.1:8000"
@@ -43,6 +48,47 @@ class Settings(BaseSettings):
     bundle_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     # Where bundles are kept as <sha256>.tar.gz; None keeps them in the database.
     bundle_dir: Path | None = None
+    # Largest accepted checkpoint upload, in bytes; larger ones get 413.
+    checkpoint_max_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
+    # Where checkpoints are kept as files (share it between control-plane hosts); None keeps
+    # them in the database.
+    checkpoint_dir: Path | None = None
+    # A launch order whose rank has not reported its start this long after it was sent is sent
+    # again (the agent ignores a launch of a rank it already runs).
+    launch_resend_s: float = Field(default=45.0, gt=0)
+    # After a PS run's server succeeded, its workers get this long to end by themselves
+    # before the stragglers are cancelled.
+    finish_grace_s: float = Field(default=60.0, ge=0)
+
+    # Addresses (IPs or CIDRs, comma-separated) of the TLS proxies in front of this control
+    # plane: only their X-Forwarded-Proto/-For are believed, for the scheme (Secure cookies)
+    # and the client address (logs). Empty: no proxy header is believed.
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Secure session cookies: True always, False never, None when the (forwarded) scheme is https.
+    cookie_secure: bool | None = None
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _split_trusted_proxies(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxies_are_networks(cls, value: list[str]) -> list[str]:
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"trusted_proxies: {item!r} is not an IP address or CIDR") from exc
+        return value
+
+    @field_validator("metrics_token", mode="before")
+    @classmethod
+    def _empty_metrics_token_is_unset(cls, value: object) -> object:
+        # `HYBRIDTRAIN_METRICS_TOKEN: ${HYBRIDTRAIN_METRICS_TOKEN:-}` in a compose file gives "".
+        return None if value == "" else value
 
     @model_validator(mode="after")
     def _refuse_example_secret_outside_local(self) -> Settings:

@@ -41,6 +41,9 @@ class CancelOrder:
     node_id: int
     run_id: int
     reason: str
+    # Only roles launched for an earlier attempt than this (a restart's cancel): the agent may
+    # take the new attempt's launch before the cancel, which must then leave it running.
+    before_attempt: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,9 @@ class ProfileOrder:
 class ProbeOrder:
     """Measure the links from a node to other nodes' probe servers.
 
-    `spec` is {"targets": [{"node_id", "host", "port"}], "seconds": float}."""
+    `spec` is {"targets": [{"node_id", "host", "port", "round", "start_at"}], "seconds": float};
+    the agent probes each target at its `start_at` (epoch seconds), in rounds that share no
+    node and no site-to-site pipe (docs/architecture.md, "Link probes")."""
 
     node_id: int
     spec: dict[str, Any] = field(hash=False)
@@ -123,8 +128,9 @@ class Dispatcher:
                     expires=PROBE_EXPIRES_S, retry=True, retry_policy=retry,
                 )
             else:
+                kwargs = {} if order.before_attempt is None else {"before_attempt": order.before_attempt}
                 celery.send_task(
-                    CANCEL_RUN, args=[order.run_id, order.reason], queue=queue,
+                    CANCEL_RUN, args=[order.run_id, order.reason], kwargs=kwargs, queue=queue,
                     expires=CANCEL_EXPIRES_S, retry=True, retry_policy=retry,
                 )
             log.info("sent %s to %s", order.__class__.__name__, queue)

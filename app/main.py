@@ -11,9 +11,10 @@ from typing import Any
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.api.main import api_router
-from app.api.routes import health
+from app.api.routes import health, prometheus
 from app.config import Settings, get_settings
 from app.db import make_engine, make_sessionmaker
 from app.errors import (
@@ -24,6 +25,7 @@ from app.errors import (
 )
 from app.dispatch import Dispatcher
 from app.monitor import Monitor
+from app.telemetry import install_telemetry
 from app.web import install_dashboard
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.monitor = monitor
     _install_error_handlers(app)
     app.include_router(health.router, tags=["health"])
+    app.include_router(prometheus.router, tags=["operations"])
+    install_telemetry(app)
     app.include_router(api_router, prefix=API_PREFIX)
     install_dashboard(app)
+    if settings.trusted_proxies:
+        # Added last, so outermost: everything inside sees the client and scheme it forwarded.
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.trusted_proxies)
     return app

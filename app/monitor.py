@@ -1,5 +1,6 @@
-"""The control plane's periodic liveness check: silent nodes go offline and the runs that
-depended on them fail; launches that never started fail (see `queries.agents.check_liveness`).
+"""The control plane's periodic liveness pass (`app.lifecycle.check_liveness`): silent nodes go
+offline and their ranks are lost, launches that never started fail, unanswered launch orders
+are sent again, stragglers of a finished run are stopped.
 
 One daemon thread per control-plane process. With several replicas on Postgres each runs it;
 the row locks (SKIP LOCKED on nodes, FOR UPDATE on runs) make the checks safe to overlap.
@@ -14,9 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.config import Settings
 from app.db import session_scope
-from app.dispatch import CancelOrder, Dispatcher
-from app.queries.agents import check_liveness
-from app.run_lock import run_state_lock
+from app.dispatch import Dispatcher, Order
+from app.lifecycle import check_liveness, run_state_lock
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +31,10 @@ class Monitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def check_once(self) -> list[CancelOrder]:
-        """One pass: mark, fail, commit, then send the cancels."""
+    def check_once(self) -> list[Order]:
+        """One pass: mark, fail or restart, commit, then send the orders."""
         with run_state_lock(self.settings.is_sqlite), session_scope(self.factory) as session:
-            orders = check_liveness(
-                session,
-                heartbeat_timeout_s=self.settings.heartbeat_timeout_s,
-                launch_timeout_s=self.settings.launch_timeout_s,
-            )
+            orders = check_liveness(session, settings=self.settings)
         self.dispatcher.send_quietly(orders)
         return orders
 

@@ -32,8 +32,10 @@ class UsageError(Exception):
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add `runs`, `nodes` and `local` to the `hybridtrain` parser."""
+    from app.inventory_commands import add_nodes_command
+
     _add_runs(sub)
-    _add_nodes(sub)
+    add_nodes_command(sub)
     from app.local import add_local_command
 
     add_local_command(sub)
@@ -93,6 +95,16 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     create.add_argument("--compressor", choices=COMPRESSORS, default=None)
     create.add_argument("--density", type=float, default=None)
     create.add_argument("--value-dtype", choices=VALUE_DTYPES, default=None)
+    life = create.add_argument_group("checkpoints, restarts, membership")
+    life.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="default 100 (0: never)")
+    life.add_argument("--checkpoint-every-s", type=float, default=None, metavar="S", help="default 600 (0: off)")
+    life.add_argument("--max-restarts", type=int, default=None, help="after a server death; default 3")
+    life.add_argument("--min-workers", type=int, default=None, help="PS: fewest live workers; default 1")
+    life.add_argument("--min-workers-wait-s", type=float, default=None, metavar="S", help="default 300")
+    queue = create.add_argument_group("the queue for busy GPUs")
+    queue.add_argument("--priority", type=int, default=None, help="higher starts first; default 0")
+    queue.add_argument("--share-gpus", action="store_true", default=None,
+                       help="run on GPUs that other sharing runs hold")
     create.add_argument("--idempotency-key", default=None,
                         help="a retry with the same key returns the same run (e.g. the CI job id)")
     create.add_argument("--plan-only", action="store_true",
@@ -112,6 +124,17 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     _connection_args(get)
     get.add_argument("run_id", type=int)
     get.set_defaults(func=_runs_get)
+
+    show = runs_sub.add_parser("show", help="show a run's state, ranks and latest checkpoint")
+    _connection_args(show)
+    show.add_argument("run_id", type=int)
+    show.set_defaults(func=_runs_show)
+
+    add = runs_sub.add_parser("add-nodes", help="add workers on these nodes to a running PS run")
+    _connection_args(add)
+    add.add_argument("run_id", type=int)
+    add.add_argument("--nodes", type=_ints, required=True, help="node ids, e.g. 4,5")
+    add.set_defaults(func=_runs_add_nodes)
 
     ls = runs_sub.add_parser("list", help="list runs, newest first")
     _connection_args(ls)
@@ -144,51 +167,17 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 
 def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `plans optimize` to the `hybridtrain` parser."""
-    plans = sub.add_parser("plans", help="choose nodes, server and strategy from the performance model")
-    plans_sub = plans.add_subparsers(dest="plans_command", required=True)
-    opt = plans_sub.add_parser("optimize", help="the cheapest (or fastest) plan over candidate nodes, explained")
-    _connection_args(opt)
-    where = opt.add_mutually_exclusive_group(required=True)
-    where.add_argument("--nodes", type=_ints, help="candidate node ids, e.g. 1,2,3")
-    where.add_argument("--cluster", type=int, help="a cluster id")
-    opt.add_argument("--task", default=None, metavar="MOD:FN")
-    opt.add_argument("--task-args", default=None, metavar="JSON")
-    opt.add_argument("--bundle", default=None, metavar="SHA256")
-    opt.add_argument("--global-batch", type=int, default=None)
-    opt.add_argument("--goal", choices=("cost", "fastest"), default="cost",
-                     help="lowest $/1M samples (default) or highest samples/s")
-    opt.add_argument("--budget-usd-per-h", type=float, default=None)
-    opt.add_argument("--deadline-s", type=float, default=None, help="with --max-steps: finish within")
-    opt.add_argument("--max-steps", type=int, default=None)
-    opt.add_argument("--json", action="store_true", help="print the whole answer as JSON")
-    opt.set_defaults(func=_plans_optimize)
+    """Add `plans optimize` to the `hybridtrain` parser (app.inventory_commands)."""
+    from app.inventory_commands import register_plans as register
+
+    register(sub)
 
 
 def register_bundles(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `bundles list` and `bundles delete` to the `hybridtrain` parser."""
-    bundles = sub.add_parser("bundles", help="the code bundles stored on the control plane")
-    bundles_sub = bundles.add_subparsers(dest="bundles_command", required=True)
-    ls = bundles_sub.add_parser("list", help="list bundles, newest first")
-    _connection_args(ls)
-    ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--json", action="store_true")
-    ls.set_defaults(func=_bundles_list)
-    delete = bundles_sub.add_parser("delete", help="delete a bundle no active run uses")
-    _connection_args(delete)
-    delete.add_argument("sha256")
-    delete.set_defaults(func=_bundles_delete)
+    """Add `bundles list` and `bundles delete` to the `hybridtrain` parser (app.inventory_commands)."""
+    from app.inventory_commands import register_bundles as register
 
-
-def _add_nodes(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    nodes = sub.add_parser("nodes", help="the machines the control plane knows")
-    nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True)
-    ls = nodes_sub.add_parser("list", help="list nodes with status, GPUs and hardware warnings")
-    _connection_args(ls)
-    ls.add_argument("--status", default=None)
-    ls.add_argument("--site", type=int, default=None)
-    ls.add_argument("--json", action="store_true")
-    ls.set_defaults(func=_nodes_list)
+    register(sub)
 
 
 # -- handlers -------------------------------------------------------------------------------
@@ -236,7 +225,10 @@ def _run_body(args: argparse.Namespace) -> dict[str, Any]:
         ("epochs", args.epochs), ("target", _target_flag(args.target)), ("seed", args.seed),
         ("allocation", args.allocation), ("device", args.device), ("ps_node_id", args.ps_node),
         ("rebalance_every", args.rebalance_every), ("eval_every", args.eval_every),
-        ("stop_at_target", args.stop_at_target),
+        ("stop_at_target", args.stop_at_target), ("checkpoint_every", args.checkpoint_every),
+        ("checkpoint_every_s", args.checkpoint_every_s), ("max_restarts", args.max_restarts),
+        ("min_workers", args.min_workers), ("min_workers_wait_s", args.min_workers_wait_s),
+        ("priority", args.priority), ("share_gpus", args.share_gpus),
     ]:
         if value is not None:
             body[key] = value
@@ -362,9 +354,14 @@ def prediction_table(plans: list[dict[str, Any]]) -> str:
 
 
 def _describe(run: dict[str, Any]) -> str:
+    from app.run_progress import status_text
+
     ranks = " ".join(f"{w['rank']}:{w['status']}" for w in run["workers"])
     reason = f" ({run['reason']})" if run.get("reason") else ""
-    return f"run {run['id']} {run['status']}{reason} [{ranks}]"
+    if run.get("queue_position"):
+        waiting = "; ".join(run.get("waiting_for") or [])
+        reason += f" (number {run['queue_position']} in the queue{': ' + waiting if waiting else ''})"
+    return f"run {run['id']} {status_text(run)}{reason} [{ranks}]"
 
 
 @_guard
@@ -424,6 +421,23 @@ def _runs_get(args: argparse.Namespace) -> int:
 
 
 @_guard
+def _runs_show(args: argparse.Namespace) -> int:
+    from app.run_progress import describe_run
+
+    with _client(args) as client:
+        print(describe_run(client.get_run(args.run_id)))
+    return 0
+
+
+@_guard
+def _runs_add_nodes(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        run = client.add_run_nodes(args.run_id, args.nodes)
+    print(f"hybridtrain: {_describe(run)}", file=sys.stderr)
+    return 0
+
+
+@_guard
 def _runs_list(args: argparse.Namespace) -> int:
     with _client(args) as client:
         page = client.list_runs(status=args.status, limit=args.limit)
@@ -467,77 +481,3 @@ def _runs_logs(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guard
-def _nodes_list(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        page = client.list_nodes(status=args.status, site_id=args.site, limit=1000)
-    if args.json:
-        _print_json(page)
-        return 0
-    for node in page["data"]:
-        gpus = ", ".join(f"{g['count']}x {g['model']}" for g in node["gpus"]) or "no GPU"
-        beat = node["last_heartbeat"] or "never"
-        print(f"{node['id']:>5}  {node['status']:<8} {node['name']:<24} {gpus:<28} heartbeat {beat}")
-        warning = (node.get("detected_hardware") or {}).get("mismatch")
-        if warning:
-            print(f"       warning: {warning}")
-    return 0
-
-
-@_guard
-def _bundles_list(args: argparse.Namespace) -> int:
-    from app.packing import human_bytes
-
-    with _client(args) as client:
-        page = client.list_bundles(limit=args.limit)
-    if args.json:
-        _print_json(page)
-        return 0
-    for bundle in page["data"]:
-        print(f"{bundle['sha256']}  {human_bytes(bundle['size_bytes']):>10} {bundle['files']:>6} files  "
-              f"{str(bundle['created_at'])[:19].replace('T', ' ')}  {bundle.get('filename') or '-'}  "
-              f"by {bundle['created_by']}")
-    return 0
-
-
-@_guard
-def _bundles_delete(args: argparse.Namespace) -> int:
-    try:
-        sha256 = _bundle_flag(args.sha256)
-    except UsageError as exc:
-        print(f"hybridtrain: {str(exc).replace('--bundle', 'SHA256')}", file=sys.stderr)
-        return EXIT_USAGE
-    with _client(args) as client:
-        client.delete_bundle(sha256)
-    print(f"hybridtrain: deleted bundle {sha256}", file=sys.stderr)
-    return 0
-
-
-@_guard
-def _plans_optimize(args: argparse.Namespace) -> int:
-    try:
-        body: dict[str, Any] = {"goal": args.goal}
-        if args.nodes is not None:
-            body["node_ids"] = args.nodes
-        else:
-            body["cluster_id"] = args.cluster
-        for key, value in [("task", _task_flag(args.task)), ("task_args", _task_args_flag(args.task_args)),
-                           ("bundle_sha256", _bundle_flag(args.bundle)),
-                           ("global_batch_size", args.global_batch), ("budget_usd_per_h", args.budget_usd_per_h),
-                           ("deadline_s", args.deadline_s), ("max_steps", args.max_steps)]:
-            if value is not None:
-                body[key] = value
-    except UsageError as exc:
-        print(f"hybridtrain: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    with _client(args) as client:
-        answer = client.optimize_plan(body)
-    if args.json:
-        _print_json(answer)
-        return 0
-    plan = answer["plan"]
-    print(answer["explanation"])
-    print(prediction_table([plan]))
-    print(f"nodes: {', '.join(str(w['node_id']) for w in plan['workers'] if w['role'] == 'worker')}; "
-          f"server: {plan.get('ps_node_id') or 'none'}; strategy {plan['strategy']}")
-    return 0

@@ -18,6 +18,8 @@ from typing import Any, TextIO
 from hybridtrain.contract import LEGACY_TIME_TO_TARGET, SYSTEM_METRICS, VAL_LOSS, parse_target
 
 PLAIN_EVERY_S = 10.0
+# The states in which the run trains (a degraded one without some of its workers).
+TRAINING = frozenset({"running", "degraded"})
 # Rank 0 reports the run's loss, throughput and evaluation metrics (in PS runs it is the server).
 _RANK = 0
 
@@ -153,6 +155,41 @@ def _number(value: float | None) -> str:
     return f"{value:.4g}" if abs(value) >= 1000 or abs(value) < 0.001 and value != 0 else f"{value:.3f}"
 
 
+def status_text(run: Mapping[str, Any]) -> str:
+    """'running', 'degraded (1 worker out)', 'restarting 1/3' and the like."""
+    status = str(run["status"])
+    restarts, most = run.get("restarts") or 0, run.get("max_restarts")
+    if status == "restarting":
+        return f"restarting {restarts}/{most}" if most is not None else status
+    if status == "degraded":
+        out = sum(1 for w in run.get("workers", []) if w.get("role") == "worker"
+                  and w.get("status") in ("failed", "left", "cancelled"))
+        status = f"degraded ({out} worker{'s' if out != 1 else ''} out)"
+    if restarts:
+        status += f", restarted {restarts}/{most}"
+    return status
+
+
+def describe_run(run: Mapping[str, Any]) -> str:
+    """A run as `runs show` prints it: its state, each rank, the latest checkpoint."""
+    lines = [f"run {run['id']} {run['name']}: {status_text(run)}"]
+    if run.get("reason"):
+        lines.append(f"  reason: {run['reason']}")
+    lines.append(f"  {run['strategy']}, global batch {run['global_batch_size']}, "
+                 f"max steps {run.get('max_steps') or '?'}, min workers {run.get('min_workers', 1)}")
+    checkpoint = run.get("latest_checkpoint")
+    every = run.get("checkpoint_every") or 0
+    if checkpoint:
+        lines.append(f"  checkpoint: step {checkpoint['step']}, {checkpoint['size']} bytes, "
+                     f"at {checkpoint['created_at']}")
+    else:
+        lines.append("  checkpoint: none yet" if every or run.get("checkpoint_every_s") else "  checkpoint: off")
+    for w in run.get("workers", []):
+        why = f" ({w['reason']})" if w.get("reason") else ""
+        lines.append(f"  rank {w['rank']:>3} {w['role']:<6} {w['node_name']:<20} {w['status']}{why}")
+    return "\n".join(lines)
+
+
 def duration(seconds: float) -> str:
     """62 -> '1m02s'; 3723 -> '1h02m03s'."""
     total = int(round(seconds))
@@ -190,7 +227,7 @@ class RunProgress:
 
     def poll(self, run: Mapping[str, Any]) -> None:
         """Fetch the metrics newer than the last poll and show the progress (running runs)."""
-        if run["status"] != "running":
+        if run["status"] not in TRAINING:
             return
         from app.client import ApiError
 

@@ -21,6 +21,8 @@ each node's namespace and cgroup, and the prediction from `app.predict.predict` 
 
     sudo .venv/bin/python bench/predict.py --out var/bench/predict.json        # ~40 min
     sudo .venv/bin/python bench/predict.py --quick --out var/bench/predict-quick.json   # < 8 min
+    sudo .venv/bin/python bench/predict.py --testbeds paper --tasks resnet18 --strategies ps,ps-gc \
+        --out var/bench/predict-ps.json      # a few cells, ~6 min; a subset writes no docs
 """
 
 from __future__ import annotations
@@ -255,11 +257,36 @@ def measure_run(records: list[dict[str, Any]], *, strategy: str, global_batch: i
     }
 
 
-def compare(predicted: Mapping[str, Any], measured: Mapping[str, Any], site_of: Mapping[Any, str]) -> dict[str, Any]:
+def window_figures(predicted: Mapping[str, Any], first: int, last: int) -> dict[str, float] | None:
+    """The prediction over steps first..last, reduced as `measure_run` reduces a run: samples/s
+    at the median step time, the median cross-site bytes per step (from the prediction's
+    `phases`: warm-up, the densities' path, the settled state); None without phases covering
+    them."""
+    phases = predicted.get("phases") or ()
+    picked = []
+    for k in range(first, last + 1):
+        phase = next((p for p in phases if p["first_step"] <= k
+                      and (p["last_step"] is None or k <= p["last_step"])), None)  # fmt: skip
+        if phase is None:
+            return None
+        picked.append(phase)
+    if not picked or not predicted.get("global_batch"):
+        return None
+    step_s = statistics.median(p["step_s"] for p in picked)
+    return {"samples_per_s": predicted["global_batch"] / step_s, "step_s": step_s,
+            "egress_bytes_per_step": statistics.median(p["cross_site_bytes_per_step"] for p in picked)}
+
+
+def compare(predicted: Mapping[str, Any], measured: Mapping[str, Any], site_of: Mapping[Any, str],
+            window: tuple[int, int] | None = None) -> dict[str, Any]:
     """One cell of the table: predicted and measured samples/s and cross-site bytes per step,
-    with their errors, the prediction's breakdown beside the measured step profile."""
+    with their errors, the prediction's breakdown beside the measured step profile. With
+    `window` (the measured steps), the prediction of those steps where it lists its phases."""
     p_rate = predicted.get("samples_per_s")
     p_egress = cross_site_bytes(predicted.get("bytes_per_step") or (), site_of)
+    windowed = window_figures(predicted, *window) if window else None
+    if windowed is not None:
+        p_rate, p_egress = windowed["samples_per_s"], windowed["egress_bytes_per_step"]
     m_rate, m_egress = measured.get("samples_per_s"), measured.get("egress_bytes_per_step")
     err_rate, err_bytes = error_pct(p_rate, m_rate), error_pct(p_egress, m_egress)
     return {
@@ -270,7 +297,8 @@ def compare(predicted: Mapping[str, Any], measured: Mapping[str, Any], site_of: 
         "measured_egress_bytes_per_step": m_egress,
         "error_egress_pct": err_bytes,
         "verdict": max((verdict(err_rate), verdict(err_bytes)), key=["-", "goal", "bar", "off"].index),
-        "predicted_step_s": predicted.get("step_s"),
+        "predicted_step_s": windowed["step_s"] if windowed else predicted.get("step_s"),
+        "predicted_over": f"steps {window[0]}-{window[1]}" if windowed else "the settled step",
         "measured_step_s": measured.get("step_s"),
         "predicted_breakdown": predicted.get("breakdown"),
         "measured_profile": measured.get("profile"),
@@ -391,6 +419,7 @@ def probe_links_api(api: httpx.Client, node_ids: list[int], seconds: float, log:
     five paper nodes in one request the agents measured the 96 Mbit/s WAN at 6-74 Mbit/s and a
     LAN link at 5.8 (2026-11-24 01:56), and the newest probe of a pair is what the model uses.
     """
+    wait_for_quiet_links(api, log)
     seen: dict[tuple[int, int], dict[str, Any]] = {}
     pairs = [(a, b) for i, a in enumerate(node_ids) for b in node_ids[i + 1:]]
     for a, b in pairs:
@@ -417,6 +446,23 @@ def probe_links_api(api: httpx.Client, node_ids: list[int], seconds: float, log:
     log(f"  links: {len(seen)} directions measured by the agents, one pair at a time: "
         + ", ".join(f"{a}->{b} {v['mbps']:.0f}" for (a, b), v in sorted(seen.items())))
     return seen
+
+
+def wait_for_quiet_links(api: httpx.Client, log: Log, quiet_s: float = 15.0, timeout_s: float = 150.0) -> None:
+    """Wait until no link report has arrived for `quiet_s`: the probes each agent orders when it
+    joins (docs/control-plane.md, "Links") would otherwise share the WAN with the benchmark's."""
+    start = time.monotonic()
+    last_count, since = -1, time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        r = api.get("/api/v1/links", params={"limit": 1})
+        count = r.json().get("count", 0) if r.status_code < 400 and isinstance(r.json(), dict) else 0
+        if count != last_count:
+            last_count, since = count, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            log(f"  links: the join probes are done ({count} reported) after {time.monotonic() - start:.0f} s")
+            return
+        time.sleep(1.0)
+    log(f"  links: probes still reporting after {timeout_s:.0f} s; going on")
 
 
 def _ts(value: str) -> float:
@@ -675,9 +721,11 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
                 "wall_s": round(time.monotonic() - t0, 1),
                 "batch_sizes": {name_of.get(w["node_id"], "?"): w["batch_size"] for w in run["workers"]
                                 if w.get("role") == "worker"}}  # fmt: skip
-        cell |= compare(pred, measured, site_of)
+        # The prediction of the steps measured: past the warm-up, on the densities' path.
+        window = (skip + 1, body["max_steps"])
+        cell |= compare(pred, measured, site_of, window)
         # The same model on the testbed probe's links (one direction at a time).
-        alt = compare(on_probe, measured, site_of)
+        alt = compare(on_probe, measured, site_of, window)
         cell["on_probe_links"] = {k: alt[k] for k in ("predicted_samples_per_s", "error_samples_pct",
                                                       "predicted_egress_bytes_per_step", "error_egress_pct",
                                                       "predicted_breakdown")}  # fmt: skip
@@ -734,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", help="comma-separated (default: all five)")
     p.add_argument("--out", type=Path, default=Path("var/bench/predict.json"))
     p.add_argument("--docs", help="Markdown file to write the section into ('-': none; default "
-                   "docs/BENCHMARKS.md for a full run, none for --quick)")
+                   "docs/BENCHMARKS.md for a full run, none for --quick or a subset)")
     p.add_argument("--state-dir", type=Path, default=None)
     p.add_argument("--report", type=Path, help="re-render the table and docs section of an earlier --out JSON; "
                    "runs nothing")
@@ -777,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(text_table(doc["cells"]))
     print(f"counts: {doc['counts']}; wrote {args.out}")
-    docs = args.docs if args.docs is not None else (None if args.quick else "docs/BENCHMARKS.md")
+    subset = args.quick or args.testbeds or args.tasks or args.strategies
+    docs = args.docs if args.docs is not None else (None if subset else "docs/BENCHMARKS.md")
     if docs and docs != "-":
         path = Path(docs)
         path.write_text(replace_section(path.read_text(), SECTION, docs_section(doc)))

@@ -146,6 +146,29 @@ LEGACY_TIME_TO_TARGET = "time_to_accuracy_s"
 METRIC_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
+# Run events: membership and recovery, reported by the trainer in its metrics stream as records
+# with an "event" key instead of "name"/"value" (trainer.metrics.MetricsLogger.event). `subject`
+# is the rank the event is about; the control plane stores them as the run's timeline.
+EVENT_WORKER_JOINED = "worker_joined"  # admitted at a step boundary (a new node or a restart)
+EVENT_WORKER_LEFT = "worker_left"  # left cleanly (a spot notice, a SIGTERM)
+EVENT_WORKER_LOST = "worker_lost"  # silent or disconnected: dropped, its residual is gone
+EVENT_WAITING = "waiting_for_workers"  # fewer than min_workers: training paused
+EVENT_RESUMED = "resumed"  # restarted from a checkpoint
+EVENT_CHECKPOINT = "checkpoint"  # a checkpoint was written (and uploaded)
+EVENT_KINDS = frozenset(
+    {EVENT_WORKER_JOINED, EVENT_WORKER_LEFT, EVENT_WORKER_LOST, EVENT_WAITING, EVENT_RESUMED,
+     EVENT_CHECKPOINT}
+)
+
+
+# Why an agent stopped a role, sent as the exit event's "cause": the control plane tells a
+# cancel order from a spot notice (a worker leaving cleanly) and from roles lost with their agent.
+CAUSE_CANCEL = "cancel"
+CAUSE_AGENT_STOPPING = "agent_stopping"
+CAUSE_AGENT_RESTARTED = "agent_restarted"
+STOP_CAUSES = (CAUSE_CANCEL, CAUSE_AGENT_STOPPING, CAUSE_AGENT_RESTARTED)
+
+
 def check_metric_name(name: str) -> str:
     """`name` if a task may report a metric under it; ValueError saying why not otherwise."""
     if not METRIC_NAME.match(name):
@@ -226,8 +249,11 @@ LAUNCH_ENV = (ENV_ROLE, ENV_RANK, ENV_WORLD_SIZE, ENV_MASTER_ADDR, ENV_MASTER_PO
 # Trainer flags a launch order sets through its own fields, never through `options`.
 RESERVED_FLAGS = frozenset(
     {"role", "rank", "world-size", "master-addr", "master-port", "batch-sizes", "report-url",
-     "report-token"}
+     "report-token", "report-token-file", "report-spool", "checkpoint-url", "join"}
 )
+# The exit status of a PS server that gave up waiting for --min-workers workers (after
+# --min-workers-wait-s): the control plane fails the run instead of restarting it.
+EXIT_TOO_FEW_WORKERS = 3
 # A bundle of the user's code: a gzipped tar, named by the sha256 of its bytes.
 BUNDLE_MEDIA_TYPE = "application/gzip"
 SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -68,6 +68,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
     p.set_defaults(func=_bench_paper)
 
+    p = bench_sub.add_parser("faults", help="one run per fault, injected at a fixed step (needs root)")
+    p.add_argument("--config", default="bench/testbeds/paper.yaml")
+    p.add_argument("--quick", action="store_true", help="shorter runs and outages (a smoke test)")
+    p.add_argument("--faults", default=None,
+                   help="comma-separated subset of: kill-worker, spot-notice, cut-link, kill-server, "
+                        "kill-control-plane, restart-redis, add-worker")  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("var/bench/faults.json"))
+    p.add_argument("--docs", default=None,
+                   help="the Markdown file whose fault section is rewritten ('-' to skip; "
+                        "default docs/BENCHMARKS.md for a full run, none for --quick)")  # fmt: skip
+    p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
+    p.set_defaults(func=_bench_faults)
+
 
 def _task(text: str) -> str:
     from hybridtrain.contract import check_task_ref
@@ -202,3 +215,9 @@ def _bench_paper(args: argparse.Namespace) -> int:
     from testbed import paperbench
 
     return paperbench.main(args)
+
+
+def _bench_faults(args: argparse.Namespace) -> int:
+    from testbed import faults
+
+    return faults.main(args)

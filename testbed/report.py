@@ -142,10 +142,11 @@ def section(doc: dict[str, Any], chart_links: list[str]) -> str:
     return "\n".join(parts)
 
 
-def replace_section(document: str, new_section: str) -> str:
-    """`document` with its SECTION (up to the next `## ` heading) replaced, or appended."""
+def replace_section(document: str, new_section: str, heading: str = SECTION) -> str:
+    """`document` with its section under `heading` (up to the next `## ` heading) replaced,
+    or appended."""
     lines = document.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
     if start is None:
         sep = "" if document.endswith("\n") or not document else "\n"
         return document + sep + ("\n" if document else "") + new_section

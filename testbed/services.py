@@ -48,26 +48,25 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
     port = the_plan.config.control_plane.port
     work = (state_dir / state.name).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    admin_token = secrets.token_urlsafe(24)
-    (work / "admin_token").write_text(admin_token + "\n")
-    (work / "admin_token").chmod(0o600)
+    admin_token = _secret_file(work / "admin_token", 24)
+    _secret_file(work / "secret_key", 32)
     broker_url = f"redis://{cp.address}:{REDIS_PORT}/0"
     internal_url = f"http://{cp.address}:{port}"
     cp_group = Path(state.endpoints["cp"]["cgroup"])
 
     t0 = time.monotonic()
     _start_redis(state, state_dir, cp.netns, cp.address, cp_group, work)
-    processes.spawn(
+    _spawn_service(
         state, state_dir, name="control-plane", argv=[*_hybridtrain(), "server", "--host",
         cp.address, "--port", str(port), "--log-level", "warning", "--no-access-log"],
         netns_name=cp.netns, cgroup=cp_group,
         env={
             "HYBRIDTRAIN_DATABASE_URL": f"sqlite+pysqlite:///{work / 'control-plane.db'}",
-            "HYBRIDTRAIN_ADMIN_TOKEN": admin_token,
-            "HYBRIDTRAIN_SECRET_KEY": secrets.token_urlsafe(32),
             "CELERY_BROKER_URL": broker_url,
             "HYBRIDTRAIN_PUBLIC_URL": internal_url,
         },
+        secret_env={"HYBRIDTRAIN_ADMIN_TOKEN": str(work / "admin_token"),
+                    "HYBRIDTRAIN_SECRET_KEY": str(work / "secret_key")},
     )  # fmt: skip
     fwd_port = forward.free_port()
     processes.spawn(
@@ -95,7 +94,7 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
                        state.endpoints[name]["cgroup"], "--", sys.executable, "-m", "trainer"]
             # Task profiles measure the node's compute, so they too run on the node's quota.
             profiler = [*trainer[:-1], "trainer.profile"]
-            processes.spawn(
+            _spawn_service(
                 state, state_dir, name=f"agent-{name}", argv=[*_hybridtrain(), "agent",
                 "--server", internal_url, "--token", token,
                 "--state-dir", str(work / "agents" / name), "--broker-url", broker_url,
@@ -115,15 +114,89 @@ def _start_redis(
     if redis is None:
         raise ServiceError("the testbed's broker needs redis-server on PATH")
     (work / "redis").mkdir(exist_ok=True)
-    processes.spawn(
+    _spawn_service(
         state, state_dir, name="redis", argv=[redis, "--bind", address, "--port", str(REDIS_PORT),
         "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir", str(work / "redis")],
         netns_name=ns, cgroup=group,
     )  # fmt: skip
 
 
+def _secret_file(path: Path, nbytes: int) -> str:
+    """A fresh secret, kept in an owner-only file so that a restarted service reads the same."""
+    value = secrets.token_urlsafe(nbytes)
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return value
+
+
+def _spawn_service(
+    state: TestbedState,
+    state_dir: Path,
+    *,
+    name: str,
+    argv: list[str],
+    netns_name: str | None,
+    cgroup: Path,
+    env: dict[str, str] | None = None,
+    secret_env: dict[str, str] | None = None,
+) -> processes.ProcessRecord:
+    """Start a service and record how, so that `restart` can start it again (the fault
+    benchmark kills and restarts the control plane, the broker and agents); secrets are
+    recorded as the files they are read from, never as values."""
+    state.services.setdefault("specs", {})[name] = {
+        "argv": argv, "netns": netns_name, "cgroup": str(cgroup), "env": env or {},
+        "secret_env": secret_env or {},
+    }
+    return processes.spawn(state, state_dir, name=name, argv=argv, netns_name=netns_name,
+                           cgroup=cgroup, env=_service_env(env, secret_env))  # fmt: skip
+
+
+def _service_env(env: dict[str, str] | None, secret_env: dict[str, str] | None) -> dict[str, str]:
+    out = dict(env or {})
+    for key, path in (secret_env or {}).items():
+        out[key] = Path(path).read_text().strip()
+    return out
+
+
+def service(state: TestbedState, name: str) -> processes.ProcessRecord:
+    """The latest process record of service `name` (a restart appends a new one)."""
+    records = [r for r in state.processes if r.name == name]
+    if not records:
+        raise ServiceError(f"testbed {state.name} has no service {name!r}")
+    return records[-1]
+
+
+def restart(state: TestbedState, state_dir: Path, name: str) -> processes.ProcessRecord:
+    """Start service `name` again as `start` first did (after it was stopped or killed)."""
+    spec = state.services.get("specs", {}).get(name)
+    if spec is None:
+        raise ServiceError(f"testbed {state.name}: no recorded way to start {name!r}")
+    if processes.is_alive(service(state, name)):
+        raise ServiceError(f"testbed {state.name}: {name} is still running")
+    return processes.spawn(
+        state, state_dir, name=name, argv=spec["argv"], netns_name=spec["netns"],
+        cgroup=Path(spec["cgroup"]), env=_service_env(spec["env"], spec["secret_env"]),
+    )  # fmt: skip
+
+
+def wait_healthy(state: TestbedState) -> None:
+    """Wait until the control plane answers /healthz (after a restart)."""
+    with admin_client(state) as api:
+        _wait_healthy(api, state)
+
+
+def wait_online(state: TestbedState, names: list[str]) -> None:
+    """Wait until the agents of nodes `names` are online again."""
+    ids = {n: state.services["node_ids"][n] for n in names}
+    with admin_client(state) as api:
+        _wait_online(api, ids, state)
+
+
 def _alive_or_raise(state: TestbedState) -> None:
-    for record in state.processes:
+    # The latest start of each service: a restarted one leaves its dead record behind, and
+    # one-off processes (standalone measurements) are not services.
+    latest = {r.name: r for r in state.processes if r.name in state.services.get("specs", {})}
+    for record in latest.values():
         if not processes.is_alive(record):
             tail = Path(record.log).read_text(errors="replace").splitlines()[-15:]
             raise ServiceError(f"{record.name} exited; the end of {record.log}:\n" + "\n".join(tail))

@@ -1,8 +1,11 @@
-"""Checkpoints: one file per rank per step, written atomically; resume from the newest step that
-every rank still has (agreed over the process group, so per-machine directories work too)."""
+"""Checkpoints: one file per checkpoint step holding everything a run resumes from, with any
+set of workers (docs/elastic.md). Under a parameter server the server writes it (its own
+aggregation state, plus the model and optimizer state one live worker sends: the replicas are
+equal); under all-reduce, rank 0 writes it. Written atomically; the newest KEEP are kept."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
@@ -10,61 +13,53 @@ from typing import Any
 
 import torch
 
-from trainer.config import RESUMABLE_CHANGES, TrainConfig
+from trainer.config import RESUMABLE_CHANGES, SECRET_FIELDS, TrainConfig
 
 KEEP = 2
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+FORMAT = "hybridtrain-run/1"
+_FILE = re.compile(r"^run-step-(\d{8})\.pt$")
 
 
-def rank_path(directory: str | Path, step: int, rank: int) -> Path:
-    """Where rank `rank` keeps its state of step `step`."""
-    return Path(directory) / f"step-{step:08d}" / f"rank-{rank}.pt"
+def run_path(directory: str | Path, step: int) -> Path:
+    """Where the checkpoint of `step` is kept."""
+    return Path(directory) / f"run-step-{step:08d}.pt"
 
 
-def save(directory: str | Path, step: int, rank: int, state: dict[str, Any], cfg: TrainConfig) -> Path:
-    """Write `state` plus the config atomically, then prune all but the newest KEEP steps."""
-    path = rank_path(directory, step, rank)
+def save(directory: str | Path, step: int, state: dict[str, Any], cfg: TrainConfig) -> Path:
+    """Write `state` with the step and the config atomically, then prune all but the newest KEEP."""
+    path = run_path(directory, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, "rank": rank, "config": cfg.to_dict(), **state}, tmp)
+    # The run's report token never goes into a file that is uploaded and kept.
+    config = {k: (None if k in SECRET_FIELDS else v) for k, v in cfg.to_dict().items()}
+    torch.save({"format": FORMAT, "step": step, "config": config, **state}, tmp)
     os.replace(tmp, path)
-    for old in saved_steps(directory, rank)[:-KEEP]:
-        rank_path(directory, old, rank).unlink(missing_ok=True)
+    for old in saved_steps(directory)[:-KEEP]:
+        run_path(directory, old).unlink(missing_ok=True)
     return path
 
 
-def saved_steps(directory: str | Path, rank: int) -> list[int]:
-    """Steps this rank has a complete file for, oldest first."""
+def saved_steps(directory: str | Path) -> list[int]:
+    """Steps with a complete checkpoint file, oldest first."""
     root = Path(directory)
     if not root.is_dir():
         return []
-    steps = []
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and (d / f"rank-{rank}.pt").is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _FILE.match(p.name)))
 
 
-def agreed_resume_step(directory: str | Path, rank: int) -> int:
-    """The newest step every rank can resume from (0 if any rank has none); collective call."""
-    import torch.distributed as dist
-
-    steps = saved_steps(directory, rank)
-    mine = torch.tensor([steps[-1] if steps else 0], dtype=torch.int64)
-    if dist.is_initialized():
-        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
-    step = int(mine.item())
-    if step and step not in steps:
-        raise RuntimeError(
-            f"rank {rank}: the ranks agree to resume at step {step}, but {directory} only has {steps}"
-        )
-    return step
+def latest(directory: str | Path) -> Path | None:
+    """The newest checkpoint file in `directory`, or None."""
+    steps = saved_steps(directory)
+    return run_path(directory, steps[-1]) if steps else None
 
 
-def load(directory: str | Path, step: int, rank: int, cfg: TrainConfig) -> dict[str, Any]:
-    """Read this rank's state of `step`, refusing one written by a different experiment."""
-    state = torch.load(rank_path(directory, step, rank), map_location="cpu", weights_only=False)
+def read(data: bytes | str | Path, cfg: TrainConfig) -> dict[str, Any]:
+    """A checkpoint's state from its bytes or file, refusing one of a different experiment."""
+    source = io.BytesIO(data) if isinstance(data, bytes) else data
+    state = torch.load(source, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError("not a hybridtrain checkpoint (or one written by an older version: per-rank files "
+                         "are no longer read)")
     saved = TrainConfig.from_dict(state["config"])
     diff = [
         f"{k}: checkpoint {getattr(saved, k)!r} vs now {getattr(cfg, k)!r}"
@@ -74,3 +69,15 @@ def load(directory: str | Path, step: int, rank: int, cfg: TrainConfig) -> dict[
     if diff:
         raise ValueError("cannot resume a different run configuration: " + "; ".join(diff))
     return state
+
+
+def to_bytes(obj: Any) -> bytes:
+    """torch.save of `obj` into bytes (an optimizer's state travels this way)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    """The inverse of `to_bytes`."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)

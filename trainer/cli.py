@@ -9,10 +9,10 @@ which is how the node agents start a run across machines.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
-
-import json
+from pathlib import Path
 
 from hybridtrain.contract import (
     ALLOCATIONS,
@@ -117,16 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("evaluation, checkpoints, metrics")
     io.add_argument("--eval-every", type=int, default=d.eval_every)
     io.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: never")
+    io.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s,
+                    help="also checkpoint when this many seconds have passed (0: by steps only)")
     io.add_argument("--checkpoint-dir", default=d.checkpoint_dir)
+    io.add_argument("--checkpoint-url", default=None,
+                    help="upload checkpoints there and, with --resume, start from its latest")
     io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     io.add_argument("--metrics-out", default=None, help="JSON-lines file")
     io.add_argument("--report-url", default=None)
-    io.add_argument("--report-token", default=None)
+    io.add_argument("--report-token", default=None, help="prefer --report-token-file: a command line is public")
+    io.add_argument("--report-token-file", default=None,
+                    help="a file holding the report token (an agent writes one, owner-only, per role)")
+    io.add_argument("--report-spool", default=None,
+                    help="JSON-lines file for records the control plane could not take before exit")
     sysg = p.add_argument_group("system")
     sysg.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
     sysg.add_argument("--device", choices=DEVICES, default=d.device)
     sysg.add_argument("--timeout-s", type=float, default=d.timeout_s,
-                      help="a peer silent this long fails the role instead of hanging it")
+                      help="a peer silent this long fails the role instead of hanging it (a PS server "
+                           "drops a silent worker after 3 step times: docs/elastic.md)")
     sysg.add_argument("--link-mbps", type=_floats, default=(),
                       help="emulated per-worker link bandwidth (Mbit/s), worker order")
     sysg.add_argument("--sites", type=_labels, default=(),
@@ -137,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "over the LAN; it combines them and sends one frame across the WAN")
     sysg.add_argument("--emulate-speeds", action="store_true",
                       help="stretch each worker's compute to its --speeds share (local demos)")
+    sysg.add_argument("--min-workers", type=int, default=d.min_workers,
+                      help="PS strategies: below this many live workers training waits for joiners")
+    sysg.add_argument("--min-workers-wait-s", type=float, default=d.min_workers_wait_s,
+                      help="how long to wait below --min-workers before the run fails")
+    sysg.add_argument("--join", action="store_true",
+                      help="PS strategies: join a running run (any rank not in it); admitted at the next "
+                           "step boundary with the run's model")
     sysg.add_argument("--verbose", action="store_true")
     role = p.add_argument_group("one role (for the node agents)")
     role.add_argument("--role", choices=("ps", "worker"), default=None)
@@ -241,12 +257,29 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.warmup_steps, momentum_correction=args.momentum_correction,
         pipeline_chunks=args.pipeline_chunks, overlap=args.overlap, site_aggregation=args.aggregate_at_sites,
         dense_numel=args.dense_numel, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-        metrics_out=args.metrics_out, report_url=args.report_url, report_token=args.report_token,
+        checkpoint_every=args.checkpoint_every, checkpoint_every_s=args.checkpoint_every_s,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_url=args.checkpoint_url, resume=args.resume,
+        min_workers=args.min_workers, min_workers_wait_s=args.min_workers_wait_s, join=args.join,
+        metrics_out=args.metrics_out, report_url=args.report_url, report_token=_report_token(args),
+        report_spool=args.report_spool,
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,
         link_mbps=tuple(args.link_mbps), sites=tuple(args.sites), emulate_speeds=args.emulate_speeds,
         powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
     )
+
+
+def _report_token(args: argparse.Namespace) -> str | None:
+    if args.report_token_file is None:
+        return args.report_token
+    if args.report_token is not None:
+        raise UsageError("give --report-token or --report-token-file, not both")
+    try:
+        token = Path(args.report_token_file).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--report-token-file {args.report_token_file}: {exc.strerror}") from None
+    if not token:
+        raise UsageError(f"--report-token-file {args.report_token_file} is empty")
+    return token
 
 
 def _target(args: argparse.Namespace) -> str | None:
@@ -267,7 +300,8 @@ def _role_spec(args: argparse.Namespace, cfg: TrainConfig):
 
     if args.rank is None or args.world_size is None or args.master_port is None:
         raise UsageError("--role needs --rank, --world-size and --master-port")
-    if not 0 <= args.rank < args.world_size:
+    # A joiner's rank is the next unused one, beyond the world size the run started with.
+    if args.rank < 0 or (args.rank >= args.world_size and not (args.join and cfg.is_ps)):
         raise UsageError(f"--rank {args.rank} is outside 0..{args.world_size - 1}")
     expected = "ps" if cfg.is_ps and args.rank == 0 else "worker"
     if args.role != expected:
@@ -310,6 +344,13 @@ def launch_main(argv: list[str]) -> int:
 def _takes_value(parser: argparse.ArgumentParser, flag: str) -> bool:
     action = parser._option_string_actions.get(flag)  # noqa: SLF001 - argparse has no public lookup
     return action is not None and action.nargs != 0
+
+
+def skips_finalisation(argv: list[str]) -> bool:
+    """Whether this command line runs the parameter server role (which exits without the
+    interpreter's finalisation, see trainer/__main__.py)."""
+    own = argv[: argv.index("--")] if "--" in argv else argv  # not a script's arguments
+    return "--role=ps" in own or any(a == "--role" and b == "ps" for a, b in zip(own, own[1:]))
 
 
 def main(argv: list[str]) -> int:

@@ -16,15 +16,22 @@ from hybridtrain.contract import (
     proportional_batch_sizes,
 )
 
-__all__ = ["PS_STRATEGIES", "RESUMABLE_CHANGES", "STRATEGIES", "TrainConfig", "default_allocation",
+__all__ = ["PS_STRATEGIES", "RESUMABLE_CHANGES", "SECRET_FIELDS", "STRATEGIES", "TrainConfig", "default_allocation",
            "initial_batch_sizes"]
-# Fields that a resumed run may change (where the files go, how fast it reports), all others
+# Fields that a resumed run may change (where the files go, how fast it reports, its workers), all others
 # must match the checkpoint's or the run would silently continue a different experiment.
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "epochs", "target", "checkpoint_every", "checkpoint_dir", "metrics_out",
      "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume",
-     "sites", "stop_at_target", "data_workers", "eval_every", "code_dir"}
+     "sites", "stop_at_target", "data_workers", "eval_every", "code_dir", "checkpoint_every_s",
+     "checkpoint_url", "report_spool", "min_workers", "min_workers_wait_s", "join",
+     # A run resumes with whichever workers it has now (docs/elastic.md).
+     "workers", "batch_sizes", "speeds", "link_mbps", "emulate_speeds"}
 )
+
+
+# Fields that are credentials: left out of what is written to disk (checkpoints).
+SECRET_FIELDS = frozenset({"report_token"})
 
 
 @dataclass(frozen=True)
@@ -86,11 +93,26 @@ class TrainConfig:
     dense_numel: int = 1024
     eval_every: int = 50
     checkpoint_every: int = 0
+    # Also checkpoint when this many seconds have passed since the last one (0: by steps only).
+    checkpoint_every_s: float = 0.0
     checkpoint_dir: str = "checkpoints"
+    # Where checkpoints are uploaded to and, with --resume, the latest one is read from:
+    # the control plane's store for the run (PUT ?step=N, GET the latest), with report_token.
+    checkpoint_url: str | None = None
     resume: bool = False
+    # PS strategies: below this many live workers the server pauses and waits for joiners for
+    # min_workers_wait_s, then fails the run with the reason.
+    min_workers: int = 1
+    min_workers_wait_s: float = 300.0
+    # A worker started into a running run: the server admits it at the next step boundary and
+    # hands it the current model and a share of the batch.
+    join: bool = False
     metrics_out: str | None = None
     report_url: str | None = None
     report_token: str | None = None
+    # Where records the control plane could not take before exit are written (JSON lines, with
+    # their stream and sequence numbers), for the agent to deliver later.
+    report_spool: str | None = None
     threads: int = 1
     device: str = "cpu"
     # bf16 autocast around the task's forward pass and loss.

@@ -2,18 +2,24 @@
 encoding beside it (conventions: messages are typed). Nothing outside this module knows which
 scalar of a frame is which.
 
-A worker's life, as the server sees it: HELLO (its model's layout) -> WELCOME (the plan) ->
-STATE from worker 1 only, forwarded by the server to every other worker as their starting
-weights -> per step, one GRAD per chunk, answered by one UPDATE per chunk -> now and then
-BUFFERS (answered by BUFFERS_AVG) and EVAL (answered by EVAL_RESULT) -> BYE, answered by BYE.
-ABORT, either way, carries the reason a run cannot go on.
+A worker's life, as the server sees it: HELLO (its model's layout, and for a joiner its speed
+and site) -> WELCOME (the plan) -> STATE: at the start the donor named in WELCOME sends its
+weights and the server forwards them to every other worker; a joiner, or every worker of a
+resumed run, receives the run's current state (from a live worker, asked with FETCH, or from
+the checkpoint) -> per step, one GRAD per chunk, answered by one UPDATE per chunk -> now and
+then BUFFERS (answered by BUFFERS_AVG) and EVAL (answered by EVAL_RESULT) -> BYE, answered by
+BYE; BYE with `leaving` set is a worker leaving a run that goes on (a spot notice). FETCH may
+come from the server whenever a worker waits for it: the worker answers with STATE (its
+weights and optimizer state as of its last step) and waits on. ABORT, either way, carries the
+reason a run cannot go on.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -22,10 +28,10 @@ from trainer.compression import Payload
 from trainer.wire import Message, decode, encode
 
 SERVER = 0
-HELLO, WELCOME, STATE, GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT, BYE, ABORT = range(1, 12)
+HELLO, WELCOME, STATE, GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT, BYE, ABORT, FETCH = range(1, 13)
 KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", STATE: "STATE", GRAD: "GRAD", UPDATE: "UPDATE",
               BUFFERS: "BUFFERS", BUFFERS_AVG: "BUFFERS_AVG", EVAL: "EVAL",
-              EVAL_RESULT: "EVAL_RESULT", BYE: "BYE", ABORT: "ABORT"}
+              EVAL_RESULT: "EVAL_RESULT", BYE: "BYE", ABORT: "ABORT", FETCH: "FETCH"}
 
 
 def _dense(values: torch.Tensor) -> Payload:
@@ -72,61 +78,107 @@ class LayoutSpec:
 
 @dataclass(frozen=True)
 class Hello:
+    """A worker's first frame: its model's layout, and what the server plans a newcomer from
+    (its relative speed and site); `listen_port` where its site's peers reach it."""
+
     sender: int
     layout: LayoutSpec
     train_samples: int | None
+    join: bool = False
+    speed: float | None = None
+    site: str | None = None
+    listen_port: int | None = None
     kind: ClassVar[int] = HELLO
 
     def message(self) -> Message:
         text = json.dumps({"names": self.layout.names, "numels": self.layout.numels,
                            "dense_numel": self.layout.dense_numel,
                            "buffer_numel": self.layout.buffer_numel,
-                           "train_samples": self.train_samples})
+                           "train_samples": self.train_samples, "join": self.join,
+                           "speed": self.speed, "site": self.site, "listen_port": self.listen_port})
         return Message(HELLO, 0, self.sender, text=text)
 
     @classmethod
     def parse(cls, m: Message) -> Hello:
         d = json.loads(m.text)
         layout = LayoutSpec(tuple(d["names"]), tuple(d["numels"]), d["dense_numel"], d["buffer_numel"])
-        return cls(m.sender, layout, d["train_samples"])
+        return cls(m.sender, layout, d["train_samples"], bool(d.get("join")), d.get("speed"), d.get("site"),
+                   d.get("listen_port"))
 
 
 @dataclass(frozen=True)
 class Welcome:
-    """The server's plan at the start: batch sizes, densities and the run's length in steps."""
+    """The server's plan for a worker: batch sizes and densities (per rank - 1, 0 for ranks not
+    in the run), the run's length, the step the state it gets is of, who sends the starting
+    weights (`donor`; 0: the server forwards the run's state), whether the update of
+    `start_step + 1` follows for it to apply (`catch_up`, a joiner), where its updates come from
+    (`source`: the server or its site's relay), whom it relays to, and its site peers' addresses."""
 
     batch_sizes: tuple[int, ...]
     densities: tuple[float, ...]
     max_steps: int
     start_step: int = 0
+    donor: int = 1
+    catch_up: bool = False
+    source: int = SERVER
+    peers: dict[int, tuple[str, int]] = field(default_factory=dict)
+    forwards: tuple[int, ...] = ()  # the workers this one relays the update to
     kind: ClassVar[int] = WELCOME
 
     def message(self) -> Message:
         text = json.dumps({"batch_sizes": self.batch_sizes, "densities": self.densities,
-                           "max_steps": self.max_steps, "start_step": self.start_step})
+                           "max_steps": self.max_steps, "start_step": self.start_step,
+                           "donor": self.donor, "catch_up": self.catch_up, "source": self.source,
+                           "peers": {str(r): list(a) for r, a in self.peers.items()},
+                           "forwards": self.forwards})
         return Message(WELCOME, 0, SERVER, text=text)
 
     @classmethod
     def parse(cls, m: Message) -> Welcome:
         d = json.loads(m.text)
-        return cls(tuple(d["batch_sizes"]), tuple(d["densities"]), d["max_steps"], d["start_step"])
+        peers = {int(r): (a[0], int(a[1])) for r, a in d.get("peers", {}).items()}
+        return cls(tuple(d["batch_sizes"]), tuple(d["densities"]), d["max_steps"], d["start_step"],
+                   d.get("donor", 1), bool(d.get("catch_up")), d.get("source", SERVER), peers,
+                   tuple(d.get("forwards", ())))
 
 
 @dataclass(frozen=True)
 class State:
-    """Worker 1's parameters and float buffers (flat, layout order), the replicas' start."""
+    """A replica's parameters and float buffers (flat, layout order) as of `step`, and its
+    optimizer's state (torch.save bytes; empty at the start of a run): what a worker needs to
+    continue the run's model exactly."""
 
     sender: int
     params: torch.Tensor
     buffers: torch.Tensor
+    step: int = 0
+    optimizer: bytes = b""
     kind: ClassVar[int] = STATE
 
     def message(self) -> Message:
-        return Message(STATE, 0, self.sender, payloads=[_dense(self.params), _dense(self.buffers)])
+        # fp32 payloads: the weights cross exactly. The optimizer state is opaque bytes, carried
+        # as base64 text (a third larger, once per join or checkpoint).
+        return Message(STATE, self.step, self.sender, payloads=[_dense(self.params), _dense(self.buffers)],
+                       text=base64.b64encode(self.optimizer).decode("ascii"))
 
     @classmethod
     def parse(cls, m: Message) -> State:
-        return cls(m.sender, m.payloads[0].values, m.payloads[1].values)
+        return cls(m.sender, m.payloads[0].values, m.payloads[1].values, m.step, base64.b64decode(m.text))
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """The server asks a worker for its STATE (a joiner's start, a checkpoint)."""
+
+    step: int
+    kind: ClassVar[int] = FETCH
+
+    def message(self) -> Message:
+        return Message(FETCH, self.step, SERVER)
+
+    @classmethod
+    def parse(cls, m: Message) -> Fetch:
+        return cls(m.step)
 
 
 @dataclass(frozen=True)
@@ -262,18 +314,20 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class Bye:
-    """A worker is done after `step` steps; the server answers with its own."""
+    """A worker is done after `step` steps (or, `leaving`, leaves a run that goes on); the
+    server answers with its own."""
 
     step: int
     sender: int
+    leaving: bool = False
     kind: ClassVar[int] = BYE
 
     def message(self) -> Message:
-        return Message(BYE, self.step, self.sender)
+        return Message(BYE, self.step, self.sender, [float(self.leaving)])
 
     @classmethod
     def parse(cls, m: Message) -> Bye:
-        return cls(m.step, m.sender)
+        return cls(m.step, m.sender, bool(m.scalars[0]) if m.scalars else False)
 
 
 @dataclass(frozen=True)
@@ -292,9 +346,9 @@ class Abort:
         return cls(m.sender, m.text)
 
 
-Frame = Hello | Welcome | State | Grad | Update | Buffers | BuffersAvg | Eval | EvalResult | Bye | Abort
+Frame = Hello | Welcome | State | Grad | Update | Buffers | BuffersAvg | Eval | EvalResult | Bye | Abort | Fetch
 _PARSERS: dict[int, type] = {c.kind: c for c in (Hello, Welcome, State, Grad, Update, Buffers, BuffersAvg,
-                                                 Eval, EvalResult, Bye, Abort)}
+                                                 Eval, EvalResult, Bye, Abort, Fetch)}
 
 
 class ProtocolError(RuntimeError):
@@ -332,6 +386,6 @@ def expect(raw: torch.Tensor, cls: type, step: int | None = None, *, peer: int |
     return frame
 
 
-__all__ = ["Abort", "Buffers", "BuffersAvg", "Bye", "Eval", "EvalResult", "Frame", "Grad", "Hello",
+__all__ = ["Abort", "Buffers", "BuffersAvg", "Bye", "Eval", "EvalResult", "Fetch", "Frame", "Grad", "Hello",
            "LayoutSpec", "ProtocolError", "SERVER", "State", "Update", "Welcome", "expect", "pack",
            "unpack"]

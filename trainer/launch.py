@@ -1,7 +1,9 @@
 """Local launcher: every role of a run as a subprocess on 127.0.0.1, supervised like torchrun.
 
-If a role exits non-zero the others are stopped at once (they would otherwise wait for it until
-their timeout), and the launcher exits 1 naming the role. Per-rank metric files are merged into
+Under a parameter server the run is the server's: a worker that dies is reported and the
+others train on (the server drops it, docs/elastic.md); the launcher exits with the server's
+outcome. Under all-reduce, if a role exits non-zero the others are stopped at once (they
+would otherwise wait for it until their timeout), and the launcher exits 1 naming the role. Per-rank metric files are merged into
 --metrics-out, ordered by time, when the run ends.
 """
 
@@ -49,6 +51,7 @@ def _merge_metrics(out: str, parts: list[str]) -> list[dict]:
 
 
 def _summary(cfg: TrainConfig, records: list[dict], wall_s: float) -> str:
+    records = [r for r in records if "name" in r]  # run events have no value to sum
     evals = {r["name"]: r["value"] for r in records
              if r["name"] not in SYSTEM_METRICS and r["rank"] == 0 and r["value"] is not None}
     tta = [r["value"] for r in records if r["name"] == "time_to_target_s"]
@@ -65,16 +68,74 @@ def _summary(cfg: TrainConfig, records: list[dict], wall_s: float) -> str:
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    deadline = time.monotonic() + grace_s
+    if grace_s > 5.0:  # a finished run: the roles are on their way out by themselves
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
+    deadline = time.monotonic() + 5.0
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _supervise(cfg: TrainConfig, procs: list[subprocess.Popen]) -> int:
+    """Wait for the roles; 0 once the run has ended well. Under a parameter server the run
+    is the server's: a worker that dies is reported and the others train on without it."""
+    told: set[int] = set()
+    while True:
+        codes = [p.poll() for p in procs]
+        if cfg.is_ps:
+            for rank, code in enumerate(codes[1:], 1):
+                if code not in (None, 0) and rank not in told:
+                    told.add(rank)
+                    print(f"hybridtrain train: worker rank {rank} exited with status {code}; the others train "
+                          "on without it", file=sys.stderr, flush=True)
+            if codes[0] is None and all(c not in (None, 0) for c in codes[1:]):
+                # No worker is left to join the server locally: nothing more will happen.
+                print("hybridtrain train: error: every worker has failed; stopping the server",
+                      file=sys.stderr, flush=True)
+                _stop(procs)
+                return 1
+            if codes[0] is not None:
+                if codes[0] != 0:
+                    print(f"hybridtrain train: error: the server (rank 0) exited with status {codes[0]}; "
+                          "stopping the workers", file=sys.stderr, flush=True)
+                    _stop(procs)
+                    return 1
+                # The server has said BYE to every worker: give them a moment to exit.
+                _stop(procs, grace_s=30.0)
+                for rank, p in enumerate(procs[1:], 1):
+                    if p.returncode not in (0, None) and rank not in told:
+                        print(f"hybridtrain train: worker rank {rank} exited with status {p.returncode} after "
+                              "the run ended", file=sys.stderr, flush=True)
+                return 0
+        else:
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                print(f"hybridtrain train: error: {_role_of(cfg, rank)} rank {rank} exited with status "
+                      f"{code}; stopping the other roles", file=sys.stderr, flush=True)
+                _stop(procs)
+                return 1
+            if all(c == 0 for c in codes):
+                return 0
+        time.sleep(0.1)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    # Once: a second SIGTERM (a process-group kill reaches the roles and us) must not cut the
+    # roles' shutdown short and orphan them.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
@@ -95,6 +156,9 @@ def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
         Path(part).unlink(missing_ok=True)
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
+    # A SIGTERM to the launcher (`timeout`, a CI job's cancel) stops the roles as Ctrl-C does:
+    # they are its children, and left running they would hold the port and the CPU.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     what = f"script {cfg.script}" if cfg.script else f"task {cfg.task}"
     print(f"hybridtrain train: {what}, {cfg.strategy}, {cfg.workers} worker(s), world size {world}, "
           f"127.0.0.1:{port}", file=sys.stderr, flush=True)
@@ -108,23 +172,15 @@ def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
                    "--master-addr", "127.0.0.1", "--master-port", str(port),
                    "--metrics-out", parts[rank], *tail]
             procs.append(subprocess.Popen(cmd, env=env))
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                print(f"hybridtrain train: error: {_role_of(cfg, rank)} rank {rank} exited with status "
-                      f"{code}; stopping the other roles", file=sys.stderr, flush=True)
-                _stop(procs)
-                return 1
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.1)
+        status = _supervise(cfg, procs)
+        if status:
+            return status
     except KeyboardInterrupt:
         _stop(procs)
         print("hybridtrain train: interrupted", file=sys.stderr)
         return 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         records = _merge_metrics(out, parts)
         if not cfg.metrics_out:
             shutil.rmtree(os.path.dirname(out), ignore_errors=True)

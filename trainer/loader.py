@@ -49,8 +49,9 @@ def eval_slice(n_test: int, worker: int, batch_sizes: Sequence[int]) -> slice:
     as it finishes a step; equal parts would leave the fast workers waiting on the slow ones.
     """
     weights = np.asarray(batch_sizes, dtype=np.float64)
-    if weights.size == 0 or (weights <= 0).any():
-        raise ValueError(f"eval_slice: batch sizes must be positive, got {list(batch_sizes)}")
+    # A 0 is a rank not in the run (lost, left, not joined yet): it scores nothing.
+    if weights.size == 0 or (weights < 0).any() or weights.sum() <= 0:
+        raise ValueError(f"eval_slice: batch sizes must be >= 0 with a positive sum, got {list(batch_sizes)}")
     bounds = (np.concatenate([[0.0], np.cumsum(weights)]) / weights.sum() * n_test).round().astype(int)
     return slice(int(bounds[worker]), int(bounds[worker + 1]))
 

@@ -54,6 +54,18 @@ from trainer.metrics import HttpReporter, MetricsLogger
 _current: Context | None = None
 
 
+class WorkerLeft(SystemExit):
+    """Raised from `step()` once a worker told to leave (SIGTERM, a spot notice) has left the
+    run at the step boundary: the process ends with status 0, the run goes on."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class Context:
     """Where this process stands in the run: its rank, device, batch share, step and stop flag."""
 
@@ -78,6 +90,8 @@ class Context:
         self._data_s = 0.0
         self._last_print = 0.0
         self.finished = False
+        self.leave_requested = False
+        self.master_addr, self.master_port = "127.0.0.1", 0
 
     # -- what user code reads --------------------------------------------------------------------
     @property
@@ -147,6 +161,10 @@ class Context:
         print(f"[{self.strategy} worker {self.worker}] step {self.step}{total} loss {loss:.4f}"
               f"{extra} elapsed {self.elapsed():.1f}s", file=sys.stderr, flush=True)
 
+    def request_leave(self) -> None:
+        """Leave the run at the next step boundary (a signal handler calls this)."""
+        self.leave_requested = True
+
     def finish(self) -> None:
         """Say goodbye to the server (PS) and flush the metrics; idempotent."""
         if self.finished:
@@ -170,14 +188,17 @@ def bootstrap(cfg: TrainConfig, *, rank: int, role: str, world_size: int, master
     import torch.distributed as dist
 
     torch.set_num_threads(cfg.threads)
-    reporter = HttpReporter(cfg.report_url, cfg.report_token) if cfg.report_url else None
+    reporter = HttpReporter(cfg.report_url, cfg.report_token, spool=cfg.report_spool) if cfg.report_url else None
     metrics = MetricsLogger(rank, role, cfg.metrics_out, reporter)
     device = resolve_device(cfg.device, rank)
-    backend = "nccl" if (not cfg.is_ps and device.type == "cuda") else "gloo"
-    if not dist.is_initialized():
+    # A parameter server's workers reach it over its own TCP transport (trainer.sockets), which
+    # admits joiners; only the all-reduce baselines form a (fixed-size) process group.
+    if not cfg.is_ps and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s))
     _current = Context(cfg, rank=rank, role=role, device=device, metrics=metrics, fail_at_step=fail_at_step)
+    _current.master_addr, _current.master_port = master_addr, master_port
     return _current
 
 
@@ -242,17 +263,22 @@ class DistributedOptimizer:
         self.module = module
         if ctx.cfg.is_ps and not ctx.standalone:
             from trainer.ps import PSClient
-            from trainer.transport import ThrottledTransport, TorchTransport
+            from trainer.sockets import WorkerSocketTransport
+            from trainer.transport import ThrottledTransport
 
-            transport = TorchTransport(ctx.rank)
-            if ctx.cfg.link_mbps:
+            transport = WorkerSocketTransport(ctx.rank, ctx.master_addr, ctx.master_port,
+                                              timeout_s=ctx.cfg.timeout_s, listen=bool(ctx.cfg.sites))
+            if ctx.worker < len(ctx.cfg.link_mbps):
                 transport = ThrottledTransport(transport, ctx.cfg.link_mbps[ctx.worker], peer=0)
             client = PSClient(ctx.cfg, ctx.rank, transport, module, optimizer, ctx.metrics,
                               device=ctx.device, train_samples=ctx.train_samples)
             client.start()
             ctx.client = client
+            # A joiner, or a worker of a resumed run, starts where the run is.
+            ctx.step = client.step
             ctx.batch_sizes = list(client.batch_sizes)
             ctx.max_steps = client.max_steps
+            ctx.should_stop = client.ended_by_server
             ctx._t0 = time.time()
 
     def __getattr__(self, name: str) -> Any:
@@ -276,7 +302,7 @@ class DistributedOptimizer:
             raise RuntimeError(f"injected failure at step {step} (--inject-failure)")
         now = time.perf_counter()
         compute_s = now - ctx._batch_ready_at if ctx._batch_ready_at is not None else 0.0
-        if ctx.cfg.emulate_speeds and ctx.cfg.speeds:
+        if ctx.cfg.emulate_speeds and ctx.worker < len(ctx.cfg.speeds):
             # Stretch compute to what a device of relative speed s_m would take.
             slow = max(ctx.cfg.speeds) / ctx.cfg.speeds[ctx.worker]
             time.sleep(compute_s * (slow - 1.0))
@@ -314,6 +340,12 @@ class DistributedOptimizer:
         ctx._batch_ready_at = None
         ctx.step = step
         ctx.progress()
+        if ctx.client is not None and ctx.client.ended_by_server:
+            ctx.should_stop = True
+        if ctx.leave_requested and ctx.client is not None:
+            ctx.client.leave()
+            ctx.finished = True
+            raise WorkerLeft(f"left the run after step {step} (SIGTERM: a spot notice); the run goes on")
 
 
 def data_loader(dataset: Any, *, collate: Callable | None = None, transform: Callable | None = None,

@@ -3,6 +3,7 @@ control plane needs to know of a task on this node, as one JSON line on stdout.
 
 {"params", "dense_params", "buffer_numel", "matrix_shapes", "train_samples", "eval_samples",
 "batch", "samples_per_s", "step_s", "worker_compress_s", "server_compress_s", "aggregate_s",
+"dense_aggregate_s_per_element", "dense_encode_s_per_element", "powersgd_s", "powersgd_rank",
 "metrics"}: the parameter count, the part that travels dense (1-D and small tensors, at the
 trainer's default --dense-numel) and the (rows, cols) of every matrix-shaped parameter (which
 PowerSGD factors), the data sets' sizes (null for a stream), the node's throughput of
@@ -10,9 +11,12 @@ forward, backward and optimizer step at batch N (after one warm-up step), measur
 seconds, and what the compression path costs on this node: a worker's error feedback, top-k at
 the default density and frame encoding of the model's compressed part (`worker_compress_s`),
 the server's top-k of it at the default k_s and encoding (`server_compress_s`), and decoding and
-adding one worker's compressed frame (`aggregate_s`), each the median of a few repeats. The
-control plane's performance model (app/predict.py) reads these. A task that cannot be loaded exits 1 with the reason on stderr. Node agents run this
-in a child process, so the agent itself never imports torch.
+adding one worker's compressed frame (`aggregate_s`), what a dense frame costs per element
+(decoding and adding one worker's, `dense_aggregate_s_per_element`; encoding one,
+`dense_encode_s_per_element`), and PowerSGD's work on a worker per step at the default rank
+(`powersgd_s`), each the median of a few repeats. The control plane's performance model
+(app/predict.py) reads these. A task that cannot be loaded exits 1 with the reason on stderr.
+Node agents run this in a child process, so the agent itself never imports torch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ import sys
 import time
 
 from hybridtrain.task import TaskError, load_task, parse_task_args
+
+
+# The largest dense frame the profile times (4 MB). The `ps` server of a ResNet-18 run on the
+# paper testbed spent 0.084 s a step on summing 4 x 11.2M elements and encoding 11.2M on its
+# 0.3-core quota, ~0.5 ns an element of a full core: what frames of this size measure, while
+# frames of 8 MB and more measured 3-10x that (fresh pages and cache misses of one-off buffers).
+DENSE_FRAME_NUMEL = 1 << 20
 
 
 def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, device: str = "cpu") -> dict:
@@ -71,6 +82,9 @@ def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, devic
     costs = compression_costs(layout.sparse_numel)
     # PowerSGD factors each matrix-shaped gradient as DDP's hook sees it: rows x (numel / rows).
     shapes = [[p.shape[0], p.numel() // p.shape[0]] for p in model.parameters() if p.requires_grad and p.dim() > 1]
+    costs |= dense_frame_costs(params)
+    costs |= {"powersgd_s": powersgd_cost(shapes, params, rank=TrainConfig.powersgd_rank),
+              "powersgd_rank": TrainConfig.powersgd_rank}
     return {"params": params, "dense_params": layout.dense_numel, "buffer_numel": layout.spec.buffer_numel,
             "matrix_shapes": shapes,
             "train_samples": train_samples, "eval_samples": eval_samples, "batch": batch,
@@ -114,6 +128,82 @@ def compression_costs(sparse_numel: int, repeats: int = 3) -> dict[str, float]:
             server.append(t3 - t2)
     return {"worker_compress_s": statistics.median(worker), "server_compress_s": statistics.median(server),
             "aggregate_s": statistics.median(agg)}
+
+
+def dense_frame_costs(numel: int, repeats: int = 5, frames: int = 4) -> dict[str, float]:
+    """Seconds per element of a dense frame (a `ps` step, a warm-up step, the dense part): the
+    server's decoding of `frames` workers' GRAD frames and adding them into the sum, per frame,
+    and encoding one frame. Measured on frames of at most DENSE_FRAME_NUMEL elements in the
+    steady state (the allocator warm), as a running server's are."""
+    import statistics
+
+    import torch
+
+    from trainer.algorithm import aggregate
+    from trainer.compression import Payload
+    from trainer.frames import Grad, Update, pack, unpack
+
+    n = min(numel, DENSE_FRAME_NUMEL)
+    if n == 0:
+        return {"dense_aggregate_s_per_element": 0.0, "dense_encode_s_per_element": 0.0}
+    values = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    sent = [pack(Grad(1, w, 0, 0.0, 1, 0.0, 0.0, 0.0, Payload(0, torch.zeros(0)), Payload(n, values)))
+            for w in range(frames)]
+    decode_add, encode = [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        pack(Update(1, 0, Payload(0, torch.zeros(0)), Payload(n, values)))
+        t1 = time.perf_counter()
+        aggregate([unpack(f) for f in sent], 0, n)
+        t2 = time.perf_counter()
+        if i:  # the first round warms the allocator
+            encode.append(t1 - t0)
+            decode_add.append((t2 - t1) / frames)
+    return {"dense_aggregate_s_per_element": statistics.median(decode_add) / n,
+            "dense_encode_s_per_element": statistics.median(encode) / n}
+
+
+def powersgd_cost(shapes: list[list[int]], params: int, *, rank: int, repeats: int = 3) -> float:
+    """Seconds of PowerSGD's own work on one worker per compressed step, as PyTorch's
+    `powerSGD_hook` does it on one bucket (error feedback on, warm start): add the residual, copy
+    the uncompressed tensors out, P = M Q, orthogonalise P, Q = M^T P, M ~ P Q^T, the new residual
+    and the copies back. The all-reduces are left out: the model times them on the links."""
+    import statistics
+
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(params, generator=gen)
+    residual = torch.zeros(params)
+    compressed, plain, offset = [], 0, 0
+    for rows, cols in shapes:
+        r = min(rows, cols, rank)
+        worth, _, _ = psgd._should_compress(rows, cols, r, 2.0)
+        if worth:
+            compressed.append((offset, rows, cols, torch.randn(cols, r, generator=gen)))
+        else:
+            plain += rows * cols
+        offset += rows * cols
+    plain += max(0, params - offset)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        grad = flat + residual  # error feedback: the bucket plus last step's residual
+        # The uncompressed tensors go to a contiguous buffer for their own all-reduce.
+        torch.empty(plain).copy_(grad[:plain])
+        approx = torch.empty_like(grad)
+        for start, rows, cols, q in compressed:
+            m = grad[start:start + rows * cols].view(rows, cols)
+            p = m @ q
+            psgd._orthogonalize(p.unsqueeze(0))
+            q.copy_(m.t() @ p)
+            approx[start:start + rows * cols].view(rows, cols).copy_(p @ q.t())
+        residual = grad - approx
+        t1 = time.perf_counter()
+        if i:  # the first round warms the allocator and the matmul kernels
+            times.append(t1 - t0)
+    return statistics.median(times) if compressed else 0.0
 
 
 def _cycle(make):

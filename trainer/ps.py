@@ -53,20 +53,17 @@ from trainer.frames import (
     UPDATE,
     Buffers,
     BuffersAvg,
-    Bye,
     Eval,
     EvalResult,
     Grad,
-    Hello,
     ProtocolError,
-    State,
     Update,
-    Welcome,
     expect,
     pack,
 )
 from trainer.metrics import MetricsLogger
-from trainer.relay import SERVER, plan_relay
+from trainer.relay import SERVER
+from trainer.session import Session
 from trainer.transport import Inbox, Transport
 from trainer.wire import peek_kind
 
@@ -127,8 +124,9 @@ class _Sending:
     ready: set = field(default_factory=set)
 
 
-class PSClient:
-    """A worker's side of the protocol: hand it the gradients of a step, it does steps 2-5."""
+class PSClient(Session):
+    """A worker's side of the protocol: hand it the gradients of a step, it does steps 2-5;
+    its place in the run (start, joining, leaving) is `trainer.session.Session`'s."""
 
     def __init__(
         self,
@@ -153,7 +151,6 @@ class PSClient:
         self.bounds = chunks(self.layout.sparse_numel, cfg.pipeline_chunks)
         # One codec state (residual) per chunk: each chunk is compressed on its own.
         self.codec_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
-        self.relay = plan_relay(cfg.sites, cfg.workers)
         self.last_tx_s = 0.0
         self.step = 0
         self.stopped = False
@@ -176,17 +173,21 @@ class PSClient:
         if cfg.overlap:
             for name in self._chunk_params_names():
                 self._params[name].register_post_accumulate_grad_hook(self._on_grad)
-        source = self.relay.source(rank)
-        self._update_source = source
+        # Where updates come from and whom this worker relays them to: the server's WELCOME says.
+        self._update_source = SERVER
+        self.forwards: tuple[int, ...] = ()
         # Per-site aggregation: a remote site's workers send their chunks to the site's relay
         # (`up`), which combines its `site` members' with its own and re-sparsifies the sum,
         # with an error-feedback residual per chunk of its own, into one frame for the server.
-        self.up = source if cfg.site_aggregation else SERVER
-        self.site = self.relay.forwards_of(rank) if cfg.site_aggregation else ()
+        self.up = SERVER
+        self.site: tuple[int, ...] = ()
         self.site_codec = _codec(cfg, "topk")
         self.site_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
-        self.inbox = Inbox(transport, sorted({SERVER, source, *self.site}), timeout_s=cfg.timeout_s,
-                           last_kinds=_LAST, on_frame=self._forward)
+        # The server may pause below --min-workers: a worker waits that long on top.
+        wait = cfg.timeout_s + (cfg.min_workers_wait_s if cfg.min_workers > 1 else 0.0)
+        self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=_LAST, on_frame=self._forward)
+        self.left = False
+        self.ended_by_server = False
 
     # -- the optimizer --------------------------------------------------------------------------
     def _adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> _SgdRules:
@@ -294,47 +295,9 @@ class PSClient:
         while sending.next_chunk < last and self._chunk_params[sending.next_chunk] <= sending.ready:
             self._send_chunk(sending, sending.next_chunk, math.nan, 0.0)
 
-    # -- start and end ----------------------------------------------------------------------------
-    def start(self) -> None:
-        """HELLO, then the server's plan, then the replicas' common starting weights."""
-        hello = Hello(self.rank, self.layout.spec, self.train_samples)
-        self.transport.send(SERVER, pack(hello))
-        welcome = expect(self.inbox.get(SERVER)[0], Welcome, peer=SERVER)
-        self.batch_sizes = list(welcome.batch_sizes)
-        self.densities = list(welcome.densities)
-        self.max_steps = welcome.max_steps
-        params = self._flat_params()
-        buffers = float_buffers(self.model)
-        if self.rank == 1:
-            flat_buffers = torch.cat([b.reshape(-1).float().cpu() for b in buffers]) if buffers else torch.zeros(0)
-            self.transport.send(SERVER, pack(State(self.rank, params.cpu(), flat_buffers)))
-            return
-        state = expect(self.inbox.get(SERVER)[0], State, peer=SERVER)
-        with torch.no_grad():
-            for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
-                p = self._params[name]
-                p.copy_(state.params[off : off + n].view_as(p))
-            off = 0
-            for b in buffers:
-                b.copy_(state.buffers[off : off + b.numel()].view_as(b))
-                off += b.numel()
-
+    # -- start and end: trainer.session ------------------------------------------------------------
     def _flat_params(self) -> torch.Tensor:
         return torch.cat([self._params[n].detach().reshape(-1).float() for n in self.layout.names])
-
-    def close(self) -> None:
-        """BYE to the server; returns once the server has said BYE too."""
-        self.transport.send(SERVER, pack(Bye(self.step, self.rank)))
-        if self.up != SERVER:  # ends the relay's wait on this worker's chunks
-            self.transport.send(self.up, pack(Bye(self.step, self.rank)))
-        # A relay forwards the server's BYE to its peers from the inbox thread, which ends theirs.
-        expect(self.inbox.get(SERVER)[0], Bye, peer=SERVER)
-        # Every other receiving thread ends with its peer's BYE too (the relay's forward of the
-        # server's; each site member's own): wait for them all, since a thread still blocked in a
-        # receive when the process group is torn down aborts the process.
-        for peer in sorted({self._update_source, *self.site} - {SERVER}):
-            expect(self.inbox.get(peer)[0], Bye, peer=peer)
-        self.flush_bytes()
 
     def flush_bytes(self) -> None:
         """Log the bytes since the last flush under the last step: a step's record per link then
@@ -345,8 +308,9 @@ class PSClient:
     def _forward(self, peer: int, frame: torch.Tensor) -> None:
         """On the inbox thread: a relay forwards each update (and the final BYE) to its site's
         peers before anything reads it, since they wait on it."""
-        forwards = self.relay.forwards_of(self.rank)
-        if not forwards or peer != SERVER or peek_kind(frame) not in (UPDATE, BYE):
+        forwards = self.forwards
+        # A leaving relay's BYE is its own: its peers hear from the server from then on.
+        if not forwards or self.left or peer != SERVER or peek_kind(frame) not in (UPDATE, BYE):
             return
         t0 = time.perf_counter()
         self.transport.send_many(forwards, frame)
@@ -479,14 +443,10 @@ class PSClient:
             wait()
         sent = time.perf_counter()
         topk_s, encode_s, tx_s = sending.topk_s, sending.encode_s, sending.tx_s + sent - ts
-        last_arrival = sent
-        for c in range(len(self.bounds)):
-            raw, _ = self.inbox.get(self._update_source)
-            last_arrival = time.perf_counter()
-            update = expect(raw, Update, step, peer=self._update_source)
-            if update.chunk != c:
-                raise ProtocolError(f"rank {self.rank}: expected chunk {c} of step {step}, got {update.chunk}")
-            self.apply(update)
+        self._read_updates(step)
+        if self.ended_by_server:
+            return
+        last_arrival = time.perf_counter()
         self.last_tx_s = tx_s
         self.step = step
         total = step_s + time.perf_counter() - t0
@@ -512,7 +472,10 @@ class PSClient:
             return
         flat = torch.cat([b.reshape(-1).float().cpu() for b in buffers])
         self.transport.send(SERVER, pack(Buffers(step, self.rank, self.batch_sizes[self.index], flat)))
-        avg = expect(self.inbox.get(SERVER)[0], BuffersAvg, step, peer=SERVER).values
+        reply = self._from_server(BuffersAvg, step)
+        if reply is None:
+            return
+        avg = reply.values
         off = 0
         with torch.no_grad():
             for b in buffers:
@@ -523,7 +486,10 @@ class PSClient:
         """Send this worker's metric sums; the server answers with the run's means and whether
         the target stops the run."""
         self.transport.send(SERVER, pack(Eval(step, self.rank, sums, count)))
-        result = expect(self.inbox.get(SERVER)[0], EvalResult, step, peer=SERVER)
+        result = self._from_server(EvalResult, step)
+        if result is None:
+            self.stopped = True
+            return {}, True
         self.stopped = result.stop
         return result.values, result.stop
 

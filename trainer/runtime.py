@@ -9,18 +9,19 @@ import json
 import logging
 import os
 import runpy
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 
+from hybridtrain.contract import EXIT_TOO_FEW_WORKERS
 from hybridtrain.task import TaskError, load_task
-from trainer import checkpoint
 from trainer.config import TrainConfig
 from trainer.frames import ProtocolError
+from trainer.loop import WorkerLeft
 from trainer.metrics import HttpReporter, MetricsLogger
 
 log = logging.getLogger("trainer")
@@ -39,25 +40,27 @@ class RoleSpec:
 
 
 def _serve(cfg: TrainConfig, spec: RoleSpec) -> None:
-    import torch.distributed as dist
-
+    from trainer.checkpoint_store import load_latest
     from trainer.server import ParameterServer
-    from trainer.transport import TorchTransport
+    from trainer.sockets import ServerSocketTransport
 
     torch.set_num_threads(cfg.threads)
-    reporter = HttpReporter(cfg.report_url, cfg.report_token) if cfg.report_url else None
+    reporter = HttpReporter(cfg.report_url, cfg.report_token, spool=cfg.report_spool) if cfg.report_url else None
     metrics = MetricsLogger(spec.rank, spec.role, cfg.metrics_out, reporter)
+    transport = None
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-                                rank=spec.rank, world_size=spec.world_size,
-                                timeout=timedelta(seconds=cfg.timeout_s))
-        server = ParameterServer(cfg, TorchTransport(0), metrics)
-        start = checkpoint.agreed_resume_step(cfg.checkpoint_dir, 0) if cfg.resume else 0
-        if start:
-            server.load_state_dict(checkpoint.load(cfg.checkpoint_dir, start, 0, cfg))
-            print(f"[ps rank 0] resumed from step {start}", file=sys.stderr, flush=True)
+        # Workers connect whenever they start (and join later): no fixed-size process group.
+        transport = ServerSocketTransport(spec.master_addr, spec.master_port, timeout_s=cfg.timeout_s)
+        server = ParameterServer(cfg, transport, metrics)
+        state = load_latest(cfg) if cfg.resume else None
+        if state is not None:
+            server.resume(state)
+        # A spot notice: checkpoint at the next step boundary, then stop with the reason.
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "preempted", True))
         server.serve()
     finally:
+        if transport is not None:
+            transport.close()
         metrics.close()
 
 
@@ -85,6 +88,9 @@ def _work(cfg: TrainConfig, spec: RoleSpec) -> None:
     ctx = loop.bootstrap(cfg, rank=spec.rank, role=spec.role, world_size=spec.world_size,
                          master_addr=spec.master_addr, master_port=spec.master_port,
                          fail_at_step=spec.fail_at_step)
+    if cfg.is_ps:
+        # A spot notice (the agent forwards SIGTERM): leave at the next step boundary.
+        signal.signal(signal.SIGTERM, lambda *_: ctx.request_leave())
     try:
         if task is not None:
             from trainer.taskloop import run_task
@@ -108,6 +114,8 @@ def _run_script(script: str, args: tuple[str, ...]) -> None:
     sys.path.insert(0, str(path.resolve().parent))
     try:
         runpy.run_path(str(path), run_name="__main__")
+    except WorkerLeft:
+        raise
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise RuntimeError(f"script {script} exited with status {exc.code}") from None
@@ -126,13 +134,19 @@ def run_role(cfg: TrainConfig, spec: RoleSpec) -> int:
     except KeyboardInterrupt:
         print(f"[{name}] interrupted", file=sys.stderr, flush=True)
         return 130
+    except WorkerLeft as exc:
+        print(f"[{name}] {exc}", file=sys.stderr, flush=True)
+        return 0
     except TaskError as exc:
         # The user's own traceback is in the message where there is one: it is what they fix.
         print(f"[{name}] failed: {exc}", file=sys.stderr, flush=True)
         return 1
     except ProtocolError as exc:
+        from trainer.boundary import TooFewWorkers
+
         print(f"[{name}] failed: {exc}", file=sys.stderr, flush=True)
-        return 1
+        # Waiting longer would not help: the control plane fails the run rather than restart it.
+        return EXIT_TOO_FEW_WORKERS if isinstance(exc, TooFewWorkers) else 1
     except Exception as exc:
         traceback.print_exc()
         print(f"[{name}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -1,7 +1,8 @@
 """The parameter server (rank 0 of the `ps*` strategies): steps 3 and 5 of `trainer.ps`'s
 outline. It owns the aggregation state (its residual, the densities, the batch sizes, the
 timing windows) and answers the workers' frames (GRAD, BUFFERS, EVAL) round by round until
-each has said BYE; it never sees the model, only the layout every worker's HELLO carries."""
+each has said BYE; it never holds the model, only the layout every worker's HELLO carries.
+Between rounds the workers may change (trainer.boundary, docs/elastic.md)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hybridtrain.contract import parse_target, steps_for_epochs
-from trainer import checkpoint
+from hybridtrain.contract import parse_target
 from trainer.algorithm import adapt_densities, aggregate, chunks, server_sparsify
 from trainer.allocation import aggregation_weights, rebalance
 from trainer.compression import CompressionState, Payload
-from trainer.config import TrainConfig, initial_batch_sizes
+from trainer.boundary import Boundary
+from trainer.config import TrainConfig
 from trainer.frames import (
+    SERVER,
     Abort,
     Buffers,
     BuffersAvg,
@@ -26,19 +28,16 @@ from trainer.frames import (
     Eval,
     EvalResult,
     Grad,
-    Hello,
     LayoutSpec,
     ProtocolError,
-    State,
     Update,
-    Welcome,
     expect,
     pack,
     unpack,
 )
+from trainer.membership import Member, Roster
 from trainer.metrics import MetricsLogger
 from trainer.ps import _LAST, _codec, _join_residuals, _split_residual, dense_chunk
-from trainer.relay import SERVER, RelayPlan, plan_relay
 from trainer.transport import Inbox, Transport
 
 log = logging.getLogger("trainer.server")
@@ -62,26 +61,14 @@ def worker_rows(grads: list[Grad]) -> list[_Row]:
     return sorted(rows, key=lambda r: r.rank)
 
 
-def uplink_senders(cfg: TrainConfig, relay: RelayPlan) -> list[int]:
-    """The ranks whose GRAD frames reach the server: every worker, or with per-site
-    aggregation the workers of the server's site, lone remote workers, and each remote
-    site's relay."""
-    workers = list(range(1, cfg.workers + 1))
-    if not cfg.site_aggregation:
-        return workers
-    return [w for w in workers if relay.source(w) == SERVER]
-
-
-class ParameterServer:
+class ParameterServer(Boundary):
     """Rank 0: owns the aggregation state (server residual, densities, batch sizes, timings) and
-    answers the workers' frames until each has said BYE."""
+    answers the workers' frames until each has said BYE; between steps it changes who is in
+    (trainer.boundary)."""
 
     def __init__(self, cfg: TrainConfig, transport: Transport, metrics: MetricsLogger) -> None:
         self.cfg, self.transport, self.metrics = cfg, transport, metrics
-        self.workers = list(range(1, cfg.workers + 1))
-        self.relay = plan_relay(cfg.sites, cfg.workers)
-        self.batch_sizes = initial_batch_sizes(cfg)
-        self.densities = [cfg.density] * cfg.workers
+        self.roster = Roster(cfg)
         self.codec = _codec(cfg, "topk")
         self.target = parse_target(cfg.target) if cfg.target else None
         self.layout = None
@@ -89,6 +76,7 @@ class ParameterServer:
         self.codec_states: list[CompressionState] = []
         self.compute_window: list[list[float]] = []
         self.overhead_window: list[list[float]] = []
+        self._window_ranks: list[int] = []
         self.max_steps = cfg.max_steps
         self.elapsed_s = 0.0
         self.reached_at: float | None = None
@@ -99,37 +87,39 @@ class ParameterServer:
         self._last_print = 0.0
         self._resume_state: dict | None = None
         self._warned_target = False
-        # With per-site aggregation a remote site's relay sends its site's gradient in one frame:
-        # the server hears GRAD frames from these ranks only (and every other frame from all).
-        self.senders = uplink_senders(cfg, self.relay)
-        self.inbox = Inbox(transport, self.workers, timeout_s=cfg.timeout_s, last_kinds=_LAST)
+        self.inbox = Inbox(transport, [], timeout_s=cfg.timeout_s, last_kinds=_LAST)
+        Boundary.__init__(self)
+
+    @property
+    def workers(self) -> list[int]:
+        """The live workers."""
+        return self.roster.ranks()
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return self.roster.batch_sizes
+
+    @property
+    def densities(self) -> list[float]:
+        return self.roster.densities
+
+    @densities.setter
+    def densities(self, values: list[float]) -> None:
+        self.roster.densities = list(values)
 
     # -- the loop ------------------------------------------------------------------------------------
     def serve(self) -> None:
-        """Handshake, then answer GRAD, BUFFERS and EVAL rounds until every worker says BYE."""
+        """Handshake, then answer GRAD, BUFFERS and EVAL rounds until every worker says BYE;
+        membership changes at the boundaries between rounds."""
         try:
             self._handshake()
             while True:
+                self.boundary()
                 round_start = time.perf_counter()
-                first = {w: self.inbox.get(w) for w in self.senders}
-                frames = {w: unpack(raw) for w, (raw, _) in first.items()}
-                if not all(isinstance(f, Grad) for f in frames.values()):
-                    # Not a step: every worker takes part (an evaluation, the goodbye).
-                    for w in self.workers:
-                        if w not in first:
-                            first[w] = self.inbox.get(w)
-                            frames[w] = unpack(first[w][0])
-                kinds = {type(f) for f in frames.values()}
-                aborts = [f for f in frames.values() if isinstance(f, Abort)]
-                if aborts:
-                    raise ProtocolError(aborts[0].reason)
-                if len(kinds) != 1:
-                    said = ", ".join(f"rank {w}: {type(f).__name__}"
-                                     + (f" step {f.step}" if hasattr(f, "step") else "")
-                                     for w, f in frames.items())
-                    raise ProtocolError(f"the workers disagree on what comes next ({said}): every "
-                                        "worker must run the same steps and evaluations")
-                kind = kinds.pop()
+                first, frames = self._gather_round()
+                if not frames:
+                    continue  # everyone in the round was lost or left: the boundary decides
+                kind = self._round_kind(frames)
                 if kind is Grad:
                     self._serve_step(frames, {w: t for w, (_, t) in first.items()}, round_start)
                 elif kind is Buffers:
@@ -137,44 +127,50 @@ class ParameterServer:
                 elif kind is Eval:
                     self._serve_eval(frames)
                 elif kind is Bye:
-                    self.transport.send_many(self.workers, pack(Bye(self.step, SERVER)))
-                    self._finish()
-                    self.flush_bytes()
+                    self.finish()
                     return
                 else:
                     raise ProtocolError(f"unexpected {kind.__name__} from the workers")
         except ProtocolError as exc:
             self._abort(str(exc))
             raise
+        finally:
+            self.close_store()
+
+    def _gather_round(self) -> tuple[dict, dict]:
+        """The next frame of every worker in the round: the GRAD senders first; if that is not
+        a step, everyone. Lost workers are dropped and leaving ones let go on the way."""
+        first = self._collect(self.roster.senders(), first_s=self.cfg.timeout_s)
+        frames = {w: unpack(raw) for w, (raw, _) in first.items()}
+        frames = self._let_leavers_go(frames)
+        if frames and not all(isinstance(f, Grad) for f in frames.values()):
+            # Not a step: every worker takes part (an evaluation, the goodbye).
+            rest = [w for w in self.roster.active() if w not in first and w not in self._gone]
+            more = self._collect(rest, first_s=self.cfg.timeout_s, then_s=self.cfg.timeout_s)
+            first.update(more)
+            frames.update(self._let_leavers_go({w: unpack(raw) for w, (raw, _) in more.items()}))
+        first = {w: v for w, v in sorted(first.items()) if w in frames}
+        return first, dict(sorted(frames.items()))
+
+    def _round_kind(self, frames: dict) -> type:
+        kinds = {type(f) for f in frames.values()}
+        aborts = [f for f in frames.values() if isinstance(f, Abort)]
+        if aborts:
+            raise ProtocolError(aborts[0].reason)
+        if len(kinds) != 1:
+            said = ", ".join(f"rank {w}: {type(f).__name__}" + (f" step {f.step}" if hasattr(f, "step") else "")
+                             for w, f in frames.items())
+            raise ProtocolError(f"the workers disagree on what comes next ({said}): every "
+                                "worker must run the same steps and evaluations")
+        return kinds.pop()
 
     def _abort(self, reason: str) -> None:
         try:
-            self.transport.send_many(self.workers, pack(Abort(SERVER, reason)))
+            # Everyone connected hears it, also workers not admitted yet (a failed start).
+            self.transport.send_many([w for w in self.inbox.peers if w not in self._gone],
+                                     pack(Abort(SERVER, reason)))
         except Exception:  # noqa: BLE001 - the run is failing already; the reason is what matters
             log.debug("could not tell the workers to abort", exc_info=True)
-
-    def _handshake(self) -> None:
-        hellos = {w: expect(self.inbox.get(w)[0], Hello, peer=w) for w in self.workers}
-        first = hellos[self.workers[0]]
-        for w, hello in hellos.items():
-            diff = first.layout.difference(hello.layout)
-            if diff:
-                raise ProtocolError(f"the model replicas differ: worker {self.workers[0]} and worker {w} "
-                                    f"built different models ({diff}); the task's model factory must "
-                                    "build the same architecture on every rank")
-        self.configure(first.layout)
-        if self.cfg.epochs:
-            if not first.train_samples:
-                raise ProtocolError("--epochs needs a training set whose length is known (a map-style "
-                                    "Dataset); give --max-steps for a streaming one")
-            self.max_steps = steps_for_epochs(self.cfg.epochs, first.train_samples, self.cfg.global_batch)
-        self.transport.send_many(self.workers, pack(Welcome(tuple(self.batch_sizes), tuple(self.densities),
-                                                            self.max_steps, self.start_step)))
-        state = expect(self.inbox.get(self.workers[0])[0], State, peer=self.workers[0])
-        self.transport.send_many(self.workers[1:], pack(state))
-        self.metrics.log(0, "params", self.layout.numel)
-        self.metrics.log(0, "max_steps", self.max_steps)
-        self._t0 = time.time()
 
     def flush_bytes(self) -> None:
         """Log the bytes since the last flush under the last step (see `PSClient.flush_bytes`)."""
@@ -183,6 +179,9 @@ class ParameterServer:
     def configure(self, layout: LayoutSpec) -> None:
         """Size the aggregation state for the workers' model (and restore a resumed run's)."""
         self.layout = layout
+        if not self.roster:  # configured without a handshake: the run's planned workers
+            for w in range(1, self.cfg.workers + 1):
+                self.roster.add(Member(w))
         self.bounds = chunks(layout.sparse_numel, self.cfg.pipeline_chunks)
         # Each chunk keeps k_s * its share of the elements, with its own residual.
         self.codec_states = [CompressionState(density=self.cfg.server_k_fraction, seed=self.cfg.seed)
@@ -206,24 +205,28 @@ class ParameterServer:
         waits, sent = [], 0
         arrival = dict(wire)
         frames = first
+        self.last_updates = []
         for chunk in range(len(self.bounds)):
             if chunk:
-                got = {w: self.inbox.get(w) for w in self.senders}
+                got = self._collect([w for w in frames if w in self.roster], first_s=self.cfg.timeout_s)
                 frames = {w: expect(raw, Grad, step, peer=w) for w, (raw, _) in got.items()}
                 for w, (_, t) in got.items():
                     arrival[w] += t
+                if not frames:
+                    raise ProtocolError(f"every worker of step {step} was lost mid-step")
             t1 = time.perf_counter()
             wait_s += t1 - before
-            grads = [frames[w] for w in self.senders]
+            grads = list(frames.values())
             if any(g.chunk != chunk for g in grads):
                 raise ProtocolError(f"server: expected chunk {chunk} of step {step}, got "
                                     f"{[(g.sender, g.chunk) for g in grads]}")
             update = self.aggregate(step, grads, chunk, arrival)
             sent += update.sparse.count
             frame = pack(update)
+            self.last_updates.append(frame)
             t2 = time.perf_counter()
             compress_s += t2 - t1
-            waits.append(self.transport.post_many(self.relay.server_sends, frame))
+            waits.append(self.transport.post_many(self.roster.update_targets(), frame))
             before = time.perf_counter()
             comm_s += before - t2
         for wait in waits:
@@ -231,6 +234,8 @@ class ParameterServer:
         t3 = time.perf_counter()
         comm_s += t3 - before
         self.step = step
+        self.roster.note_step(t3 - t0)
+        self.caught_up()
         mlog = self.metrics.log
         if math.isfinite(update.loss):
             mlog(step, "loss", update.loss)
@@ -241,8 +246,6 @@ class ParameterServer:
         mlog(step, "comm_s", comm_s)
         mlog(step, "density", sent / max(1, self.layout.sparse_numel))
         self._progress(step, update.loss)
-        if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
-            self.save_checkpoint(step)
 
     def aggregate(self, step: int, grads: list[Grad], chunk: int, arrival: dict[int, float] | None = None) -> Update:
         """Steps 3 and 5 for one chunk: the weighted sum (eq. 1-2) and server compression; with
@@ -265,38 +268,51 @@ class ParameterServer:
         return Update(step, chunk, Payload(dense.numel(), dense), payload, loss,
                       tuple(self.densities), tuple(self.batch_sizes))
 
-    def _plan(self, step: int, grads: list[_Row], arrival: dict[int, float]) -> None:
+    def _plan(self, step: int, rows: list[_Row], arrival: dict[int, float]) -> None:
         """Densities from last transmission times (step 5); batch sizes from compute and
-        compression times."""
+        compression times. Only the workers still in the run are planned for."""
+        rows = [r for r in rows if r.rank in self.roster]
+        if not rows:
+            return
+        ranks = [r.rank for r in rows]
+        self.roster.note_rates([(r.rank, r.samples, r.compute_s) for r in rows])
         if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
             # A link's time is the longer of the worker's own send time (previous step) and the
             # frame's arrival time seen here (this step): the first alone misses a shaped link
             # whose bytes sit in a socket buffer, the second alone an emulated --link-mbps.
-            times = [max(g.last_tx_s, arrival.get(g.rank, 0.0)) for g in grads]
-            self.densities = adapt_densities(
-                self.densities, times, target=self.cfg.density,
+            times = [max(r.last_tx_s, arrival.get(r.rank, 0.0)) for r in rows]
+            adapted = adapt_densities(
+                [self.densities[k - 1] for k in ranks], times, target=self.cfg.density,
                 low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,
                 floor=self.cfg.density_time_floor_s,
             )
+            for k, d in zip(ranks, adapted):
+                self.roster.densities[k - 1] = d
         # `measured` refines whatever split the run started from; compression time counts as a
         # fixed per-step cost (trainer.allocation.rebalance).
-        if self.cfg.allocation == "measured" and self.cfg.workers > 1:
-            self.compute_window.append([g.compute_s for g in grads])
-            self.overhead_window.append([g.topk_s for g in grads])
+        if self.cfg.allocation == "measured" and len(self.roster) > 1:
+            if ranks != self._window_ranks or ranks != self.roster.ranks():
+                # Membership changed: a window over other workers says nothing about these.
+                self.compute_window, self.overhead_window, self._window_ranks = [], [], ranks
+                if ranks != self.roster.ranks():
+                    return
+            self.compute_window.append([r.compute_s for r in rows])
+            self.overhead_window.append([r.topk_s for r in rows])
             if len(self.compute_window) >= self.cfg.rebalance_every:
                 means = [sum(col) / len(col) for col in zip(*self.compute_window)]
                 overheads = [sum(col) / len(col) for col in zip(*self.overhead_window)]
-                self.batch_sizes = rebalance(sum(self.batch_sizes), self.batch_sizes, means, overheads)
+                shares = self.roster.shares(ranks)
+                self.roster.set_shares(ranks, rebalance(sum(shares), shares, means, overheads))
                 self.compute_window, self.overhead_window = [], []
 
     def _serve_buffers(self, frames: dict) -> None:
-        msgs = [frames[w] for w in self.workers]
+        msgs = list(frames.values())
         alphas = aggregation_weights([m.samples for m in msgs])
         avg = sum(a * m.values.float() for a, m in zip(alphas, msgs))
-        self.transport.send_many(self.workers, pack(BuffersAvg(msgs[0].step, avg)))
+        self.transport.send_many(list(frames), pack(BuffersAvg(msgs[0].step, avg)))
 
     def _serve_eval(self, frames: dict) -> None:
-        msgs = [frames[w] for w in self.workers]
+        msgs = list(frames.values())
         step = msgs[0].step
         count = sum(m.count for m in msgs)
         names = sorted(set().union(*(m.sums for m in msgs)))
@@ -310,17 +326,13 @@ class ParameterServer:
                 print(f"[ps] warning: the target {self.target} names a metric the evaluation does not "
                       f"report (it reports {', '.join(names) or 'none'})", file=sys.stderr, flush=True)
         self.stopped = reached and self.cfg.stop_at_target
-        self.transport.send_many(self.workers, pack(EvalResult(step, values, self.stopped)))
+        self.transport.send_many(list(frames), pack(EvalResult(step, values, self.stopped)))
         for name, value in values.items():
             self.metrics.log(step, name, value)
         if reached and self.reached_at is None:
             self.reached_at = self.elapsed()
             self.metrics.log(step, "time_to_target_s", self.reached_at)
         self._progress(step, self.metrics.last.get("loss", math.nan), values)
-
-    def _finish(self) -> None:
-        if self.cfg.checkpoint_every and self.step and self.step % self.cfg.checkpoint_every:
-            self.save_checkpoint(self.step)
 
     def _progress(self, step: int, loss: float, values: dict[str, float] | None = None) -> None:
         now = time.time()
@@ -337,11 +349,12 @@ class ParameterServer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Server residual, densities, batch sizes, timing windows, elapsed time."""
+        """Server residual, densities, batch sizes (and whose), timing windows, elapsed time."""
         return {
             "residual": _join_residuals(self.codec_states),
-            "densities": self.densities,
-            "batch_sizes": self.batch_sizes,
+            "ranks": self.roster.ranks(),
+            "densities": list(self.densities),
+            "batch_sizes": list(self.batch_sizes),
             "compute_window": self.compute_window,
             "overhead_window": self.overhead_window,
             "elapsed_s": self.elapsed(),
@@ -355,15 +368,14 @@ class ParameterServer:
 
     def _load(self, state: dict) -> None:
         _split_residual(self.codec_states, state["residual"], self.bounds)
-        self.densities = list(state["densities"])
-        self.batch_sizes = list(state["batch_sizes"])
-        self.compute_window = [list(r) for r in state["compute_window"]]
-        self.overhead_window = [list(r) for r in state.get("overhead_window", [])]
         self.elapsed_s = state["elapsed_s"]
-
-    def save_checkpoint(self, step: int) -> None:
-        """The server's state of `step`."""
-        checkpoint.save(self.cfg.checkpoint_dir, step, SERVER, self.state_dict(), self.cfg)
+        # The split and densities were planned for the workers of then: kept only for the same set.
+        if state.get("ranks") == self.roster.ranks():
+            self.roster.densities = list(state["densities"])
+            self.roster.batch_sizes = list(state["batch_sizes"])
+            self.compute_window = [list(r) for r in state["compute_window"]]
+            self.overhead_window = [list(r) for r in state.get("overhead_window", [])]
+            self._window_ranks = self.roster.ranks()
 
 
 def serve_in_thread(server: ParameterServer) -> tuple[threading.Thread, list[BaseException]]:

@@ -1,18 +1,22 @@
 """The training loop of a task (`--task module:function`), written with the same calls a user's
 own loop makes (`trainer.loop`), so the built-in models and users' tasks share one path:
 DataLoader shards, the task's loss, optimizer, schedule and metrics, evaluation on schedule,
-checkpoints and resume."""
+checkpoints and resume (under a parameter server, the server checkpoints: trainer.boundary)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import sys
+import time
+import warnings
 
 import torch
 
+from hybridtrain.contract import EVENT_CHECKPOINT, EVENT_RESUMED
 from hybridtrain.task import Task, TaskError, load_task
 from trainer import checkpoint
+from trainer.checkpoint_store import Uploader, load_latest
 from trainer import loop as ht
 from trainer.devices import to_device
 
@@ -50,11 +54,19 @@ def run_task(ctx: ht.Context, *, task: Task | None = None) -> None:
                         "not a torch.optim.Optimizer")
     loader = ht.data_loader(task.train_data, collate=task.collate, transform=task.transform,
                             workers=cfg.data_workers if cfg.data_workers is not None else task.data_workers)
-    start = checkpoint.agreed_resume_step(cfg.checkpoint_dir, ctx.rank) if cfg.resume else 0
     opt = ht.DistributedOptimizer(optimizer, model)
+    if ctx.client is not None and ctx.step:
+        # Under a parameter server the model and optimizer state came with the start (a
+        # joiner's, a resumed run's): the schedule replays the run's steps from its base rates.
+        for group in optimizer.param_groups:
+            group["lr"] = group.get("initial_lr", group["lr"])
     schedule = task.schedule(optimizer, ctx.max_steps) if task.schedule else None
-    if start:
-        _restore(ctx, module, optimizer, schedule, start)
+    if ctx.client is not None:
+        _fast_forward(schedule, ctx.step)
+    elif cfg.resume:
+        _restore(ctx, module, optimizer, schedule)
+    store = Uploader(cfg.checkpoint_url, cfg.report_token) if cfg.checkpoint_url and ctx.rank == 0 else None
+    saved_at = time.monotonic()
     autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.amp
                 else contextlib.nullcontext())
     while ctx.step < ctx.max_steps and not ctx.should_stop:
@@ -73,41 +85,59 @@ def run_task(ctx: ht.Context, *, task: Task | None = None) -> None:
             if task.eval_data is not None and (ctx.step % cfg.eval_every == 0 or last):
                 ht.evaluate(model, task.eval_data, metrics=task.metrics, loss=task.loss,
                             batch_size=task.eval_batch_size, collate=task.collate)
-            if cfg.checkpoint_every and (ctx.step % cfg.checkpoint_every == 0 or last or ctx.should_stop):
-                _save(ctx, module, optimizer, schedule)
+            due = (cfg.checkpoint_every and (ctx.step % cfg.checkpoint_every == 0 or last or ctx.should_stop)
+                   or cfg.checkpoint_every_s and time.monotonic() - saved_at >= cfg.checkpoint_every_s)
+            if due and ctx.client is None and ctx.rank == 0:
+                _save(ctx, module, optimizer, schedule, store)
+                saved_at = time.monotonic()
         if not progressed:
             raise TaskError(f"task {cfg.task}: the training data yielded no batch at step {ctx.step + 1}")
     ctx.finish()
+    if store is not None:
+        store.close()
 
 
-def _save(ctx: ht.Context, module: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule) -> None:
+def _fast_forward(schedule, step: int) -> None:
+    """Step a fresh schedule `step` times, as the run's workers have: the same arithmetic."""
+    if schedule is None or not step:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": on purpose
+        for _ in range(step):
+            schedule.step()
+
+
+def _save(ctx: ht.Context, module: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule,
+          store: Uploader | None) -> None:
+    """All-reduce: rank 0 writes the run's one file (the replicas are equal)."""
     state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
              "schedule": schedule.state_dict() if schedule is not None else None,
              "elapsed_s": ctx.elapsed(), "batch_sizes": ctx.batch_sizes}
-    if ctx.client is not None:
-        state["ps"] = ctx.client.state_dict()
-    if ctx.ddp_hook is not None:
-        from trainer.ddp import powersgd_state
-
-        state["powersgd"] = powersgd_state(ctx.ddp_hook)
-    checkpoint.save(ctx.cfg.checkpoint_dir, ctx.step, ctx.rank, state, ctx.cfg)
+    path = checkpoint.save(ctx.cfg.checkpoint_dir, ctx.step, state, ctx.cfg)
+    ctx.metrics.event(ctx.step, EVENT_CHECKPOINT, detail=path.name + (", uploading" if store else ""))
+    if store is not None:
+        store.submit(ctx.step, path)
 
 
-def _restore(ctx: ht.Context, module: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule,
-             step: int) -> None:
-    state = checkpoint.load(ctx.cfg.checkpoint_dir, step, ctx.rank, ctx.cfg)
+def _restore(ctx: ht.Context, module: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule) -> None:
+    """All-reduce: rank 0 reads the latest checkpoint (the store's, else the directory's) and
+    every rank takes it. PowerSGD's per-rank error feedback is not in it: it starts empty."""
+    import torch.distributed as dist
+
+    state = load_latest(ctx.cfg) if ctx.rank == 0 else None
+    if dist.is_initialized():
+        box = [state]
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+    if state is None:
+        return
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if schedule is not None and state.get("schedule") is not None:
         schedule.load_state_dict(state["schedule"])
-    if ctx.client is not None:
-        ctx.client.load_state_dict(state["ps"])
-        ctx.client.step = step
-    if ctx.ddp_hook is not None:
-        from trainer.ddp import load_powersgd_state
-
-        load_powersgd_state(ctx.ddp_hook, state.get("powersgd"))
     ctx.batch_sizes = list(state["batch_sizes"])
     ctx.elapsed_s = state["elapsed_s"]
-    ctx.step = step
-    print(f"[worker rank {ctx.rank}] resumed from step {step}", file=sys.stderr, flush=True)
+    ctx.step = state["step"]
+    if ctx.rank == 0:
+        ctx.metrics.event(ctx.step, EVENT_RESUMED, detail=f"from the checkpoint of step {ctx.step}")
+    print(f"[worker rank {ctx.rank}] resumed from step {ctx.step}", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """Point-to-point transports that carry encoded frames between ranks, counting every byte.
 
-The protocol (`trainer.ps`) only sees this interface, so a test fake replaces the
-torch.distributed one without touching it. An `Inbox` keeps one receive posted per peer on its
+The protocol (`trainer.ps`) only sees this interface, so a test fake (`InMemoryHub`) replaces
+the TCP one (`trainer.sockets`) without touching it. An `Inbox` keeps one receive posted per peer on its
 own thread, so frames travel (and are timed) while the caller works on earlier ones.
 Bytes are counted as they go on the wire: the 8-byte length prefix plus the frame.
 """
@@ -12,11 +12,10 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
 _LEN_BYTES = 8
 
@@ -66,52 +65,6 @@ class Transport(ABC):
         counter[peer] += _LEN_BYTES + frame.numel()
 
 
-class TorchTransport(Transport):
-    """torch.distributed isend/irecv (gloo) with a length prefix; receives from many at once."""
-
-    def send(self, peer: int, frame: torch.Tensor) -> None:
-        """Length prefix, then the frame."""
-        self.send_many([peer], frame)
-
-    def send_many(self, peers: Iterable[int], frame: torch.Tensor) -> None:
-        """Post every send before waiting, so the links run in parallel."""
-        self.post_many(peers, frame)()
-
-    def post_many(self, peers: Iterable[int], frame: torch.Tensor) -> Callable[[], None]:
-        """Post the length prefix and the frame to every peer; the sends complete in the background."""
-        length = torch.tensor([frame.numel()], dtype=torch.int64)
-        works = []
-        for p in peers:
-            works.append(dist.isend(length, p))
-            works.append(dist.isend(frame, p))
-            self._count(self.bytes_sent, p, frame)
-
-        def wait() -> None:
-            # `length` and `frame` stay referenced here until gloo is done with them.
-            for w in works:
-                w.wait()
-
-        return wait
-
-    def recv(self, peer: int, *, count: bool = True) -> torch.Tensor:
-        """The next frame from `peer` (its arrival time in `wire_s`)."""
-        frame = self._recv_one(peer)
-        if count:
-            self._count(self.bytes_recv, peer, frame)
-        return frame
-
-    def _recv_one(self, peer: int) -> torch.Tensor:
-        length = torch.zeros(1, dtype=torch.int64)
-        dist.irecv(length, peer).wait()
-        t0 = time.perf_counter()
-        frame = torch.empty(int(length.item()), dtype=torch.uint8)
-        dist.irecv(frame, peer).wait()
-        # The sender's own clock stops once the frame sits in its socket buffer, which holds
-        # megabytes: on a shaped link only the receiver sees how long the bytes took.
-        self.wire_s[peer] = time.perf_counter() - t0
-        return frame
-
-
 class ThrottledTransport(Transport):
     """Wraps a worker's transport to emulate its link: sleeps bytes*8/bandwidth per frame.
 
@@ -132,6 +85,10 @@ class ThrottledTransport(Transport):
         self.seconds_per_byte = 8.0 / (mbps * 1e6)
         self.latency_s = latency_s
         self.peer = peer
+
+    def __getattr__(self, name: str):
+        # The wrapped transport's own parts (a socket transport's listen port, peer addresses).
+        return getattr(self.inner, name)
 
     def _delay(self, peer: int, nbytes: int) -> None:
         if self.peer is not None and peer != self.peer:
@@ -196,13 +153,15 @@ class InMemoryTransport(Transport):
 class Inbox:
     """One thread per peer receives that peer's frames back to back into a queue.
 
-    gloo completes a send only once the receiver has posted the matching receive, so a receive
-    must always be posted for every peer: a server that posted one peer's receive only after a
-    slower peer's frame made the early peer's send time include the slow peer's compute, and
-    the adaptive density then read a fast link as a slow one (docs/trainer.md, "Transmission
-    time"). A peer's thread stops after a frame of a kind in `last_kinds` (its goodbye).
-    `on_frame(peer, frame)` runs on the receiving thread before the frame is queued: a relay
-    forwards the server's update there, unread.
+    A receive is always posted for every peer: a server that read one peer only after a slower
+    peer's frame made the early peer's send time include the slow peer's compute (gloo
+    completed a send only at the matching receive; over TCP a frame larger than the socket
+    buffers waits the same way), and the adaptive density then read a fast link as a slow one
+    (docs/trainer.md, "Transmission time"). A peer's thread stops after a frame of a kind in `last_kinds` (its goodbye), or
+    when its connection fails: the error is queued after the peer's last frame, so a lost peer
+    is noticed where its next frame was expected. Peers can be added while it runs (a worker
+    admitted into the run). `on_frame(peer, frame)` runs on the receiving thread before the
+    frame is queued: a relay forwards the server's update there, unread.
     """
 
     def __init__(
@@ -221,35 +180,110 @@ class Inbox:
         self._peek = peek_kind
         self._last = last_kinds
         self._on_frame = on_frame
-        self._queues: dict[int, queue.Queue] = {p: queue.Queue() for p in peers}
+        self._queues: dict[int, deque] = {}
+        self._cond = threading.Condition()
+        for p in peers:
+            self.add(p)
+
+    def add(self, peer: int) -> None:
+        """Start receiving from `peer` (a fresh queue: whatever an earlier connection of the same
+        rank left unread is dropped)."""
+        q: deque = deque()
+        with self._cond:
+            self._queues[peer] = q
         # Daemon threads: a peer that never sends must not keep the process alive once the
         # caller has given up on it.
-        for p in self._queues:
-            threading.Thread(target=self._receive, args=(p,), daemon=True, name=f"inbox-{p}").start()
+        threading.Thread(target=self._receive, args=(peer, q), daemon=True, name=f"inbox-{peer}").start()
 
-    def _receive(self, peer: int) -> None:
-        q = self._queues[peer]
+    def _put(self, peer: int, q: deque, item: object) -> None:
+        with self._cond:
+            q.append(item)
+            self._cond.notify_all()
+
+    def _receive(self, peer: int, q: deque) -> None:
         while True:
             try:
                 frame = self.transport.recv(peer, count=False)
                 if self._on_frame is not None:
                     self._on_frame(peer, frame)
             except BaseException as exc:  # handed to the caller, raised there
-                q.put(exc)
+                self._put(peer, q, exc)
                 return
-            q.put((frame, self.transport.wire_s.get(peer, 0.0)))
+            self._put(peer, q, (frame, self.transport.wire_s.get(peer, 0.0)))
             if self._peek(frame) in self._last:
                 return
+
+    def _take(self, peer: int) -> tuple[torch.Tensor, float]:
+        item = self._queues[peer].popleft()
+        if isinstance(item, BaseException):
+            self._queues[peer].appendleft(item)  # a lost peer stays lost
+            raise item
+        self.transport._count(self.transport.bytes_recv, peer, item[0])  # noqa: SLF001 - the counter's owner
+        return item
 
     def get(self, peer: int, timeout_s: float | None = None) -> tuple[torch.Tensor, float]:
         """The next frame from `peer` and the seconds its bytes took to arrive."""
         wait = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            item = self._queues[peer].get(timeout=wait)
-        except queue.Empty:
-            raise TimeoutError(f"rank {self.transport.rank}: nothing from rank {peer} within "
-                               f"{wait:.0f} s (--timeout-s)") from None
-        if isinstance(item, BaseException):
-            raise item
-        self.transport._count(self.transport.bytes_recv, peer, item[0])  # noqa: SLF001 - the counter's owner
-        return item
+        deadline = time.monotonic() + wait
+        with self._cond:
+            while not self._queues[peer]:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {self.transport.rank}: nothing from rank {peer} within "
+                                       f"{wait:.0f} s (--timeout-s)") from None
+                self._cond.wait(left)
+            return self._take(peer)
+
+    @property
+    def peers(self) -> list[int]:
+        """Every peer this inbox has received from."""
+        with self._cond:
+            return sorted(self._queues)
+
+    def unget(self, peer: int, item: tuple[torch.Tensor, float]) -> None:
+        """Put a frame back at the front of `peer`'s queue (read early, handled later)."""
+        self.transport.bytes_recv[peer] -= 8 + item[0].numel()
+        with self._cond:
+            self._queues[peer].appendleft(item)
+            self._cond.notify_all()
+
+    def failed(self, peer: int) -> BaseException | None:
+        """The error that ended `peer`'s receiving thread, if it has ended with one."""
+        with self._cond:
+            q = self._queues.get(peer)
+            return q[-1] if q and isinstance(q[-1], BaseException) else None
+
+    def collect(self, peers: Iterable[int], *, first_s: float, then_s: float
+                ) -> tuple[dict[int, tuple[torch.Tensor, float]], dict[int, BaseException]]:
+        """The next frame of each of `peers`: waits up to `first_s` for the first to arrive and
+        `then_s` after it for the rest. Returns the frames and, for peers that failed or stayed
+        silent, why (a connection error, or TimeoutError); returns early at a failure, leaving
+        the frames of peers still to come in their queues."""
+        want = list(peers)
+        got: dict[int, tuple[torch.Tensor, float]] = {}
+        failed: dict[int, BaseException] = {}
+        deadline = time.monotonic() + first_s
+        first = True
+        with self._cond:
+            while True:
+                for p in want:
+                    if p in got or p in failed or not self._queues[p]:
+                        continue
+                    try:
+                        got[p] = self._take(p)
+                    except BaseException as exc:  # noqa: BLE001 - reported per peer
+                        failed[p] = exc
+                    if first and p in got:
+                        first = False
+                        deadline = time.monotonic() + then_s
+                pending = [p for p in want if p not in got and p not in failed]
+                # A failure returns at once: the caller may have to act on it before the others
+                # can send (a lost relay's peers wait for the server to take over).
+                if not pending or failed:
+                    return got, failed
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for p in pending:
+                        failed[p] = TimeoutError(f"rank {p} sent nothing within {first_s if first else then_s:.1f} s")
+                    return got, failed
+                self._cond.wait(left)

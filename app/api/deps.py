@@ -18,10 +18,12 @@ from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.dispatch import Dispatcher
-from app.models import Node, TokenScope
-from app.queries.tokens import token_by_secret
+from app.models import ApiToken, Node, TokenScope
+from app.models.base import utcnow
+from app.queries.tokens import record_use, token_by_secret
 from app.schemas.common import MAX_ID
 from app.security import secrets_equal
+from app.token_limits import action_of, refusal
 
 
 def get_settings(request: Request) -> Settings:
@@ -49,11 +51,39 @@ bearer_scheme = HTTPBearer(
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the token's name and scope (`token_id` is None for the admin token)."""
+    """Who is calling: the token's name, scope and action limit (None: none). `token_id` is
+    None for the admin token from the settings."""
 
     name: str
     scope: TokenScope
     token_id: int | None = None
+    actions: frozenset[str] | None = None
+
+    @classmethod
+    def of_token(cls, token: ApiToken) -> Principal:
+        """The principal a stored token stands for."""
+        actions = frozenset(token.actions) if token.actions is not None else None
+        return cls(name=token.name, scope=token.scope, token_id=token.id, actions=actions)
+
+    def refusal(self, request: Request) -> str | None:
+        """Why this principal's action limit refuses `request`; None when it does not."""
+        if self.actions is None:
+            return None
+        route = request.scope.get("route")
+        return refusal(self.name, self.actions, action_of(request.method, getattr(route, "name", None)))
+
+
+def expired_message(token: ApiToken) -> str:
+    """What a request bearing an expired token is told."""
+    assert token.expires_at is not None
+    return f"token '{token.name}' expired at {token.expires_at:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def accept_token(session: Session, token: ApiToken) -> None:
+    """Record that `token` was accepted (throttled), committed at once: a read-only request
+    never commits, and the record must not wait for, or roll back with, the handler's work."""
+    if record_use(session, token):
+        session.commit()
 
 
 def _unauthorized(message: str) -> HTTPException:
@@ -76,22 +106,29 @@ def get_principal(
     token = token_by_secret(session, secret=secret)
     if token is None:
         raise _unauthorized("invalid or revoked token")
-    return Principal(name=token.name, scope=token.scope, token_id=token.id)
+    if token.expired(utcnow()):
+        raise _unauthorized(expired_message(token))
+    accept_token(session, token)
+    return Principal.of_token(token)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require_scope(needed: TokenScope) -> Callable[[Principal], Principal]:
-    """A dependency that admits callers whose scope includes `needed` (403 otherwise)."""
+def require_scope(needed: TokenScope) -> Callable[..., Principal]:
+    """A dependency that admits callers whose scope includes `needed` and whose action limit,
+    if any, names what the request does (403 otherwise). Every REST route goes through it."""
 
-    def check_scope(principal: PrincipalDep) -> Principal:
+    def check_scope(request: Request, principal: PrincipalDep) -> Principal:
         if not principal.scope.allows(needed):
             raise HTTPException(
                 status.HTTP_403_FORBIDDEN,
                 f"token '{principal.name}' has scope '{principal.scope}'; "
                 f"this needs '{needed}' or above",
             )
+        refused = principal.refusal(request)
+        if refused is not None:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, refused)
         return principal
 
     check_scope.__name__ = f"require_{needed.value}_scope"

@@ -8,6 +8,7 @@ from app.api.routes import (
     agent_links,
     agent_profiles,
     bundles,
+    checkpoints,
     clusters,
     egress_prices,
     gpu_models,
@@ -17,6 +18,7 @@ from app.api.routes import (
     plans,
     profiles,
     run_costs,
+    run_events,
     run_logs,
     run_metrics,
     runs,
@@ -39,6 +41,8 @@ api_router.include_router(plans.router, prefix="/plans", tags=["plans"])
 api_router.include_router(run_metrics.router, prefix="/runs", tags=["metrics"])
 api_router.include_router(run_logs.router, prefix="/runs", tags=["logs"])
 api_router.include_router(run_costs.router, prefix="/runs", tags=["costs"])
+api_router.include_router(checkpoints.router, prefix="/runs", tags=["checkpoints"])
+api_router.include_router(run_events.router, prefix="/runs", tags=["events"])
 api_router.include_router(agent.router, prefix="/agent", tags=["agent"])
 api_router.include_router(bundles.router, prefix="/bundles", tags=["bundles"])
 api_router.include_router(bundles.run_router, prefix="/runs", tags=["bundles"])

@@ -18,6 +18,7 @@ from app.billing.bill import (
     granularity,
 )
 from app.billing.errors import InvalidUsageError, PriceNotFoundError
+from app.billing.membership import MEMBERSHIP_KINDS, MembershipChange, rank_spans, union_seconds
 from app.billing.prices import (
     BYTES_PER_GB,
     USD_QUANTUM,
@@ -52,6 +53,8 @@ __all__ = [
     "InvalidUsageError",
     "LinkBytes",
     "LinkCost",
+    "MEMBERSHIP_KINDS",
+    "MembershipChange",
     "NodeCost",
     "NodeUsage",
     "PriceLookup",
@@ -70,5 +73,7 @@ __all__ = [
     "compute_usd",
     "egress_usd",
     "granularity",
+    "rank_spans",
     "round_usd",
+    "union_seconds",
 ]

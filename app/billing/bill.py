@@ -36,7 +36,8 @@ class NodeUsage:
 
     Cloud nodes are priced from the lookup by instance type and GPUs, at the spot or on-demand
     rate by `spot`; on-prem nodes cost `amortised_usd_per_hour` (default 0), which cloud nodes
-    may not carry.
+    may not carry. `share` is the run's part of the node (its GPUs over the node's, each
+    divided by the runs sharing it): the run pays that part of the node's rate.
     """
 
     name: str
@@ -47,9 +48,15 @@ class NodeUsage:
     gpu_model: str | None = None
     gpu_count: int = 1
     amortised_usd_per_hour: Decimal | None = None
+    share: Decimal = Decimal(1)
 
     def __post_init__(self) -> None:
         _non_negative(f"nodes[{self.name}].seconds", self.seconds)
+        object.__setattr__(self, "share", Decimal(str(self.share)))
+        if not Decimal(0) < self.share <= Decimal(1):
+            raise InvalidUsageError(
+                f"nodes[{self.name}].share", f"nodes[{self.name}].share must be in (0, 1], got {self.share}"
+            )
         if self.amortised_usd_per_hour is not None:
             if self.site.kind is not SiteKind.onprem:
                 raise InvalidUsageError(
@@ -138,6 +145,8 @@ class NodeCost:
     basis: PricingBasis
     usd_per_hour: Decimal
     usd: Decimal
+    # The run's part of the node that `usd` pays for (1: the whole node).
+    share: Decimal = Decimal(1)
 
 
 @dataclass(frozen=True)
@@ -303,9 +312,9 @@ def _compute(
     total = _ZERO
     for node in usage.nodes:
         basis, rate = _node_rate(node, prices, usage.priced_at, missing)
-        usd = compute_usd(node.seconds, rate)
+        usd = compute_usd(node.seconds, rate) * node.share
         total += usd
-        costs.append(NodeCost(node.name, node.seconds, basis, rate, round_usd(usd)))
+        costs.append(NodeCost(node.name, node.seconds, basis, rate, round_usd(usd), node.share))
     return tuple(costs), total
 
 

@@ -2,6 +2,7 @@
 
 from app.models.base import Base
 from app.models.bundles import Bundle, BundleStorage
+from app.models.checkpoints import RunCheckpoint
 from app.models.enums import (
     Continent,
     NodeStatus,
@@ -10,6 +11,7 @@ from app.models.enums import (
     TokenScope,
     TrafficClass,
 )
+from app.models.events import EventSource, RunEvent
 from app.models.inventory import Cluster, GpuModel, Node, NodeGpu, Site, cluster_nodes
 from app.models.links import LinkMeasurement, SiteLink
 from app.models.prices import EgressPrice, InstancePrice
@@ -25,6 +27,7 @@ __all__ = [
     "Cluster",
     "Continent",
     "EgressPrice",
+    "EventSource",
     "GpuModel",
     "InstancePrice",
     "LinkMeasurement",
@@ -35,8 +38,10 @@ __all__ = [
     "ProfileStatus",
     "Provider",
     "Run",
+    "RunEvent",
     "RunLog",
     "RunMetric",
+    "RunCheckpoint",
     "RunStatus",
     "RunWorker",
     "Site",

@@ -18,12 +18,15 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     true,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from app.models.base import Base, TimestampMixin, str_enum, utcnow
+# Imported here so that its table is registered with the runs' (ON DELETE CASCADE).
+from app.models.checkpoints import RunCheckpoint
 
 __all__ = [
     "NodeAgent",
@@ -42,11 +45,14 @@ _BIG_ID = BigInteger().with_variant(Integer, "sqlite")
 
 
 class RunStatus(enum.StrEnum):
-    """queued -> launching -> running -> succeeded | failed | cancelled."""
+    """queued -> launching -> running <-> degraded; running|degraded -> restarting -> launching;
+    any active state -> succeeded | failed | cancelled (app.lifecycle.states has the table)."""
 
     queued = "queued"  # planned and stored, launch orders not sent yet
     launching = "launching"  # launch orders sent; not every rank has started
     running = "running"  # every rank has started
+    degraded = "degraded"  # a worker was lost or left; the server trains on without it
+    restarting = "restarting"  # the server (or an all-reduce rank) died: relaunching from a checkpoint
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
@@ -57,11 +63,13 @@ class RunStatus(enum.StrEnum):
 
 
 FINISHED_RUN_STATUSES = frozenset({RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled})
-ACTIVE_RUN_STATUSES = frozenset({RunStatus.queued, RunStatus.launching, RunStatus.running})
+ACTIVE_RUN_STATUSES = frozenset(
+    {RunStatus.queued, RunStatus.launching, RunStatus.running, RunStatus.degraded, RunStatus.restarting}
+)
 
 
 class WorkerStatus(enum.StrEnum):
-    """One rank: planned -> launched -> running -> succeeded | failed | cancelled."""
+    """One rank: planned -> launched -> running -> succeeded | failed | cancelled | left."""
 
     planned = "planned"
     launched = "launched"
@@ -69,10 +77,11 @@ class WorkerStatus(enum.StrEnum):
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
+    left = "left"  # a worker that left cleanly (a spot notice) while its run went on
 
 
 FINISHED_WORKER_STATUSES = frozenset(
-    {WorkerStatus.succeeded, WorkerStatus.failed, WorkerStatus.cancelled}
+    {WorkerStatus.succeeded, WorkerStatus.failed, WorkerStatus.cancelled, WorkerStatus.left}
 )
 
 
@@ -98,7 +107,13 @@ class Run(TimestampMixin, Base):
         UniqueConstraint("created_by", "idempotency_key"),
         CheckConstraint("global_batch_size > 0", name="global_batch_size_positive"),
         CheckConstraint("max_steps > 0", name="max_steps_positive"),
+        CheckConstraint(
+            "checkpoint_every >= 0 AND checkpoint_every_s >= 0 AND max_restarts >= 0 "
+            "AND restarts >= 0 AND min_workers >= 1 AND min_workers_wait_s >= 0",
+            name="lifecycle_settings_valid",
+        ),
         Index("ix_runs_status_id", "status", "id"),
+        Index("ix_runs_status_priority_id", "status", "priority", "id"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -149,11 +164,34 @@ class Run(TimestampMixin, Base):
     # The model's prediction when the run was created (app.queries.predictions), priced; None
     # where a node had no profile of the task. Its page sets it beside what the run measured.
     prediction: Mapped[dict[str, Any] | None]
+    # Checkpoints (uploaded to the control plane) every N steps and every S seconds; 0 is off.
+    checkpoint_every: Mapped[int] = mapped_column(default=0, server_default="0")
+    checkpoint_every_s: Mapped[float] = mapped_column(Double, default=0.0, server_default="0")
+    # How often the control plane relaunches the run from its latest checkpoint after its
+    # server (or an all-reduce rank) died, and how often it has.
+    max_restarts: Mapped[int] = mapped_column(default=0, server_default="0")
+    restarts: Mapped[int] = mapped_column(default=0, server_default="0")
+    # PS strategies: below this many live workers the server waits min_workers_wait_s, then fails.
+    min_workers: Mapped[int] = mapped_column(default=1, server_default="1")
+    min_workers_wait_s: Mapped[float] = mapped_column(Double, default=300.0, server_default="300")
+    # The queue for busy GPUs: higher priority first, then creation order (app.lifecycle.schedule).
+    priority: Mapped[int] = mapped_column(default=0, server_default="0")
+    # True: the run may hold its GPUs together with other runs that share (never with one that does not).
+    share_gpus: Mapped[bool] = mapped_column(default=False, server_default=false())
 
     workers: Mapped[list[RunWorker]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True,
         order_by="RunWorker.rank",
     )
+    # The newest first; the store keeps only the last few (app.checkpoints.KEPT).
+    checkpoints: Mapped[list[RunCheckpoint]] = relationship(
+        viewonly=True, order_by="RunCheckpoint.step.desc()",
+    )
+
+    @property
+    def latest_checkpoint(self) -> RunCheckpoint | None:
+        """The newest uploaded checkpoint, if any."""
+        return self.checkpoints[0] if self.checkpoints else None
 
 
 class RunWorker(Base):
@@ -179,6 +217,9 @@ class RunWorker(Base):
     gpu_index: Mapped[int | None]
     speed: Mapped[float | None]  # the planner's s_m, in `speed_unit`
     speed_unit: Mapped[str | None] = mapped_column(String(16))  # tflops, samples_per_s
+    # How many runs held this rank's GPU when the run launched, itself included: its bill
+    # counts 1/sharers of the GPU (the share at launch, app.lifecycle.schedule).
+    sharers: Mapped[int] = mapped_column(default=1, server_default="1")
     status: Mapped[WorkerStatus] = mapped_column(
         str_enum(WorkerStatus, "status"), default=WorkerStatus.planned
     )
@@ -186,6 +227,10 @@ class RunWorker(Base):
     exit_code: Mapped[int | None]
     signal: Mapped[int | None]
     reason: Mapped[str | None] = mapped_column(Text)
+    # When this rank's current launch was ordered (the launch timeout counts from it), and
+    # when that order was last sent (an order unanswered for long is sent again).
+    launched_at: Mapped[datetime | None]
+    ordered_at: Mapped[datetime | None]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
 
@@ -195,13 +240,19 @@ class RunWorker(Base):
 class RunMetric(Base):
     """One measurement of one rank at one step (docs/architecture.md, "Trainer → control plane").
 
-    The unique key is the dedup key of the wire contract, and its column order also serves
-    the reads (a run's series by name, then rank). `peer` is -1 when the record has none, since
-    NULLs never collide in a unique index.
+    Each record is stored once per (run, rank, stream, seq): the trainer numbers the records
+    of each process, so a resent batch is skipped while a step trained again after a restart
+    (another process, another stream) is kept. A record without a stream (an older trainer) is
+    keyed by what identified it before: stream `~{name}/{peer}`, seq its step. The series
+    index serves the reads (a run's series by name, then rank). `peer` is -1 when the record
+    has none, since NULLs never collide in a unique index.
     """
 
     __tablename__ = "run_metrics"
-    __table_args__ = (UniqueConstraint("run_id", "name", "rank", "peer", "step"),)
+    __table_args__ = (
+        Index("uq_run_metrics_run_id_rank_stream_seq", "run_id", "rank", "stream", "seq", unique=True),
+        Index("ix_run_metrics_series", "run_id", "name", "rank", "peer", "step"),
+    )
 
     id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
@@ -212,6 +263,8 @@ class RunMetric(Base):
     t: Mapped[float] = mapped_column(Double)
     # NULL for a non-finite measurement (a diverged loss), which JSON cannot carry.
     value: Mapped[float | None] = mapped_column(Double)
+    stream: Mapped[str] = mapped_column(String(64))
+    seq: Mapped[int] = mapped_column(BigInteger)
 
 
 class RunLog(Base):

@@ -1,5 +1,5 @@
-"""Queries behind the agent endpoints and the liveness check: registration, heartbeats, role
-events and logs (docs/architecture.md, "Agent ↔ control plane")."""
+"""Queries behind the agent endpoints: registration, heartbeats, role events and logs
+(docs/architecture.md, "Agent ↔ control plane"); what they do to a run is `app.lifecycle`'s."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, selectinload
 
+from app import lifecycle
+from app.config import Settings
 from app.dispatch import CancelOrder, Order
 from app.errors import ConflictError, NotFoundError
 from app.models import Node, NodeAgent, NodeStatus, Run, RunLog, RunStatus, RunWorker, WorkerStatus
@@ -21,8 +23,8 @@ from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES, FINISHED_WORKER_STATUSES
 from app.queries.links import join_probe_orders
 from app.queries.nodes import node_by_join_token
-from app.queries.runs import end_run, get_run
-from app.schemas.agent import MAX_LINE, HardwareReport, Heartbeat, LogBatch, RoleEvent
+from app.queries.runs import get_run
+from app.schemas.agent import MAX_LINE, HardwareReport, Heartbeat, LogBatch, RoleEvent, RoleState
 from app.security import hash_secret
 
 log = logging.getLogger(__name__)
@@ -143,7 +145,7 @@ class EventOutcome:
 
     run_status: RunStatus
     stop_reason: str | None = None
-    orders: list[CancelOrder] = field(default_factory=list)
+    orders: list[Order] = field(default_factory=list)
 
 
 def _worker(run: Run, rank: int, node: Node) -> RunWorker:
@@ -156,71 +158,31 @@ def _worker(run: Run, rank: int, node: Node) -> RunWorker:
 
 
 def apply_role_event(
-    session: Session, *, node: Node, run_id: int, event: RoleEvent, now: datetime | None = None
+    session: Session, *, node: Node, run_id: int, event: RoleEvent, settings: Settings,
+    now: datetime | None = None,
 ) -> EventOutcome:
     """Record a role's start or exit and move the run along its lifecycle."""
     now = now or utcnow()
     run = get_run(session, run_id=run_id, lock=True)
     worker = _worker(run, event.rank, node)
     if event.event == "started":
-        if run.status.finished:
-            return EventOutcome(run.status, stop_reason=f"run {run.id} has {run.status}")
-        if worker.status in (WorkerStatus.planned, WorkerStatus.launched):
-            worker.status = WorkerStatus.running
-            worker.pid = event.pid
-            worker.started_at = now
-        if run.status in (RunStatus.queued, RunStatus.launching) and all(
-            w.status == WorkerStatus.running or w.status in FINISHED_WORKER_STATUSES
-            for w in run.workers
-        ):
-            run.status = RunStatus.running
-            run.started_at = now
-        session.flush()
-        return EventOutcome(run.status)
-    return EventOutcome(run.status, orders=_apply_exit(session, run=run, worker=worker, node=node, event=event, now=now))
+        stop = lifecycle.rank_started(session, run=run, worker=worker, pid=event.pid, now=now,
+                                      attempt=event.attempt)
+        held: list[Order] = []
+        if stop is None and worker.rank == 0:
+            # Rank 0 listens now, on the port its agent names: the other ranks may follow.
+            held += lifecycle.release_held(session, run=run, settings=settings, port=event.port, now=now)
+        return EventOutcome(run.status, stop_reason=stop, orders=held)
+    orders = lifecycle.rank_exited(
+        session, run=run, worker=worker, node_name=node.name, exit=_exit(event), settings=settings, now=now,
+    )
+    return EventOutcome(run.status, orders=orders)
 
 
-def _apply_exit(
-    session: Session, *, run: Run, worker: RunWorker, node: Node, event: RoleEvent, now: datetime
-) -> list[CancelOrder]:
-    # The first report of an exit wins (an event and a heartbeat may both carry it); a rank
-    # that the run's end already marked cancelled still gets its exit code.
-    if worker.exit_code is None and worker.signal is None:
-        worker.exit_code = event.exit_code
-        worker.signal = event.signal
-        worker.pid = worker.pid or event.pid
-    if worker.status in FINISHED_WORKER_STATUSES:
-        worker.finished_at = worker.finished_at or now
-        session.flush()
-        return []
-    worker.finished_at = now
-    where = f"on node {node.name}"
-    if event.cancelled:
-        worker.status = WorkerStatus.cancelled
-        worker.reason = event.reason
-        failure = f"{event.reason or f'rank {worker.rank} was stopped'} {where}"
-    elif event.exit_code == 0:
-        worker.status = WorkerStatus.succeeded
-        failure = None
-    else:
-        worker.status = WorkerStatus.failed
-        worker.reason = event.reason or _exit_text(worker.rank, worker.role, event)
-        failure = f"{worker.reason} {where}"
-    session.flush()
-    if run.status.finished:
-        return []
-    if failure is not None:
-        # A rank that stops early leaves the others waiting on it: the run cannot go on.
-        return end_run(session, run=run, status=RunStatus.failed, reason=failure, now=now)
-    if all(w.status == WorkerStatus.succeeded for w in run.workers):
-        end_run(session, run=run, status=RunStatus.succeeded, reason=None, now=now)
-    return []
-
-
-def _exit_text(rank: int, role: str, event: RoleEvent) -> str:
-    if event.signal:
-        return f"rank {rank} ({role}) was killed by signal {event.signal}"
-    return f"rank {rank} ({role}) exited with code {event.exit_code}"
+def _exit(event: RoleEvent | RoleState) -> lifecycle.Exit:
+    # `attempt` and `cause` arrive from agents that name them (older ones leave them out).
+    return lifecycle.Exit(exit_code=event.exit_code, signal=event.signal, cancelled=event.cancelled,
+                          reason=event.reason, pid=event.pid, attempt=event.attempt, cause=event.cause)
 
 
 # -- heartbeats --------------------------------------------------------------------------------
@@ -233,13 +195,16 @@ class HeartbeatOutcome:
 
 
 def apply_heartbeat(
-    session: Session, *, node: Node, beat: Heartbeat, grace_s: float, now: datetime | None = None
+    session: Session, *, node: Node, beat: Heartbeat, grace_s: float, settings: Settings,
+    now: datetime | None = None,
 ) -> HeartbeatOutcome:
     """Mark the node alive and reconcile its roles with the runs' state.
 
-    Roles still running for a run that has ended are listed to stop; exits whose event was
-    lost are applied; a rank the control plane believes running but the agent no longer has
-    (its agent restarted) fails its run. `grace_s` covers a heartbeat built before a start.
+    Roles still running for a run that has ended are listed to stop (a succeeded run's after
+    `finish_grace_s`: its workers end by themselves) and their nodes get cancel orders; exits
+    whose event was lost are applied; a rank the control plane believes running but the agent
+    no longer has (its agent restarted) is lost. `grace_s` covers a heartbeat built before a
+    start.
     """
     now = now or utcnow()
     node.last_heartbeat = now
@@ -260,13 +225,12 @@ def apply_heartbeat(
         }
         out.orders += join_probe_orders(session, node=node)
     reported = {(r.run_id, r.rank): r for r in beat.roles}
-    runs: dict[int, Run] = {}
+    ended: dict[int, str] = {}
     for (run_id, rank), role in sorted(reported.items()):
-        run = runs.get(run_id) or session.get(Run, run_id)
+        run = session.get(Run, run_id)
         if run is None:
             out.stop.append({"run_id": run_id, "rank": rank, "reason": f"run {run_id} does not exist"})
             continue
-        runs[run_id] = run
         worker = next((w for w in run.workers if w.rank == rank and w.node_id == node.id), None)
         if worker is None:
             if role.state == "running":
@@ -274,18 +238,26 @@ def apply_heartbeat(
                                  "reason": f"rank {rank} of run {run_id} is not planned here"})
             continue
         if role.state == "running":
-            if run.status.finished or worker.status in FINISHED_WORKER_STATUSES:
+            attempt = getattr(role, "attempt", None)
+            if attempt is not None and attempt < run.restarts and not run.status.finished:
+                # A process of an attempt the run restarted from: only that role stops.
                 out.stop.append({"run_id": run_id, "rank": rank,
-                                 "reason": run.reason or f"run {run_id} has {run.status}"})
+                                 "reason": f"run {run_id} restarted: attempt {attempt} is over"})
+            elif _must_stop(run, worker, grace_s=settings.finish_grace_s, now=now):
+                reason = run.reason or f"run {run_id} has {run.status}"
+                out.stop.append({"run_id": run_id, "rank": rank, "reason": reason})
+                ended[run_id] = reason
             continue
         if worker.status not in FINISHED_WORKER_STATUSES or worker.exit_code is None:
             locked = get_run(session, run_id=run_id, lock=True)
             locked_worker = next(w for w in locked.workers if w.rank == rank)
-            event = RoleEvent(
-                rank=rank, role=role.role, event="exited", pid=role.pid, exit_code=role.exit_code,
-                signal=role.signal, cancelled=role.cancelled, reason=role.reason,
+            out.orders += lifecycle.rank_exited(
+                session, run=locked, worker=locked_worker, node_name=node.name, exit=_exit(role),
+                settings=settings, now=now,
             )
-            out.orders += _apply_exit(session, run=locked, worker=locked_worker, node=node, event=event, now=now)
+    # The stop list reaches an agent that heartbeats; the cancel order also reaches one whose
+    # heartbeat answer is lost, through its queue.
+    out.orders += [CancelOrder(node_id=node.id, run_id=r, reason=why) for r, why in sorted(ended.items())]
     # Ranks this node should be running but no longer reports.
     missing = session.scalars(
         select(RunWorker)
@@ -302,95 +274,18 @@ def apply_heartbeat(
             continue
         run = get_run(session, run_id=worker.run_id, lock=True)
         w = next(x for x in run.workers if x.rank == worker.rank)
-        w.status = WorkerStatus.failed
-        w.finished_at = now
-        w.reason = f"rank {w.rank} ({w.role}) is no longer running on node {node.name} (agent restarted?)"
-        out.orders += end_run(session, run=run, status=RunStatus.failed, reason=w.reason, now=now)
+        if w.status != WorkerStatus.running:
+            continue
+        reason = f"rank {w.rank} ({w.role}) is no longer running on node {node.name} (agent restarted?)"
+        out.orders += lifecycle.rank_lost(session, run=run, worker=w, reason=reason, settings=settings, now=now)
     session.flush()
     return out
 
 
-# -- liveness (the periodic check) -------------------------------------------------------------
-
-
-def check_liveness(
-    session: Session,
-    *,
-    heartbeat_timeout_s: float,
-    launch_timeout_s: float,
-    now: datetime | None = None,
-) -> list[CancelOrder]:
-    """Mark silent nodes offline and fail the runs that depended on them or never started.
-
-    1. Online nodes whose last heartbeat is older than `heartbeat_timeout_s` go offline.
-    2. Active runs with an unfinished rank on an offline node fail, naming the node.
-    3. Runs still launching after `launch_timeout_s` fail, naming the ranks that never started.
-    """
-    now = now or utcnow()
-    cutoff = now - timedelta(seconds=heartbeat_timeout_s)
-    orders: list[CancelOrder] = []
-    stale = session.scalars(
-        select(Node)
-        .where(Node.status == NodeStatus.online, Node.last_heartbeat < cutoff)
-        .with_for_update(skip_locked=True)
-    ).all()
-    for node in stale:
-        log.warning("node %s (id %s) missed heartbeats since %s: offline", node.name, node.id, node.last_heartbeat)
-        node.status = NodeStatus.offline
-    session.flush()
-
-    affected = session.scalars(
-        select(Run)
-        .join(RunWorker, RunWorker.run_id == Run.id)
-        .join(Node, Node.id == RunWorker.node_id)
-        .where(
-            Run.status.in_(ACTIVE_RUN_STATUSES),
-            Node.status == NodeStatus.offline,
-            RunWorker.status.not_in(FINISHED_WORKER_STATUSES),
-        )
-        .distinct()
-    ).all()
-    for candidate in affected:
-        run = get_run(session, run_id=candidate.id, lock=True)
-        if run.status.finished:
-            continue
-        dead = [w for w in run.workers if w.status not in FINISHED_WORKER_STATUSES
-                and w.node_id is not None and session.get(Node, w.node_id).status == NodeStatus.offline]
-        if not dead:
-            continue
-        node = session.get(Node, dead[0].node_id)
-        seen = node.last_heartbeat.isoformat(timespec="seconds") if node.last_heartbeat else "never"
-        reason = (
-            f"node {node.name} went offline: no heartbeat for {heartbeat_timeout_s:.0f} s "
-            f"(last {seen}); rank(s) {', '.join(str(w.rank) for w in dead)} lost"
-        )
-        for w in dead:
-            w.status = WorkerStatus.failed
-            w.reason = reason
-            w.finished_at = now
-        orders += end_run(session, run=run, status=RunStatus.failed, reason=reason, now=now,
-                          skip_nodes=[w.node_id for w in dead if w.node_id is not None])
-
-    late = session.scalars(
-        select(Run).where(
-            Run.status == RunStatus.launching,
-            Run.launched_at < now - timedelta(seconds=launch_timeout_s),
-        )
-    ).all()
-    for candidate in late:
-        run = get_run(session, run_id=candidate.id, lock=True)
-        if run.status != RunStatus.launching:
-            continue
-        waiting = [w for w in run.workers if w.status in (WorkerStatus.planned, WorkerStatus.launched)]
-        if not waiting:
-            continue
-        reason = "rank(s) {} did not start within {:.0f} s (on {})".format(
-            ", ".join(str(w.rank) for w in waiting), launch_timeout_s,
-            ", ".join(sorted({w.node_name for w in waiting})),
-        )
-        orders += end_run(session, run=run, status=RunStatus.failed, reason=reason, now=now)
-    session.flush()
-    return orders
+def _must_stop(run: Run, worker: RunWorker, *, grace_s: float, now: datetime) -> bool:
+    if run.status == RunStatus.succeeded and worker.status not in FINISHED_WORKER_STATUSES:
+        return run.finished_at is not None and run.finished_at < now - timedelta(seconds=grace_s)
+    return run.status.finished or worker.status in FINISHED_WORKER_STATUSES
 
 
 # -- logs --------------------------------------------------------------------------------------

@@ -1,25 +1,30 @@
 """A run's bill from what the database holds: its plan, its nodes' sites and its metrics.
 
 `app.billing` does the arithmetic on plain figures; this module gathers those figures (bytes
-per link, each node's time in the run, compute and communication seconds per worker) and
+per link, each node's time in the run from its ranks and the run's membership events, compute
+and communication seconds per worker) and
 supplies the prices in force through `DbPriceLookup`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
+from fractions import Fraction
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from app.billing import (
+    MEMBERSHIP_KINDS,
     Bill,
     EgressKey,
     InstanceKey,
     InstancePrice,
     LinkBytes,
+    MembershipChange,
     NodeUsage,
     PriceLookup,
     RunUsage,
@@ -27,8 +32,10 @@ from app.billing import (
     SiteKind,
     WorkerTime,
     compute_bill,
+    rank_spans,
+    union_seconds,
 )
-from app.models import EgressPrice, GpuModel, Node
+from app.models import EgressPrice, GpuModel, Node, RunEvent
 from app.models import Site as SiteRow
 from app.models import InstancePrice as InstancePriceRow
 from app.models.runs import Run, RunMetric, RunWorker
@@ -160,7 +167,7 @@ def run_usage(
     now = now or datetime.now(UTC)
     end = run.finished_at or now
     workers = list(run.workers)
-    nodes = _node_usages(session, workers, run.started_at or run.launched_at, end)
+    nodes = _node_usages(session, run.id, workers, run.started_at or run.launched_at, end)
     node_by_rank = {w.rank: w.node_name for w in workers if w.node_id is not None}
     if links is None:
         links = link_totals(session, run_id=run.id)
@@ -228,25 +235,24 @@ def _sums_by_rank(
 
 
 def _node_usages(
-    session: Session, workers: list[RunWorker], run_start: datetime | None, end: datetime
+    session: Session, run_id: int, workers: list[RunWorker], run_start: datetime | None, end: datetime
 ) -> list[NodeUsage]:
-    """Each node's time in the run: from its first rank's start to its last rank's end.
+    """Each node's time in the run: the union of its ranks' spans of membership, each from the
+    rank's start (or its join) to its loss, leave or end (app.billing.membership).
 
     A node none of whose ranks reported a start is held for the run's whole span: it was
     reserved for the run whether or not its process came up.
     """
-    spans: dict[int, tuple[datetime | None, datetime | None]] = {}
+    changes = _membership_changes(session, run_id)
+    spans: dict[int, list[tuple[datetime, datetime]]] = {}
+    came_up: set[int] = set()  # nodes with a rank that started or joined
     for w in workers:
         if w.node_id is None:
             continue  # the node was deleted since: nothing left to price it by
-        first, last = spans.get(w.node_id, (None, None))
-        started = w.started_at
-        finished = w.finished_at or (end if started else None)
-        if started and (first is None or started < first):
-            first = started
-        if finished and (last is None or finished > last):
-            last = finished
-        spans[w.node_id] = (first, last)
+        node_spans = spans.setdefault(w.node_id, [])
+        if w.started_at is not None or w.rank in changes:
+            came_up.add(w.node_id)
+            node_spans.extend(rank_spans(w.started_at, w.finished_at, changes.get(w.rank, ()), end=end))
     if not spans:
         return []
     rows = session.scalars(
@@ -256,17 +262,42 @@ def _node_usages(
     ).all()
     usages = []
     for node in rows:
-        first, last = spans[node.id]
-        if first is None:
-            first, last = run_start, end
-        seconds = max(0.0, (last - first).total_seconds()) if first and last else 0.0
-        usages.append(node_usage(node, seconds))
+        if node.id in came_up:
+            seconds = union_seconds(spans[node.id])
+        else:
+            seconds = max(0.0, (end - run_start).total_seconds()) if run_start else 0.0
+        ranks = [w for w in workers if w.node_id == node.id]
+        usages.append(node_usage(node, seconds, share=node_share(node, ranks)))
     return usages
 
 
-def node_usage(node: Node, seconds: float) -> NodeUsage:
-    """How `app.billing` prices `node` for `seconds` (its site, GPU, spot or amortised rate);
-    the node must be loaded with its site and GPUs."""
+def node_share(node: Node, ranks: Sequence[RunWorker]) -> Fraction:
+    """The part of `node` a run pays for: each GPU its `ranks` hold, divided by the runs that
+    held it at launch, over the node's GPUs. A run holding none of them (a PS server, a node
+    without GPUs) pays the whole node: nothing else is billed for what it uses there."""
+    total = sum(g.count for g in node.gpus)
+    held = {w.gpu_index: max(1, w.sharers or 1) for w in ranks if w.gpu_index is not None}
+    if not total or not held:
+        return Fraction(1)
+    return min(Fraction(1), sum((Fraction(1, n) for n in held.values()), Fraction(0)) / total)
+
+
+def _membership_changes(session: Session, run_id: int) -> dict[int, list[MembershipChange]]:
+    rows = session.execute(
+        select(RunEvent.subject, RunEvent.t, RunEvent.kind)
+        .where(RunEvent.run_id == run_id, RunEvent.kind.in_(MEMBERSHIP_KINDS),
+               RunEvent.subject.is_not(None))
+        .order_by(RunEvent.t, RunEvent.id)
+    )
+    changes: dict[int, list[MembershipChange]] = {}
+    for subject, t, kind in rows:
+        changes.setdefault(int(subject), []).append(MembershipChange(t, kind))
+    return changes
+
+
+def node_usage(node: Node, seconds: float, *, share: Fraction = Fraction(1)) -> NodeUsage:
+    """How `app.billing` prices `node` for `seconds` (its site, GPU, spot or amortised rate),
+    of which the run pays `share`; the node must be loaded with its site and GPUs."""
     site = billing_site(node.site)
     onprem = site.kind is SiteKind.onprem
     # An instance is priced by its one kind of GPU; a mixed node is priced by instance type only.
@@ -280,6 +311,7 @@ def node_usage(node: Node, seconds: float) -> NodeUsage:
         gpu_model=gpu.gpu_model.name if gpu else None,
         gpu_count=gpu.count if gpu else 1,
         amortised_usd_per_hour=Decimal(str(node.amortised_usd_per_h)) if onprem else None,
+        share=Decimal(share.numerator) / Decimal(share.denominator),
     )
 
 

@@ -27,10 +27,10 @@ from app.models import (
     Run,
     RunLog,
     RunMetric,
-    RunStatus,
     Site,
 )
 from app.models.base import utcnow
+from app.models.runs import ACTIVE_RUN_STATUSES
 
 
 @dataclass
@@ -197,10 +197,9 @@ def logs_after(session: Session, *, run_id: int, after_id: int, limit: int = 100
 
 
 def active_runs(session: Session) -> list[Run]:
-    """Runs queued, launching or running, newest first."""
-    active = (RunStatus.queued, RunStatus.launching, RunStatus.running)
+    """Runs not finished yet (queued, launching, running, degraded, restarting), newest first."""
     return list(
-        session.scalars(select(Run).where(Run.status.in_(active)).options(selectinload(Run.workers)).order_by(Run.id.desc()))
+        session.scalars(select(Run).where(Run.status.in_(ACTIVE_RUN_STATUSES)).options(selectinload(Run.workers)).order_by(Run.id.desc()))
     )
 
 

@@ -29,6 +29,8 @@ ASSUMED_CROSS_SITE = (100.0, 50.0)
 # A newly registered node probes (and is probed by) at most this many others.
 JOIN_PROBE_PEERS = 16
 JOIN_PROBE_SECONDS = 1.0
+# A probe's slot in the schedule: its bulk seconds plus the pings, the drain and the report.
+PROBE_SLOT_OVERHEAD_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,50 @@ def _target(node: Node) -> dict[str, Any]:
     return {"node_id": node.id, "host": node.address, "port": probe_port(node)}
 
 
+def probe_rounds(pairs: Sequence[tuple[int, int]], site_of: dict[int, int]) -> list[list[tuple[int, int]]]:
+    """The directed probes `pairs` (src, dst) in rounds that share no link: in a round every
+    node is in at most one probe (so a link is measured one direction at a time and a node's
+    own link carries one probe), and two sites exchange at most one probe (their pipe carries
+    one). Greedy, in the given order; links between sites first, the slow ones to measure."""
+    remaining = sorted(pairs, key=lambda p: site_of[p[0]] == site_of[p[1]])
+    rounds: list[list[tuple[int, int]]] = []
+    while remaining:
+        busy_nodes: set[int] = set()
+        busy_sites: set[frozenset[int]] = set()
+        this, later = [], []
+        for src, dst in remaining:
+            sites = frozenset((site_of[src], site_of[dst]))
+            crossing = len(sites) == 2
+            if src in busy_nodes or dst in busy_nodes or (crossing and sites in busy_sites):
+                later.append((src, dst))
+                continue
+            this.append((src, dst))
+            busy_nodes |= {src, dst}
+            if crossing:
+                busy_sites.add(sites)
+        rounds.append(this)
+        remaining = later
+    return rounds
+
+
+def _scheduled_orders(probers: Sequence[Node], targets: Sequence[Node], seconds: float) -> list[ProbeOrder]:
+    """One order per prober, its targets in the order of `probe_rounds`, each with its round and
+    the wall-clock time its slot starts (`start_at`, epoch seconds, for `agents.probe.wait_for_slot`).
+    An agent probes its targets in turn and is in one probe at a time (agents.probe), so even
+    one that starts a slot late keeps both directions of a link apart."""
+    by_id = {n.id: n for n in [*probers, *targets]}
+    pairs = [(p.id, t.id) for p in probers for t in targets if t.id != p.id]
+    rounds = probe_rounds(pairs, {i: n.site_id for i, n in by_id.items()})
+    start = utcnow().timestamp()
+    slot = seconds + PROBE_SLOT_OVERHEAD_S
+    mine: dict[int, list[dict[str, Any]]] = {p.id: [] for p in probers}
+    for r, pairs_in_round in enumerate(rounds):
+        for src, dst in pairs_in_round:
+            mine[src].append(_target(by_id[dst]) | {"round": r, "start_at": round(start + r * slot, 3)})
+    return [ProbeOrder(node_id=p.id, spec={"targets": mine[p.id], "seconds": seconds})
+            for p in probers if mine[p.id]]
+
+
 def _why_not_target(node: Node) -> str | None:
     if node.status != NodeStatus.online:
         return f"node {node.name} is {node.status}"
@@ -192,7 +238,8 @@ def probe_orders(
     session: Session, *, node_ids: Sequence[int], seconds: float
 ) -> tuple[list[ProbeOrder], list[dict[str, Any]]]:
     """Orders for every given online node to probe every other given node that can be probed,
-    and the nodes skipped, each with the reason.
+    scheduled in rounds that share no link (`probe_rounds`), and the nodes skipped, each with
+    the reason.
 
     InvalidFieldError (`node_ids`) for fewer than two distinct nodes; NotFoundError naming
     `node_ids.N` for an unknown one.
@@ -212,16 +259,15 @@ def probe_orders(
             skipped.append({"node_id": node.id, "reason": f"{reason}: it probes the others but is not probed"})
         else:
             skipped.append({"node_id": node.id, "reason": f"{reason}: it neither probes nor is probed"})
-    orders = []
+    probers = []
     for node in ordered:
         if node.status != NodeStatus.online:
             continue
-        mine = [_target(t) for t in targets if t.id != node.id]
-        if not mine:
+        if not any(t.id != node.id for t in targets):
             skipped.append({"node_id": node.id, "reason": f"node {node.name} has no other node to probe"})
             continue
-        orders.append(ProbeOrder(node_id=node.id, spec={"targets": mine, "seconds": seconds}))
-    return orders, skipped
+        probers.append(node)
+    return _scheduled_orders(probers, targets, seconds), skipped
 
 
 def join_probe_orders(session: Session, *, node: Node) -> list[ProbeOrder]:

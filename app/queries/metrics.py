@@ -1,7 +1,10 @@
-"""Metric ingestion (bulk, deduplicated) and series reads (server-side downsampling).
+"""Metric ingestion (bulk, exactly once) and series reads (server-side downsampling).
 
-Ingestion also learns the step count of a run given in epochs: the trainer's rank 0 reports
-`max_steps` at step 0, and a run whose max_steps is still NULL stores it.
+Each record is stored once per (run, rank, stream, seq): the trainer numbers the records of
+each process, its reporter and its agent may deliver a record more than once, and the
+unique key turns every re-delivery into a no-op. Ingestion also learns the step count of a
+run given in epochs: the trainer's rank 0 reports `max_steps` at step 0, and a run whose
+max_steps is still NULL stores it.
 """
 
 from __future__ import annotations
@@ -30,14 +33,15 @@ NO_PEER = -1
 _PG_INSERT = text(
     """
     WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true))
-    INSERT INTO run_metrics (run_id, name, rank, peer, step, t, value)
-    SELECT :run_id, m.name, m.rank, m.peer, m.step, m.t, m.value
+    INSERT INTO run_metrics (run_id, name, rank, peer, step, t, value, stream, seq)
+    SELECT :run_id, m.name, m.rank, m.peer, m.step, m.t, m.value, m.stream, m.seq
     FROM unnest(CAST(:names AS text[]), CAST(:ranks AS integer[]), CAST(:peers AS integer[]),
                 CAST(:steps AS integer[]), CAST(:ts AS double precision[]),
-                CAST(:vals AS double precision[]))
-         AS m(name, rank, peer, step, t, value)
+                CAST(:vals AS double precision[]), CAST(:streams AS text[]),
+                CAST(:seqs AS bigint[]))
+         AS m(name, rank, peer, step, t, value, stream, seq)
          CROSS JOIN async_commit
-    ON CONFLICT ON CONSTRAINT uq_run_metrics_run_id_name_rank_peer_step DO NOTHING
+    ON CONFLICT (run_id, rank, stream, seq) DO NOTHING
     """
 )
 
@@ -77,12 +81,23 @@ def _learn_max_steps(session: Session, run_id: int, records: Sequence[MetricReco
     )
 
 
+def record_key(record: MetricRecord) -> tuple[str, int]:
+    """The record's (stream, seq); a record without them (an older trainer) is keyed by what
+    identified it before, its name, peer and step."""
+    stream: str | None = getattr(record, "stream", None)
+    seq: int | None = getattr(record, "seq", None)
+    if stream is not None and seq is not None:
+        return stream, seq
+    return f"~{record.name}/{NO_PEER if record.peer is None else record.peer}", record.step
+
+
 def store_metrics(session: Session, *, run_id: int, records: Sequence[MetricRecord]) -> int:
-    """Insert the records once per (run, rank, step, name, peer); returns how many were new.
+    """Insert the records once per (run, rank, stream, seq); returns how many were new.
     A reported `max_steps` becomes the run's when it had none (a run given in epochs)."""
     if not records:
         return 0
     _learn_max_steps(session, run_id, records)
+    keys = [record_key(r) for r in records]
     if session.get_bind().dialect.name == "postgresql":
         result = session.execute(
             _PG_INSERT,
@@ -94,18 +109,21 @@ def store_metrics(session: Session, *, run_id: int, records: Sequence[MetricReco
                 "steps": [r.step for r in records],
                 "ts": [r.t for r in records],
                 "vals": [r.value for r in records],
+                "streams": [k[0] for k in keys],
+                "seqs": [k[1] for k in keys],
             },
         )
         return result.rowcount or 0
     stmt = sqlite_insert(RunMetric.__table__).on_conflict_do_nothing(
-        index_elements=["run_id", "name", "rank", "peer", "step"]
+        index_elements=["run_id", "rank", "stream", "seq"]
     )
     rows = [
         {
             "run_id": run_id, "name": r.name, "rank": r.rank,
             "peer": NO_PEER if r.peer is None else r.peer, "step": r.step, "t": r.t, "value": r.value,
+            "stream": stream, "seq": seq,
         }
-        for r in records
+        for r, (stream, seq) in zip(records, keys)
     ]
     # Core, not ORM, execution: its result counts the rows the statement really inserted.
     return session.connection().execute(stmt, rows).rowcount or 0
@@ -193,7 +211,7 @@ _NAMES = text(
 def metric_names(session: Session, *, run_id: int) -> list[str]:
     """Every metric name the run reported, sorted.
 
-    A skip scan over the (run_id, name, ...) unique index, one probe per name: a run of
+    A skip scan over the (run_id, name, ...) series index, one probe per name: a run of
     hundreds of thousands of records has only a dozen or two names, so this stays fast
     where a plain DISTINCT would read every record.
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Select, func, select
@@ -191,3 +192,23 @@ def delete_node(session: Session, *, node_id: int) -> None:
     node = get_node(session, node_id=node_id)
     session.delete(node)
     session.flush()
+
+
+def drain_node(session: Session, *, node_id: int) -> Node:
+    """Mark a node draining: its runs finish, no new run may name it, queued ones wait."""
+    node = get_node(session, node_id=node_id)
+    node.status = NodeStatus.draining
+    session.flush()
+    return node
+
+
+def undrain_node(session: Session, *, node_id: int, heartbeat_timeout_s: float, now: datetime) -> Node:
+    """End a node's drain: online again if its agent beat within the timeout, else offline
+    (its next heartbeat brings it online)."""
+    node = get_node(session, node_id=node_id)
+    if node.status != NodeStatus.draining:
+        return node
+    fresh = node.last_heartbeat is not None and now - node.last_heartbeat < timedelta(seconds=heartbeat_timeout_s)
+    node.status = NodeStatus.online if fresh else NodeStatus.offline
+    session.flush()
+    return node

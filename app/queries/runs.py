@@ -1,14 +1,13 @@
-"""Queries of runs: planning, creation (idempotent), launch orders and the lifecycle.
+"""Queries of runs: planning, creation (idempotent), reading, and the launch orders' contents.
 
-Lifecycle: queued (stored) -> launching (orders sent) -> running (every rank started) ->
-succeeded (every rank exited 0) | failed (a rank failed, a node went offline, a rank never
-started) | cancelled (asked). The first reason to end a run wins; the functions that end one
-return the cancel orders for its other nodes, which the caller sends after committing.
+Every change of a run's state after its creation lives in `app.lifecycle`.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,11 +17,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from app.dispatch import CancelOrder, LaunchOrder
+from app.dispatch import LaunchOrder
 from app.errors import ConflictError, InvalidFieldError, NotFoundError
 from app.models import Cluster, Node, NodeGpu, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
-from app.models.base import utcnow
-from app.models.runs import FINISHED_WORKER_STATUSES
 from app.planner import GpuSpec, Plan, PlanError, PlanNode, plan_run
 from app.queries.bundles import get_bundle
 from app.queries.common import paginate
@@ -30,11 +27,9 @@ from app.queries import predictions
 from app.queries.profiles import latest_profiles
 from app.schemas.runs import RunCreate
 from app.security import hash_secret, new_secret
-from hybridtrain.contract import is_ps
+from hybridtrain.contract import is_ps, proportional_batch_sizes
 
 METRICS_TOKEN_PREFIX = "htr_"
-MASTER_PORT_BASE = 29500
-MASTER_PORT_SPAN = 2000
 _EPOCH = datetime.fromtimestamp(0, UTC)
 
 
@@ -77,6 +72,11 @@ def _load_nodes(session: Session, ids: Sequence[int], *, field: str) -> list[Nod
 
 def _check_usable(nodes: Iterable[Node]) -> None:
     for node in nodes:
+        if node.status == NodeStatus.draining:
+            raise ConflictError(
+                f"node {node.name} (id {node.id}) is draining: it finishes its runs and takes no "
+                "new one (undrain it, or leave it out)"
+            )
         if node.status != NodeStatus.online:
             raise ConflictError(
                 f"node {node.name} (id {node.id}) is {node.status}: runs need online nodes "
@@ -244,11 +244,12 @@ def create_run(
     created_by: str,
     idempotency_key: str | None,
     fingerprint: str,
+    secret_key: str,
 ) -> tuple[Run, str]:
-    """Plan and store a queued run; returns it with its metrics token (shown only here)."""
+    """Plan and store a queued run; returns it with its metrics token (its hash is stored)."""
     planned = make_planned(session, data=data)
     plan, facts = planned.plan, planned.facts
-    token = new_secret(METRICS_TOKEN_PREFIX)
+    _check_min_workers(data, plan)
     run = Run(
         name=data.name,
         status=RunStatus.queued,
@@ -272,11 +273,20 @@ def create_run(
         cluster_id=data.cluster_id,
         ps_node_id=plan.ps_node_id,
         master_addr=plan.master_addr,
-        metrics_token_hash=hash_secret(token),
+        # A placeholder until the id is known: the token is derived from it (run_metrics_token).
+        metrics_token_hash=hash_secret(new_secret(METRICS_TOKEN_PREFIX)),
         created_by=created_by,
         idempotency_key=idempotency_key,
         request_fingerprint=fingerprint,
         prediction=planned.prediction,
+        checkpoint_every=data.checkpoint_every,
+        checkpoint_every_s=data.checkpoint_every_s,
+        max_restarts=data.max_restarts,
+        restarts=0,
+        min_workers=data.min_workers,
+        min_workers_wait_s=data.min_workers_wait_s,
+        priority=data.priority,
+        share_gpus=data.share_gpus,
         workers=[
             RunWorker(
                 rank=w.rank, role=w.role, node_id=w.node_id, node_name=w.node_name,
@@ -288,10 +298,30 @@ def create_run(
     )
     session.add(run)
     session.flush()
-    # Spread concurrent runs over ports so two servers on one node do not collide.
-    run.master_port = MASTER_PORT_BASE + run.id % MASTER_PORT_SPAN
+    token = run_metrics_token(secret_key, run_id=run.id, attempt=0)
+    run.metrics_token_hash = hash_secret(token)
     session.flush()
     return run, token
+
+
+def run_metrics_token(secret_key: str, *, run_id: int, attempt: int) -> str:
+    """The metrics token of a run's `attempt` (0, then one per restart).
+
+    Derived from the control plane's secret rather than stored: only its hash is kept, yet
+    the control plane can hand it again to a rank whose launch order it re-sends or to a
+    worker that joins later; a restart moves to the next attempt, which retires the old token.
+    """
+    message = f"hybridtrain-run-metrics:{run_id}:{attempt}".encode()
+    digest = hmac.new(secret_key.encode(), message, hashlib.sha256).digest()
+    return METRICS_TOKEN_PREFIX + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def _check_min_workers(data: RunCreate, plan: Plan) -> None:
+    workers = sum(1 for w in plan.workers if w.role == "worker")
+    if data.min_workers > workers:
+        raise InvalidFieldError(
+            "min_workers", f"min_workers {data.min_workers} is more than the run's {workers} worker(s)"
+        )
 
 
 def rank_sites(session: Session, *, run: Run) -> list[str]:
@@ -327,6 +357,15 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
         options["no-stop-at-target"] = True
     if run.eval_every is not None:
         options["eval-every"] = run.eval_every
+    if run.script is None:
+        # None on a run not yet flushed: the trainer's defaults (off) apply.
+        if run.checkpoint_every:
+            options["checkpoint-every"] = run.checkpoint_every
+        if run.checkpoint_every_s:
+            options["checkpoint-every-s"] = run.checkpoint_every_s
+    if is_ps(run.strategy) and run.min_workers is not None:
+        options["min-workers"] = run.min_workers
+        options["min-workers-wait-s"] = run.min_workers_wait_s
     if run.rebalance_every is not None:
         # The trainer's `measured` allocation starts from --batch-sizes (the plan) and
         # re-splits from observed compute times.
@@ -350,19 +389,51 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+def checkpoint_url(run: Run, public_url: str) -> str:
+    """Where the run's trainer uploads its checkpoints and reads the latest one back."""
+    return f"{public_url.rstrip('/')}/api/v1/runs/{run.id}/checkpoint"
+
+
+def current_batch_sizes(run: Run, live: Iterable[RunWorker]) -> list[int]:
+    """Every worker rank's share of the global batch (rank order), split over the `live` ones
+    in proportion to their planned speeds; a rank that is gone keeps the minimum of 1 the
+    trainer's command line needs, which its server never hands out."""
+    alive = {w.rank for w in live}
+    workers = [w for w in run.workers if w.role == "worker"]
+    speeds = [(w.speed or 1.0) if w.rank in alive else 1e-9 for w in workers]
+    return proportional_batch_sizes(run.global_batch_size, speeds)
+
+
 def launch_orders(
-    run: Run, *, metrics_token: str, public_url: str, sites: Sequence[str] = ()
+    run: Run,
+    *,
+    metrics_token: str,
+    public_url: str,
+    sites: Sequence[str] = (),
+    ranks: Iterable[RunWorker] | None = None,
+    join: bool = False,
+    resume: bool = False,
+    batch_sizes: Sequence[int] | None = None,
 ) -> list[LaunchOrder]:
-    """One launch order per rank, carrying everything the role's command line needs; `sites`
-    (one label per rank, `rank_sites`) lets a PS run relay its update once per remote site."""
-    batch_sizes = [w.batch_size for w in run.workers if w.role == "worker" and w.batch_size]
+    """One launch order per rank (`ranks`, default all), carrying everything the role's command
+    line needs; `sites` (one label per rank, `rank_sites`) lets a PS run relay its update once
+    per remote site. `join` admits the ranks into the running run, `resume` starts them from
+    the latest checkpoint (a restart); `batch_sizes` overrides the plan's split."""
+    sizes = list(batch_sizes) if batch_sizes is not None else [
+        w.batch_size for w in run.workers if w.role == "worker" and w.batch_size
+    ]
     # The agent fetches the code with the run's own token, from its own server URL.
     bundle = (
         {"sha256": run.bundle_sha256, "path": f"/api/v1/runs/{run.id}/bundle"}
         if run.bundle_sha256 else None
     )
+    options = _trainer_options(run, sites)
+    # A script of the user's own checkpoints itself: --resume restores a task's run only.
+    checkpoints = run.script is None and (bool(run.checkpoint_every) or bool(run.checkpoint_every_s) or resume)
+    if resume and run.script is None:
+        options["resume"] = True
     orders = []
-    for worker in run.workers:
+    for worker in run.workers if ranks is None else ranks:
         assert worker.node_id is not None
         env = {}
         if worker.gpu_index is not None:
@@ -374,27 +445,22 @@ def launch_orders(
             "world_size": len(run.workers),
             "master_addr": run.master_addr,
             "master_port": run.master_port,
-            "batch_sizes": batch_sizes,
+            # Rank 0 listens: its agent checks the port is free there, else picks one and
+            # reports it in the rank's `started` event; the other ranks are sent it after.
+            "pick_port": worker.rank == 0,
+            "batch_sizes": sizes,
             "report_url": f"{public_url.rstrip('/')}/api/v1/runs/{run.id}/metrics",
             "report_token": metrics_token,
-            "options": _trainer_options(run, sites),
+            "options": options,
             "env": env,
             "bundle": bundle,
             "script_args": list(run.script_args or []),
+            "checkpoint_url": checkpoint_url(run, public_url) if checkpoints else None,
+            "join": join,
+            "attempt": run.restarts or 0,
         }
         orders.append(LaunchOrder(node_id=worker.node_id, run_id=run.id, rank=worker.rank, spec=spec))
     return orders
-
-
-def mark_launching(session: Session, *, run: Run) -> None:
-    """Record that the launch orders went out."""
-    now = utcnow()
-    run.status = RunStatus.launching
-    run.launched_at = now
-    for worker in run.workers:
-        if worker.status == WorkerStatus.planned:
-            worker.status = WorkerStatus.launched
-    session.flush()
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -402,7 +468,7 @@ def mark_launching(session: Session, *, run: Run) -> None:
 
 def get_run(session: Session, *, run_id: int, lock: bool = False) -> Run:
     """The run with its workers, or NotFoundError; `lock` takes its row for an update."""
-    stmt = select(Run).where(Run.id == run_id).options(selectinload(Run.workers))
+    stmt = select(Run).where(Run.id == run_id).options(selectinload(Run.workers), selectinload(Run.checkpoints))
     if lock:
         # populate_existing: a row already in the session is refreshed from the locked read.
         stmt = stmt.with_for_update().execution_options(populate_existing=True)
@@ -415,53 +481,12 @@ def get_run(session: Session, *, run_id: int, lock: bool = False) -> Run:
 def list_runs(
     session: Session, *, skip: int, limit: int, status: RunStatus | None = None
 ) -> tuple[Sequence[Run], int]:
-    """A page of runs, newest first."""
-    stmt = select(Run).options(selectinload(Run.workers)).order_by(Run.id.desc())
+    """A page of runs, newest first; queued runs in the queue's order (priority, then age)."""
+    stmt = select(Run).options(selectinload(Run.workers), selectinload(Run.checkpoints))
+    if status == RunStatus.queued:
+        stmt = stmt.order_by(Run.priority.desc(), Run.id)
+    else:
+        stmt = stmt.order_by(Run.id.desc())
     if status is not None:
         stmt = stmt.where(Run.status == status)
     return paginate(session, stmt, skip=skip, limit=limit)
-
-
-# -- ending ----------------------------------------------------------------------------------
-
-
-def _cancel_orders(run: Run, reason: str, *, skip_nodes: Iterable[int] = ()) -> list[CancelOrder]:
-    skip = set(skip_nodes)
-    nodes = sorted({w.node_id for w in run.workers if w.node_id is not None} - skip)
-    return [CancelOrder(node_id=n, run_id=run.id, reason=reason) for n in nodes]
-
-
-def end_run(
-    session: Session,
-    *,
-    run: Run,
-    status: RunStatus,
-    reason: str | None,
-    now: datetime | None = None,
-    skip_nodes: Iterable[int] = (),
-) -> list[CancelOrder]:
-    """End an active run; its unfinished ranks become cancelled. Returns the cancel orders
-    for its nodes (none for a success, whose ranks have all exited)."""
-    if run.status.finished:
-        return []
-    now = now or utcnow()
-    run.status = status
-    run.reason = reason
-    run.finished_at = now
-    for worker in run.workers:
-        if worker.status not in FINISHED_WORKER_STATUSES:
-            worker.status = WorkerStatus.cancelled
-            worker.finished_at = worker.finished_at or now
-    session.flush()
-    if status == RunStatus.succeeded:
-        return []
-    return _cancel_orders(run, reason or str(status), skip_nodes=skip_nodes)
-
-
-def cancel_run(session: Session, *, run_id: int, reason: str) -> tuple[Run, list[CancelOrder]]:
-    """Cancel an active run; ConflictError if it has already ended."""
-    run = get_run(session, run_id=run_id, lock=True)
-    if run.status.finished:
-        raise ConflictError(f"run {run.id} has already ended ({run.status}); nothing to cancel")
-    orders = end_run(session, run=run, status=RunStatus.cancelled, reason=reason)
-    return run, orders

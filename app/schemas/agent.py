@@ -78,6 +78,11 @@ class RoleState(Schema):
     signal: Annotated[int, Field(ge=0, le=255)] | None = None
     cancelled: bool = False
     reason: Annotated[str, BeforeValidator(_clean_line), Field(max_length=MAX_LINE)] | None = None
+    # The run's restart count the role was launched with; an exit of an earlier attempt is stale.
+    attempt: Annotated[int, Field(ge=0, le=10_000)] | None = None
+    # Why the agent stopped the role (hybridtrain.contract.STOP_CAUSES; a newer agent's other
+    # causes are kept as text rather than refusing its report).
+    cause: SmallText | None = None
 
 
 class Heartbeat(Schema):
@@ -112,6 +117,11 @@ class RoleEvent(Schema):
     signal: Annotated[int, Field(ge=0, le=255)] | None = None
     cancelled: bool = False
     reason: CleanLine | None = None
+    attempt: Annotated[int, Field(ge=0, le=10_000)] | None = None
+    # Why the agent stopped the role, when it did (hybridtrain.contract.STOP_CAUSES).
+    cause: SmallText | None = None
+    # A started rank 0: the port it listens on, which its agent took free on the node.
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
     tail: Annotated[list[CleanLine], Field(max_length=200)] = []
     t: Seconds | None = None
 

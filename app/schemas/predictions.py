@@ -22,7 +22,7 @@ _Count = Annotated[int, Field(ge=0, le=2**62, strict=True)]
 _Seconds = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
 
 # The optimizer tries every subset up to app.optimize.EXHAUSTIVE_MAX candidates (1023 subsets at
-# 10, ~7 s) and greedy removal beyond; more than this many would keep a request waiting too long.
+# 10, ~10 s) and greedy removal beyond; more than this many would keep a request waiting too long.
 MAX_OPTIMIZE_CANDIDATES = 12
 
 
@@ -37,6 +37,10 @@ class ProfileMeasurementFull(ProfileMeasurement):
     worker_compress_s: _Seconds | None = None
     server_compress_s: _Seconds | None = None
     aggregate_s: _Seconds | None = None
+    dense_aggregate_s_per_element: _Seconds | None = None
+    dense_encode_s_per_element: _Seconds | None = None
+    powersgd_s: _Seconds | None = None
+    powersgd_rank: _Count | None = None
     matrix_shapes: Annotated[list[tuple[_Count, _Count]], Field(max_length=100_000)] | None = None
 
 
@@ -86,6 +90,10 @@ class PredictionPublic(PublicSchema):
     server_node_id: int | None
     node_names: dict[str, str]
     links: list[dict[str, Any]] = Field(description="each link the plan uses: mbps, rtt_ms, source, measured_at")
+    phases: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="steps first_step..last_step (null: on) of one kind: warm-up, each step of the densities' "
+                    "path, the settled state; each with step_s, cross_site_bytes_per_step and densities")
     costs: CostPredictionPublic
 
 

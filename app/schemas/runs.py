@@ -10,7 +10,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from app.models.runs import RunStatus, WorkerStatus
+from app.schemas.checkpoints import CheckpointPublic
 from app.schemas.common import Flag, Id, Name, PublicSchema, Schema
+from app.schemas.events import RunEventPublic
 from hybridtrain import contract
 
 # A run given neither max_steps nor epochs trains this many steps.
@@ -18,6 +20,11 @@ DEFAULT_MAX_STEPS = 300
 # Task arguments travel on every launch order and into every trainer's argv.
 MAX_TASK_ARGS_BYTES = 64 * 1024
 MAX_SCRIPT_ARGS = 64
+# Runs from the API checkpoint by default, so that a restart loses at most this much.
+DEFAULT_CHECKPOINT_EVERY = 100
+DEFAULT_CHECKPOINT_EVERY_S = 600.0
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_MIN_WORKERS_WAIT_S = 300.0
 
 # Literals for the OpenAPI schema, built from the one list of each in hybridtrain.contract.
 Strategy = Literal[contract.STRATEGIES]  # type: ignore[valid-type]
@@ -120,6 +127,37 @@ class RunCreate(Schema):
         default=None, description="evaluate the task's metrics every N steps (trainer default 50)"
     )
     ps_node_id: Id | None = Field(default=None, description="where the server goes (PS strategies)")
+    checkpoint_every: Annotated[int, Field(ge=0, le=100_000_000, strict=True)] = Field(
+        default=DEFAULT_CHECKPOINT_EVERY,
+        description="upload a checkpoint to the control plane every N steps (0: never); a run "
+        "whose server dies restarts from the latest",
+    )
+    checkpoint_every_s: Annotated[float, Field(ge=0, le=7 * 86400, allow_inf_nan=False)] = Field(
+        default=DEFAULT_CHECKPOINT_EVERY_S,
+        description="also checkpoint when this many seconds have passed since the last one (0: off)",
+    )
+    max_restarts: Annotated[int, Field(ge=0, le=100, strict=True)] = Field(
+        default=DEFAULT_MAX_RESTARTS,
+        description="how often the run is relaunched from its latest checkpoint after its server "
+        "(or an all-reduce rank) died; beyond it the run fails",
+    )
+    min_workers: Annotated[int, Field(ge=1, le=100_000, strict=True)] = Field(
+        default=1,
+        description="PS strategies: below this many live workers training waits for workers "
+        "(at most min_workers_wait_s), then the run fails; at most the run's number of workers",
+    )
+    min_workers_wait_s: Annotated[float, Field(ge=0, le=7 * 86400, allow_inf_nan=False)] = Field(
+        default=DEFAULT_MIN_WORKERS_WAIT_S,
+        description="how long a PS run waits below min_workers before it fails",
+    )
+    priority: Annotated[int, Field(ge=-1000, le=1000, strict=True)] = Field(
+        default=0,
+        description="place in the queue for busy GPUs: higher first, then creation order",
+    )
+    share_gpus: Flag = Field(
+        default=False,
+        description="run on GPUs that other sharing runs hold (it waits only for runs that do not share)",
+    )
 
     @field_validator("task")
     @classmethod
@@ -235,6 +273,7 @@ class PlanPublic(PublicSchema):
 
 class RunWorkerPublic(PlannedWorkerPublic):
     status: WorkerStatus
+    sharers: int = Field(default=1, description="runs that held this rank's GPU at launch, itself included")
     pid: int | None
     exit_code: int | None
     signal: int | None
@@ -275,7 +314,40 @@ class RunPublic(PublicSchema):
     launched_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+    checkpoint_every: int
+    checkpoint_every_s: float
+    max_restarts: int
+    restarts: int = Field(description="how often the run was relaunched from a checkpoint")
+    min_workers: int
+    min_workers_wait_s: float
+    priority: int = 0
+    share_gpus: bool = False
+    queue_position: int | None = Field(
+        default=None, description="1 for the next queued run to start; null unless queued"
+    )
+    waiting_for: list[str] = Field(
+        default_factory=list, description="why a queued run has not started (busy GPUs, draining nodes)"
+    )
+    latest_checkpoint: CheckpointPublic | None = Field(
+        default=None, description="the newest checkpoint the trainer uploaded, if any"
+    )
     workers: list[RunWorkerPublic]
+    events: list[RunEventPublic] = Field(
+        default_factory=list, description="membership changes, restarts, checkpoints: oldest first"
+    )
+
+
+class RunAddNodes(Schema):
+    """Nodes to add to a running PS run, one worker rank per GPU."""
+
+    node_ids: Annotated[list[Id], Field(min_length=1, max_length=256)]
+
+    @field_validator("node_ids")
+    @classmethod
+    def _distinct(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError("node_ids: each node may appear once")
+        return value
 
 
 # -- metrics -------------------------------------------------------------------------------
@@ -301,10 +373,6 @@ class MetricRecord(Schema):
     name: MetricName
     value: Annotated[float | None, BeforeValidator(_finite_or_none)]
     peer: Rank | None = None
-
-
-class MetricBatch(Schema):
-    records: Annotated[list[MetricRecord], Field(max_length=10_000)]
 
 
 class MetricsStored(PublicSchema):

@@ -37,10 +37,10 @@ def _error_page(request: Request, status_code: int, heading: str, message: str) 
 
 def install_dashboard(app: FastAPI) -> None:
     """Serve the dashboard's pages and static files from `app`."""
-    from app.web.routes import compare, login, nodes, overview, prices, runs
+    from app.web.routes import compare, login, nodes, overview, prices, runs, tokens
 
     mount_static(app)
-    for module in (login, overview, nodes, prices, runs, compare):
+    for module in (login, overview, nodes, prices, runs, compare, tokens):
         app.include_router(module.router, include_in_schema=False)
 
     @app.exception_handler(LoginRequired)

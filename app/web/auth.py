@@ -1,8 +1,9 @@
 """Who is looking at a page: the signed-in principal behind the session cookie, and CSRF checks.
 
 Page handlers declare what they need, as the REST handlers do (`ViewerDep`, `AdminViewerDep`);
-an anonymous visitor is sent to /login, a too-small scope gets a 403 page, and every form post
-must carry the session's CSRF token (`FormDep`).
+an anonymous visitor is sent to /login, a too-small scope gets a 403 page, a token limited to
+other actions a 403, and every form post must carry the session's CSRF token (`FormDep`). A
+session lasts only as long as its token: deleted or expired, the next page asks to sign in.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request, status
 from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 
-from app.api.deps import Principal, SessionDep, SettingsDep
+from app.api.deps import Principal, SessionDep, SettingsDep, accept_token
 from app.config import Settings
 from app.models import ApiToken, TokenScope
+from app.models.base import utcnow
 from app.security import hash_secret, secrets_equal
 from app.web import session as web_session
 from app.web.session import WebSession
@@ -38,6 +40,10 @@ class ScopeTooSmall(Exception):
         super().__init__(f"token '{principal.name}' has scope '{principal.scope}'; this needs '{needed}'")
         self.principal = principal
         self.needed = needed
+
+
+class TokenRefused(Exception):
+    """The token offered at sign-in is unknown, revoked or expired; the message says which."""
 
 
 class CsrfRejected(Exception):
@@ -63,16 +69,20 @@ def current_session(request: Request, settings: Settings) -> WebSession | None:
     return request.state.web_session
 
 
-def principal_for_token(session: Session, settings: Settings, secret: str) -> tuple[Principal, str] | None:
-    """The principal an API token signs in as, with the stored hash the session binds to."""
+def principal_for_token(session: Session, settings: Settings, secret: str) -> tuple[Principal, str]:
+    """The principal an API token signs in as, with the stored hash the session binds to;
+    TokenRefused if the token is unknown, revoked or expired."""
     if settings.admin_token and secrets_equal(secret, settings.admin_token):
         return Principal(name="HYBRIDTRAIN_ADMIN_TOKEN", scope=TokenScope.admin), hash_secret(secret)
     from app.queries.tokens import token_by_secret
 
     token = token_by_secret(session, secret=secret)
     if token is None:
-        return None
-    return Principal(name=token.name, scope=token.scope, token_id=token.id), token.token_hash
+        raise TokenRefused("That token is not valid (or was revoked).")
+    if token.expired(utcnow()):
+        raise TokenRefused(f"That token expired at {token.expires_at:%Y-%m-%d %H:%M:%S} UTC.")
+    accept_token(session, token)
+    return Principal.of_token(token), token.token_hash
 
 
 def _principal_of(session: Session, settings: Settings, cookie: WebSession) -> Principal | None:
@@ -91,7 +101,10 @@ def _principal_of(session: Session, settings: Settings, cookie: WebSession) -> P
         return None
     if not secrets_equal(cookie.fingerprint, web_session.fingerprint(key, token.token_hash)):
         return None
-    return Principal(name=token.name, scope=token.scope, token_id=token.id)
+    if token.expired(utcnow()):
+        return None
+    accept_token(session, token)
+    return Principal.of_token(token)
 
 
 def _next_path(request: Request) -> str:
@@ -111,12 +124,16 @@ def get_viewer(request: Request, session: SessionDep, settings: SettingsDep) -> 
 ViewerDep = Annotated[Viewer, Depends(get_viewer)]
 
 
-def require_page_scope(needed: TokenScope) -> Callable[[Viewer], Viewer]:
-    """A dependency that admits signed-in viewers whose scope includes `needed`."""
+def require_page_scope(needed: TokenScope) -> Callable[..., Viewer]:
+    """A dependency that admits signed-in viewers whose scope includes `needed` and whose
+    token's action limit, if any, names what the request does."""
 
-    def check_page_scope(viewer: ViewerDep) -> Viewer:
+    def check_page_scope(request: Request, viewer: ViewerDep) -> Viewer:
         if not viewer.principal.scope.allows(needed):
             raise ScopeTooSmall(viewer.principal, needed)
+        refused = viewer.principal.refusal(request)
+        if refused is not None:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, refused)
         return viewer
 
     check_page_scope.__name__ = f"require_page_{needed.value}_scope"

@@ -29,6 +29,18 @@ CLASS_COLORS = {
     "internet": "#e4572e",
 }
 TOTAL_COLOR = "#1c2433"
+# Run events on the timeline and as markers on the charts' time axis.
+EVENT_COLORS = {
+    "worker_lost": "#c62828",
+    "worker_left": "#c77700",
+    "worker_joined": "#2e7d32",
+    "waiting_for_workers": "#c77700",
+    "resumed": "#2f6fed",
+    "restarting": "#2f6fed",
+}
+EVENT_DEFAULT_COLOR = "#6b7585"
+# Checkpoints come every N steps: listed in the timeline, not drawn over the charts.
+UNMARKED_EVENTS = frozenset({"checkpoint"})
 
 
 class SeriesLike(Protocol):
@@ -251,6 +263,31 @@ def egress_figure(classes: Sequence[EgressSeries], t0: float, *, unpriced: Seque
     if notes:
         layout["annotations"] = notes
     return {"data": traces, "layout": layout}
+
+
+def event_color(kind: str) -> str:
+    """The colour of a run event of `kind` (membership changes by what they do to the run)."""
+    return EVENT_COLORS.get(kind, EVENT_DEFAULT_COLOR)
+
+
+def event_markers(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Vertical dotted lines at each event's x (seconds since t0), as Plotly layout shapes;
+    `events` are `app.web.live.event_view` dicts."""
+    return [
+        {"type": "line", "xref": "x", "yref": "paper", "x0": e["x"], "x1": e["x"], "y0": 0, "y1": 1,
+         "line": {"color": e["color"], "width": 1.2, "dash": "dot"}, "name": f"event:{e['id']}"}
+        for e in events
+        if e["kind"] not in UNMARKED_EVENTS
+    ]
+
+
+def with_events(figure: Figure, events: Sequence[Mapping[str, Any]]) -> Figure:
+    """`figure` with the run's events marked on its time axis."""
+    markers = event_markers(events)
+    if not markers:
+        return figure
+    layout = {**figure["layout"], "shapes": [*figure["layout"].get("shapes", []), *markers]}
+    return {**figure, "layout": layout}
 
 
 def _no_data(text: str) -> dict[str, Any]:

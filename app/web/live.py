@@ -1,5 +1,6 @@
 """What the run page's live stream sends: new metric rows turned into points to append to the
-charts' traces, and a cursor that reads new rows without missing any.
+charts' traces, new run events for its timeline, and a cursor that reads new rows without
+missing any.
 
 Both are plain objects with no database or network, so the stream's logic is tested alone;
 `app.web.routes.runs` feeds them rows.
@@ -9,11 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, Protocol
 
 from app.billing import egress_usd, round_usd
-from app.web.figures import CLASS_COLORS, TOTAL_COLOR, color, eval_color, eval_uid, loss_label, worker_label
+from app.web.figures import (
+    CLASS_COLORS,
+    TOTAL_COLOR,
+    color,
+    eval_color,
+    eval_uid,
+    event_color,
+    loss_label,
+    worker_label,
+)
 from hybridtrain.contract import LEGACY_TIME_TO_TARGET, SYSTEM_METRICS
 
 
@@ -146,3 +157,60 @@ class LiveState:
         self.egress_usd_by_class[rate.traffic_class] = total
         add("egress", f"egress:{rate.traffic_class}", rate.traffic_class.replace("_", " "),
             CLASS_COLORS.get(rate.traffic_class, "#6c757d"), row.step, row.t, float(round_usd(total)))
+
+
+class EventRow(Protocol):
+    """A stored run event, as `app.models.RunEvent` has it."""
+
+    id: int
+    t: datetime
+    kind: str
+    subject: int | None
+    step: int | None
+    detail: str
+    source: Any
+
+
+def event_view(event: EventRow, t0: float) -> dict[str, Any]:
+    """An event as the page's timeline and chart markers draw it (x: seconds since `t0`)."""
+    who = f"rank {event.subject}" if event.subject is not None else "run"
+    return {
+        "id": event.id,
+        "x": round(event.t.timestamp() - t0, 3),
+        "at": event.t.isoformat().replace("+00:00", "Z"),
+        "kind": event.kind,
+        "label": f"{event.kind.replace('_', ' ')}: {who}",
+        "subject": event.subject,
+        "step": event.step,
+        "detail": event.detail,
+        "source": str(getattr(event.source, "value", event.source)),
+        "color": event_color(event.kind),
+    }
+
+
+class EventFeed:
+    """The run's new events for an open page: read by id with the same late-commit care as the
+    metrics (`IdCursor`), handed out once each."""
+
+    def __init__(self, after_id: int, *, t0: float, settle_s: float = 2.0) -> None:
+        self.cursor = IdCursor(after_id, settle_s=settle_s)
+        self.t0 = t0
+        self.sent = after_id
+        self._pending: list[dict[str, Any]] = []
+
+    @property
+    def floor(self) -> int:
+        """Read rows with ids above this."""
+        return self.cursor.floor
+
+    def read(self, rows: Iterable[EventRow], now: float) -> None:
+        """Take the rows read with `id > floor`; those not handed out before wait in `take()`."""
+        fresh = self.cursor.fresh(((r.id, r) for r in rows), now)
+        for row in sorted(fresh, key=lambda r: (r.t, r.id)):
+            self._pending.append(event_view(row, self.t0))
+            self.sent = max(self.sent, row.id)
+
+    def take(self) -> list[dict[str, Any]]:
+        """The events not handed out yet, oldest first."""
+        out, self._pending = self._pending, []
+        return out

@@ -1,5 +1,6 @@
 """Runs as the pages show them: the overview's runs in flight and spend, the runs table, and a
-run's charts as initial figures plus the state its live stream continues from."""
+run's charts and timeline of events as initial figures plus the state its live stream
+continues from."""
 
 from __future__ import annotations
 
@@ -10,20 +11,23 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.models import Run, RunMetric, RunStatus
+from app.models import Run, RunEvent, RunMetric
 from app.models.base import utcnow
+from app.models.runs import ACTIVE_RUN_STATUSES
 from app.queries import costs, dashboard
+from app.queries.events import list_events
 from app.queries.metrics import metric_names
 from app.web import figures
 from app.web.egress import LinkBucket, cumulative_by_class, link_rates
-from app.web.live import LiveState, is_evaluation_metric
+from app.web.live import LiveState, event_view, is_evaluation_metric
 
 # A chart of more points than a screen is wide shows nothing more and costs the browser time.
 MAX_POINTS = 600
 SERIES_NAMES = ("samples_per_s", "loss", "density", "batch_size")
 # Byte counts are summed, not averaged, and feed the egress chart and the bill.
 SUMMED_NAMES = ("bytes_sent",)
-ACTIVE = (RunStatus.queued, RunStatus.launching, RunStatus.running)
+# A degraded or restarting run is still in flight: its page streams.
+ACTIVE = tuple(sorted(ACTIVE_RUN_STATUSES))
 
 
 @dataclass
@@ -164,7 +168,7 @@ def run_series(session: Session, run: Run, *, names: tuple[str, ...] = SERIES_NA
 
 @dataclass
 class RunCharts:
-    """A run's six charts, its bill so far, and what the live stream continues from."""
+    """A run's six charts, its events, its bill so far, and what the live stream continues from."""
 
     figures: dict[str, figures.Figure]
     t0: float
@@ -172,6 +176,9 @@ class RunCharts:
     logs_after: int
     bill: Any
     unpriced: list[str]
+    # `app.web.live.event_view` dicts, oldest first, and the newest event's id for the stream.
+    events: list[dict[str, Any]] = field(default_factory=list)
+    events_after: int = 0
 
 
 def run_charts(session: Session, run: Run) -> RunCharts:
@@ -189,6 +196,8 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     egress_series, _ = cumulative_by_class(data.link_buckets, rates)
     planned = {w.rank: w.batch_size for w in run.workers if w.role == "worker" and w.batch_size}
     servers = server_ranks(run)
+    stored_events = list_events(session, run_id=run.id)
+    events = [event_view(e, t0) for e in stored_events]
     charts = {
         "throughput": figures.throughput_figure(data.series, t0, servers=servers),
         "loss": figures.loss_figure(data.series, t0, servers=servers),
@@ -197,8 +206,17 @@ def run_charts(session: Session, run: Run) -> RunCharts:
         "egress": figures.egress_figure(egress_series, t0, unpriced=unpriced),
         "batch": figures.batch_figure(data.series, t0, planned, servers=servers),
     }
+    charts = {key: figures.with_events(fig, events) for key, fig in charts.items()}
     bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples)
-    return RunCharts(charts, t0, metrics_after, logs_after, bill, unpriced)
+    events_after = max((e.id for e in stored_events), default=0)
+    return RunCharts(charts, t0, metrics_after, logs_after, bill, unpriced, events, events_after)
+
+
+def events_after(session: Session, *, run_id: int, after_id: int) -> list[RunEvent]:
+    """The run's events with ids above `after_id` (the live stream's read; `app.web.live.EventFeed`)."""
+    return list(session.scalars(
+        select(RunEvent).where(RunEvent.run_id == run_id, RunEvent.id > after_id).order_by(RunEvent.id)
+    ))
 
 
 def live_state(session: Session, run: Run, *, t0: float, metrics_after: int) -> LiveState:

@@ -30,7 +30,11 @@ TEXT_FIELDS = (
     "compression_error_feedback", "compression_momentum_correction", "compression_warmup_steps",
     "compression_pipeline_chunks", "compression_powersgd_rank",
     "idempotency_key", "suggest_goal", "suggest_budget",
+    "checkpoint_every", "checkpoint_every_s", "max_restarts", "min_workers", "min_workers_wait_s",
 )
+# Checkpoints, restarts and membership: on by default, as for runs from the API.
+LIFECYCLE_INTS = ("checkpoint_every", "max_restarts", "min_workers")
+LIFECYCLE_FLOATS = ("checkpoint_every_s", "min_workers_wait_s")
 COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank")
 COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction")
 DEFAULTS = {
@@ -38,7 +42,8 @@ DEFAULTS = {
     "global_batch_size": "64", "length": "steps", "max_steps": "300", "device": "auto",
     "seed": "0", "allocation": "", "compression_error_feedback": "",
     "compression_momentum_correction": "", "at_target": "stop", "suggest_goal": "cost",
-    "suggest_budget": "",
+    "suggest_budget": "", "checkpoint_every": "100", "checkpoint_every_s": "600", "max_restarts": "3",
+    "min_workers": "1", "min_workers_wait_s": "300",
 }
 # Above this share of the bill, the preview calls egress out: it is then the cost to cut.
 EGRESS_CALLOUT_SHARE = 1 / 3
@@ -68,11 +73,13 @@ def run_create(values: dict[str, Any], *, bundle_sha256: str | None = None) -> t
     data, errors = forms.typed(
         {k: v for k, v in values.items() if isinstance(v, str)},
         ints=("cluster_id", "global_batch_size", "max_steps", "epochs", "ps_node_id", "seed",
-              "eval_every", "rebalance_every"),
+              "eval_every", "rebalance_every", *LIFECYCLE_INTS),
+        floats=LIFECYCLE_FLOATS,
     )
     body: dict[str, Any] = {
         k: data[k] for k in ("name", "strategy", "global_batch_size", "target", "eval_every",
-                             "rebalance_every", "allocation", "ps_node_id", "device", "seed")
+                             "rebalance_every", "allocation", "ps_node_id", "device", "seed",
+                             *LIFECYCLE_INTS, *LIFECYCLE_FLOATS)
     }
     body["bundle_sha256"] = bundle_sha256 or data.get("bundle_sha256", "")
     if values.get("kind") == "script":

@@ -3,6 +3,8 @@
 The cookie is signed (itsdangerous, keyed by `settings.secret_key`), not encrypted, so it never
 holds a secret: it names the API token by id plus a keyed fingerprint of the token's stored hash.
 Revoking the token, or changing the admin token or the secret key, ends every session that used it.
+The cookie is `Secure` over https, including https that a trusted TLS proxy forwarded
+(`settings.trusted_proxies`), or as `settings.cookie_secure` forces.
 """
 
 from __future__ import annotations
@@ -82,6 +84,14 @@ def load(request: Request, secret_key: str) -> WebSession | None:
         return None
 
 
+def cookie_is_secure(request: Request) -> bool:
+    """Whether the cookie gets `Secure`: as `settings.cookie_secure` says, else when the request
+    came over https (behind a TLS proxy, the scheme it forwarded, believed only from
+    `settings.trusted_proxies`; app/main.py)."""
+    forced: bool | None = request.app.state.settings.cookie_secure
+    return request.url.scheme == "https" if forced is None else forced
+
+
 def store(response: Response, request: Request, session: WebSession, secret_key: str) -> None:
     """Write `session` into the response's cookie (HttpOnly, SameSite=Lax, Secure over https)."""
     response.set_cookie(
@@ -90,7 +100,7 @@ def store(response: Response, request: Request, session: WebSession, secret_key:
         max_age=MAX_AGE_S,
         httponly=True,
         samesite="lax",
-        secure=request.url.scheme == "https",
+        secure=cookie_is_secure(request),
         path="/",
     )
 

@@ -1,9 +1,12 @@
 // The run page: draw the server-built figures, then append what the server-sent event stream
-// reports (chart points, log lines, status) without reloading.
+// reports (chart points, log lines, run events, status) without reloading.
 (function () {
   "use strict";
   var figures = JSON.parse(document.getElementById("run-figures").textContent);
   var live = JSON.parse(document.getElementById("run-live").textContent);
+  var runEvents = JSON.parse(document.getElementById("run-events").textContent);
+  // Checkpoints come every N steps: listed in the timeline, not drawn over the charts.
+  var UNMARKED_EVENTS = { checkpoint: true };
   var config = { responsive: true, displaylogo: false, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
   var charts = {};
   var MAX_LOG_LINES = 2000;
@@ -99,6 +102,58 @@
     });
   }
 
+  function eventRow(e) {
+    var li = document.createElement("li");
+    li.className = "small";
+    li.setAttribute("data-event-id", e.id);
+    li.setAttribute("data-kind", e.kind);
+    var dot = document.createElement("span");
+    dot.className = "dot";
+    dot.style.background = e.color;
+    var when = document.createElement("span");
+    when.className = "muted";
+    when.textContent = " " + e.at.slice(0, 19).replace("T", " ") + " · " + Math.round(e.x) + " s" +
+      (e.step !== null ? " · step " + e.step : "") + " ";
+    var label = document.createElement("strong");
+    label.textContent = e.label;
+    li.append(dot, when, label);
+    if (e.detail) {
+      var detail = document.createElement("span");
+      detail.className = "muted";
+      detail.textContent = " " + e.detail;
+      li.append(detail);
+    }
+    var source = document.createElement("span");
+    source.className = "muted";
+    source.textContent = " (" + e.source.replace("_", " ") + ")";
+    li.append(source);
+    return li;
+  }
+
+  function addEvents(events) {
+    var list = document.getElementById("timeline-events");
+    var empty = list.querySelector("[data-empty]");
+    if (empty && events.length) empty.remove();
+    var marked = [];
+    events.forEach(function (e) {
+      if (list.querySelector('[data-event-id="' + e.id + '"]')) return;
+      list.appendChild(eventRow(e));
+      if (!UNMARKED_EVENTS[e.kind]) marked.push(e);
+    });
+    list.scrollTop = list.scrollHeight;
+    if (!marked.length) return;
+    Object.keys(charts).forEach(function (key) {
+      var div = charts[key];
+      var shapes = (div.layout.shapes || []).concat(marked.map(function (e) {
+        return { type: "line", xref: "x", yref: "paper", x0: e.x, x1: e.x, y0: 0, y1: 1,
+          line: { color: e.color, width: 1.2, dash: "dot" }, name: "event:" + e.id };
+      }));
+      Plotly.relayout(div, { shapes: shapes });
+    });
+    hybridtrain.events += events.length;
+  }
+  hybridtrain.events = 0;
+
   function setLive(state, label) {
     var el = document.getElementById("live");
     el.setAttribute("data-state", state);
@@ -110,7 +165,8 @@
   // Reconnects are ours, not the browser's: they resume after the last rows received, so no
   // point is drawn twice.
   function connect() {
-    var url = "/runs/" + live.run_id + "/stream?metrics_after=" + live.metrics_after + "&logs_after=" + live.logs_after;
+    var url = "/runs/" + live.run_id + "/stream?metrics_after=" + live.metrics_after + "&logs_after=" + live.logs_after +
+      "&events_after=" + runEvents.after;
     var source = new EventSource(url);
     source.addEventListener("open", function () { setLive("open", "live"); });
     source.addEventListener("error", function () {
@@ -127,6 +183,11 @@
       var payload = JSON.parse(e.data);
       live.logs_after = payload.after;
       appendLogs(payload.lines);
+    });
+    source.addEventListener("events", function (e) {
+      var payload = JSON.parse(e.data);
+      runEvents.after = payload.after;
+      addEvents(payload.events);
     });
     source.addEventListener("status", function (e) { showStatus(JSON.parse(e.data)); });
     source.addEventListener("end", function () { source.close(); setLive("closed", "finished"); });

@@ -88,6 +88,12 @@ class FakeControlPlane:
         self.files: dict[str, tuple[str | None, bytes]] = {}
         self.downloads: list[str] = []
         self.download_delay_s = 0.0
+        # Trainer reports (a run's metrics endpoint): (run_id, token, body).
+        self.reports: list[tuple[int, str | None, dict[str, Any]]] = []
+        # While set, every POST is answered 503, as by a control plane that is restarting.
+        self.down = False
+        # Registrations answered 409 ("retry") before one is taken.
+        self.conflicts = 0
         self.lock = threading.Lock()
         plane = self
 
@@ -126,9 +132,19 @@ class FakeControlPlane:
 
     def handle(self, path: str, auth: str | None, body: dict[str, Any]) -> tuple[int, Any]:
         with self.lock:
+            if self.down:
+                return 503, {"detail": "control plane restarting"}
+            parts = path.strip("/").split("/")
+            if len(parts) == 5 and parts[2] == "runs" and parts[4] == "metrics":
+                token = auth[7:] if auth and auth.startswith("Bearer ") else None
+                self.reports.append((int(parts[3]), token, body))
+                return 200, {"stored": len(body.get("records", []))}
             if path == "/api/v1/agent/register":
                 if body.get("join_token") != self.JOIN_TOKEN:
                     return 401, {"detail": "unknown join token"}
+                if self.conflicts > 0:
+                    self.conflicts -= 1
+                    return 409, {"detail": "another registration of this node is in progress; retry"}
                 digest = hashlib.sha256(body["agent_token"].encode()).hexdigest()
                 if self.agent_token_hash not in (None, digest):
                     return 409, {"detail": "join token already used"}
@@ -141,7 +157,6 @@ class FakeControlPlane:
                 self.heartbeats.append(body)
                 stop, self.stop_orders = self.stop_orders, []
                 return 200, {"node_id": self.node_id, "status": "online", "stop": stop}
-            parts = path.strip("/").split("/")
             if len(parts) == 5 and parts[3] == "profiles":
                 if body.get("status") == "done" and "samples_per_s" not in (body.get("result") or {}):
                     return 422, {"detail": [{"loc": ["body", "result", "samples_per_s"], "msg": "Field required"}]}
@@ -177,6 +192,11 @@ class FakeControlPlane:
     def events_of(self, run_id: int, event: str | None = None) -> list[dict[str, Any]]:
         with self.lock:
             return [b for r, b in self.events if r == run_id and (event is None or b["event"] == event)]
+
+    def records_of(self, run_id: int) -> list[dict[str, Any]]:
+        """The trainer records posted for `run_id`, in the order they arrived."""
+        with self.lock:
+            return [r for run, _, body in self.reports if run == run_id for r in body["records"]]
 
     def lines_of(self, run_id: int, rank: int) -> list[str]:
         with self.lock:
@@ -260,3 +280,25 @@ def make_bundle(files: dict[str, str | bytes], *, extra: list[tarfile.TarInfo] |
 
 def sha256_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def wait_registered(plane: FakeControlPlane, agent: AgentProcess, timeout: float = 60) -> None:
+    """Wait until `agent` has registered, heartbeats and consumes its queue."""
+
+    def ready() -> bool:
+        if agent.proc.poll() is not None:
+            pytest.fail(f"agent exited with {agent.proc.returncode}:\n{agent.output()[-3000:]}")
+        return bool(plane.heartbeats) and "ready" in agent.output()
+
+    wait_until(ready, timeout, "the agent to register, heartbeat and start its worker")
+
+
+def send_launch(broker_url: str, plane: FakeControlPlane, run_id: int, rank: int = 1, **options: Any) -> float:
+    """Publish a launch of the role stub on the plane's node queue; returns when it was sent."""
+    from agents.celery_app import LAUNCH_ROLE, make_celery
+
+    celery = make_celery(broker_url)
+    sent = time.time()
+    celery.send_task(LAUNCH_ROLE, args=[run_id, rank, role_spec(run_id, rank, **options)], queue=plane.queue)
+    celery.close()
+    return sent

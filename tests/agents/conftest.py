@@ -50,6 +50,14 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
             agent.proc.wait()
 
 
+@pytest.fixture
+def sqlite_broker(tmp_path: Path) -> str:
+    """An embedded SQLite broker of the test's own."""
+    from agents.celery_app import prepare_embedded_broker
+
+    url = f"sqla+sqlite:///{tmp_path / 'broker.db'}"
+    prepare_embedded_broker(url)
+    return url
 
 
 @pytest.fixture(scope="session")

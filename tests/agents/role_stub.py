@@ -9,6 +9,7 @@ end-to-end tests; here what matters is processes, signals and output.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -25,10 +26,29 @@ def main() -> int:
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--spawn-child", action="store_true")
     parser.add_argument("--ignore-term", action="store_true")
+    # As a trainer's worker on a spot notice: finish the step (this long), then leave with 0.
+    parser.add_argument("--leave-on-term", type=float, default=None)
+    # As a trainer with undelivered reports: write this many records to --report-spool.
+    parser.add_argument("--spool-records", type=int, default=0)
+    parser.add_argument("--report-spool")
     args, _unknown = parser.parse_known_args()
 
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.leave_on_term is not None:
+        def leave(signum: int, frame: object) -> None:
+            print("SIGTERM: leaving at the step boundary", flush=True)
+            time.sleep(args.leave_on_term)
+            print("left", flush=True)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, leave)
+    if args.spool_records and args.report_spool:
+        with open(args.report_spool, "a") as spool:
+            for seq in range(args.spool_records):
+                spool.write(json.dumps({"stream": f"rank{args.rank}", "seq": seq, "name": "loss",
+                                        "value": 1.0 / (seq + 1), "step": seq}) + "\n")
+            spool.write('{"torn": ')  # a killed writer's last line
     child = None
     if args.spawn_child:
         # A grandchild of the guard that ignores SIGTERM: only a group SIGKILL ends it.

@@ -75,7 +75,13 @@ def test_trainer_argv_appends_script_args_after_a_double_dash():
     assert argv[argv.index("--script") + 1] == "train.py"
     cut = argv.index("--")
     assert argv[cut + 1:] == ["--epochs", "3", "--", "x y"]
-    assert "--role" in argv[:cut] and "--report-token" in argv[:cut]
+    assert "--role" in argv[:cut]
+
+
+def test_the_report_token_never_reaches_the_command_line():
+    # Anyone on the node reads command lines (`ps`); the supervisor hands the token in a file.
+    argv = trainer_argv(_spec(), ["python", "-m", "trainer"])
+    assert "--report-token" not in argv and not any("secret" in a for a in argv)
 
 
 def test_trainer_argv_has_no_double_dash_without_script_args():
@@ -99,3 +105,28 @@ def test_profile_spec_rejects_a_bad_field_naming_it(fields, where):
     order = {"task": "hybridtrain.tasks.digits:smallcnn", "batch_size": 8, "device": "cpu", **fields}
     with pytest.raises(ValidationError, match=where):
         ProfileSpec.model_validate(order)
+
+
+def test_a_launch_with_a_checkpoint_url_and_join_passes_both_to_the_trainer():
+    spec = _spec(checkpoint_url="http://cp:8000/api/v1/runs/5/checkpoint", join=True, attempt=2)
+    argv = trainer_argv(spec, command=["python", "-m", "trainer"])
+    at = argv.index("--checkpoint-url")
+    assert argv[at + 1] == "http://cp:8000/api/v1/runs/5/checkpoint"
+    assert "--join" in argv and spec.attempt == 2
+
+
+def test_a_plain_launch_has_no_checkpoint_url_no_join_and_attempt_zero():
+    spec = _spec()
+    argv = trainer_argv(spec, command=[])
+    assert "--checkpoint-url" not in argv and "--join" not in argv and spec.attempt == 0
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "cp:8000/x", "http://cp/x?token=1", "http://c p/x"])
+def test_role_spec_rejects_a_checkpoint_url_that_is_not_a_plain_http_url(url):
+    with pytest.raises(ValidationError, match="checkpoint_url"):
+        _spec(checkpoint_url=url)
+
+
+def test_role_spec_rejects_a_negative_attempt():
+    with pytest.raises(ValidationError, match="attempt"):
+        _spec(attempt=-1)

@@ -37,6 +37,9 @@ class RecordingReporter:
     def __init__(self) -> None:
         self.events: list[tuple[int, dict[str, Any]]] = []
         self.batches: list[tuple[int, dict[str, Any]]] = []
+        self.reports: list[tuple[str, str | None, dict[str, Any]]] = []
+        # Runs that ended: a "started" for one of them is answered "stop".
+        self.finished_runs: set[int] = set()
         self.down = False
         self.lock = threading.Lock()
 
@@ -45,6 +48,8 @@ class RecordingReporter:
             raise ControlPlaneUnavailable("down")
         with self.lock:
             self.events.append((run_id, body))
+        if body["event"] == "started" and run_id in self.finished_runs:
+            return {"run_status": "cancelled", "action": "stop", "reason": f"run {run_id} has cancelled"}
         return {}
 
     def logs(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +57,13 @@ class RecordingReporter:
             raise ControlPlaneUnavailable("down")
         with self.lock:
             self.batches.append((run_id, body))
+        return {}
+
+    def post_records(self, url: str, token: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        if self.down:
+            raise ControlPlaneUnavailable("down")
+        with self.lock:
+            self.reports.append((url, token, body))
         return {}
 
     def event(self, run_id: int, kind: str) -> dict[str, Any] | None:
@@ -76,11 +88,12 @@ def supervisor(tmp_path: Path, reporter: RecordingReporter) -> Supervisor:
         state_dir=tmp_path / "state",
         trainer_command=STUB_COMMAND,
         kill_grace_s=2.0,
+        stop_grace_s=2.0,
         log_flush_interval_s=0.1,
-        event_retry_s=0.0,
     )
     yield sup
     sup.stop_all("test teardown")
+    sup.close()
 
 
 def test_launch_role_runs_the_role_and_reports_start_exit_and_logs(supervisor, reporter):
@@ -181,29 +194,49 @@ def test_stop_all_ends_every_role(supervisor, reporter):
         launch_role(19, 1, role_spec(19, 1), supervisor=supervisor)
 
 
-def test_logs_are_kept_bounded_while_the_control_plane_is_down(tmp_path, reporter):
-    sup = Supervisor(
-        reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND,
-        log_buffer_lines=10, log_flush_interval_s=0.05, event_retry_s=0.0,
-    )
+def test_logs_written_while_the_control_plane_is_down_all_arrive_once_it_is_back(tmp_path, reporter):
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND,
+                     log_flush_interval_s=0.05)
+    try:
+        reporter.down = True
+        launch_role(20, 1, role_spec(20, 1, lines=50), supervisor=sup)
+        role = sup.roles()[0]
+        wait_until(lambda: role.finished.is_set(), 20, "the role to end")
+        assert reporter.lines(20, 1) == []
+
+        reporter.down = False
+
+        wait_until(lambda: reporter.event(20, "exited"), 20, "the exit event")
+        lines = reporter.lines(20, 1)
+        assert lines[2:] == [f"line {i}" for i in range(50)] + ["bye"]
+        assert sum(b["dropped"] for _, b in reporter.batches) == 0
+    finally:
+        sup.stop_all()
+        sup.close()
+
+
+def test_logs_are_kept_bounded_when_the_outbox_is_full(tmp_path, reporter):
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND,
+                     log_buffer_lines=10, outbox_log_lines=5, log_flush_interval_s=0.05)
     try:
         reporter.down = True
         launch_role(20, 1, role_spec(20, 1, lines=50, sleep=1.0), supervisor=sup)
         role = sup.roles()[0]
-        wait_until(lambda: role.next_seq >= 50, 20, "the output to be read")
+        wait_until(lambda: role.finished.is_set(), 20, "the role to end")
         reporter.down = False
         wait_until(lambda: reporter.event(20, "exited"), 20, "the exit event")
         lines = reporter.lines(20, 1)
         # Only the newest lines survive, the rest are counted as dropped, none duplicated.
-        assert lines[-1] == "bye" and len(lines) <= 10 + 1
+        assert lines[-1] == "bye" and len(lines) <= 5 + 10
         assert len(lines) == len(set(lines))
         dropped = sum(b["dropped"] for _, b in reporter.batches)
         assert dropped + len(lines) == role.next_seq
     finally:
         sup.stop_all()
+        sup.close()
 
 
-def test_reap_stale_kills_what_a_dead_agent_left_behind(tmp_path, reporter):
+def test_reap_stale_kills_what_a_dead_agent_left_and_reports_each_role_exited(tmp_path, reporter):
     # A "previous agent" started a role group and died without cleaning up; its record stays.
     leftover = subprocess.Popen(
         [sys.executable, "-c", "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(600)']); time.sleep(600)"],
@@ -215,10 +248,11 @@ def test_reap_stale_kills_what_a_dead_agent_left_behind(tmp_path, reporter):
     import psutil
 
     (records / "21-1.json").write_text(json.dumps({
-        "run_id": 21, "rank": 1, "role": "worker", "pid": leftover.pid,
+        "run_id": 21, "rank": 1, "role": "worker", "pid": leftover.pid, "state": "running",
         "create_time": psutil.Process(leftover.pid).create_time(),
     }))
-    # And a record whose pid now belongs to another process: must be left alone.
+    # And a record whose pid now belongs to another process: its role is gone, the process
+    # that has the pid now must be left alone.
     (records / "22-1.json").write_text(json.dumps({
         "run_id": 22, "rank": 1, "role": "worker", "pid": os.getpid(), "create_time": 1.0,
     }))
@@ -226,13 +260,169 @@ def test_reap_stale_kills_what_a_dead_agent_left_behind(tmp_path, reporter):
     sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
     try:
         stale = sup.reap_stale()
+        wait_until(lambda: reporter.event(22, "exited"), 10, "the exits to be reported")
     finally:
         sup.close()
 
     leftover.wait(timeout=5)
-    assert [s["run_id"] for s in stale] == [21]
+    assert {s["run_id"]: bool(s["killed"]) for s in stale} == {21: True, 22: False}
     wait_until(lambda: group_members(leftover.pid) == [], 5, "the leftover group to die")
-    assert list(records.glob("*.json")) == []
+    for run_id in (21, 22):
+        exited = reporter.event(run_id, "exited")
+        assert exited["reason"] == "rank 1 (worker) stopped: its agent restarted"
+        assert exited["cause"] == "agent_restarted" and exited["cancelled"] is False
+    assert all(json.loads(p.read_text())["state"] == "exited" for p in records.glob("*.json"))
+
+
+def test_a_launch_of_a_rank_an_earlier_agent_ran_to_its_end_starts_nothing_and_reports_the_exit(
+        tmp_path, reporter):
+    first = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+    launch_role(32, 1, role_spec(32, 1), supervisor=first)
+    wait_until(lambda: reporter.event(32, "exited"), 20, "the exit event")
+    first.close()
+
+    again = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+    try:
+        result = launch_role(32, 1, role_spec(32, 1), supervisor=again)
+
+        assert result["state"] == "exited"
+        wait_until(lambda: len([b for r, b in reporter.events if r == 32 and b["event"] == "exited"]) == 2,
+                   10, "the exit to be reported again")
+        assert len([b for r, b in reporter.events if r == 32 and b["event"] == "started"]) == 1
+        assert [r.snapshot()["state"] for r in again.roles()] == ["exited"]
+    finally:
+        again.close()
+
+
+def test_a_role_whose_run_ended_while_it_launched_is_stopped_when_the_start_is_answered_stop(
+        supervisor, reporter):
+    reporter.finished_runs.add(40)
+
+    launch_role(40, 1, role_spec(40, 1, sleep=60), supervisor=supervisor)
+
+    exited = wait_until(lambda: reporter.event(40, "exited"), 20, "the role to be stopped")
+    assert exited["reason"] == "rank 1 (worker) stopped: run 40 has cancelled"
+    assert exited["cause"] == "cancel"
+
+
+def test_a_launch_with_a_higher_attempt_starts_the_rank_again(supervisor, reporter):
+    launch_role(38, 1, role_spec(38, 1), supervisor=supervisor)
+    wait_until(lambda: reporter.event(38, "exited"), 20, "the first attempt's exit")
+
+    result = launch_role(38, 1, {**role_spec(38, 1), "attempt": 1}, supervisor=supervisor)
+
+    assert result["state"] == "running"
+    wait_until(lambda: len([b for r, b in reporter.events if r == 38 and b["event"] == "started"]) == 2,
+               20, "the second attempt's start")
+
+
+def test_a_launch_with_a_higher_attempt_stops_the_earlier_attempt_still_running_first(supervisor, reporter):
+    launch_role(39, 1, role_spec(39, 1, sleep=60), supervisor=supervisor)
+    pids = wait_until(lambda: pids_from_logs(reporter.lines(39, 1)), 20, "the first attempt's pids")
+
+    result = launch_role(39, 1, {**role_spec(39, 1), "attempt": 1}, supervisor=supervisor)
+
+    assert result["state"] == "running" and result["pid"] != pids["pgid"]
+    assert group_members(pids["pgid"]) == []
+    wait_until(lambda: len([b for r, b in reporter.events if r == 39 and b["event"] == "started"]) == 2,
+               20, "the second attempt's start")
+    events = [(b["event"], b.get("pid")) for r, b in reporter.events if r == 39]
+    # The earlier attempt's exit is reported before the new attempt's start.
+    assert events[:3] == [("started", pids["pgid"]), ("exited", pids["pgid"]), ("started", result["pid"])]
+    assert reporter.event(39, "exited")["reason"] == "rank 1 (worker) stopped: relaunched as attempt 1"
+
+
+def test_a_restarts_cancel_that_arrives_after_the_new_attempts_launch_leaves_it_running(supervisor, reporter):
+    launch_role(41, 1, {**role_spec(41, 1, sleep=60), "attempt": 1}, supervisor=supervisor)
+    wait_until(lambda: reporter.lines(41, 1), 20, "the new attempt to run")
+
+    result = cancel_run(41, "restarting run 41", supervisor=supervisor, before_attempt=1)
+
+    assert result["cancelled_ranks"] == []
+    assert [r.snapshot()["state"] for r in supervisor.roles()] == ["running"]
+    cancel_run(41, "test over", supervisor=supervisor)
+
+
+def test_a_stopping_agent_reports_its_roles_as_stopped_by_it_not_cancelled_by_an_order(supervisor, reporter):
+    launch_role(33, 1, role_spec(33, 1, sleep=60, leave_on_term=0.3), supervisor=supervisor)
+    launch_role(34, 1, role_spec(34, 1, sleep=60, leave_on_term=0.3), supervisor=supervisor)
+    wait_until(lambda: reporter.lines(33, 1) and reporter.lines(34, 1), 20, "both roles to run")
+
+    cancel_run(33, "cancelled by the user", supervisor=supervisor)
+    supervisor.stop_all("spot notice / agent stopping")
+
+    cancelled = wait_until(lambda: reporter.event(33, "exited"), 10, "the cancelled exit")
+    stopped = wait_until(lambda: reporter.event(34, "exited"), 10, "the stopped exit")
+    assert cancelled["cause"] == "cancel"
+    assert stopped["cause"] == "agent_stopping"
+    assert stopped["reason"] == "rank 1 (worker) stopped: spot notice / agent stopping"
+    # The worker left at its step boundary: a clean exit, not a kill.
+    assert stopped["exit_code"] == 0 and stopped["signal"] is None
+    assert "left" in reporter.lines(34, 1)
+
+
+def test_a_stopping_agent_kills_a_role_still_running_after_the_stop_grace(supervisor, reporter):
+    launch_role(35, 1, role_spec(35, 1, sleep=60, ignore_term=True), supervisor=supervisor)
+    pids = wait_until(lambda: pids_from_logs(reporter.lines(35, 1)), 20, "the role's pids")
+
+    start = time.monotonic()
+    supervisor.stop_all("spot notice / agent stopping")
+
+    assert 1.5 < time.monotonic() - start < 8  # stop_grace_s is 2 s here
+    assert group_members(pids["pgid"]) == []
+    exited = wait_until(lambda: reporter.event(35, "exited"), 10, "the exit event")
+    assert exited["signal"] == signal.SIGKILL and exited["cause"] == "agent_stopping"
+
+
+def test_what_the_trainer_spooled_is_posted_to_its_report_url_before_its_exit(tmp_path, reporter):
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+    try:
+        launch_role(36, 1, role_spec(36, 1, spool_records=1201), supervisor=sup)
+        wait_until(lambda: reporter.event(36, "exited"), 20, "the exit event")
+    finally:
+        sup.close()
+
+    assert [len(body["records"]) for _, _, body in reporter.reports] == [500, 500, 201]
+    assert {(url, token) for url, token, _ in reporter.reports} == {
+        ("http://127.0.0.1:1/api/v1/runs/36/metrics", "run-secret")}
+    assert [r["seq"] for _, _, body in reporter.reports for r in body["records"]] == list(range(1201))
+    assert not (tmp_path / "s" / "runs" / "36" / "rank1" / "report-spool.jsonl").exists()
+
+
+def test_reports_and_checkpoints_go_to_the_control_plane_the_agent_reaches(tmp_path, reporter):
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND,
+                     server_url="https://cp.internal:8443")
+    spec = {**role_spec(37, 1), "checkpoint_url": "http://localhost:8000/api/v1/runs/37/checkpoints"}
+    try:
+        launch_role(37, 1, spec, supervisor=sup)
+        wait_until(lambda: reporter.event(37, "exited"), 20, "the exit event")
+    finally:
+        sup.close()
+
+    argv = next(x for x in reporter.lines(37, 1) if x.startswith("argv ")).split()
+    assert argv[argv.index("--report-url") + 1] == "https://cp.internal:8443/api/v1/runs/37/metrics"
+    assert argv[argv.index("--checkpoint-url") + 1] == "https://cp.internal:8443/api/v1/runs/37/checkpoints"
+    assert argv[argv.index("--report-spool") + 1] == str(tmp_path / "s" / "runs" / "37" / "rank1" / "report-spool.jsonl")
+
+
+def test_the_report_token_reaches_the_role_in_an_owner_only_file(supervisor, reporter):
+    launch_role(38, 1, role_spec(38, 1), supervisor=supervisor)
+    wait_until(lambda: reporter.event(38, "exited"), 20, "the exit event")
+
+    argv = next(x for x in reporter.lines(38, 1) if x.startswith("argv ")).split()
+    assert "--report-token" not in argv and "run-secret" not in " ".join(argv)
+    token_file = Path(argv[argv.index("--report-token-file") + 1])
+    assert token_file.read_text().strip() == "run-secret"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_role_gets_the_nodes_environment_without_the_agents_settings():
+    from agents.roles import role_base_env
+
+    node = {"PATH": "/usr/bin", "CUDA_HOME": "/cuda", "AWS_PROFILE": "data",
+            "CELERY_BROKER_URL": "redis://:pw@cp:6379/0", "HYBRIDTRAIN_AGENT_TOKEN": "hta_x",
+            "HYBRIDTRAIN_SECRET_KEY": "k", "DATABASE_URL": "postgresql://u:pw@db/x"}
+    assert role_base_env(node) == {"PATH": "/usr/bin", "CUDA_HOME": "/cuda", "AWS_PROFILE": "data"}
 
 
 def test_role_killed_by_sigkill_is_reported_with_the_oom_hint(supervisor, reporter):
@@ -283,12 +473,13 @@ def bundle_supervisor(tmp_path: Path, reporter: RecordingReporter, control_plane
         state_dir=tmp_path / "state",
         trainer_command=[sys.executable, "-c", PROBE],
         kill_grace_s=2.0,
+        stop_grace_s=2.0,
         log_flush_interval_s=0.1,
-        event_retry_s=0.0,
         bundles=BundleCache(tmp_path / "state", http, retry_s=0),
     )
     yield sup
     sup.stop_all("test teardown")
+    sup.close()
     http.close()
 
 
@@ -319,7 +510,8 @@ def test_bundle_role_runs_in_the_unpacked_code_which_it_imports_after_its_own_pa
     # The working directory was not on the import path before the role added --code-dir:
     # a user's own `trainer/` there cannot replace the trainer that `-m trainer` starts.
     assert probe["safe"] and probe["safe_path"] == "1"
-    assert probe["argv"][-5:] == ["--code-dir", str(code), "--", "--epochs", "3"]
+    argv = probe["argv"]
+    assert argv[argv.index("--code-dir") + 1] == str(code) and argv[-3:] == ["--", "--epochs", "3"]
     assert probe["sys_path"][0] == str(code) and probe["user"] == 42
     exited = wait_until(lambda: reporter.event(25, "exited"), 20, "the exit event")
     assert exited["exit_code"] == 0
@@ -390,6 +582,16 @@ def test_the_code_dir_reaches_the_trainer_absolute_before_a_scripts_arguments(tm
     # An agent started with a relative --state-dir (`hybridtrain local`): the role runs inside
     # the code dir, where the relative path would point below itself.
     monkeypatch.chdir(tmp_path)
-    argv = with_code_dir(["python", "-m", "trainer", "--", "--epochs", "3"], Path("var/agent/runs/1/code"))
+    argv = with_code_dir(["python", "-m", "trainer", "--", "--epochs", "3"], Path("var/agent/runs/1/code"), after=3)
     assert argv == ["python", "-m", "trainer", "--code-dir", str(tmp_path / "var/agent/runs/1/code"),
                     "--", "--epochs", "3"]
+
+
+def test_agent_flags_go_after_a_trainer_command_that_holds_its_own_double_dash():
+    from agents.reports import with_flag
+
+    # The testbed's trainer command: `python -m testbed.incgroup CG -- python -m trainer`.
+    command = ["python", "-m", "testbed.incgroup", "/cg", "--", "python", "-m", "trainer"]
+    argv = with_flag([*command, "--rank", "1", "--", "--epochs", "3"], "--report-spool", "/s.jsonl",
+                     after=len(command))
+    assert argv == [*command, "--report-spool", "/s.jsonl", "--rank", "1", "--", "--epochs", "3"]

@@ -8,10 +8,10 @@ import signal
 import stat
 import sys
 import time
-from pathlib import Path
 
-import pytest
 from agent_testing import (
+    send_launch,
+    wait_registered,
     AgentProcess,
     FakeControlPlane,
     alive,
@@ -23,32 +23,8 @@ from agent_testing import (
     wait_until,
 )
 
-from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE, make_celery, prepare_embedded_broker
+from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE, make_celery
 from hybridtrain.contract import PROFILE_TASK
-
-
-@pytest.fixture
-def sqlite_broker(tmp_path: Path) -> str:
-    url = f"sqla+sqlite:///{tmp_path / 'broker.db'}"
-    prepare_embedded_broker(url)
-    return url
-
-
-def _registered(plane: FakeControlPlane, agent: AgentProcess, timeout: float = 60) -> None:
-    def ready() -> bool:
-        if agent.proc.poll() is not None:
-            pytest.fail(f"agent exited with {agent.proc.returncode}:\n{agent.output()[-3000:]}")
-        return bool(plane.heartbeats) and "ready" in agent.output()
-
-    wait_until(ready, timeout, "the agent to register, heartbeat and start its worker")
-
-
-def _launch(broker_url: str, plane: FakeControlPlane, run_id: int, rank: int = 1, **options) -> float:
-    celery = make_celery(broker_url)
-    sent = time.time()
-    celery.send_task(LAUNCH_ROLE, args=[run_id, rank, role_spec(run_id, rank, **options)], queue=plane.queue)
-    celery.close()
-    return sent
 
 
 def _cancel(broker_url: str, plane: FakeControlPlane, run_id: int) -> None:
@@ -58,7 +34,7 @@ def _cancel(broker_url: str, plane: FakeControlPlane, run_id: int) -> None:
 
 
 def _launch_then_cancel(broker_url: str, plane: FakeControlPlane, agent: AgentProcess) -> float:
-    sent = _launch(broker_url, plane, 31, sleep=120, spawn_child=True)
+    sent = send_launch(broker_url, plane, 31, sleep=120, spawn_child=True)
     started = wait_until(lambda: plane.events_of(31, "started"), 30, "the role to start")[0]
     pids = wait_until(lambda: pids_from_logs(plane.lines_of(31, 1)), 15, "the role's first log lines")
     assert started["pid"] == pids["pgid"]
@@ -76,7 +52,7 @@ def _launch_then_cancel(broker_url: str, plane: FakeControlPlane, agent: AgentPr
 
 def test_agent_on_redis_launches_and_cancels_a_role(agent_redis_url, control_plane, start_agent, tmp_path):
     agent = start_agent(control_plane, agent_redis_url)
-    _registered(control_plane, agent)
+    wait_registered(control_plane, agent)
 
     _launch_then_cancel(agent_redis_url, control_plane, agent)
 
@@ -92,7 +68,7 @@ def test_agent_on_the_embedded_sqlite_broker_launches_and_cancels_fast(
     sqlite_broker, control_plane, start_agent
 ):
     agent = start_agent(control_plane, sqlite_broker)
-    _registered(control_plane, agent)
+    wait_registered(control_plane, agent)
 
     latency = _launch_then_cancel(sqlite_broker, control_plane, agent)
 
@@ -102,25 +78,32 @@ def test_agent_on_the_embedded_sqlite_broker_launches_and_cancels_fast(
     assert agent.stop(signal.SIGTERM) == 0
 
 
-def test_stopping_the_agent_stops_its_roles(agent_redis_url, control_plane, start_agent):
-    agent = start_agent(control_plane, agent_redis_url)
-    _registered(control_plane, agent)
-    _launch(agent_redis_url, control_plane, 41, sleep=120, spawn_child=True)
+def test_a_spot_notice_lets_each_role_leave_then_reports_its_exit_and_stops_the_agent(
+    agent_redis_url, control_plane, start_agent
+):
+    agent = start_agent(control_plane, agent_redis_url, extra=["--stop-grace", "20"])
+    wait_registered(control_plane, agent)
+    send_launch(agent_redis_url, control_plane, 41, sleep=120, spawn_child=True, leave_on_term=1.0)
     pids = wait_until(lambda: pids_from_logs(control_plane.lines_of(41, 1)), 30, "the role to run")
 
+    start = time.monotonic()
     assert agent.stop(signal.SIGTERM) == 0
 
+    # The worker left at its step boundary, well inside the grace, and nothing of it is left.
+    assert time.monotonic() - start < 15
     assert group_members(pids["pgid"]) == []
-    exited = control_plane.events_of(41, "exited")
-    assert exited and exited[0]["reason"] == "rank 1 (worker) stopped: the agent on this node stopped"
+    [exited] = control_plane.events_of(41, "exited")
+    assert exited["reason"] == "rank 1 (worker) stopped: spot notice / agent stopping"
+    assert exited["cause"] == "agent_stopping" and exited["exit_code"] == 0
+    assert "left" in control_plane.lines_of(41, 1)
 
 
-def test_a_killed_agent_leaves_no_orphans_and_resumes_with_its_saved_token(
+def test_a_killed_agent_leaves_no_orphans_and_its_successor_reports_the_roles_exit(
     sqlite_broker, control_plane, start_agent
 ):
     agent = start_agent(control_plane, sqlite_broker)
-    _registered(control_plane, agent)
-    _launch(sqlite_broker, control_plane, 51, sleep=120, spawn_child=True)
+    wait_registered(control_plane, agent)
+    send_launch(sqlite_broker, control_plane, 51, sleep=120, spawn_child=True)
     pids = wait_until(lambda: pids_from_logs(control_plane.lines_of(51, 1)), 30, "the role to run")
 
     agent.stop(signal.SIGKILL)
@@ -128,10 +111,15 @@ def test_a_killed_agent_leaves_no_orphans_and_resumes_with_its_saved_token(
     wait_until(lambda: group_members(pids["pgid"]) == [], 10, "the role's group to die with the agent")
     assert not alive(pids["child"])
 
+    assert control_plane.events_of(51, "exited") == []
     beats = len(control_plane.heartbeats)
     again = start_agent(control_plane, sqlite_broker, join=False)
     wait_until(lambda: len(control_plane.heartbeats) > beats + 1, 60, "the restarted agent's heartbeats")
     assert len(control_plane.registrations) == 1  # the saved agent token was enough
+    [exited] = wait_until(lambda: control_plane.events_of(51, "exited"), 30, "the role's exit")
+    assert exited["reason"] == "rank 1 (worker) stopped: its agent restarted"
+    assert exited["cause"] == "agent_restarted"
+    assert group_members(pids["pgid"]) == [] and not alive(pids["role"])
     assert again.stop(signal.SIGTERM) == 0
 
 
@@ -139,8 +127,8 @@ def test_agent_stops_roles_the_control_plane_lists_in_a_heartbeat_answer(
     agent_redis_url, control_plane, start_agent
 ):
     agent = start_agent(control_plane, agent_redis_url)
-    _registered(control_plane, agent)
-    _launch(agent_redis_url, control_plane, 61, sleep=120)
+    wait_registered(control_plane, agent)
+    send_launch(agent_redis_url, control_plane, 61, sleep=120)
     pids = wait_until(lambda: pids_from_logs(control_plane.lines_of(61, 1)), 30, "the role to run")
 
     with control_plane.lock:
@@ -170,7 +158,7 @@ def test_agent_runs_a_bundle_role_sent_through_the_broker(sqlite_broker, control
     spec = {**role_spec(71, 1), "bundle": {"sha256": sha256_of(data), "path": "/api/v1/runs/71/bundle"},
             "script_args": ["--epochs", "2"]}
     agent = start_agent(control_plane, sqlite_broker)
-    _registered(control_plane, agent)
+    wait_registered(control_plane, agent)
 
     celery = make_celery(sqlite_broker)
     celery.send_task(LAUNCH_ROLE, args=[71, 1, spec], queue=control_plane.queue)
@@ -191,7 +179,7 @@ def test_agent_profiles_a_task_sent_through_the_broker(sqlite_broker, control_pl
     standin = "import json, os; print(json.dumps({'cwd': os.getcwd(), 'samples_per_s': 9.5}))"
     agent = start_agent(control_plane, sqlite_broker,
                         extra=["--profile-command", json.dumps([sys.executable, "-c", standin])])
-    _registered(control_plane, agent)
+    wait_registered(control_plane, agent)
     spec = {"task": "usertask:task", "task_args": {}, "batch_size": 8, "device": "cpu",
             "bundle": {"sha256": sha256_of(data), "path": "/api/v1/agent/profiles/3/bundle"}}
 

@@ -41,6 +41,10 @@ class Orders:
 
     def take(self, node_id: int) -> list[tuple[str, list[Any]]]:
         """Every order waiting on the node's queue, as (task name, args), removed from it."""
+        return [(task, args) for task, args, _ in self.take_calls(node_id)]
+
+    def take_calls(self, node_id: int) -> list[tuple[str, list[Any], dict[str, Any]]]:
+        """Every order waiting on the node's queue, as (task name, args, kwargs), removed from it."""
         out = []
         with Connection(self.broker_url) as conn:
             queue = conn.SimpleQueue(node_queue(node_id), no_ack=True)
@@ -50,8 +54,8 @@ class Orders:
                         message = queue.get(timeout=0.2)
                     except queue.Empty:
                         break
-                    args, _kwargs, _embed = message.decode()
-                    out.append((message.headers["task"], args))
+                    args, kwargs, _embed = message.decode()
+                    out.append((message.headers["task"], args, kwargs))
             finally:
                 queue.close()
         return out

@@ -111,14 +111,16 @@ def test_require_scope_admits_the_needed_scope_and_those_above(
     held: TokenScope, needed: TokenScope, allowed: bool
 ) -> None:
     from fastapi import HTTPException
+    from starlette.requests import Request
 
     from app.api.deps import Principal
 
     check = require_scope(needed)
     principal = Principal(name="t", scope=held)
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
     if allowed:
-        assert check(principal) is principal
+        assert check(request, principal) is principal
     else:
         with pytest.raises(HTTPException) as raised:
-            check(principal)
+            check(request, principal)
         assert raised.value.status_code == 403

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import get_dispatcher
 from app.dispatch import Order, ProbeOrder
 from app.models import LinkMeasurement, Node, NodeStatus, SiteLink, TokenScope
-from app.queries.links import LinkEstimate, link_estimates
+from app.queries.links import PROBE_SLOT_OVERHEAD_S, LinkEstimate, link_estimates, probe_rounds
 from hybridtrain.contract import PROBE_LINKS_TASK
 
 
@@ -117,10 +117,32 @@ def test_probe_orders_every_node_to_probe_every_other_node(client, joined, recor
         "skipped": [],
     }
     first = recorded.sent[0]
+    targets = first.spec["targets"]
     assert first == ProbeOrder(node_id=a.id, spec={"targets": [
-        {"node_id": b.id, "host": "10.0.0.1", "port": b.port},
-        {"node_id": c.id, "host": "10.0.0.3", "port": c.port},
+        {"node_id": b.id, "host": "10.0.0.1", "port": b.port, "round": 0, "start_at": targets[0]["start_at"]},
+        {"node_id": c.id, "host": "10.0.0.3", "port": c.port, "round": 1, "start_at": targets[1]["start_at"]},
     ], "seconds": 1.5})
+    # Three nodes, three sites: one probe at a time, each slot its seconds plus the overhead.
+    assert targets[1]["start_at"] - targets[0]["start_at"] == pytest.approx(1.5 + PROBE_SLOT_OVERHEAD_S)
+    assert [t["round"] for o in recorded.sent for t in o.spec["targets"]] == [0, 1, 2, 3, 4, 5]
+
+
+def test_probe_rounds_share_no_node_and_no_site_pipe():
+    # Sites 1 (nodes 1, 2) and 2 (nodes 3, 4): every direction of every pair.
+    site_of = {1: 1, 2: 1, 3: 2, 4: 2}
+    pairs = [(a, b) for a in site_of for b in site_of if a != b]
+
+    rounds = probe_rounds(pairs, site_of)
+
+    assert sorted(p for r in rounds for p in r) == sorted(pairs)
+    for r in rounds:
+        nodes = [n for p in r for n in p]
+        assert len(nodes) == len(set(nodes))  # one probe per node: one direction at a time
+        assert sum(site_of[a] != site_of[b] for a, b in r) <= 1  # one probe on the WAN
+    # The 8 WAN probes first, one per round (each keeps a node of both sites busy), then the LAN
+    # probes, two at a time: 1 -> 2 beside 3 -> 4, then back.
+    assert [sum(site_of[a] != site_of[b] for a, b in r) for r in rounds[:8]] == [1] * 8
+    assert rounds[8:] == [[(1, 2), (3, 4)], [(2, 1), (4, 3)]]
 
 
 def test_probe_skips_nodes_that_cannot_be_probed_with_the_reason(client, joined, recorded, session):
@@ -177,9 +199,11 @@ def test_probe_order_reaches_the_nodes_queue_as_the_probe_links_task(client, joi
 
     client.post(f"{API}/links/probe", json={"node_ids": [a.id, b.id], "seconds": 0.5})
 
-    assert dispatched.take(a.id) == [
-        (PROBE_LINKS_TASK, [{"targets": [{"node_id": b.id, "host": "10.0.0.1", "port": b.port}], "seconds": 0.5}])
-    ]
+    [(task, [spec])] = dispatched.take(a.id)
+    assert task == PROBE_LINKS_TASK and spec["seconds"] == 0.5
+    [target] = spec["targets"]
+    assert {k: target[k] for k in ("node_id", "host", "port", "round")} == {
+        "node_id": b.id, "host": "10.0.0.1", "port": b.port, "round": 0}
 
 
 # -- agents' reports ----------------------------------------------------------------------------

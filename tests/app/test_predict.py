@@ -1,6 +1,7 @@
 """The performance model on hand-computed cases: one link, two sites sharing a pipe, a relay
-saving a WAN copy, the all-reduce ring paced by its slowest link, pipelining, warm-up, the
-densities' fixed point, and an hour of it priced through the bill."""
+saving a WAN copy, the all-reduce ring paced by its slowest link, pipelining, warm-up, dense
+frames' encode and decode, PowerSGD's work, the densities' path and fixed point, and an hour of
+it priced through the bill."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from app.billing import EgressKey, InstanceKey, InstancePrice, NodeUsage, Provid
 from app.predict import (
     BACKWARD_SHARE,
     DDP_OVERLAP,
+    PIPELINE_EFFICIENCY,
     CompressionSpec,
     LinkSpec,
     NodeSpec,
@@ -29,8 +31,11 @@ TASK = TaskSpec(params=1000, dense_params=100, buffer_numel=0)
 DENSE_UP = 8 + 23 + 6 * 8 + (10 + 100 * 4) + (10 + 900 * 4)  # GRAD, both payloads fp32
 
 
-def node(i: int, site: int = 1, sps: float = 100.0, *, agg: float = 0.0, wc: float = 0.0, sc: float = 0.0) -> NodeSpec:
-    return NodeSpec(i, f"n{i}", site, sps, worker_compress_s=wc, server_compress_s=sc, aggregate_s=agg)
+def node(i: int, site: int = 1, sps: float = 100.0, *, agg: float = 0.0, wc: float = 0.0, sc: float = 0.0,
+         dagg: float = 0.0, denc: float = 0.0, psgd: float = 0.0, psgd_rank: int = 0) -> NodeSpec:
+    return NodeSpec(i, f"n{i}", site, sps, worker_compress_s=wc, server_compress_s=sc, aggregate_s=agg,
+                    dense_aggregate_s_per_element=dagg, dense_encode_s_per_element=denc, powersgd_s=psgd,
+                    powersgd_rank=psgd_rank)
 
 
 def mesh(nodes, lan=LinkSpec(1000, 1.0, "assumed"), wan=LinkSpec(100, 40.0, "assumed"), **overrides):
@@ -45,13 +50,15 @@ def xfer(nbytes: float, mbps: float, rtt_ms: float) -> float:
     return nbytes * 8 / (mbps * 1e6) + rtt_ms / 2000
 
 
-def test_one_link_dense_step_adds_compute_upload_server_and_download():
-    w, s = node(1), node(2, agg=0.002)
+def test_one_link_dense_step_adds_compute_encode_upload_server_download_and_decode():
+    w, s = node(1, dagg=4e-6, denc=3e-6), node(2, agg=0.5, dagg=1e-6, denc=2e-6)
     link = LinkSpec(100, 10.0, "measured")
     p = predict("ps", workers=[(w, 10)], server=s, links={(1, 2): link, (2, 1): link}, task=TASK)
     down = 8 + 23 + (3 + 2) * 8 + (10 + 400) + (10 + 3600)
     assert DENSE_UP == grad_frame_bytes(100, 900, None) and down == update_frame_bytes(100, 900, None, workers=1)
-    expected = 10 / 100 + xfer(DENSE_UP, 100, 10) + 0.002 + xfer(down, 100, 10)
+    # All 1000 elements dense: the worker encodes them, the server decodes and adds its one frame
+    # and encodes the update (aggregate_s is a compressed frame's, unused), the worker decodes.
+    expected = 10 / 100 + 1000 * 3e-6 + xfer(DENSE_UP, 100, 10) + 1000 * (1e-6 + 2e-6) + xfer(down, 100, 10) + 1000 * 4e-6
     assert p.step_s == pytest.approx(expected, rel=1e-12)
     assert p.samples_per_s == pytest.approx(10 / expected)
     assert p.bytes_per_step == [(1, 2, DENSE_UP), (2, 1, down)]
@@ -128,8 +135,84 @@ def test_pipelined_chunks_overlap_upload_server_and_download():
                   compression=CompressionSpec(pipeline_chunks=2))
     up, srv, down = (two.breakdown[k] for k in ("upload_s", "server_s", "download_s"))
     stages = [up / 2, srv / 2, down / 2]
-    assert two.step_s == pytest.approx(1e-9 + up / 2 + srv / 2 + down / 2 + max(stages))
+    plain = 1e-9 + up + srv + down
+    ideal = 1e-9 + up / 2 + srv / 2 + down / 2 + max(stages)
+    assert two.step_s == pytest.approx(plain - PIPELINE_EFFICIENCY * (plain - ideal))
+    assert two.breakdown["overlap_s"] == pytest.approx(two.step_s - plain)
     assert two.step_s < one.step_s
+
+
+def test_dense_server_decodes_every_workers_frame_and_encodes_the_update_once():
+    s, a, b = node(1, agg=0.5, sc=0.5, dagg=1e-6, denc=2e-6), node(2), node(3)
+    p = predict("ps", workers=[(a, 8), (b, 8)], server=s, links=mesh([s, a, b]), task=TASK)
+    assert p.breakdown["server_s"] == pytest.approx(2 * 1000 * 1e-6 + 1000 * 2e-6)
+
+
+def test_compressed_server_pays_dense_costs_on_the_dense_part_only():
+    s, a, b = node(1, agg=0.01, sc=0.02, dagg=1e-6, denc=2e-6), node(2, wc=0.03, denc=5e-6), node(3)
+    p = predict("ps-gc", workers=[(a, 8), (b, 8)], server=s, links=mesh([s, a, b]), task=TASK)
+    # 100 dense elements: decoded twice and encoded once at the server, encoded at each worker.
+    assert p.breakdown["server_s"] == pytest.approx(2 * (0.01 + 100 * 1e-6) + 0.02 + 100 * 2e-6)
+    assert p.per_worker[0]["compress_s"] == pytest.approx(0.03 + 100 * 5e-6)
+
+
+def test_powersgd_steps_add_each_workers_factorisation_before_the_ring():
+    fast, slow = node(1, sps=100, psgd=0.2, psgd_rank=2), node(2, sps=100, psgd=0.5, psgd_rank=2)
+    task = TaskSpec(params=100 * 100 + 100, dense_params=100, matrix_shapes=((100, 100),))
+    links = mesh([fast, slow], lan=LinkSpec(8, 0.0, "measured"))
+    comp = CompressionSpec(powersgd_rank=4)
+    p = predict("allreduce-powersgd", workers=[(fast, 10), (slow, 10)], server=None, links=links, task=task,
+                compression=comp)
+    # Rank 4 doubles the profile's rank-2 work: 1.0 s on the slow node, after its 0.1 s compute;
+    # the ring moves (200 * 4 + 100) fp32 elements, half of them each of 2 rounds, at 8 Mbit/s.
+    ring = 2 * xfer((200 * 4 + 100) * 4 / 2, 8, 0.0)
+    assert p.step_s == pytest.approx(0.1 + 1.0 + ring)
+    assert p.breakdown["compress_s"] == pytest.approx(1.0)
+
+
+def test_a_profile_without_dense_costs_is_named_in_the_assumptions():
+    old, measured = node(1, site=1), node(2, site=2, dagg=1e-9, denc=1e-9)
+    p = predict("ps", workers=[(measured, 8)], server=old, links=mesh([old, measured]), task=TASK)
+    [note] = [a for a in p.assumptions if "not in the profile" in a]
+    assert "of n1:" in note and "n2" not in note
+
+
+def test_densities_follow_the_rules_path_from_the_target():
+    s, fast, slow = node(1, site=1), node(2, site=2), node(3, site=3)
+    task = TaskSpec(params=2_000_000, dense_params=0)
+    links = mesh([s, fast, slow], wan=LinkSpec(200, 0.0, "measured"))
+    links[(3, 1)] = LinkSpec(50, 0.0, "measured")
+    comp = CompressionSpec(warmup_steps=2, density_time_floor_s=0.0)
+    p = predict("ps-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp,
+                max_steps=40)
+    # Equal bytes at equal densities: the fast upload shares the server's 200 Mbit/s link with the
+    # slow one (2b / 200), the slow one is held by its own 50 Mbit/s (b / 50): times 1 : 2, so
+    # step 5 moves the densities by (T_mean / T_m)^0.5 = sqrt(1.5), sqrt(0.75), renormalised.
+    dense, first, second = p.phases[:3]
+    assert (dense["first_step"], dense["last_step"], dense["densities"]) == (1, 2, [1.0, 1.0])
+    assert (first["first_step"], first["last_step"], first["densities"]) == (3, 4, [0.01, 0.01])
+    assert (second["first_step"], second["last_step"]) == (5, 5)
+    assert second["densities"] == pytest.approx([0.01 * 2 ** 0.25, 0.01 / 2 ** 0.25])
+    assert p.phases[-1]["last_step"] == 40
+    assert p.time_to_max_steps_s == pytest.approx(
+        sum((ph["last_step"] - ph["first_step"] + 1) * ph["step_s"] for ph in p.phases))
+
+
+def test_a_short_run_averages_its_transient_not_just_the_fixed_point():
+    s, fast, slow = node(1, site=1), node(2, site=2), node(3, site=3)
+    task = TaskSpec(params=2_000_000, dense_params=0)
+    links = mesh([s, fast, slow], wan=LinkSpec(200, 0.0, "measured"))
+    links[(3, 1)] = LinkSpec(50, 0.0, "measured")
+    comp = CompressionSpec(warmup_steps=0, density_time_floor_s=0.0)
+    settled = predict("ps-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp)
+    short = predict("ps-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp,
+                    max_steps=3)
+    # Steps 1 and 2 run at the target 0.01 (the slow worker sends more than at its fixed point),
+    # step 3 at the first adapted densities.
+    slow_bytes = lambda p: dict(((a, b), n) for a, b, n in p.bytes_per_step)[(3, 1)]  # noqa: E731
+    at = lambda d: grad_frame_bytes(0, 2_000_000, kept_for(2_000_000, d))  # noqa: E731
+    assert slow_bytes(short) == pytest.approx((2 * at(0.01) + at(0.01 / 2 ** 0.25)) / 3, abs=1)
+    assert slow_bytes(short) > slow_bytes(settled)
 
 
 def test_warmup_steps_are_amortised_over_max_steps():

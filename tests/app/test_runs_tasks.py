@@ -41,7 +41,7 @@ def _field_of(response) -> list:
 
 
 def _worker_spec(dispatched, node) -> dict:
-    return next(args[2] for _, args in dispatched.take(node.id) if args[1] == 1)
+    return next(args[2] for _, args in dispatched.take(node.id) if args[1] == 0)
 
 
 # -- validation ----------------------------------------------------------------------------

@@ -54,7 +54,9 @@ def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compressio
         assert cfg.batch_sizes == (30, 20, 14) and cfg.global_batch == 64
         assert cfg.strategy == strategy and cfg.max_steps == 40 and cfg.target == "accuracy>=0.9"
         assert cfg.task == "hybridtrain.tasks.digits:smallcnn" and cfg.task_args == '{"lr": 0.05}'
-        assert cfg.report_url == "http://cp:8000/api/v1/runs/7/metrics" and cfg.report_token == "htr_secret"
+        assert cfg.report_url == "http://cp:8000/api/v1/runs/7/metrics"
+        # The token travels in the order; the agent hands it to the trainer in a file.
+        assert order.spec["report_token"] == "htr_secret" and cfg.report_token is None
         if strategy == "ps-bz-gc":
             assert (cfg.density, cfg.error_feedback, cfg.server_k_fraction) == (0.02, False, 0.05)
             assert cfg.pipeline_chunks == 4 and cfg.momentum_correction is False
@@ -117,3 +119,53 @@ def test_a_bundled_task_run_names_its_bundle_to_the_agent():
         cfg = _config(order)[1]
         assert spec.bundle.sha256 == SHA and cfg.task == "examples.diabetes:task"
         assert cfg.task_args == '{"hidden": 32}'
+
+
+def _lifecycle(run: Run, **fields) -> Run:
+    defaults = {"checkpoint_every": 100, "checkpoint_every_s": 600.0, "max_restarts": 3, "restarts": 0,
+                "min_workers": 2, "min_workers_wait_s": 300.0}
+    for key, value in (defaults | fields).items():
+        setattr(run, key, value)
+    return run
+
+
+def test_checkpoints_and_minimum_workers_reach_the_trainer():
+    run = _lifecycle(_run("ps-bz-gc", {}))
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp:8000"):
+        cfg = _config(order)[1]
+        assert (cfg.checkpoint_every, cfg.checkpoint_every_s) == (100, 600.0)
+        assert cfg.checkpoint_url == "http://cp:8000/api/v1/runs/7/checkpoint"
+        assert (cfg.min_workers, cfg.min_workers_wait_s) == (2, 300.0)
+        assert cfg.resume is False and cfg.join is False
+
+
+def test_a_restarts_orders_resume_from_the_checkpoint_store():
+    run = _lifecycle(_run("ps-bz-gc", {}), restarts=1)
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp", resume=True):
+        cfg = _config(order)[1]
+        assert cfg.resume is True and cfg.checkpoint_url == "http://cp/api/v1/runs/7/checkpoint"
+        assert order.spec["attempt"] == 1
+
+
+def test_a_joining_workers_order_is_a_valid_trainer_command_line():
+    run = _lifecycle(_run("ps-bz-gc", {}))
+    order = launch_orders(run, metrics_token="t", public_url="http://cp", ranks=[run.workers[2]], join=True,
+                          batch_sizes=[30, 20, 14])[0]
+    args, cfg = _config(order)
+    assert cfg.join is True and order.rank == 2 and cfg.batch_sizes == (30, 20, 14)
+
+
+def test_a_run_with_checkpoints_off_gets_no_checkpoint_flags():
+    run = _lifecycle(_run("allreduce", {}), checkpoint_every=0, checkpoint_every_s=0.0)
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+        cfg = _config(order)[1]
+        assert cfg.checkpoint_every == 0 and cfg.checkpoint_url is None
+        assert "min-workers" not in order.spec["options"]  # all-reduce: no server to wait
+
+
+def test_a_script_run_is_never_told_to_resume():
+    run = _lifecycle(_run("ps-bz-gc", {}), restarts=1)
+    run.bundle_sha256, run.script = SHA, "train.py"
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp", resume=True):
+        cfg = _config(order)[1]
+        assert cfg.resume is False and cfg.checkpoint_url is None

@@ -86,6 +86,11 @@ def test_equal_batches_score_equal_evaluation_slices():
     assert [eval_slice(360, w, (64,) * 4).stop for w in range(4)] == [90, 180, 270, 360]
 
 
-def test_evaluation_slices_reject_a_worker_without_samples():
-    with pytest.raises(ValueError, match="positive"):
-        eval_slice(360, 0, (10, 0))
+def test_a_rank_not_in_the_run_scores_no_evaluation_slice():
+    assert eval_slice(360, 1, (10, 0, 20)) == slice(120, 120)
+    assert eval_slice(360, 2, (10, 0, 20)) == slice(120, 360)
+
+
+def test_evaluation_slices_reject_a_split_without_samples():
+    with pytest.raises(ValueError, match="positive sum"):
+        eval_slice(360, 0, (0, 0))

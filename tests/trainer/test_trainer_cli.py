@@ -1,14 +1,14 @@
-"""End to end: real processes over gloo on 127.0.0.1, launched by the CLI."""
+"""End to end: real processes on 127.0.0.1 (the parameter server's TCP transport, gloo for
+all-reduce), launched by the CLI."""
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
-import torch
-from trainer_testing import DIGITS, read_metrics, run_cli, series
+from trainer_testing import DIGITS, read_metrics, replica_hashes, run_cli, series, with_replica_script
 
+from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.launch import free_port
 from trainer_testing import ROOT
 
@@ -19,11 +19,11 @@ FAST = DIGITS
 
 @pytest.fixture(scope="module")
 def gc_run(tmp_path_factory) -> tuple:
-    """One 3-worker ps-bz-gc run with a final checkpoint per rank, shared by several tests."""
+    """One 3-worker ps-bz-gc run whose workers print their final weights' hash, shared by several tests."""
     out = tmp_path_factory.mktemp("gc")
     proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--speeds", "1,0.6,0.3",
-                   "--max-steps", "150", "--eval-every", "75", "--checkpoint-every", "150",
-                   "--checkpoint-dir", str(out / "ckpt"), "--metrics-out", str(out / "run.jsonl"))
+                   "--max-steps", "150", "--eval-every", "75", *with_replica_script(out),
+                   "--metrics-out", str(out / "run.jsonl"))
     return proc, out
 
 
@@ -34,7 +34,8 @@ def test_cli_exits_zero_and_writes_wire_format_metrics(gc_run):
     records = read_metrics(out / "run.jsonl")
     assert {r["rank"] for r in records} == {0, 1, 2, 3}
     for r in records:
-        assert set(r) - {"peer"} == {"rank", "role", "step", "t", "name", "value"}
+        # stream and seq make delivery exactly-once (trainer.metrics).
+        assert set(r) - {"peer"} == {"rank", "role", "step", "t", "name", "value", "stream", "seq"}
         assert ("peer" in r) == r["name"].startswith("bytes_")
         assert r["role"] == ("ps" if r["rank"] == 0 else "worker")
     assert series(records, "batch_size", 1)[10] == 25 and series(records, "batch_size", 3)[10] == 8
@@ -47,12 +48,11 @@ def test_cli_exits_zero_and_writes_wire_format_metrics(gc_run):
 def test_replicas_stay_identical_after_compressed_steps(gc_run):
     proc, out = gc_run
     assert proc.returncode == 0, proc.stderr
-    states = [torch.load(out / "ckpt" / "step-00000150" / f"rank-{r}.pt", weights_only=False) for r in (1, 2, 3)]
-    for s in states[1:]:
-        for k, v in states[0]["model"].items():
-            assert torch.equal(v, s["model"][k]), k
+    hashes = replica_hashes(proc.stdout)
+    assert sorted(hashes) == [1, 2, 3], proc.stdout + proc.stderr[-3000:]
+    assert len({weights for weights, _ in hashes.values()}) == 1
     # The residuals differ per worker: identical replicas are not a trivial consequence.
-    assert not torch.equal(states[0]["ps"]["residual"], states[1]["ps"]["residual"])
+    assert len({residual for _, residual in hashes.values()}) == 3
 
 
 def test_ps_bz_gc_reaches_within_one_point_of_ps_accuracy(gc_run, tmp_path):
@@ -73,33 +73,44 @@ def test_resume_from_a_checkpoint_continues_the_loss_curve(tmp_path):
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     full = run_cli(*args, "--metrics-out", str(tmp_path / "full.jsonl"))
     assert full.returncode == 0, full.stderr
-    shutil.rmtree(tmp_path / "ckpt" / "step-00000030")
+    (tmp_path / "ckpt" / "run-step-00000030.pt").unlink()
     resumed = run_cli(*args, "--resume", "--metrics-out", str(tmp_path / "resumed.jsonl"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step 15" in resumed.stderr
     a = series(read_metrics(tmp_path / "full.jsonl"), "loss")
     b = series(read_metrics(tmp_path / "resumed.jsonl"), "loss")
     assert min(b) == 16 and max(b) == 30
-    for step in range(16, 31):
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    # The first resumed step sees the same weights and batch as the uninterrupted run's (the
+    # loss is computed before any update); later steps differ a little, since the workers'
+    # error-feedback residuals and velocities start empty (docs/elastic.md).
+    assert b[16] == pytest.approx(a[16], rel=1e-5, abs=1e-6)
     assert b[16] < a[1] - 0.5  # continued from step 15, not restarted
 
 
-def test_cli_exits_nonzero_promptly_when_a_role_fails(tmp_path):
+def test_cli_exits_nonzero_promptly_when_an_allreduce_role_fails(tmp_path):
     t0 = time.monotonic()
-    proc = run_cli(*FAST, "--strategy", "ps-gc", "--workers", "2", "--max-steps", "50",
-                   "--inject-failure", "2:5", "--timeout-s", "60")
+    proc = run_cli(*FAST, "--strategy", "allreduce", "--workers", "2", "--max-steps", "50",
+                   "--inject-failure", "1:5", "--timeout-s", "60")
     assert proc.returncode == 1
-    assert "worker rank 2 exited with status 1" in proc.stderr
+    # Whichever rank ends first (the failed one, or its peer aborted by gloo) stops the others.
+    assert "exited with status" in proc.stderr and "stopping the other roles" in proc.stderr
     assert "injected failure at step 5" in proc.stderr
     assert time.monotonic() - t0 < 45  # not the 60 s peer timeout
+
+
+def test_a_parameter_server_run_trains_on_when_a_worker_fails(tmp_path):
+    proc = run_cli(*FAST, "--strategy", "ps-gc", "--workers", "2", "--max-steps", "30",
+                   "--inject-failure", "2:5", "--timeout-s", "60", "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    assert "worker rank 2 exited with status 1; the others train on" in proc.stderr
+    assert max(series(read_metrics(tmp_path / "m.jsonl"), "batch_size", rank=1)) == 30
 
 
 def test_a_role_whose_peers_never_come_times_out_with_a_message():
     proc = run_cli("--strategy", "ps", "--role", "worker", "--rank", "1", "--world-size", "2",
                    "--master-port", str(free_port()), "--timeout-s", "3", timeout=60)
     assert proc.returncode == 1
-    assert "[worker rank 1] failed" in proc.stderr and "timed out" in proc.stderr
+    assert "[worker rank 1] failed" in proc.stderr and "cannot reach the parameter server" in proc.stderr
 
 
 def test_usage_errors_exit_two_with_the_offending_option():
@@ -125,14 +136,11 @@ def test_overlap_for_a_strategy_without_a_server_is_a_usage_error():
 
 def test_an_overlapped_pipelined_run_keeps_the_replicas_identical_and_learns(tmp_path):
     proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30", "--eval-every", "30",
-                   "--pipeline-chunks", "3", "--overlap", "--dense-numel", "256",
-                   "--checkpoint-every", "30", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                   "--pipeline-chunks", "3", "--overlap", "--dense-numel", "256", *with_replica_script(tmp_path),
                    "--metrics-out", str(tmp_path / "m.jsonl"))
     assert proc.returncode == 0, proc.stderr
-    states = [torch.load(tmp_path / "ckpt" / "step-00000030" / f"rank-{r}.pt", weights_only=False) for r in (1, 2, 3)]
-    for s in states[1:]:
-        for k, v in states[0]["model"].items():
-            assert torch.equal(v, s["model"][k]), k
+    hashes = replica_hashes(proc.stdout)
+    assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
     records = read_metrics(tmp_path / "m.jsonl")
     assert series(records, "accuracy")[30] > 0.5
     sent = {(r["rank"], r["peer"]): r["value"] for r in records if r["name"] == "bytes_sent" and r["step"] == 10}
@@ -179,8 +187,7 @@ def test_a_relayed_run_forwards_each_update_inside_the_remote_site(tmp_path):
 def test_a_pipelined_relayed_run_sends_each_chunk_and_keeps_the_replicas_identical(tmp_path):
     proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30",
                    "--eval-every", "30", "--sites", "onprem,onprem,cloud,cloud", "--pipeline-chunks", "4",
-                   "--checkpoint-every", "30", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                   "--metrics-out", str(tmp_path / "m.jsonl"))
+                   *with_replica_script(tmp_path), "--metrics-out", str(tmp_path / "m.jsonl"))
     assert proc.returncode == 0, proc.stderr
     records = read_metrics(tmp_path / "m.jsonl")
     sent = {(r["rank"], r["peer"]): r["value"] for r in records if r["name"] == "bytes_sent" and r["step"] == 10}
@@ -188,10 +195,8 @@ def test_a_pipelined_relayed_run_sends_each_chunk_and_keeps_the_replicas_identic
     assert set(sent) == {(0, 1), (0, 2), (1, 0), (2, 0), (2, 3), (3, 0)} and sent == recv
     # The relay forwarded exactly what it received from the server: four chunk frames.
     assert sent[(2, 3)] == sent[(0, 2)]
-    states = [torch.load(tmp_path / "ckpt" / "step-00000030" / f"rank-{r}.pt", weights_only=False) for r in (1, 2, 3)]
-    for s in states[1:]:
-        for k, v in states[0]["model"].items():
-            assert torch.equal(v, s["model"][k]), k
+    hashes = replica_hashes(proc.stdout)
+    assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
     assert series(records, "accuracy")[30] > 0.5
 
 
@@ -352,3 +357,26 @@ def test_a_users_own_trainer_and_hybridtrain_packages_do_not_replace_the_trainer
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "3 steps" in proc.stderr
+
+
+def test_only_the_parameter_server_role_skips_the_interpreters_finalisation():
+    from trainer.cli import skips_finalisation
+
+    assert skips_finalisation(["--strategy", "ps", "--role", "ps", "--rank", "0"])
+    assert skips_finalisation(["--role=ps"])
+    assert not skips_finalisation(["--role", "worker", "--rank", "1"])
+    # A user's script arguments are theirs, whatever they say.
+    assert not skips_finalisation(["--role", "worker", "--", "--role", "ps"])
+
+
+def test_the_report_token_can_come_from_a_file_not_the_command_line(tmp_path):
+    token = tmp_path / "report-token"
+    token.write_text("run-secret\n")
+    args = build_parser().parse_args(["--report-token-file", str(token)])
+    assert config_from_args(args).report_token == "run-secret"
+
+
+def test_a_missing_report_token_file_is_a_usage_error_naming_it(tmp_path):
+    args = build_parser().parse_args(["--report-token-file", str(tmp_path / "nope")])
+    with pytest.raises(UsageError, match="--report-token-file .*nope"):
+        config_from_args(args)

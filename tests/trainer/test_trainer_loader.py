@@ -126,9 +126,15 @@ def test_eval_slices_tile_the_held_out_set_in_proportion_to_batch_sizes():
     assert [p.stop - p.start for p in parts] == [12, 38, 50]
 
 
-def test_eval_slice_rejects_a_zero_batch_size():
-    with pytest.raises(ValueError, match="positive"):
-        eval_slice(10, 0, [4, 0])
+def test_eval_slice_gives_a_rank_without_a_share_nothing():
+    # A 0 is a rank not in the run (lost, left, not yet joined).
+    assert eval_slice(10, 1, [4, 0]) == slice(10, 10)
+
+
+def test_eval_slice_rejects_negative_sizes_and_an_empty_split():
+    for sizes in ([4, -1], [0, 0]):
+        with pytest.raises(ValueError, match="positive sum"):
+            eval_slice(10, 0, sizes)
 
 
 def test_step_sampler_yields_the_batches_of_its_steps():

@@ -14,7 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"params", "dense_params", "buffer_numel", "matrix_shapes", "train_samples", "eval_samples", "batch", "samples_per_s",
-        "step_s", "worker_compress_s", "server_compress_s", "aggregate_s", "metrics"}
+        "step_s", "worker_compress_s", "server_compress_s", "aggregate_s", "dense_aggregate_s_per_element",
+        "dense_encode_s_per_element", "powersgd_s", "powersgd_rank", "metrics"}
 
 
 def run_profile(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
@@ -58,6 +59,19 @@ def test_profile_reports_the_dense_part_and_the_compression_costs_on_this_node(d
     assert digits_result["buffer_numel"] > 0  # BatchNorm statistics
     for key in ("worker_compress_s", "server_compress_s", "aggregate_s"):
         assert 0 < digits_result[key] < 5, key
+
+
+def test_profile_reports_dense_frame_costs_per_element(digits_result):
+    # A full-size fp32 frame: well under a microsecond per element on any CPU, but not free.
+    for key in ("dense_aggregate_s_per_element", "dense_encode_s_per_element"):
+        assert 0 < digits_result[key] < 1e-6, key
+
+
+def test_profile_reports_powersgd_work_at_the_trainers_default_rank(digits_result):
+    from trainer.config import TrainConfig
+
+    assert digits_result["powersgd_rank"] == TrainConfig.powersgd_rank
+    assert 0 < digits_result["powersgd_s"] < 5
     # smallcnn's three convolutions and its head, as PowerSGD sees them (rows x the rest).
     assert digits_result["matrix_shapes"] == [[16, 9], [32, 144], [64, 288], [10, 256]]
 

@@ -1,108 +1,133 @@
-"""The torch.distributed transport and the inbox between real gloo processes."""
+"""The parameter server's TCP transport (trainer.sockets) and the inbox over it: workers that
+connect at any time, frames in order and counted, a lost peer noticed at once."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import torch
-import torch.distributed as dist
 
-from trainer.transport import Inbox, TorchTransport
+from trainer.launch import free_port
+from trainer.sockets import PeerLost, ServerSocketTransport, WorkerSocketTransport
+from trainer.transport import Inbox
 
 LATE_S = 1.5
 # A frame whose kind byte (offset 3) reads LAST is a peer's final one: its inbox thread stops.
 LAST = 255
 
 
-def _in_group(rank: int, port: int, out: "mp.Queue", role) -> None:
-    """A spawned process: rank `rank` of a 3-rank gloo group, running `role(rank, out)`."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=3)
-    try:
-        role(rank, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _hello(rank: int) -> torch.Tensor:
+    """A first frame naming its sender (byte 0), as HELLO does."""
+    return torch.full((16,), rank, dtype=torch.uint8)
 
 
-def _role(rank: int, out: "mp.Queue") -> None:
-    transport = TorchTransport(rank)
-    if rank == 0:
-        inbox = Inbox(transport, [1, 2], timeout_s=30, last_kinds=frozenset({LAST}))
-        frames = {p: inbox.get(p) for p in (1, 2)}
-        out.put((0, ({p: f.numel() for p, (f, _) in frames.items()}, {p: t for p, (_, t) in frames.items()})))
-    else:
-        if rank == 2:
-            time.sleep(LATE_S)
-        frame = torch.full((2_000_000 * rank,), LAST, dtype=torch.uint8)
-        t0 = time.perf_counter()
-        transport.send(0, frame)
-        out.put((rank, time.perf_counter() - t0))
+def _adopt(server: ServerSocketTransport, n: int) -> None:
+    """Adopt the next `n` connections under the rank their first frame names."""
+    for _ in range(n):
+        conn, first, _ = server.arrivals.get(timeout=30)
+        server.adopt(int(first[0]), conn, first)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _run_roles(role) -> dict:
-    """Run `role` as ranks 0-2 of a gloo group in spawned processes; {rank: what it reported}."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_in_group, args=(r, port, out, role)) for r in range(3)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return results
+def _worker(rank: int, port: int, **kw) -> WorkerSocketTransport:
+    worker = WorkerSocketTransport(rank, "127.0.0.1", port, timeout_s=30, **kw)
+    worker.send(0, _hello(rank))
+    return worker
 
 
 def test_a_peers_send_completes_without_waiting_for_a_late_peer():
-    results = _run_roles(_role)
+    server = ServerSocketTransport("127.0.0.1", 0, timeout_s=30)
+    workers = {r: _worker(r, server.port) for r in (1, 2)}
+    _adopt(server, 2)
+    inbox = Inbox(server, [1, 2], timeout_s=30, last_kinds=frozenset({LAST}))
+    took: dict[int, float] = {}
 
-    sizes, wire_s = results[0]
-    assert sizes == {1: 2_000_000, 2: 4_000_000}
+    def send(rank: int) -> None:
+        if rank == 2:
+            time.sleep(LATE_S)
+        t0 = time.perf_counter()
+        workers[rank].send(0, torch.full((2_000_000 * rank,), LAST, dtype=torch.uint8))
+        took[rank] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    frames = {p: inbox.get(p) for p in (1, 2)}
+    for t in threads:
+        t.join()
+    assert {p: f.numel() for p, (f, _) in frames.items()} == {1: 2_000_000, 2: 4_000_000}
     # The early peer's send time is its own transfer over loopback, which the adaptive density
     # reads as its link's speed: it must not include the late peer's 1.5 s.
-    assert results[1] < LATE_S / 3
-    # The receiver times each frame from its length prefix on: the late peer's lateness is not
-    # its link's time either.
-    assert set(wire_s) == {1, 2} and max(wire_s.values()) < LATE_S / 3
-
-
-ROUNDS = 3
-
-
-def _pipelined_role(rank: int, out: "mp.Queue") -> None:
-    transport = TorchTransport(rank)
-    if rank == 0:
-        inbox = Inbox(transport, [1, 2], timeout_s=30, last_kinds=frozenset({LAST}))
-        got, wire = [], {1: 0.0, 2: 0.0}
-        for _ in range(ROUNDS):
-            frames = {p: inbox.get(p) for p in (1, 2)}
-            got.append({p: int(f[0]) for p, (f, _) in frames.items()})
-            for p, (_, t) in frames.items():
-                wire[p] += t
-        out.put((0, (got, wire, transport.take_counts()[1])))
-    else:
-        # Every round posted before any is waited on: the sends overlap the receiver's work.
-        waits = [transport.post_many([0], torch.full((1000 * rank,), LAST if r == ROUNDS - 1 else 10 * rank + r,
-                                                     dtype=torch.uint8))
-                 for r in range(ROUNDS)]
-        for wait in waits:
-            wait()
-        out.put((rank, None))
+    assert took[1] < LATE_S / 3
+    # The receiver times each frame from its length prefix on: lateness is not link time.
+    assert max(t for _, t in frames.values()) < LATE_S / 3
+    server.close()
 
 
 def test_an_inbox_delivers_each_peers_frames_in_order_counting_their_bytes_when_consumed():
-    rounds, wire_s, received = _run_roles(_pipelined_role)[0]
-    assert rounds == [{1: 10 + r, 2: 20 + r} for r in range(ROUNDS - 1)] + [{1: LAST, 2: LAST}]
-    assert received == {1: ROUNDS * (8 + 1000), 2: ROUNDS * (8 + 2000)}
-    assert set(wire_s) == {1, 2} and all(s >= 0 for s in wire_s.values())
+    rounds = 3
+    server = ServerSocketTransport("127.0.0.1", 0, timeout_s=30)
+    workers = {r: _worker(r, server.port) for r in (1, 2)}
+    _adopt(server, 2)
+    server.take_counts()
+    inbox = Inbox(server, [1, 2], timeout_s=30, last_kinds=frozenset({LAST}))
+    for rank, worker in workers.items():
+        # Every round posted before any is waited on: the sends overlap the receiver's work.
+        waits = [worker.post_many([0], torch.full((1000 * rank,), LAST if r == rounds - 1 else 10 * rank + r,
+                                                  dtype=torch.uint8)) for r in range(rounds)]
+        for wait in waits:
+            wait()
+    got = [{p: int(inbox.get(p)[0][0]) for p in (1, 2)} for _ in range(rounds)]
+    assert got == [{1: 10 + r, 2: 20 + r} for r in range(rounds - 1)] + [{1: LAST, 2: LAST}]
+    assert server.take_counts()[1] == {1: rounds * (8 + 1000), 2: rounds * (8 + 2000)}
+    server.close()
+
+
+def test_a_worker_may_start_before_the_server_listens():
+    port = free_port()
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(worker=_worker(1, port)))
+    thread.start()
+    time.sleep(1.0)
+    server = ServerSocketTransport("127.0.0.1", port, timeout_s=30)
+    _adopt(server, 1)
+    thread.join(timeout=30)
+    box["worker"].send(0, torch.tensor([7], dtype=torch.uint8))
+    assert int(server.recv(1)[0]) == 7
+    server.close()
+
+
+def test_a_killed_peer_is_noticed_at_once_as_lost(tmp_path):
+    server = ServerSocketTransport("127.0.0.1", 0, timeout_s=30)
+    code = ("import sys, time, torch; sys.path.insert(0, sys.argv[2]);"
+            "from trainer.sockets import WorkerSocketTransport;"
+            "w = WorkerSocketTransport(3, '127.0.0.1', int(sys.argv[1]), timeout_s=30);"
+            "w.send(0, torch.full((16,), 3, dtype=torch.uint8)); time.sleep(60)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(server.port), root])
+    try:
+        _adopt(server, 1)
+        inbox = Inbox(server, [3], timeout_s=30, last_kinds=frozenset({LAST}))
+        proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        got, failed = inbox.collect([3], first_s=30, then_s=30)
+        assert not got and isinstance(failed[3], PeerLost)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        proc.kill()
+        proc.wait()
+        server.close()
+
+
+def test_a_relay_reaches_its_site_peer_at_the_address_the_server_passed_on():
+    server = ServerSocketTransport("127.0.0.1", 0, timeout_s=30)
+    relay = _worker(1, server.port)
+    member = _worker(2, server.port, listen=True)
+    relay.peer_addresses[2] = ("127.0.0.1", member.listen_port)
+    relay.send(2, torch.tensor([42], dtype=torch.uint8))
+    assert int(member.recv(1)[0]) == 42
+    server.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -48,7 +49,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def series(records: list[dict], name: str, rank: int = 0) -> dict[int, float]:
     """step -> value of one metric of one rank."""
-    return {r["step"]: r["value"] for r in records if r["name"] == name and r["rank"] == rank}
+    return {r["step"]: r["value"] for r in records if r.get("name") == name and r["rank"] == rank}
 
 
 def tiny_data(n: int = 256, features: int = 12, seed: int = 0) -> TensorDataset:
@@ -153,3 +154,124 @@ def config(**overrides) -> TrainConfig:
     cfg = TrainConfig(**overrides)
     assert sum(initial_batch_sizes(cfg)) == cfg.global_batch
     return cfg
+
+
+class Role:
+    """One role of a run as its own process (`python -m trainer --role ...`), its stderr read
+    line by line on a thread so a test can wait for a line."""
+
+    def __init__(self, role: str, rank: int, world_size: int, port: int, args: list[str], *, metrics: Path,
+                 cwd: Path = ROOT) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        self.rank = rank
+        self.lines: list[str] = []
+        self.metrics = metrics
+        options, tail = (args[: args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
+        argv = [sys.executable, "-m", "trainer", "--threads", "1", *options, "--role", role, "--rank", str(rank),
+                "--world-size", str(world_size), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--metrics-out", str(metrics), *tail]
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout: float = 90.0) -> str:
+        """The first output line containing `text`, waiting for it."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hit = next((line for line in self.lines if text in line), None)
+            if hit is not None:
+                return hit
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"rank {self.rank} never printed {text!r}; it printed:\n" + "\n".join(self.lines[-30:]))
+
+    def wait(self, timeout: float = 120.0) -> int:
+        """The exit status (the process is killed if it outlives `timeout`)."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self._reader.join(timeout=10)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def records(self) -> list[dict]:
+        """This role's metric records (once it has exited)."""
+        return read_metrics(self.metrics) if self.metrics.exists() else []
+
+
+def start_ps_run(tmp_path: Path, workers: int, args: list[str], *, ranks: list[int] | None = None,
+                 cwd: Path = ROOT) -> tuple[Role, dict[int, Role], int]:
+    """A parameter-server run as separate role processes on a free port: (server, workers by
+    rank, port)."""
+    from trainer.launch import free_port
+
+    port = free_port()
+    world = workers + 1
+    server = Role("ps", 0, world, port, args, metrics=tmp_path / "rank0.jsonl", cwd=cwd)
+    roles = {r: Role("worker", r, world, port, args, metrics=tmp_path / f"rank{r}.jsonl", cwd=cwd)
+             for r in (ranks or range(1, workers + 1))}
+    return server, roles, port
+
+
+def stop_all(*roles: Role) -> None:
+    """Kill whatever is still running (a failed test must leave no process behind)."""
+    for role in roles:
+        if role.proc.poll() is None:
+            role.proc.kill()
+            role.proc.wait()
+
+
+def events(records: list[dict], kind: str) -> list[dict]:
+    """The run events of one kind."""
+    return [r for r in records if r.get("event") == kind]
+
+
+# A script of the user's own that trains the run's task through the task loop, then prints a
+# hash of its final weights and of its error-feedback residual: the replicas compared by it.
+REPLICA_SCRIPT = """
+import hashlib, json
+import torch
+import hybridtrain as ht
+from hybridtrain.task import load_task
+from trainer import loop
+from trainer.taskloop import run_task
+
+ctx = ht.init()
+run_task(ctx, task=load_task(ctx.cfg.task, json.loads(ctx.cfg.task_args)))
+
+
+def digest(t):
+    return "-" if t is None else hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+flat = torch.cat([p.detach().reshape(-1) for p in loop.unwrap(ctx.model).parameters()])
+residual = ctx.client.state_dict()["residual"] if ctx.client is not None else None
+print(f"REPLICA {ctx.rank} {digest(flat)} {digest(residual)}", flush=True)
+"""
+
+
+def replica_hashes(stdout: str) -> dict[int, tuple[str, str]]:
+    """rank -> (weights hash, residual hash) from REPLICA_SCRIPT's lines."""
+    # The workers share one stdout: two lines may arrive run together, so match anywhere. A
+    # strategy without error feedback has no residual and prints "-" for it.
+    rows = re.findall(r"REPLICA (\d+) ([0-9a-f]{16}) ([0-9a-f]{16}|-)", stdout)
+    return {int(rank): (weights, residual) for rank, weights, residual in rows}
+
+
+def with_replica_script(tmp_path: Path) -> list[str]:
+    """The options that run REPLICA_SCRIPT (written into `tmp_path`) instead of the task loop."""
+    (tmp_path / "replica.py").write_text(REPLICA_SCRIPT)
+    return ["--script", str(tmp_path / "replica.py"), "--code-dir", str(tmp_path)]

@@ -9,7 +9,7 @@ from app.api.deps import AgentNodeDep, DispatcherDep, IdPath, SessionDep, Settin
 from app.api.responses import CONFLICT, NOT_FOUND_OR_CONFLICT
 from app.dispatch import node_queue
 from app.queries import agents as queries
-from app.run_lock import run_state_lock
+from app.lifecycle import run_state_lock, start_queued
 from app.schemas.agent import (
     AgentRegister,
     AgentRegistered,
@@ -66,9 +66,11 @@ def heartbeat(
     """Keep the node online; answer with the roles it should stop."""
     grace = max(10.0, 2 * settings.heartbeat_timeout_s / BEATS_PER_TIMEOUT)
     with run_state_lock(settings.is_sqlite):
-        outcome = queries.apply_heartbeat(session, node=node, beat=body, grace_s=grace)
+        outcome = queries.apply_heartbeat(session, node=node, beat=body, grace_s=grace, settings=settings)
+        # A run this beat ended, or a node back online, may let queued runs start.
+        launches = start_queued(session, settings=settings)
         session.commit()
-    dispatcher.send_quietly(outcome.orders)
+    dispatcher.send_quietly([*outcome.orders, *launches])
     return HeartbeatAnswer(
         node_id=node.id, status=str(node.status), stop=[StopOrder(**s) for s in outcome.stop]
     )
@@ -85,9 +87,11 @@ def report_role_event(
 ) -> RoleEventAnswer:
     """Record that a rank started or exited; the run moves on (or ends) accordingly."""
     with run_state_lock(settings.is_sqlite):
-        outcome = queries.apply_role_event(session, node=node, run_id=run_id, event=body)
+        outcome = queries.apply_role_event(session, node=node, run_id=run_id, event=body, settings=settings)
+        # A run that ended frees its GPUs for the queued runs waiting on them.
+        launches = start_queued(session, settings=settings) if outcome.run_status.finished else []
         session.commit()
-    dispatcher.send_quietly(outcome.orders)
+    dispatcher.send_quietly([*outcome.orders, *launches])
     return RoleEventAnswer(
         run_status=str(outcome.run_status),
         action="stop" if outcome.stop_reason else None,

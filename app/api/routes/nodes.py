@@ -7,9 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response, status
 from pydantic import TypeAdapter
 
-from app.api.deps import AdminDep, IdPath, IdQuery, PaginationDep, ReadDep, SessionDep
+from app.api.deps import AdminDep, DispatcherDep, IdPath, IdQuery, PaginationDep, ReadDep, SessionDep, SettingsDep
 from app.api.responses import NOT_FOUND, NOT_FOUND_OR_CONFLICT
+from app.lifecycle import run_state_lock, start_queued
 from app.models import NodeStatus, Provider, SiteKind
+from app.models.base import utcnow
 from app.queries import nodes as queries
 from app.schemas.common import Page
 from app.schemas.nodes import JoinToken, NodeCreate, NodeCreated, NodePublic, NodeUpdate
@@ -72,6 +74,28 @@ def update_node(session: SessionDep, _: AdminDep, node_id: IdPath, body: NodeUpd
     """Change some fields of a node; `gpus`, when given, replaces the declared list."""
     node = queries.update_node(session, node_id=node_id, data=body)
     session.commit()
+    return NodePublic.model_validate(node)
+
+
+@router.post("/{node_id}/drain", response_model=NodePublic, responses=NOT_FOUND)
+def drain_node(session: SessionDep, _: AdminDep, node_id: IdPath) -> NodePublic:
+    """Drain a node: it finishes its runs and takes no new one (new runs naming it get 409)."""
+    node = queries.drain_node(session, node_id=node_id)
+    session.commit()
+    return NodePublic.model_validate(node)
+
+
+@router.post("/{node_id}/undrain", response_model=NodePublic, responses=NOT_FOUND)
+def undrain_node(
+    session: SessionDep, _: AdminDep, settings: SettingsDep, dispatcher: DispatcherDep, node_id: IdPath
+) -> NodePublic:
+    """End a node's drain; queued runs waiting for it start if their GPUs are free."""
+    with run_state_lock(settings.is_sqlite):
+        node = queries.undrain_node(session, node_id=node_id, heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                                    now=utcnow())
+        launches = start_queued(session, settings=settings)
+        session.commit()
+    dispatcher.send_quietly(launches)
     return NodePublic.model_validate(node)
 
 

@@ -8,23 +8,34 @@ from fastapi import APIRouter, HTTPException, Query, status
 
 from app.api.deps import IdPath, MetricsTokenDep, ReadDep, SessionDep
 from app.api.responses import NOT_FOUND
+from app.queries import events as event_queries
 from app.queries import metrics as queries
-from app.schemas.runs import MetricBatch, MetricName, MetricsStored, RunMetrics
+from app.schemas.reports import ReportBatch, TrainerEventRecord
+from app.schemas.runs import MetricName, MetricRecord, MetricsStored, RunMetrics
 
 router = APIRouter()
 
 
 @router.post("/{run_id}/metrics", response_model=MetricsStored, responses=NOT_FOUND)
 def ingest_metrics(
-    session: SessionDep, token: MetricsTokenDep, run_id: IdPath, body: MetricBatch
+    session: SessionDep, token: MetricsTokenDep, run_id: IdPath, body: ReportBatch
 ) -> MetricsStored:
-    """Store a batch of trainer records; a record already stored is skipped, not doubled."""
+    """Store a batch of trainer records (measurements and run events); a record already
+    stored is skipped, not doubled."""
     if not queries.metrics_token_valid(session, run_id=run_id, token=token):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "not this run's metrics token",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    stored = queries.store_metrics(session, run_id=run_id, records=body.records)
+    measurements: list[MetricRecord] = []
+    events: list[TrainerEventRecord] = []
+    for record in body.records:
+        if isinstance(record, TrainerEventRecord):
+            events.append(record)
+        else:
+            measurements.append(record)
+    stored = queries.store_metrics(session, run_id=run_id, records=measurements)
+    stored += event_queries.store_trainer_events(session, run_id=run_id, records=events)
     session.commit()
     return MetricsStored(received=len(body.records), stored=stored)
 

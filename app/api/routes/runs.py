@@ -1,4 +1,4 @@
-"""Runs: plan, launch (idempotently), read, list and cancel."""
+"""Runs: plan, launch (idempotently), read, list, cancel and add nodes to."""
 
 from __future__ import annotations
 
@@ -6,18 +6,19 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Header, Query, Response, status
-from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from app.api.deps import CiDep, DispatcherDep, IdPath, PaginationDep, ReadDep, SessionDep, SettingsDep
 from app.api.responses import CONFLICT, NOT_FOUND, NOT_FOUND_OR_CONFLICT
-from app.models import Run, RunStatus, RunWorker, WorkerStatus
-from app.models.base import utcnow
+from app import lifecycle
+from app.config import Settings
+from app.dispatch import Dispatcher, LaunchOrder
+from app.models import Run, RunStatus
 from app.queries import runs as queries
-from app.run_lock import run_state_lock
 from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
-from app.schemas.runs import PlanTaskPublic, RunCancel, RunCreate, RunPublic
+from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
 from hybridtrain.contract import STRATEGIES, is_ps
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ def create_run(
     response: Response,
     idempotency_key: IdempotencyKey = None,
 ) -> RunPublic:
-    """Plan a run, store it, and send each rank's launch order to its node's agent."""
+    """Plan a run, store it, and send each rank's launch order to its node's agent, or queue it
+    while another run holds a GPU it needs."""
     fingerprint = queries.request_fingerprint(body)
     if idempotency_key is not None:
         earlier = queries.run_by_idempotency_key(session, created_by=principal.name, key=idempotency_key)
@@ -102,9 +104,9 @@ def create_run(
             return RunPublic.model_validate(
                 queries.check_idempotent_repeat(earlier, fingerprint=fingerprint, key=idempotency_key)
             )
-    run, metrics_token = queries.create_run(
+    run, _ = queries.create_run(
         session, data=body, created_by=principal.name,
-        idempotency_key=idempotency_key, fingerprint=fingerprint,
+        idempotency_key=idempotency_key, fingerprint=fingerprint, secret_key=settings.secret_key,
     )
     try:
         session.commit()
@@ -119,36 +121,43 @@ def create_run(
             queries.check_idempotent_repeat(earlier, fingerprint=fingerprint, key=idempotency_key or "")
         )
 
-    # Orders go out only after the run is committed, so an agent's first report finds it.
-    orders = queries.launch_orders(run, metrics_token=metrics_token, public_url=settings.public_url,
-                                   sites=queries.rank_sites(session, run=run))
-    try:
-        dispatcher.send(orders)
-    except Exception as exc:  # noqa: BLE001 - any broker failure fails the run, with its cause
-        log.error("run %s: could not send launch orders: %s", run.id, exc)
-        with run_state_lock(settings.is_sqlite):
-            locked = queries.get_run(session, run_id=run.id, lock=True)
-            cancels = queries.end_run(
-                session, run=locked, status=RunStatus.failed,
-                reason=f"could not send the launch orders to the broker: {exc}",
-            )
-            session.commit()
-        dispatcher.send_quietly(cancels)
-        return RunPublic.model_validate(queries.get_run(session, run_id=run.id))
-    # Conditional updates: a fast agent may already have reported its start.
-    now = utcnow()
-    with run_state_lock(settings.is_sqlite):
-        session.execute(
-            update(Run).where(Run.id == run.id, Run.status == RunStatus.queued)
-            .values(status=RunStatus.launching, launched_at=now)
-        )
-        session.execute(
-            update(RunWorker).where(RunWorker.run_id == run.id, RunWorker.status == WorkerStatus.planned)
-            .values(status=WorkerStatus.launched)
-        )
+    # Orders go out only after the run is committed, so an agent's first report finds it; the
+    # run starts now if its GPUs are free, else it waits in the queue.
+    with lifecycle.run_state_lock(settings.is_sqlite):
+        orders = lifecycle.start_queued(session, settings=settings)
         session.commit()
-    session.expire_all()
-    return RunPublic.model_validate(queries.get_run(session, run_id=run.id))
+    send_launches(session, settings=settings, dispatcher=dispatcher, orders=orders)
+    return run_public(session, queries.get_run(session, run_id=run.id))
+
+
+def send_launches(
+    session: Session, *, settings: Settings, dispatcher: Dispatcher, orders: list[LaunchOrder]
+) -> None:
+    """Send each started run's launch orders; a run whose orders the broker refuses fails with
+    its error (the others are sent on)."""
+    by_run: dict[int, list[LaunchOrder]] = {}
+    for order in orders:
+        by_run.setdefault(order.run_id, []).append(order)
+    for run_id, run_orders in by_run.items():
+        try:
+            dispatcher.send(run_orders)
+        except Exception as exc:  # noqa: BLE001 - any broker failure fails the run, with its cause
+            log.error("run %s: could not send launch orders: %s", run_id, exc)
+            with lifecycle.run_state_lock(settings.is_sqlite):
+                cancels = lifecycle.launch_failed(session, run_id=run_id, error=exc)
+                session.commit()
+            dispatcher.send_quietly(cancels)
+
+
+def run_public(session: Session, run: Run, queue: lifecycle.QueueView | None = None) -> RunPublic:
+    """The API's view of a run; a queued one with its place in the queue and why it waits."""
+    public = RunPublic.model_validate(run)
+    if run.status != RunStatus.queued:
+        return public
+    view = queue if queue is not None else lifecycle.queue_view(session)
+    return public.model_copy(update={
+        "queue_position": view.position.get(run.id), "waiting_for": view.waiting_for.get(run.id, []),
+    })
 
 
 @router.get("", response_model=Page[RunPublic])
@@ -158,15 +167,16 @@ def read_runs(
     page: PaginationDep,
     status: Annotated[RunStatus | None, Query()] = None,
 ) -> Page[RunPublic]:
-    """List runs, newest first, optionally by status."""
+    """List runs, newest first, optionally by status; `status=queued` lists the queue in order."""
     rows, count = queries.list_runs(session, skip=page.skip, limit=page.limit, status=status)
-    return Page(data=[RunPublic.model_validate(r) for r in rows], count=count)
+    queue = lifecycle.queue_view(session) if any(r.status == RunStatus.queued for r in rows) else None
+    return Page(data=[run_public(session, r, queue) for r in rows], count=count)
 
 
 @router.get("/{run_id}", response_model=RunPublic, responses=NOT_FOUND)
 def read_run(session: SessionDep, _: ReadDep, run_id: IdPath) -> RunPublic:
-    """Show a run with its plan and where each rank stands."""
-    return RunPublic.model_validate(queries.get_run(session, run_id=run_id))
+    """Show a run with its plan and where each rank stands (queued: its place in the queue)."""
+    return run_public(session, queries.get_run(session, run_id=run_id))
 
 
 @router.post("/{run_id}/cancel", response_model=RunPublic, responses={**NOT_FOUND, **CONFLICT})
@@ -180,8 +190,30 @@ def cancel_run(
 ) -> RunPublic:
     """Cancel an active run: its roles are stopped on every node."""
     reason = (body.reason if body else None) or f"cancelled by {principal.name}"
-    with run_state_lock(settings.is_sqlite):
-        run, orders = queries.cancel_run(session, run_id=run_id, reason=reason)
+    with lifecycle.run_state_lock(settings.is_sqlite):
+        run, cancels = lifecycle.cancel_run(session, run_id=run_id, reason=reason)
+        # Its GPUs are free now: the runs waiting for them start.
+        launches = lifecycle.start_queued(session, settings=settings)
         session.commit()
-    dispatcher.send_quietly(orders)
+    dispatcher.send_quietly(cancels)
+    dispatcher.send_quietly(launches)
     return RunPublic.model_validate(run)
+
+
+@router.post("/{run_id}/nodes", response_model=RunPublic, responses={**NOT_FOUND, **CONFLICT})
+def add_run_nodes(
+    session: SessionDep,
+    _: CiDep,
+    settings: SettingsDep,
+    dispatcher: DispatcherDep,
+    run_id: IdPath,
+    body: RunAddNodes,
+) -> RunPublic:
+    """Add workers to a running parameter-server run: one rank per GPU of each node, admitted
+    by the server at a step boundary with a share of the batch."""
+    with lifecycle.run_state_lock(settings.is_sqlite):
+        run, orders = lifecycle.add_nodes(session, run_id=run_id, node_ids=body.node_ids, settings=settings)
+        session.commit()
+    # A lost join order is sent again by the liveness pass (launch_resend_s).
+    dispatcher.send_quietly(orders)
+    return RunPublic.model_validate(queries.get_run(session, run_id=run_id))

@@ -9,7 +9,14 @@ from starlette.responses import Response
 
 from app.api.deps import SessionDep, SettingsDep
 from app.web import session as web_session
-from app.web.auth import FormDep, current_session, get_viewer, LoginRequired, principal_for_token
+from app.web.auth import (
+    FormDep,
+    LoginRequired,
+    TokenRefused,
+    current_session,
+    get_viewer,
+    principal_for_token,
+)
 from app.web.session import WebSession
 from app.web.templating import redirect, render
 
@@ -53,17 +60,18 @@ def login(request: Request, session: SessionDep, settings: SettingsDep, form: Fo
     token = form.get("token")
     next_path = safe_next(str(form.get("next") or "/"))
     cookie = current_session(request, settings) or web_session.anonymous()
-    found = principal_for_token(session, settings, token.strip()) if isinstance(token, str) and token.strip() else None
-    if found is None:
-        message = "Enter an API token." if not (isinstance(token, str) and token.strip()) else "That token is not valid (or was revoked)."
+    try:
+        if not (isinstance(token, str) and token.strip()):
+            raise TokenRefused("Enter an API token.")
+        principal, token_hash = principal_for_token(session, settings, token.strip())
+    except TokenRefused as refused:
         return render(
             request,
             "login.html",
-            {"next": next_path, "errors": {"token": message}, "viewer": None},
+            {"next": next_path, "errors": {"token": str(refused)}, "viewer": None},
             cookie=cookie,
             status_code=401,
         )
-    principal, token_hash = found
     # A new CSRF token on sign-in: nothing learnt before it carries over into the session.
     signed_in = WebSession(
         csrf=web_session.new_csrf_token(),

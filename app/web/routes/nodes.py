@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 from starlette.responses import Response
 
-from app.api.deps import SessionDep, SettingsDep
+from app.api.deps import DispatcherDep, SessionDep, SettingsDep
+from app.api.routes import nodes as nodes_api
 from app.config import Settings
 from app.errors import HybridtrainError, NotFoundError
 from app.models import Continent, GpuModel, Node, NodeStatus, Provider, Site, SiteKind
@@ -303,6 +304,18 @@ def drain_node(
     session.commit()
     target = f"/nodes/{node_id}" if form.get("back") == "node" else "/nodes"
     return redirect(request, target, cookie=viewer.session, flash=("ok", f"Node {node.name} is draining."))
+
+
+@router.post("/nodes/{node_id}/undrain")
+def undrain_node(
+    request: Request, session: SessionDep, settings: SettingsDep, dispatcher: DispatcherDep,
+    viewer: AdminViewerDep, _: FormDep, node_id: NodeIdPath,
+) -> Response:
+    """End a node's drain: it takes runs again, and queued runs waiting for it may start."""
+    node = _node_or_404(session, node_id)
+    nodes_api.undrain_node(session=session, _=viewer.principal, settings=settings, dispatcher=dispatcher,
+                           node_id=node.id)
+    return redirect(request, f"/nodes/{node_id}", cookie=viewer.session, flash=("ok", f"Node {node.name} takes runs again."))
 
 
 @router.post("/nodes/{node_id}/join-token")

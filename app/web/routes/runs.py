@@ -24,25 +24,28 @@ from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
 from app import bundles as bundle_storage
+from app import lifecycle
 from app.api.deps import DispatcherDep, SessionDep, SettingsDep
 from app.config import Settings
 from app.api.routes import plans as plans_api
 from app.api.routes import runs as runs_api
 from app.errors import HybridtrainError, NotFoundError
-from app.models import Bundle, Cluster, Node
+from app.lifecycle.launch import TRAINING
+from app.models import Bundle, Cluster, Node, NodeStatus, RunStatus
+from app.models.runs import FINISHED_WORKER_STATUSES
 from app.queries import costs, dashboard
 from app.queries import runs as run_queries
 from app.queries.agents import read_logs
 from app.schemas.common import MAX_ID
 from app.queries.bundles import list_bundles
 from app.schemas.predictions import PlanRequest
-from app.schemas.runs import RunCancel
+from app.schemas.runs import RunAddNodes, RunCancel
 from app.web import run_data, run_form
 from app.web.auth import CiViewerDep, FormDep, StreamViewerDep, UploadFormDep, Viewer, ViewerDep
-from app.web.live import IdCursor, MetricRow
+from app.web.live import EventFeed, IdCursor, MetricRow
 from app.web.pages import PageNotFound, Paging
 from app.web.templating import redirect, render
-from hybridtrain.contract import STRATEGIES
+from hybridtrain.contract import STRATEGIES, is_ps
 
 router = APIRouter()
 
@@ -227,6 +230,9 @@ def read_run_page(request: Request, session: SessionDep, viewer: ViewerDep, run_
         "predicted": costs.predicted_vs_measured(session, run=run, bill=charts.bill),
         "logs": [_log_line(line) for line in logs],
         "active": run.status in run_data.ACTIVE,
+        "addable_nodes": _addable_nodes(session, run),
+        # A queued run's place in the queue and why it waits (app.lifecycle.schedule).
+        "queue": lifecycle.queue_view(session) if run.status == RunStatus.queued else None,
         "live": {
             "run_id": run.id,
             "metrics_after": charts.metrics_after,
@@ -256,6 +262,39 @@ def cancel_run(
     return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("ok", f"Run #{run_id} cancelled."))
 
 
+def _addable_nodes(session: Session, run: Any) -> list[Node]:
+    """Online nodes without a live rank in a training PS run (none for other runs)."""
+    if not is_ps(run.strategy) or run.status not in TRAINING:
+        return []
+    inside = {w.node_id for w in run.workers if w.status not in FINISHED_WORKER_STATUSES}
+    nodes = session.scalars(select(Node).where(Node.status == NodeStatus.online).order_by(Node.name)).all()
+    return [n for n in nodes if n.id not in inside]
+
+
+@router.post("/runs/{run_id}/nodes")
+def add_run_nodes(
+    request: Request, session: SessionDep, settings: SettingsDep, dispatcher: DispatcherDep,
+    viewer: CiViewerDep, form: FormDep, run_id: RunIdPath,
+) -> Response:
+    """Add workers on the chosen nodes to a running PS run."""
+    _run_or_404(session, run_id)
+    raw = [str(v) for v in form.getlist("node_ids")]
+    if not raw or not all(v.isdigit() and len(v) <= 10 for v in raw):
+        return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("error", "choose the nodes to add"))
+    try:
+        runs_api.add_run_nodes(
+            session=session, _=viewer.principal, settings=settings, dispatcher=dispatcher,
+            run_id=run_id, body=RunAddNodes(node_ids=[int(v) for v in raw]),
+        )
+    except (HybridtrainError, ValueError) as exc:
+        session.rollback()
+        message = exc.message if isinstance(exc, HybridtrainError) else str(exc)
+        return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("error", message))
+    added = len(raw)
+    return redirect(request, f"/runs/{run_id}", cookie=viewer.session,
+                    flash=("ok", f"{added} node{'s' if added != 1 else ''} added to run #{run_id}."))
+
+
 # --- the live stream ------------------------------------------------------------------------
 
 
@@ -274,7 +313,7 @@ def _status(run: Any) -> dict[str, Any]:
 class _Stream:
     """One open run page: its cursors and chart state, polled in a worker thread."""
 
-    def __init__(self, request: Request, run_id: int, metrics_after: int, logs_after: int) -> None:
+    def __init__(self, request: Request, run_id: int, metrics_after: int, logs_after: int, events_after: int = 0) -> None:
         self.factory = request.app.state.sessionmaker
         self.run_id = run_id
         self.metrics = IdCursor(metrics_after)
@@ -288,6 +327,7 @@ class _Stream:
             self.state = run_data.live_state(
                 session, run, t0=run_data.run_t0(session, run), metrics_after=metrics_after
             )
+        self.events = EventFeed(events_after, t0=self.state.t0)
 
     def poll(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None, bool]:
         """New chart points, new log lines, the status if it changed, and whether it ended."""
@@ -296,6 +336,7 @@ class _Stream:
             run = run_queries.get_run(session, run_id=self.run_id)
             rows = dashboard.metrics_after(session, run_id=self.run_id, after_id=self.metrics.floor)
             lines = dashboard.logs_after(session, run_id=self.run_id, after_id=self.logs.floor)
+            self.events.read(run_data.events_after(session, run_id=self.run_id, after_id=self.events.floor), now)
             status = _status(run)
         fresh = self.metrics.fresh(
             ((r.id, MetricRow(r.id, r.name, r.rank, r.peer, r.step, r.t, r.value)) for r in rows), now
@@ -314,10 +355,11 @@ def open_stream(
     run_id: RunIdPath,
     metrics_after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
     logs_after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+    events_after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
 ) -> _Stream:
     """The stream of a run the viewer may see, from the rows the page already showed."""
     try:
-        return _Stream(request, run_id, metrics_after, logs_after)
+        return _Stream(request, run_id, metrics_after, logs_after, events_after)
     except NotFoundError as exc:
         raise PageNotFound(f"There is no run {run_id}.") from exc
 
@@ -332,6 +374,9 @@ async def stream_run(stream: Annotated[_Stream, Depends(open_stream)]) -> AsyncI
             yield ServerSentEvent(event="metrics", data={"appends": appends, "after": stream.sent_metrics})
         if lines:
             yield ServerSentEvent(event="logs", data={"lines": lines, "after": stream.sent_logs})
+        events = stream.events.take()
+        if events:
+            yield ServerSentEvent(event="events", data={"events": events, "after": stream.events.sent})
         if status is not None:
             yield ServerSentEvent(event="status", data=status)
         if finished:

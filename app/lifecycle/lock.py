@@ -1,4 +1,4 @@
-"""One lock around run-state changes when the database is SQLite.
+"""One lock around run-state changes when the database is SQLite, and the scheduler's lock.
 
 On Postgres, `SELECT ... FOR UPDATE` on the run row serialises two agents reporting exits of
 the same run at the same moment. SQLite ignores FOR UPDATE and starts its write transaction
@@ -12,9 +12,23 @@ from __future__ import annotations
 import threading
 from contextlib import AbstractContextManager, nullcontext
 
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
 _sqlite_lock = threading.RLock()
 
 
 def run_state_lock(is_sqlite: bool) -> AbstractContextManager[object]:
     """Hold this around a transaction that reads and then changes run state."""
     return _sqlite_lock if is_sqlite else nullcontext()
+
+
+# Any fixed number: it names the scheduler's Postgres advisory lock.
+SCHEDULE_LOCK_KEY = 0x68747371  # "htsq"
+
+
+def schedule_lock(session: Session) -> None:
+    """Serialise the scheduler until the transaction ends (Postgres); SQLite's writers are one
+    process under `run_state_lock`, which callers hold."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEDULE_LOCK_KEY})

@@ -1,0 +1,340 @@
+"""One step of each strategy under the performance model (app/predict.py): transfers sharing
+pipes, the parameter-server step (pipelined or not), the adaptive densities' path, the ring
+all-reduce and PowerSGD. Pure functions over `app.predict_inputs`; docs/predict.md has the
+equations."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from app.predict_inputs import LOOPBACK, CompressionSpec, LinkSpec, NodeSpec, PredictError, TaskSpec
+from hybridtrain.contract import adapt_densities
+from hybridtrain.wiresize import grad_frame_bytes, kept_for, update_frame_bytes
+
+# The share of a step's compute that is the backward pass, during which DDP may all-reduce the
+# buckets already done (forward is ~1/3 of forward + backward for the CNNs we train).
+BACKWARD_SHARE = 2 / 3
+# How much of that window the ring actually hides. Fitted once, on the paper testbed
+# (widecnn, 4 CPU-emulated workers, 100 Mbit/s WAN: step 3.49 s = compute 2.56 s + ring 1.68 s
+# - 0.45 * 1.68 s): the gradient's largest tensor fills one bucket early in backward, but the
+# ring's reductions and sends compete with the backward pass for the same cores.
+DDP_OVERLAP = 0.45
+# How much of the ideal chunk pipeline's saving (first chunk through every stage, then the
+# slowest stage per chunk) real steps get. ResNet-18 on the paper testbed (4 chunks, ranks run
+# in their namespaces and quotas, 2026-11-24 04:33-04:42): `ps` 11.41 s measured against 14.03 s
+# un-pipelined and 10.84 s ideal (0.82 of the saving); `ps-gc` 3.05 s against 3.56 s and 3.04 s.
+# Not all of it: the chunks of workers that share a pipe arrive together at its end (a FIFO
+# serves one flow's chunks before another's) and the server receives, sums and sends on one
+# CPU. Runs launched by the agents on a machine under load (02:34, load 4-6) saved 0.2-0.5.
+PIPELINE_EFFICIENCY = 0.8
+# Without the task's matrix shapes, PowerSGD's factors of a compressed part of n elements are
+# taken as POWERSGD_FACTOR_SCALE * rank * sqrt(n) elements: +52 % on widecnn (4 matrices),
+# -26 % on resnet18 (21 matrices); `TaskSpec.matrix_shapes` makes it exact.
+POWERSGD_FACTOR_SCALE = 8.0
+# PyTorch's PowerSGD compresses a matrix only where its factors are 2x smaller.
+POWERSGD_MIN_COMPRESSION_RATE = 2.0
+# The densities' path is followed until no density moves by more than this share in a step.
+DENSITY_SETTLED = 5e-3
+_MBIT = 1e6
+
+
+# -- links and concurrent transfers -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """`nbytes` from one node to another within a step."""
+
+    src: NodeSpec
+    dst: NodeSpec
+    nbytes: float
+
+
+def link(links: Mapping[tuple[int, int], LinkSpec], src: NodeSpec, dst: NodeSpec) -> LinkSpec:
+    """The link from `src` to `dst` (loopback on one node); PredictError naming `links` if none."""
+    if src.node_id == dst.node_id:
+        return LOOPBACK
+    try:
+        return links[(src.node_id, dst.node_id)]
+    except KeyError:
+        raise PredictError("links", f"links: no link from node {src.name} (id {src.node_id}) to "
+                                    f"node {dst.name} (id {dst.node_id})") from None
+
+
+def concurrent(transfers: Sequence[Transfer], links: Mapping[tuple[int, int], LinkSpec]) -> list[float]:
+    """Seconds each of `transfers` takes when all run at once.
+
+    Each uses pipes: its sender's link and its receiver's link (at the fastest rate either end
+    has among these transfers: its network card), and between two sites the direction's one
+    site-to-site pipe (at the link's own rate). A transfer takes the bytes through its busiest
+    pipe at that pipe's rate, plus half a round trip. Loopback transfers share nothing.
+    """
+    pipes: dict[tuple, list[float]] = {}  # pipe -> [bytes, rate]
+    uses: list[list[tuple]] = []
+    for t in transfers:
+        ln = link(links, t.src, t.dst)
+        mine: list[tuple] = []
+        if t.src.node_id != t.dst.node_id:
+            ends = [(("out", t.src.node_id), max), (("in", t.dst.node_id), max)]
+            if t.src.site_id != t.dst.site_id:
+                ends.append((("site", t.src.site_id, t.dst.site_id), min))
+            for key, pick in ends:
+                pipe = pipes.setdefault(key, [0.0, ln.mbps])
+                pipe[0] += t.nbytes
+                pipe[1] = pick(pipe[1], ln.mbps)
+                mine.append(key)
+        uses.append(mine)
+    times = []
+    for t, mine in zip(transfers, uses):
+        ln = link(links, t.src, t.dst)
+        if not mine:
+            times.append(t.nbytes * 8 / (ln.mbps * _MBIT) + ln.rtt_ms / 2000)
+            continue
+        busiest = max(pipes[k][0] * 8 / (pipes[k][1] * _MBIT) for k in mine)
+        times.append(busiest + ln.rtt_ms / 2000)
+    return times
+
+
+# -- the parameter server ---------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One kind of step (dense, compressed at some densities, ...) of a strategy."""
+
+    step_s: float
+    breakdown: dict[str, float]
+    workers: list[dict]
+    transfers: list[Transfer]
+
+
+def ratio(compute_s: float, comm_s: float) -> float | None:
+    """Compute over communication; None without communication."""
+    return compute_s / comm_s if comm_s > 0 else None
+
+
+def relay_plan(workers: Sequence[NodeSpec], server: NodeSpec, relay: bool) -> tuple[list[int], dict[int, list[int]]]:
+    """Worker indices the server sends the update to, and relay index -> its site's peers
+    (`trainer.relay.plan_relay`: the lowest rank of each remote site with several workers)."""
+    if not relay:
+        return list(range(len(workers))), {}
+    by_site: dict[int, list[int]] = {}
+    for i, w in enumerate(workers):
+        by_site.setdefault(w.site_id, []).append(i)
+    sends, forwards = [], {}
+    for site, idx in by_site.items():
+        if site == server.site_id or len(idx) == 1:
+            sends.extend(idx)
+        else:
+            sends.append(idx[0])
+            forwards[idx[0]] = idx[1:]
+    return sorted(sends), forwards
+
+
+def chunk_sizes(numel: int, count: int) -> list[int]:
+    """`trainer.algorithm.chunks`: near-equal contiguous chunks of the compressed part."""
+    bounds = [round(i * numel / count) for i in range(count + 1)]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@lru_cache(maxsize=65536)
+def grad_bytes(dense_numel: int, chunks: tuple[int, ...], density: float | None, value_bytes: int,
+               seeded: bool) -> float:
+    """A worker's GRAD frames of one step, every chunk (the dense part rides on the first)."""
+    return sum(grad_frame_bytes(dense_numel if i == 0 else 0, n,
+                                None if density is None else kept_for(n, density),
+                                value_bytes, seeded=seeded) for i, n in enumerate(chunks))
+
+
+def _chunks(task: TaskSpec, comp: CompressionSpec) -> tuple[int, ...]:
+    return tuple(chunk_sizes(task.sparse_params, comp.pipeline_chunks) if task.sparse_params else [0])
+
+
+def ps_step(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
+            links: Mapping[tuple[int, int], LinkSpec], task: TaskSpec, comp: CompressionSpec,
+            relay: bool, densities: Sequence[float] | None, downlinks: dict | None = None) -> Step:
+    """One PS step; `densities` None is a dense step (warm-up, `ps`, or compressor none).
+    `downlinks`, shared by calls for the same plan, keeps the way back, which the densities do
+    not change (the densities' path predicts many steps of one plan)."""
+    nodes = [w for w, _ in workers]
+    m = len(nodes)
+    chunks = _chunks(task, comp)
+    c = len(chunks)
+    dense = densities is None
+    seeded = comp.compressor == "randomk"
+    ups = [Transfer(w, server, grad_bytes(task.dense_params, chunks, None if dense else densities[i],
+                                          comp.value_bytes, seeded)) for i, w in enumerate(nodes)]
+    upload = concurrent(ups, links)
+    cached = None if downlinks is None else downlinks.get(dense)
+    if cached is None:
+        cached = _downlink(nodes, server, links, task, comp, relay, chunks, dense)
+        if downlinks is not None:
+            downlinks[dense] = cached
+    update_bytes, download, forwards, downs, fwd_transfers = cached
+    compute = [n / w.samples_per_s for w, n in workers]
+    # Elements that travel as dense fp32 payloads: everything on a dense step, else the dense
+    # part. Each costs an encode on its sender and a decode (and add) on its receiver.
+    dense_numel = task.params if dense else task.dense_params
+    # Top-k's cost is one pass over the elements whatever k (selection by threshold), so the
+    # profile's time stands at any density.
+    compress = [(0.0 if dense else w.worker_compress_s) + dense_numel * w.dense_encode_s_per_element
+                for w in nodes]
+    decode = [dense_numel * w.dense_aggregate_s_per_element for w in nodes]
+    server_s = (m * (dense_numel * server.dense_aggregate_s_per_element + (0.0 if dense else server.aggregate_s))
+                + dense_numel * server.dense_encode_s_per_element + (0.0 if dense else server.server_compress_s))
+    arrive = [compute[i] + compress[i] + upload[i] for i in range(m)]
+    crit = max(range(m), key=lambda i: arrive[i])
+    back = [download[i] + decode[i] for i in range(m)]
+    down_s = max(back)
+    plain = arrive[crit] + server_s + down_s
+    step_s = plain
+    overlap = 0.0
+    if c > 1:
+        # Chunk c+1 is compressed and sent while chunk c is aggregated and comes back: ideally
+        # the first chunk goes through every stage, then the slowest stage repeats C - 1 times;
+        # real steps save only PIPELINE_EFFICIENCY of that.
+        per = [max(compress) / c, max(upload) / c, server_s / c, down_s / c]
+        head = max(compute[i] + (compress[i] + upload[i]) / c for i in range(m))
+        ideal = head + per[2] + per[3] + (c - 1) * max(per)
+        overlap = PIPELINE_EFFICIENCY * (ideal - plain)
+        step_s = plain + overlap
+    breakdown = {"compute_s": compute[crit], "compress_s": compress[crit], "upload_s": upload[crit],
+                 "server_s": server_s, "download_s": down_s}
+    if c > 1:
+        breakdown["overlap_s"] = overlap
+    rows = []
+    for i, (w, n) in enumerate(workers):
+        rows.append({"node_id": w.node_id, "name": w.name, "batch": n, "compute_s": compute[i],
+                     "compress_s": compress[i], "upload_s": upload[i], "download_s": download[i],
+                     "decode_s": decode[i], "comm_s": upload[i] + download[i],
+                     "granularity": ratio(compute[i], upload[i] + download[i]),
+                     "upload_bytes": ups[i].nbytes,
+                     "download_bytes": update_bytes,
+                     "density": 1.0 if dense else densities[i],
+                     "relay_for": [nodes[p].node_id for p in forwards.get(i, [])]})
+    return Step(step_s, breakdown, rows, ups + downs + fwd_transfers)
+
+
+def _downlink(nodes: list[NodeSpec], server: NodeSpec, links: Mapping[tuple[int, int], LinkSpec],
+              task: TaskSpec, comp: CompressionSpec, relay: bool, chunks: tuple[int, ...], dense: bool) -> tuple:
+    """The update's bytes, each worker's download time, the relays' peers and the transfers."""
+    m, c = len(nodes), len(chunks)
+    update_bytes = sum(update_frame_bytes(task.dense_params if i == 0 else 0, n,
+                                          None if dense else kept_for(n, comp.server_k_fraction),
+                                          comp.value_bytes, workers=m if i == c - 1 else 0)
+                       for i, n in enumerate(chunks))
+    sends, forwards = relay_plan(nodes, server, relay)
+    downs = [Transfer(server, nodes[i], update_bytes) for i in sends]
+    first_hop = dict(zip(sends, concurrent(downs, links)))
+    download = [0.0] * m
+    fwd_transfers = []
+    for i in sends:
+        download[i] = first_hop[i]
+    for r, peers in forwards.items():
+        hops = [Transfer(nodes[r], nodes[p], update_bytes) for p in peers]
+        fwd_transfers.extend(hops)
+        for p, t in zip(peers, concurrent(hops, links)):
+            download[p] = first_hop[r] + t
+    return update_bytes, download, forwards, downs, fwd_transfers
+
+
+def density_path(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
+                 links: Mapping[tuple[int, int], LinkSpec], task: TaskSpec,
+                 comp: CompressionSpec) -> list[list[float]]:
+    """The densities of the compressed steps in order, until the trainer's rule settles; the
+    last entry holds from there on.
+
+    The first compressed step (warmup_steps + 1) and the next run at the target density: the
+    server adapts from the second one's transmission times on (`trainer.server._plan`), and each
+    step's times set the next step's densities. Here the times are the predicted uploads; the
+    path stops once no density moves by DENSITY_SETTLED (the rule halves its log-distance to the
+    fixed point each step at gamma 0.5).
+    """
+    nodes = [w for w, _ in workers]
+    chunks = _chunks(task, comp)
+    seeded = comp.compressor == "randomk"
+    d = [comp.density] * len(nodes)
+    path = [d, d]
+    for _ in range(200):
+        ups = [Transfer(w, server, grad_bytes(task.dense_params, chunks, di, comp.value_bytes, seeded))
+               for w, di in zip(nodes, d)]
+        new = adapt_densities(d, concurrent(ups, links), target=comp.density, low=comp.density_min,
+                              high=comp.density_max, gamma=comp.density_gamma, floor=comp.density_time_floor_s)
+        settled = all(abs(a - b) <= DENSITY_SETTLED * b for a, b in zip(new, d))
+        path.append(new)
+        d = new
+        if settled:
+            break
+    return path
+
+
+# -- all-reduce -------------------------------------------------------------------------------
+
+
+def ring(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[tuple[int, int], LinkSpec],
+         nbytes: float) -> tuple[float, list[Transfer]]:
+    """Seconds of one ring all-reduce of `nbytes` per worker: 2(W-1) steps, each moving nbytes/W
+    over every ring link at once (ring order = worker order), paced by the slowest."""
+    nodes = [w for w, _ in workers]
+    k = len(nodes)
+    if k < 2 or nbytes <= 0:
+        return 0.0, []
+    hop = [Transfer(nodes[i], nodes[(i + 1) % k], nbytes / k) for i in range(k)]
+    per_step = max(concurrent(hop, links))
+    total = [Transfer(t.src, t.dst, 2 * (k - 1) * t.nbytes) for t in hop]
+    return 2 * (k - 1) * per_step, total
+
+
+def powersgd_elements(task: TaskSpec, rank: int) -> float:
+    """Elements all-reduced per step once PowerSGD runs: P and Q of each compressed matrix plus
+    every other tensor as is."""
+    if task.matrix_shapes:
+        elements, covered = 0.0, 0
+        for rows, cols in task.matrix_shapes:
+            r = min(rows, cols, rank)
+            covered += rows * cols
+            factors = (rows + cols) * r
+            elements += factors if factors * POWERSGD_MIN_COMPRESSION_RATE < rows * cols else rows * cols
+        return elements + max(0, task.params - covered)
+    return POWERSGD_FACTOR_SCALE * rank * math.sqrt(task.sparse_params) + task.dense_params
+
+
+def allreduce_step(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[tuple[int, int], LinkSpec],
+                   task: TaskSpec, comp: CompressionSpec, compressed: bool) -> Step:
+    """A DDP step: the plain ring partly hidden behind backward, or (compressed) PowerSGD's
+    factors after each worker's own PowerSGD work."""
+    compute = [n / w.samples_per_s for w, n in workers]
+    if compressed:
+        # The hook runs after backward (one bucket on CPU): each worker's factorisation (the
+        # profile's powersgd_s), then the rings; nothing overlaps.
+        compress = [w.powersgd_at(comp.powersgd_rank) for w, _ in workers]
+        elements = powersgd_elements(task, comp.powersgd_rank)
+        ring_s, transfers = ring(workers, links, elements * 4)
+        # P, then Q, then the uncompressed tensors: three rings, each paying its latency.
+        k = len(workers)
+        if k > 1:
+            rtt_ms = max(link(links, workers[i][0], workers[(i + 1) % k][0]).rtt_ms for i in range(k))
+            ring_s += 2 * 2 * (k - 1) * rtt_ms / 2000
+        ready = [a + b for a, b in zip(compute, compress)]
+        step_s = max(ready) + ring_s
+        overlap = 0.0
+    else:
+        compress = [0.0] * len(workers)
+        ready = compute
+        ring_s, transfers = ring(workers, links, task.params * 4)
+        overlap = -DDP_OVERLAP * min(BACKWARD_SHARE * max(compute), ring_s)
+        step_s = max(compute) + ring_s + overlap
+    crit = max(range(len(workers)), key=lambda i: ready[i])
+    rows = []
+    for i, (w, n) in enumerate(workers):
+        sent = transfers[i].nbytes if transfers else 0.0
+        rows.append({"node_id": w.node_id, "name": w.name, "batch": n, "compute_s": compute[i],
+                     "compress_s": compress[i], "upload_s": ring_s, "download_s": 0.0, "comm_s": ring_s,
+                     "granularity": ratio(compute[i], ring_s),
+                     "upload_bytes": sent, "download_bytes": sent, "density": 1.0, "relay_for": []})
+    breakdown = {"compute_s": compute[crit], "compress_s": compress[crit], "upload_s": ring_s, "server_s": 0.0,
+                 "download_s": 0.0, "overlap_s": overlap}
+    return Step(step_s, breakdown, rows, transfers)

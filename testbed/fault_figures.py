@@ -1,0 +1,272 @@
+"""The fault benchmark's figures: its settings, what an injection did, reading a run back
+(the server's steps, the stored and the logged metric points, processes left in the run's
+directories) and reducing it to one row of the table, with the issue's targets."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import psutil
+
+from hybridtrain.contract import EVENT_RESUMED
+from testbed.errors import TestbedError
+from testbed.paperbench import FULL
+from testbed.state import TestbedState
+
+if TYPE_CHECKING:
+    from testbed.faults import Fault
+
+SECTION = "## Fault benchmark (hybridtrain bench faults)"
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """The workload every fault run shares."""
+
+    task: str = FULL.task
+    task_args: tuple[tuple[str, Any], ...] = tuple(FULL.task_args.items())
+    global_batch: int = FULL.global_batch
+    max_steps: int = 40
+    fault_step: int = 15
+    # Often enough that a restarted server loses only a few steps.
+    checkpoint_every: int = 5
+    eval_every: int = 5
+    target: str = "accuracy>=0.9"
+    seed: int = 0
+    # How long a cut link stays down and a killed control plane stays dead.
+    link_down_s: float = 60.0
+    control_plane_down_s: float = 30.0
+    run_timeout_s: float = 900.0
+    # Steps at each end of a run left out of the before/after throughput windows.
+    window: int = 8
+    standalone_seconds: float = 8.0
+
+
+QUICK = FaultSettings(max_steps=20, fault_step=8, checkpoint_every=4, eval_every=4, link_down_s=20.0,
+                      control_plane_down_s=10.0, window=4, standalone_seconds=3.0)  # fmt: skip
+
+
+@dataclass
+class Injection:
+    """What a fault did and when: the wall-clock time it struck, the node it hit (if one), and
+    the nodes that are members after it (the survivors' ideal is theirs)."""
+
+    t: float
+    victim: str | None
+    members_after: list[str]
+    note: str = ""
+
+
+# -- reading a run back ----------------------------------------------------------------------------
+
+
+def check_response(resp: httpx.Response, what: str) -> Any:
+    if resp.status_code >= 400:
+        raise TestbedError(f"{what}: HTTP {resp.status_code}: {resp.text[:800]}")
+    return resp.json()
+
+
+def get_json(api: httpx.Client, path: str, **params: Any) -> Any:
+    """GET with retries: the control plane may be the fault."""
+    for attempt in range(60):
+        try:
+            return check_response(api.get(path, params=params or None), f"GET {path}")
+        except httpx.HTTPError:
+            if attempt == 59:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
+def _timestamp(value: Any) -> float:
+    if isinstance(value, int | float):
+        return float(value)
+    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+def server_steps(api: httpx.Client, run_id: int) -> list[tuple[int, float]]:
+    """(step, t) of the server's loss records, in the order they were logged (a resumed run
+    logs some steps twice)."""
+    data = get_json(api, f"/api/v1/runs/{run_id}/metrics", name="loss", rank=0, max_points=20_000)
+    points = [(int(s), float(t)) for series in data["series"] for s, t, _ in series["points"]]
+    return sorted(points, key=lambda p: p[1])
+
+
+def stored_points(api: httpx.Client, run_id: int) -> Counter[tuple[int, str, int, int]]:
+    """How many times the control plane stored each (rank, name, step, peer)."""
+    data = get_json(api, f"/api/v1/runs/{run_id}/metrics", max_points=20_000)
+    out: Counter[tuple[int, str, int, int]] = Counter()
+    for series in data["series"]:
+        if series.get("downsampled"):
+            raise TestbedError(f"run {run_id}: series {series['name']} came back downsampled")
+        peer = -1 if series.get("peer") is None else int(series["peer"])
+        for step, _t, _v in series["points"]:
+            out[(int(series["rank"]), series["name"], int(step), peer)] += 1
+    return out
+
+
+def logged_points(files: Iterable[Path]) -> Counter[tuple[int, str, int, int]]:
+    """How many times the trainers logged each (rank, name, step, peer), from their own
+    metric files (every record a trainer logs goes to its file and to the control plane)."""
+    out: Counter[tuple[int, str, int, int]] = Counter()
+    for path in files:
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a SIGKILL
+            if not isinstance(rec, dict) or "name" not in rec or "event" in rec:
+                continue
+            peer = -1 if rec.get("peer") is None else int(rec["peer"])
+            out[(int(rec["rank"]), rec["name"], int(rec["step"]), peer)] += 1
+    return out
+
+
+def metric_files(state: TestbedState, state_dir: Path, run_id: int) -> list[Path]:
+    """Every metrics file the run's roles wrote, on every node."""
+    root = state_dir / state.name / "agents"
+    return sorted(root.glob(f"*/runs/{run_id}/**/metrics.jsonl"))
+
+
+def leftover_processes(state: TestbedState, state_dir: Path, run_id: int) -> list[int]:
+    """Processes still working in one of the run's directories after it ended."""
+    root = str((state_dir / state.name / "agents").resolve())
+    marker = f"/runs/{run_id}"
+    left = []
+    for proc in psutil.process_iter(["pid", "cwd"]):
+        cwd = proc.info.get("cwd") or ""
+        if cwd.startswith(root) and (cwd.endswith(marker) or marker + "/" in cwd):
+            left.append(proc.info["pid"])
+    return left
+
+
+def throughput(steps: list[tuple[int, float]], global_batch: int, lo: int, hi: int,
+               skip: set[int]) -> float | None:  # fmt: skip
+    """Samples/s over the steps in (lo, hi] whose predecessor is not an evaluation step,
+    from the last time each step was logged."""
+    last = {s: t for s, t in steps}
+    gaps = [last[k] - last[k - 1] for k in range(lo + 1, hi + 1)
+            if k in last and k - 1 in last and k - 1 not in skip and last[k] > last[k - 1]]  # fmt: skip
+    return round(global_batch / statistics.mean(gaps), 2) if gaps else None
+
+
+def steps_lost(steps: list[tuple[int, float]]) -> int:
+    """Steps trained twice: a resume from a checkpoint redoes the steps after it."""
+    counts = Counter(s for s, _ in steps)
+    return sum(n - 1 for n in counts.values())
+
+
+def summarise_fault(
+    *,
+    fault: Fault,
+    injection: Injection,
+    run: dict[str, Any],
+    events: list[dict[str, Any]],
+    steps: list[tuple[int, float]],
+    accuracy: float | None,
+    reference_accuracy: float | None,
+    standalone: dict[str, float],
+    settings: FaultSettings,
+    lost_or_doubled: tuple[int, int],
+    left_behind: list[int],
+) -> dict[str, Any]:
+    """The benchmark's row for one fault run (pure: everything read back is an argument)."""
+    after = [e for e in events if _timestamp(e["t"]) >= injection.t - 1.0]
+    detection = next((e for e in after if any(k in e["kind"] for k in fault.detected_by)), None)
+    resumed = any(e["kind"] == EVENT_RESUMED for e in after)
+    eval_steps = set(range(0, settings.max_steps + 1, settings.eval_every))
+    last_step = max((s for s, _ in steps), default=0)
+    before = throughput(steps, settings.global_batch, max(1, settings.fault_step - settings.window),
+                        settings.fault_step, eval_steps)  # fmt: skip
+    after_tp = throughput(steps, settings.global_batch, last_step - settings.window, last_step, eval_steps)
+    ideal_after = round(sum(standalone[n] for n in injection.members_after if n in standalone), 2)
+    lost, doubled = lost_or_doubled
+    return {
+        "fault": fault.name,
+        "run_id": run["id"],
+        "status": run["status"],
+        "reason": run.get("reason"),
+        "note": injection.note,
+        "detected_after_s": round(_timestamp(detection["t"]) - injection.t, 2) if detection else None,
+        "mode": "resumed" if resumed else "continued",
+        "steps_lost": steps_lost(steps),
+        "samples_per_s_before": before,
+        "samples_per_s_after": after_tp,
+        "survivors_ideal": ideal_after,
+        "after_of_ideal": round(after_tp / ideal_after, 3) if after_tp and ideal_after else None,
+        "final_accuracy": accuracy,
+        "accuracy_delta_points": (round(100 * (accuracy - reference_accuracy), 2)
+                                  if accuracy is not None and reference_accuracy is not None else None),
+        "metric_points_lost": lost,
+        "metric_points_doubled": doubled,
+        "processes_left": len(left_behind),
+        "events": [{"kind": e["kind"], "subject": e.get("subject"), "step": e.get("step"),
+                    "detail": e.get("detail")} for e in after],  # fmt: skip
+    }  # fmt: skip
+
+
+def check_targets(row: dict[str, Any], step_s: float | None) -> list[str]:
+    """The issue's targets this row misses (empty: all met)."""
+    misses = []
+    if row["status"] != "succeeded":
+        misses.append(f"run {row['status']}")
+    if row["metric_points_lost"] or row["metric_points_doubled"]:
+        misses.append(f"{row['metric_points_lost']} points lost, {row['metric_points_doubled']} doubled")
+    if row["processes_left"]:
+        misses.append(f"{row['processes_left']} processes left")
+    if row["accuracy_delta_points"] is not None and abs(row["accuracy_delta_points"]) > 1.0:
+        misses.append(f"accuracy {row['accuracy_delta_points']:+.2f} points")
+    if row["fault"] in ("kill-worker", "spot-notice", "cut-link"):
+        if row["after_of_ideal"] is not None and row["after_of_ideal"] < 0.9:
+            misses.append(f"after the loss {row['after_of_ideal']:.0%} of the survivors' ideal")
+        if row["fault"] == "kill-worker" and step_s and (
+            row["detected_after_s"] is None or row["detected_after_s"] > 3 * step_s
+        ):
+            misses.append(f"detected after {row['detected_after_s']} s (3 steps: {3 * step_s:.1f} s)")
+    return misses
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The docs section: the command, the reference, one row per fault."""
+    ref = doc["reference"]
+    lines = [
+        SECTION, "",
+        f"`{doc['command'].strip()}` on {doc['date']} ({doc['machine']['cpus']} CPUs, "
+        f"{doc['duration_s'] / 60:.0f} min). Every run is `ps-bz-gc` on the paper testbed, "
+        f"the fault injected at step {doc['settings']['fault_step']} of {doc['settings']['max_steps']} "
+        f"on `{doc['victim']}` where it hits a node; checkpoints every "
+        f"{doc['settings']['checkpoint_every']} steps. Reference run (no fault): "
+        f"{_fmt(ref['samples_per_s'])} samples/s, final accuracy {_fmt(ref['final_accuracy'])}.",
+        "",
+        "| fault | status | detected after (s) | continued or resumed | steps lost | samples/s before | "
+        "after | after / survivors' ideal | accuracy vs reference (points) | points lost / doubled | "
+        "processes left | targets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['fault']} | {r['status']} | {_fmt(r['detected_after_s'])} | {r['mode']} | {r['steps_lost']} | "
+            f"{_fmt(r['samples_per_s_before'])} | {_fmt(r['samples_per_s_after'])} | {_fmt(r['after_of_ideal'])} | "
+            f"{_fmt(r['accuracy_delta_points'])} | {r['metric_points_lost']} / {r['metric_points_doubled']} | "
+            f"{r['processes_left']} | {'met' if not r['misses'] else '; '.join(r['misses'])} |"
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+

@@ -1,0 +1,217 @@
+"""Checkpoints a restarted run can resume from: one file per checkpoint step, written by the
+server (or all-reduce's rank 0), uploaded to the control plane's store and read back from it
+(the PUT/GET contract of trainer.checkpoint_store), with any number of workers."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import torch
+from trainer_testing import DIGITS, events, read_metrics, run_cli, series
+
+from hybridtrain.contract import EVENT_CHECKPOINT, EVENT_RESUMED
+from trainer import checkpoint
+from trainer.checkpoint_store import ChecksumMismatch, Uploader, download
+from trainer.config import TrainConfig
+from trainer.launch import free_port
+
+TOKEN = "run-token"
+
+
+class Store:
+    """A tiny real checkpoint store: PUT ?step=N keeps the body if its checksum matches, GET
+    returns the latest with its step and checksum (or 404); `corrupt` flips a byte on GET."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.saved: dict[int, bytes] = {}
+        self.puts: list[dict] = []
+        self.corrupt = False
+        store = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_PUT(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                step = int(parse_qs(urlparse(self.path).query)["step"][0])
+                store.puts.append({"step": step, "auth": self.headers.get("Authorization"),
+                                   "sha": self.headers.get("X-Content-Sha256"),
+                                   "type": self.headers.get("Content-Type")})
+                if hashlib.sha256(body).hexdigest() != self.headers.get("X-Content-Sha256"):
+                    self.send_response(422)
+                    self.end_headers()
+                    return
+                store.saved[step] = body
+                self.send_response(201)
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                if not store.saved:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                step = max(store.saved)
+                body = store.saved[step]
+                sha = hashlib.sha256(body).hexdigest()
+                if store.corrupt:
+                    body = bytes([body[0] ^ 1]) + body[1:]
+                self.send_response(200)
+                self.send_header("X-Checkpoint-Step", str(step))
+                self.send_header("X-Content-Sha256", sha)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/api/v1/runs/7/checkpoint"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def store():
+    s = Store()
+    yield s
+    s.close()
+
+
+def test_an_upload_puts_the_files_bytes_with_their_checksum_and_the_runs_token(store, tmp_path):
+    path = tmp_path / "run-step-00000010.pt"
+    path.write_bytes(b"checkpoint bytes")
+    uploader = Uploader(store.url, TOKEN)
+    uploader.submit(10, path)
+    assert uploader.close(30)
+    assert store.saved == {10: b"checkpoint bytes"}
+    assert store.puts == [{"step": 10, "auth": f"Bearer {TOKEN}", "type": "application/octet-stream",
+                           "sha": hashlib.sha256(b"checkpoint bytes").hexdigest()}]
+
+
+def test_an_upload_is_retried_until_the_store_takes_it(tmp_path):
+    path = tmp_path / "run-step-00000005.pt"
+    path.write_bytes(b"late")
+    port = free_port()
+    # Nothing listens yet: the first attempts fail, then the store comes up on that port.
+    uploader = Uploader(f"http://127.0.0.1:{port}/ck", TOKEN, backoff_s=0.2, max_backoff_s=0.5)
+    uploader.submit(5, path)
+    time.sleep(1.0)
+    late = Store(port)
+    try:
+        assert uploader.close(30)
+        assert late.saved == {5: b"late"}
+    finally:
+        late.close()
+
+
+def test_a_download_returns_the_latest_step_and_its_verified_bytes(store):
+    store.saved = {3: b"old", 9: b"newest"}
+    assert download(store.url, TOKEN) == (9, b"newest")
+
+
+def test_a_download_whose_checksum_does_not_match_is_refused(store):
+    store.saved = {9: b"newest"}
+    store.corrupt = True
+    with pytest.raises(ChecksumMismatch, match="does not match"):
+        download(store.url, TOKEN)
+
+
+def test_an_empty_store_means_no_checkpoint(store):
+    assert download(store.url, TOKEN) is None
+
+
+def test_a_checkpoint_of_another_experiment_is_refused(tmp_path):
+    cfg = TrainConfig(strategy="ps-gc", workers=3)
+    path = checkpoint.save(tmp_path, 10, {"x": 1}, cfg)
+    assert checkpoint.read(path, TrainConfig(strategy="ps-gc", workers=2))["step"] == 10  # workers may change
+    with pytest.raises(ValueError, match="density"):
+        checkpoint.read(path, TrainConfig(strategy="ps-gc", workers=3, density=0.05))
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    cfg = TrainConfig()
+    for step in (10, 20, 30):
+        checkpoint.save(tmp_path, step, {}, cfg)
+    assert checkpoint.saved_steps(tmp_path) == [20, 30]
+    assert checkpoint.latest(tmp_path) == checkpoint.run_path(tmp_path, 30)
+
+
+def _ps_run(tmp_path: Path, workers: int, steps: int, *extra: str, name: str) -> tuple:
+    proc = run_cli(*DIGITS, "--strategy", "ps-gc", "--workers", str(workers), "--max-steps", str(steps),
+                   "--eval-every", "1000", "--checkpoint-every", "10", *extra,
+                   "--metrics-out", str(tmp_path / f"{name}.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    return proc, read_metrics(tmp_path / f"{name}.jsonl")
+
+
+def test_the_server_writes_one_checkpoint_file_per_checkpoint_step(tmp_path):
+    _, records = _ps_run(tmp_path, 2, 20, "--checkpoint-dir", str(tmp_path / "ck"), name="run")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["run-step-00000010.pt", "run-step-00000020.pt"]
+    assert [e["step"] for e in events(records, EVENT_CHECKPOINT)] == [10, 20]
+    state = torch.load(tmp_path / "ck" / "run-step-00000020.pt", weights_only=False)
+    assert state["params"].numel() == series(records, "params")[0]
+    assert state["optimizer"] and state["server"]["ranks"] == [1, 2]
+
+
+def test_a_run_resumes_from_the_servers_checkpoint_with_a_different_number_of_workers(tmp_path):
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
+    _, first = _ps_run(tmp_path, 3, 20, *ck, name="first")
+    proc, resumed = _ps_run(tmp_path, 2, 30, *ck, "--resume", name="resumed")
+    assert "resumed from step 20 with 2 workers" in proc.stderr
+    assert [e["step"] for e in events(resumed, EVENT_RESUMED)] == [20]
+    loss = series(resumed, "loss")
+    assert min(loss) == 21 and max(loss) == 30
+    # It continued the trained model, not a fresh one.
+    assert loss[21] < series(first, "loss")[1] - 0.5
+
+
+def test_a_run_uploads_its_checkpoints_and_a_restart_elsewhere_resumes_from_the_store(store, tmp_path):
+    url = ["--checkpoint-url", store.url, "--report-token", TOKEN]
+    _ps_run(tmp_path, 2, 20, *url, "--checkpoint-dir", str(tmp_path / "node-a"), name="first")
+    assert sorted(store.saved) in ([10, 20], [20])  # a newer file supersedes a pending older one
+    # Another node: an empty checkpoint directory; the store has the run's latest.
+    proc, resumed = _ps_run(tmp_path, 2, 30, *url, "--checkpoint-dir", str(tmp_path / "node-b"), "--resume",
+                            name="resumed")
+    assert "step 20 from the run's store" in proc.stderr
+    assert min(series(resumed, "loss")) == 21
+    assert max(store.saved) == 30
+
+
+def test_a_resume_with_an_empty_store_starts_from_step_0_and_says_so(store, tmp_path):
+    proc, records = _ps_run(tmp_path, 2, 10, "--checkpoint-url", store.url, "--report-token", TOKEN,
+                            "--checkpoint-dir", str(tmp_path / "ck"), "--resume", name="run")
+    assert "no checkpoint yet; starting from step 0" in proc.stderr
+    assert min(series(records, "loss")) == 1
+
+
+def test_an_allreduce_run_checkpoints_once_on_rank_0_and_resumes_from_it(tmp_path):
+    args = [*DIGITS, "--strategy", "allreduce", "--workers", "2", "--eval-every", "1000",
+            "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "ck")]
+    first = run_cli(*args, "--max-steps", "20", "--metrics-out", str(tmp_path / "first.jsonl"))
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["run-step-00000010.pt", "run-step-00000020.pt"]
+    resumed = run_cli(*args, "--max-steps", "30", "--resume", "--metrics-out", str(tmp_path / "resumed.jsonl"))
+    assert resumed.returncode == 0, resumed.stderr
+    records = read_metrics(tmp_path / "resumed.jsonl")
+    assert [e["step"] for e in events(records, EVENT_RESUMED)] == [20]
+    for rank in (0, 1):
+        assert min(series(records, "loss", rank=rank)) == 21
+
+
+def test_a_checkpoint_never_holds_the_runs_report_token(tmp_path):
+    cfg = TrainConfig(report_token="run-secret", report_url="http://cp/api/v1/runs/1/metrics")
+    path = checkpoint.save(tmp_path, 3, {"params": torch.zeros(2)}, cfg)
+    assert b"run-secret" not in path.read_bytes()
+    assert torch.load(path, weights_only=False)["config"]["report_token"] is None

@@ -1,0 +1,239 @@
+"""Elastic parameter-server runs on real processes: a worker lost, leaving or joining, too few
+workers, a relay lost, and the server preempted (docs/elastic.md)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+
+from trainer_testing import (
+    DIGITS,
+    Role,
+    events,
+    replica_hashes,
+    series,
+    start_ps_run,
+    stop_all,
+    with_replica_script,
+)
+
+from hybridtrain.contract import (
+    EVENT_CHECKPOINT,
+    EVENT_WAITING,
+    EVENT_WORKER_JOINED,
+    EVENT_WORKER_LEFT,
+    EVENT_WORKER_LOST,
+    EXIT_TOO_FEW_WORKERS,
+)
+
+
+def run_args(workers: int, steps: int) -> list[str]:
+    """A digits run whose steps take ~0.2 s (dense frames over emulated 10 Mbit/s links): long
+    enough to hit mid-run on two shared cores, short enough for a test."""
+    return [*DIGITS, "--strategy", "ps", "--eval-every", "1000", "--timeout-s", "60", "--max-steps", str(steps),
+            "--link-mbps", ",".join(["10"] * workers)]
+
+
+def test_a_killed_worker_is_dropped_within_three_step_times_and_the_run_finishes(tmp_path):
+    server, workers, _ = start_ps_run(tmp_path, 3, run_args(3, 60))
+    try:
+        server.wait_for("[ps] step 1/")
+        time.sleep(3.0)
+        killed_at = time.time()
+        os.kill(workers[2].proc.pid, signal.SIGKILL)
+        assert server.wait() == 0, server.output[-3000:]
+        for r in (1, 3):
+            assert workers[r].wait() == 0, server.output[-3000:] + workers[r].output[-3000:]
+    finally:
+        stop_all(server, *workers.values())
+    records = server.records()
+    lost = events(records, EVENT_WORKER_LOST)
+    assert [e["subject"] for e in lost] == [2]
+    assert "residual" in lost[0]["detail"]
+    times = sorted(r["t"] for r in records if r.get("name") == "loss" and r["t"] < killed_at)
+    step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
+    assert lost[0]["t"] - killed_at <= 3 * step_s + 0.05
+    # After the loss the survivors share the whole global batch between them.
+    after = [s for s in series(records, "batch_size") if s > lost[0]["step"] + 1]
+    assert after and max(after) == 60
+    shares = {r: series(workers[r].records(), "batch_size", rank=r) for r in (1, 3)}
+    assert all(shares[1][s] + shares[3][s] == 48 for s in after)
+
+
+def test_a_silent_worker_is_dropped_after_the_loss_deadline_not_the_peer_timeout(tmp_path):
+    # SIGSTOP: the process is frozen but its connection stays open, as with a node gone silent.
+    server, workers, _ = start_ps_run(tmp_path, 2, run_args(2, 60))
+    try:
+        server.wait_for("[ps] step 1/")
+        time.sleep(2.0)
+        stopped_at = time.time()
+        os.kill(workers[2].proc.pid, signal.SIGSTOP)
+        assert server.wait() == 0, server.output[-3000:]
+        assert workers[1].wait() == 0
+    finally:
+        if workers[2].proc.poll() is None:
+            os.kill(workers[2].proc.pid, signal.SIGCONT)
+        stop_all(server, *workers.values())
+    lost = events(server.records(), EVENT_WORKER_LOST)
+    assert [e["subject"] for e in lost] == [2] and "silent" in lost[0]["detail"]
+    # The floor (5 s) plus a step, far below --timeout-s 60.
+    assert lost[0]["t"] - stopped_at < 10
+
+
+def test_a_worker_told_to_leave_leaves_at_a_step_boundary_and_exits_0(tmp_path):
+    server, workers, _ = start_ps_run(tmp_path, 2, run_args(2, 40))
+    try:
+        server.wait_for("[ps] step 1/")
+        time.sleep(1.5)
+        workers[2].proc.send_signal(signal.SIGTERM)
+        assert workers[2].wait() == 0, workers[2].output[-3000:]
+        assert server.wait() == 0, server.output[-3000:]
+        assert workers[1].wait() == 0
+    finally:
+        stop_all(server, *workers.values())
+    left = events(server.records(), EVENT_WORKER_LEFT)
+    assert [e["subject"] for e in left] == [2]
+    # It took part in every step up to the one it left after, and in none after.
+    steps = sorted(series(workers[2].records(), "batch_size", rank=2))
+    assert steps == list(range(1, left[0]["step"] + 1))
+    assert f"left the run after step {left[0]['step']}" in workers[2].output
+    assert not events(server.records(), EVENT_WORKER_LOST)
+
+
+SCRIPT = """
+import hashlib, time
+import torch, torch.nn.functional as F
+import hybridtrain as ht
+from torch.utils.data import TensorDataset
+
+ctx = ht.init()
+torch.manual_seed(100 + ctx.rank)  # different weights on every worker: the run's must win
+model = ht.prepare_model(torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)))
+opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(4096, 12, generator=g)
+data = TensorDataset(x, (x @ torch.randn(12, 3, generator=g)).argmax(1))
+shares = set()
+while ctx.step < ctx.max_steps:
+    for xb, yb in ht.data_loader(data):
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        shares.add(len(xb))
+        opt.step()
+        time.sleep(0.03)
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
+print(f"RESULT rank {ctx.rank} step {ctx.step} hash {hashlib.sha256(flat).hexdigest()} shares {sorted(shares)}", flush=True)
+"""
+
+
+def test_a_joiner_gets_the_runs_weights_and_optimizer_state_and_a_batch_share(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "300", "--timeout-s", "60",
+            "--code-dir", str(tmp_path), "--script", "train.py"]
+    server, workers, port = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
+    joiner = None
+    try:
+        server.wait_for("[ps] step 1/")
+        joiner = Role("worker", 3, 3, port, [*args, "--join"], metrics=tmp_path / "rank3.jsonl", cwd=tmp_path)
+        assert server.wait() == 0, server.output[-3000:]
+        for role in (*workers.values(), joiner):
+            assert role.wait() == 0, role.output[-3000:]
+    finally:
+        stop_all(server, *workers.values(), *([joiner] if joiner else []))
+    joined = events(server.records(), EVENT_WORKER_JOINED)
+    assert [e["subject"] for e in joined] == [3]
+    results = {r: role.wait_for("RESULT") for r, role in {**workers, 3: joiner}.items()}
+    hashes = {line.split(" hash ")[1].split()[0] for line in results.values()}
+    assert len(hashes) == 1, results
+    assert all(" step 300 " in line for line in results.values())
+    # The joiner computed its share of every step after the one it caught up with.
+    steps = series(joiner.records(), "batch_size", rank=3)
+    assert min(steps) == joined[0]["step"] + 2 and max(steps) == 300
+    assert all(0 < n < 48 for n in steps.values())
+
+
+def test_a_joiner_of_a_task_run_catches_up_with_its_learning_rate_schedule(tmp_path):
+    # The digits task has a cosine schedule: a joiner whose schedule restarted would apply
+    # another learning rate, and its weights would differ from the others' at the end.
+    args = [*run_args(2, 120), "--eval-every", "60", *with_replica_script(tmp_path)]
+    server, workers, port = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
+    joiner = None
+    try:
+        server.wait_for("[ps] step 1/")
+        joiner = Role("worker", 3, 3, port, [*args, "--join"], metrics=tmp_path / "rank3.jsonl", cwd=tmp_path)
+        assert server.wait() == 0, server.output[-3000:]
+        for role in (*workers.values(), joiner):
+            assert role.wait() == 0, role.output[-3000:]
+    finally:
+        stop_all(server, *workers.values(), *([joiner] if joiner else []))
+    assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [3]
+    hashes = replica_hashes("\n".join(role.output for role in (*workers.values(), joiner)))
+    assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
+
+
+def test_a_run_below_min_workers_waits_then_fails_saying_why(tmp_path):
+    server, workers, _ = start_ps_run(tmp_path, 2, [*run_args(2, 400), "--min-workers", "2",
+                                                     "--min-workers-wait-s", "3"])
+    try:
+        server.wait_for("[ps] step 1/")
+        time.sleep(1.0)
+        os.kill(workers[2].proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert server.wait() == EXIT_TOO_FEW_WORKERS
+        waited = time.monotonic() - t0
+        assert workers[1].wait() != 0
+    finally:
+        stop_all(server, *workers.values())
+    assert waited >= 3.0
+    last = server.output.strip().splitlines()[-1]
+    assert "--min-workers 2" in last and "--min-workers-wait-s 3" in last, last
+    assert len(events(server.records(), EVENT_WAITING)) == 1
+
+
+def test_a_lost_relay_leaves_its_site_training_through_the_server(tmp_path):
+    sites = ["--sites", "home,home,away,away,away"]
+    server, workers, _ = start_ps_run(tmp_path, 4, [*run_args(4, 50), *sites])
+    try:
+        server.wait_for("[ps] step 1/")
+        time.sleep(2.0)
+        os.kill(workers[2].proc.pid, signal.SIGKILL)  # the relay of site "away"
+        assert server.wait() == 0, server.output[-3000:]
+        for r in (1, 3, 4):
+            assert workers[r].wait() == 0, server.output[-3000:] + workers[r].output[-3000:]
+    finally:
+        stop_all(server, *workers.values())
+    assert [e["subject"] for e in events(server.records(), EVENT_WORKER_LOST)] == [2]
+    for r in (3, 4):
+        assert max(series(workers[r].records(), "batch_size", rank=r)) == 50
+
+
+def test_a_preempted_server_checkpoints_and_exits_saying_so(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    server, workers, _ = start_ps_run(tmp_path, 2, [*run_args(2, 400), "--checkpoint-dir", str(ckpt)])
+    try:
+        server.wait_for("[ps] step 1/")
+        time.sleep(1.0)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait() != 0
+        for role in workers.values():
+            assert role.wait() != 0
+    finally:
+        stop_all(server, *workers.values())
+    assert "preempted" in server.output.strip().splitlines()[-1]
+    saved = events(server.records(), EVENT_CHECKPOINT)
+    assert len(saved) == 1 and (ckpt / saved[0]["detail"]).is_file()
+
+
+def test_a_loss_under_per_site_aggregation_stops_the_run_saying_why(tmp_path):
+    args = [*run_args(3, 400), "--sites", "home,home,away,away", "--aggregate-at-sites"]
+    server, workers, _ = start_ps_run(tmp_path, 3, args)
+    try:
+        server.wait_for("[ps] step 1/")
+        time.sleep(1.0)
+        os.kill(workers[3].proc.pid, signal.SIGKILL)  # a member of the relayed site
+        assert server.wait(timeout=90) == 1
+    finally:
+        stop_all(server, *workers.values())
+    assert "per-site aggregation (--aggregate-at-sites) cannot re-plan" in server.output.strip().splitlines()[-1]

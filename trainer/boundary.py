@@ -1,0 +1,413 @@
+"""What the parameter server does between rounds: the start, losses, leaves, joins, the
+min_workers wait, checkpoints and preemption (docs/elastic.md). `trainer.server` answers the
+rounds themselves; this mixin changes who takes part in them, only at a step boundary.
+
+1. A worker is lost when its connection ends (a killed process: end-of-file) or when it sends
+   nothing for `Roster.loss_deadline_s()` after its peers' frames of a round (a silent node, a
+   link down). It is dropped, the batch is split over the others, and the next update carries
+   the new shares; what its error-feedback residual held is gone.
+2. A worker that leaves (BYE with `leaving`, on SIGTERM) is let go the same way, and told BYE.
+3. A newcomer's HELLO waits for the next boundary. The server asks a live worker for its
+   state (FETCH; the worker answers with its weights and optimizer state as of its last
+   step), hands it to the newcomer with a WELCOME, sends it the next step's update to apply,
+   and from the step after it computes with its share.
+4. Below --min-workers the server waits for joiners up to --min-workers-wait-s, then fails.
+5. Checkpoints: at a boundary every --checkpoint-every steps or --checkpoint-every-s seconds,
+   one file from the server's state and a live worker's (trainer.checkpoint), uploaded in the
+   background when the run has a store (trainer.checkpoint_store).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import time
+
+import torch
+
+from hybridtrain.contract import (
+    EVENT_CHECKPOINT,
+    EVENT_RESUMED,
+    EVENT_WAITING,
+    EVENT_WORKER_JOINED,
+    EVENT_WORKER_LEFT,
+    EVENT_WORKER_LOST,
+    steps_for_epochs,
+)
+from trainer import checkpoint
+from trainer.checkpoint_store import Uploader
+from trainer.frames import (
+    SERVER,
+    Abort,
+    Bye,
+    Fetch,
+    Hello,
+    LayoutSpec,
+    ProtocolError,
+    State,
+    Welcome,
+    expect,
+    pack,
+    unpack,
+)
+from trainer.membership import Member
+
+RESIDUAL_GONE = "its error-feedback residual (the part of its gradient not sent yet) is gone"
+
+
+# At the start, once --min-workers have said HELLO and no other has for this long, training
+# begins: a restarted run's workers may have gaps in their ranks, and a late one joins.
+START_QUIET_S = 20.0
+
+
+class Preempted(ProtocolError):
+    """The server got SIGTERM (a spot notice): it checkpointed and stops the run."""
+
+
+class TooFewWorkers(ProtocolError):
+    """Fewer than --min-workers for --min-workers-wait-s: the run fails (no restart)."""
+
+
+class Boundary:
+    """The membership side of `trainer.server.ParameterServer` (which provides cfg, roster,
+    transport, inbox, metrics, layout, step, configure(), state_dict())."""
+
+    def __init__(self) -> None:
+        self.elastic = hasattr(self.transport, "arrivals")
+        self.preempted = False
+        self.last_updates: list[torch.Tensor] = []
+        self._gone: set[int] = set()
+        self._ckpt_step = 0
+        self._ckpt_t = time.monotonic()
+        self._resume_model: State | None = None
+        self._resume_layout: LayoutSpec | None = None
+        self.uploader = Uploader(self.cfg.checkpoint_url, self.cfg.report_token) if self.cfg.checkpoint_url else None
+
+    def say(self, text: str) -> None:
+        """One line on stderr (the run's log)."""
+        print(f"[ps] {text}", file=sys.stderr, flush=True)
+
+    # -- the start -------------------------------------------------------------------------------------
+    def resume(self, state: dict) -> None:
+        """Continue from a checkpoint (trainer.checkpoint): the workers get its model."""
+        self.load_state_dict({**state["server"], "step": state["step"]})
+        self._ckpt_step = state["step"]
+        lay = state["layout"]
+        self._resume_layout = LayoutSpec(tuple(lay["names"]), tuple(lay["numels"]), lay["dense_numel"],
+                                         lay["buffer_numel"])
+        self._resume_model = State(SERVER, state["params"], state["buffers"], state["step"], state["optimizer"])
+
+    def _initial_hellos(self) -> dict[int, tuple[Hello, str | None]]:
+        if not self.elastic:
+            for w in range(1, self.cfg.workers + 1):
+                self.inbox.add(w)
+            return {w: (expect(self.inbox.get(w)[0], Hello, peer=w), None) for w in range(1, self.cfg.workers + 1)}
+        hellos: dict[int, tuple[Hello, str | None]] = {}
+        deadline = time.monotonic() + self.cfg.timeout_s
+        last = time.monotonic()
+        while len(hellos) < self.cfg.workers and time.monotonic() < deadline:
+            if len(hellos) >= max(1, self.cfg.min_workers) and time.monotonic() - last > START_QUIET_S:
+                break
+            try:
+                conn, raw, host = self.transport.arrivals.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                continue
+            try:
+                hello = expect(raw, Hello)
+            except ProtocolError as exc:
+                self.transport.refuse(conn, pack(Abort(SERVER, str(exc))))
+                continue
+            if hello.sender < 1 or hello.sender in hellos:
+                self.transport.refuse(conn, pack(Abort(SERVER, f"rank {hello.sender} is taken or not a worker's")))
+                continue
+            self.transport.adopt(hello.sender, conn, raw)
+            self.inbox.add(hello.sender)
+            hellos[hello.sender] = (hello, host)
+            last = time.monotonic()
+        if len(hellos) < max(1, self.cfg.min_workers):
+            raise ProtocolError(f"only {len(hellos)} of {self.cfg.workers} workers connected within "
+                                f"{self.cfg.timeout_s:.0f} s (--timeout-s); --min-workers is {self.cfg.min_workers}")
+        return hellos
+
+    def _handshake(self) -> None:
+        hellos = self._initial_hellos()
+        ranks = sorted(hellos)
+        first = hellos[ranks[0]][0]
+        for w, (hello, _) in hellos.items():
+            diff = first.layout.difference(hello.layout)
+            if diff:
+                raise ProtocolError(f"the model replicas differ: worker {ranks[0]} and worker {w} "
+                                    f"built different models ({diff}); the task's model factory must "
+                                    "build the same architecture on every rank")
+        if self._resume_layout is not None and self._resume_layout.difference(first.layout):
+            raise ProtocolError(f"the checkpoint's model differs from the workers' "
+                                f"({self._resume_layout.difference(first.layout)}): resume the same task")
+        for w, (hello, host) in hellos.items():
+            speed = hello.speed or (self.cfg.speeds[w - 1] if w <= len(self.cfg.speeds) else None)
+            address = (host, hello.listen_port) if host and hello.listen_port else None
+            self.roster.add(Member(w, speed, hello.site, address))
+        if ranks != list(range(1, self.cfg.workers + 1)):
+            self.roster.resplit()
+        self.configure(first.layout)
+        if self.cfg.epochs:
+            if not first.train_samples:
+                raise ProtocolError("--epochs needs a training set whose length is known (a map-style "
+                                    "Dataset); give --max-steps for a streaming one")
+            self.max_steps = steps_for_epochs(self.cfg.epochs, first.train_samples, self.cfg.global_batch)
+        donor = SERVER if self._resume_model is not None else ranks[0]
+        peers = {m.rank: m.address for m in self.roster.members.values() if m.address}
+        for w in ranks:
+            self.transport.send(w, pack(self._welcome(w, donor=donor, peers=peers)))
+        if self._resume_model is not None:
+            self.transport.send_many(ranks, pack(self._resume_model))
+            self.metrics.event(self.step, EVENT_RESUMED, detail=f"from the checkpoint of step {self.step}, "
+                               f"with {len(ranks)} workers; the workers' error-feedback residuals start empty")
+            self.say(f"resumed from step {self.step} with {len(ranks)} workers")
+            self._resume_model = None
+        else:
+            state = expect(self.inbox.get(donor)[0], State, peer=donor)
+            self.transport.send_many([w for w in ranks if w != donor], pack(state))
+        self.metrics.log(self.step, "params", self.layout.numel)
+        self.metrics.log(self.step, "max_steps", self.max_steps)
+        self._t0 = time.time()
+
+    def _welcome(self, rank: int, *, donor: int, peers: dict | None = None, catch_up: bool = False) -> Welcome:
+        return Welcome(tuple(self.roster.batch_sizes), tuple(self.roster.densities), self.max_steps, self.step,
+                       donor, catch_up, self.roster.source(rank), peers or {}, self.roster.forwards(rank))
+
+    # -- between rounds ------------------------------------------------------------------------------
+    def boundary(self) -> None:
+        """Drop the lost, admit newcomers, wait below --min-workers, checkpoint when due."""
+        self._drop_failed()
+        self._require_a_worker()
+        if self.elastic:
+            self._admit_arrivals()
+        if len(self.roster) < max(1, self.cfg.min_workers):
+            self._wait_for_workers()
+        if self._checkpoint_due():
+            self.checkpoint()
+        if self.preempted:
+            self._preempt()
+
+    def _collect(self, ranks: list[int], *, first_s: float, then_s: float | None = None) -> dict:
+        """The next frame of each of `ranks`; the ones that fail or stay silent are lost."""
+        then = self.roster.loss_deadline_s() if then_s is None else then_s
+        got: dict = {}
+        want = list(ranks)
+        while want:
+            more, failed = self.inbox.collect(want, first_s=then if got else first_s, then_s=then)
+            got.update(more)
+            for w, exc in failed.items():
+                self.lose(w, exc)
+            want = [w for w in want if w not in got and w not in failed and w in self.roster]
+        # Rank order, whatever the arrival order: sums in floating point must not vary.
+        return dict(sorted(got.items()))
+
+    def _drop_failed(self) -> None:
+        for w in self.roster.ranks():
+            exc = self.inbox.failed(w)
+            if exc is not None:
+                self.lose(w, exc)
+
+    def _let_leavers_go(self, frames: dict) -> dict:
+        out = {}
+        for w, f in frames.items():
+            if isinstance(f, Bye) and f.leaving:
+                self.leave(w)
+            else:
+                out[w] = f
+        return out
+
+    def lose(self, rank: int, exc: BaseException) -> None:
+        """Drop a worker whose connection ended or that stayed silent; the others train on."""
+        if rank not in self.roster:
+            return
+        silent = isinstance(exc, TimeoutError)
+        why = (f"silent for {self.roster.loss_deadline_s():.1f} s after its peers' frames" if silent
+               else f"its connection ended ({exc})")
+        self._drop(rank, f"worker {rank} lost at step {self.step}: {why}")
+        self.metrics.event(self.step, EVENT_WORKER_LOST, subject=rank,
+                           detail=f"{why}; {RESIDUAL_GONE}; the batch is split over {len(self.roster)} workers")
+        if self.elastic:
+            self.transport.forget(rank)
+
+    def leave(self, rank: int) -> None:
+        """Let a worker go that said it is leaving (a spot notice); it gets BYE."""
+        self._drop(rank, f"worker {rank} left at step {self.step}")
+        self.metrics.event(self.step, EVENT_WORKER_LEFT, subject=rank,
+                           detail=f"left cleanly after step {self.step}; {RESIDUAL_GONE}; the batch is split "
+                                  f"over {len(self.roster)} workers")
+        try:
+            self.transport.send(rank, pack(Bye(self.step, SERVER)))
+        except (ConnectionError, OSError):
+            pass
+
+    def _drop(self, rank: int, what: str) -> None:
+        if self.cfg.site_aggregation and self.roster.relay_group(rank):
+            raise ProtocolError(f"{what}; per-site aggregation (--aggregate-at-sites) cannot re-plan a remote "
+                                "site's relay yet: the run stops and restarts from its latest checkpoint")
+        orphans = self.roster.remove(rank)
+        self._gone.add(rank)
+        self.roster.resplit()
+        self.say(f"{what}; training on with {len(self.roster)} workers, batch shares "
+                 f"{[n for n in self.roster.batch_sizes if n]}")
+        # Its site's workers now hear from the server: whatever of the latest step the relay
+        # may not have passed on goes to them again (they skip what they already have).
+        for w in orphans:
+            for frame in self.last_updates:
+                self.transport.send(w, frame)
+
+    def caught_up(self) -> None:
+        """Joiners have received a whole step's update: they compute from the next step."""
+        for m in self.roster.members.values():
+            m.joining = False
+
+    # -- joins ---------------------------------------------------------------------------------------------
+    def _admit_arrivals(self) -> None:
+        while True:
+            try:
+                conn, raw, host = self.transport.arrivals.get_nowait()
+            except queue.Empty:
+                return
+            self._arrive(conn, raw, host)
+
+    def _arrive(self, conn, raw: torch.Tensor, host: str) -> None:
+        try:
+            hello = expect(raw, Hello)
+        except ProtocolError as exc:
+            self.transport.refuse(conn, pack(Abort(SERVER, str(exc))))
+            return
+        rank = hello.sender
+        diff = self.layout.difference(hello.layout) if rank >= 1 else "rank 0 is the server's"
+        if diff:
+            self.transport.refuse(conn, pack(Abort(SERVER, f"worker {rank} cannot join: its model differs "
+                                                           f"from the run's ({diff})")))
+            return
+        if rank in self.roster:
+            # The same rank again: a restarted process whose old one the server has not missed yet.
+            self.lose(rank, ConnectionError("replaced by a new process of the same rank"))
+        state = None
+        while state is None:
+            donor = self.roster.donor()
+            if donor is None:
+                self.transport.refuse(conn, pack(Abort(SERVER, f"worker {rank} cannot join: no live worker "
+                                                               "holds the model")))
+                return
+            state = self.fetch_state(donor)
+        self.transport.adopt(rank, conn, raw)
+        self.inbox.add(rank)
+        self._gone.discard(rank)
+        self.roster.add(Member(rank, hello.speed, hello.site, None, direct=True, joining=True))
+        self.roster.resplit()
+        self.transport.send(rank, pack(self._welcome(rank, donor=SERVER, catch_up=True)))
+        self.transport.send(rank, pack(state))
+        share = self.roster.batch_sizes[rank - 1]
+        self.metrics.event(self.step, EVENT_WORKER_JOINED, subject=rank,
+                           detail=f"admitted after step {self.step} with the state of worker {donor}; from "
+                                  f"step {self.step + 2} its share is {share} of {self.cfg.global_batch}")
+        self.say(f"worker {rank} joined after step {self.step}; batch shares "
+                 f"{[n for n in self.roster.batch_sizes if n]}")
+
+    def fetch_state(self, donor: int, *, after_bye: bool = False) -> State | None:
+        """Ask `donor` for its weights and optimizer state (as of the last step); None if it is
+        lost meanwhile. Its frames that come first are kept for their round. `after_bye`: the
+        donor has said BYE, so the inbox no longer reads it (it answers FETCH while it waits for
+        the server's BYE): read its reply from the transport directly."""
+        held = []
+        try:
+            self.transport.send(donor, pack(Fetch(self.step)))
+            while True:
+                item = ((self.transport.recv(donor), 0.0) if after_bye
+                        else self.inbox.get(donor, timeout_s=self.cfg.timeout_s))
+                frame = unpack(item[0])
+                if isinstance(frame, State):
+                    return frame
+                if isinstance(frame, Abort):
+                    raise ProtocolError(frame.reason)
+                held.append(item)
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            held = []
+            self.lose(donor, exc)
+            return None
+        finally:
+            for item in reversed(held):
+                self.inbox.unget(donor, item)
+
+    def _require_a_worker(self) -> None:
+        # A joiner still catching up holds only the state of a step the run cannot finish.
+        if not self.roster.active():
+            raise ProtocolError(f"every worker has left or been lost at step {self.step}: no live worker holds "
+                                "the model; the run restarts from its latest checkpoint")
+
+    def _wait_for_workers(self) -> None:
+        need = max(1, self.cfg.min_workers)
+        wait = self.cfg.min_workers_wait_s
+        self.metrics.event(self.step, EVENT_WAITING, detail=f"{len(self.roster)} workers, --min-workers {need}: "
+                           f"training paused for up to {wait:.0f} s")
+        self.say(f"{len(self.roster)} of the {need} workers --min-workers asks for: waiting up to {wait:.0f} s "
+                 "for workers to join")
+        deadline = time.monotonic() + wait
+        while len(self.roster) < need:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.elastic:
+                raise TooFewWorkers(f"fewer than --min-workers {need} workers: {len(self.roster)} left and none "
+                                    f"joined within --min-workers-wait-s {wait:.0f} s; the run stops")
+            try:
+                conn, raw, host = self.transport.arrivals.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                self._drop_failed()
+                self._require_a_worker()
+                continue
+            self._arrive(conn, raw, host)
+
+    # -- checkpoints and the end --------------------------------------------------------------------------
+    def _checkpoint_due(self) -> bool:
+        if self.step <= self._ckpt_step:
+            return False
+        if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+            return True
+        return bool(self.cfg.checkpoint_every_s) and time.monotonic() - self._ckpt_t >= self.cfg.checkpoint_every_s
+
+    def checkpoint(self, *, after_bye: bool = False) -> bool:
+        """Write the run's checkpoint of this step (and upload it); False without a live worker."""
+        state = None
+        while state is None:
+            donor = self.roster.donor()
+            if donor is None:
+                return False
+            state = self.fetch_state(donor, after_bye=after_bye)
+        lay = self.layout
+        path = checkpoint.save(self.cfg.checkpoint_dir, self.step, {
+            "server": self.state_dict(),
+            "layout": {"names": lay.names, "numels": lay.numels, "dense_numel": lay.dense_numel,
+                       "buffer_numel": lay.buffer_numel},
+            "params": state.params, "buffers": state.buffers, "optimizer": state.optimizer,
+        }, self.cfg)
+        self._ckpt_step, self._ckpt_t = self.step, time.monotonic()
+        self.metrics.event(self.step, EVENT_CHECKPOINT,
+                           detail=f"{path.name}" + (", uploading to the run's store" if self.uploader else ""))
+        if self.uploader is not None:
+            self.uploader.submit(self.step, path)
+        return True
+
+    def _preempt(self) -> None:
+        saved = self.checkpoint() if self.step > self._ckpt_step else self._ckpt_step > 0
+        uploaded = self.uploader.close(60.0) if self.uploader is not None else False
+        self.uploader = None
+        where = "written and uploaded" if uploaded else "written"
+        raise Preempted(f"the parameter server was preempted (SIGTERM) after step {self.step}; "
+                        + (f"checkpoint of step {self._ckpt_step} {where}: the run resumes from it" if saved
+                           else "no checkpoint could be written"))
+
+    def finish(self) -> None:
+        """Every worker said BYE: the last checkpoint, then BYE to all."""
+        if (self.cfg.checkpoint_every or self.cfg.checkpoint_every_s) and self.step > self._ckpt_step:
+            self.checkpoint(after_bye=True)
+        self.transport.send_many(self.roster.ranks(), pack(Bye(self.step, SERVER)))
+        self.flush_bytes()
+
+    def close_store(self) -> None:
+        """Wait (bounded) for the last checkpoint's upload."""
+        if self.uploader is not None:
+            self.uploader.close(60.0)
+            self.uploader = None

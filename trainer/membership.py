@@ -1,0 +1,197 @@
+"""Who is in a parameter-server run now: the live workers, their batch shares and densities,
+who carries the update to whom, and how long the server waits before it calls a worker lost.
+
+The server (trainer.server) changes the roster only at a step boundary: a lost or leaving
+worker is dropped, a joiner added, and the fixed global batch is split again over whoever is
+in (`Roster.resplit`). Shares and densities are kept per rank - 1, with 0 for ranks not in
+the run, so every worker indexes the same lists whatever the membership (docs/elastic.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from hybridtrain.contract import equal_batch_sizes, proportional_batch_sizes
+from trainer.config import TrainConfig, initial_batch_sizes
+from trainer.relay import SERVER, plan_relay
+
+# A worker that sends nothing for this long after its peers' frames of a step is lost, however
+# short the steps: scheduling hiccups and a garbage collection must not drop a healthy worker.
+LOSS_FLOOR_S = 5.0
+# ... and for three recent step times (the median), whichever is longer.
+LOSS_STEPS = 3.0
+
+
+@dataclass
+class Member:
+    """One live worker: its relative speed (HELLO or --speeds), site, relay address."""
+
+    rank: int
+    speed: float | None = None
+    site: str | None = None
+    address: tuple[str, int] | None = None
+    # Taken off the start's relay plan (a joiner, a lost relay's orphan): the server sends to it.
+    direct: bool = False
+    # Admitted, but applies one more step's update before it computes (a joiner catching up).
+    joining: bool = False
+
+
+class Roster:
+    """The live workers of a run, with their batch shares, densities and update routes."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.members: dict[int, Member] = {}
+        self.plan = plan_relay(cfg.sites, cfg.workers)
+        self.batch_sizes = initial_batch_sizes(cfg)
+        self.densities = [cfg.density] * cfg.workers
+        self.step_s: deque[float] = deque(maxlen=20)
+        # Measured samples/s per rank (an average over recent steps), for re-splitting.
+        self.rates: dict[int, float] = {}
+
+    # -- who ---------------------------------------------------------------------------------------
+    def ranks(self) -> list[int]:
+        """Every live worker, joiners included, in rank order."""
+        return sorted(self.members)
+
+    def active(self) -> list[int]:
+        """The workers that compute this step (not a joiner still catching up)."""
+        return [r for r in self.ranks() if not self.members[r].joining]
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.members
+
+    def add(self, member: Member) -> None:
+        """A worker enters (its share is 0 until `resplit`)."""
+        self.members[member.rank] = member
+        self._grow(member.rank)
+
+    def remove(self, rank: int) -> list[int]:
+        """Drop `rank`; returns the workers it relayed to, which the server now sends to itself."""
+        orphans = [r for r in self.ranks() if r != rank and self.source(r) == rank]
+        self.members.pop(rank, None)
+        self.rates.pop(rank, None)
+        for r in orphans:
+            self.members[r].direct = True
+        if rank <= len(self.batch_sizes):
+            self.batch_sizes[rank - 1] = 0
+        return orphans
+
+    def _grow(self, rank: int) -> None:
+        while len(self.batch_sizes) < rank:
+            self.batch_sizes.append(0)
+            self.densities.append(self.cfg.density)
+
+    # -- routes -------------------------------------------------------------------------------------
+    def source(self, rank: int) -> int:
+        """Who hands `rank` the update: the server, or its site's relay while both are in."""
+        member = self.members.get(rank)
+        relay = self.plan.source(rank)
+        if member is None or member.direct or relay == SERVER or relay not in self.members:
+            return SERVER
+        return relay
+
+    def forwards(self, rank: int) -> tuple[int, ...]:
+        """The live workers `rank` relays the update to."""
+        return tuple(r for r in self.ranks() if r != rank and self.source(r) == rank)
+
+    def update_targets(self) -> list[int]:
+        """The workers the server sends each update to itself."""
+        return [r for r in self.ranks() if self.source(r) == SERVER]
+
+    def senders(self) -> list[int]:
+        """The workers whose GRAD frames reach the server: every active one, or with per-site
+        aggregation those not behind a relay."""
+        active = self.active()
+        if not self.cfg.site_aggregation:
+            return active
+        return [r for r in active if self.source(r) == SERVER]
+
+    def donor(self) -> int | None:
+        """A worker to ask for the run's state: one that reads the server's frames itself, in
+        the server's site when there is one (its link is the fast one)."""
+        direct = [r for r in self.active() if self.source(r) == SERVER]
+        if not direct:
+            return None
+        home = self.cfg.sites[SERVER] if self.cfg.sites else None
+        local = [r for r in direct if home is not None and self.members[r].site == home]
+        return (local or direct)[0]
+
+    def relay_group(self, rank: int) -> bool:
+        """Whether `rank` relays or is relayed to (per-site aggregation cannot lose such a worker)."""
+        return bool(self.forwards(rank)) or self.source(rank) != SERVER
+
+    # -- when is a worker lost ------------------------------------------------------------------------
+    def note_step(self, seconds: float) -> None:
+        """One step's time at the server, from waiting for its first frame to its last update."""
+        self.step_s.append(seconds)
+
+    def loss_deadline_s(self) -> float:
+        """How long after a step's first frame a silent worker counts as lost."""
+        if not self.step_s:
+            return max(LOSS_FLOOR_S, self.cfg.timeout_s / 10)
+        return max(LOSS_FLOOR_S, LOSS_STEPS * statistics.median(self.step_s))
+
+    # -- the batch split ----------------------------------------------------------------------------
+    def note_rates(self, rows: list[tuple[int, int, float]]) -> None:
+        """(rank, samples, compute_s) of a step: refresh each worker's measured samples/s."""
+        for rank, samples, compute_s in rows:
+            if compute_s > 0 and samples > 0:
+                rate = samples / compute_s
+                old = self.rates.get(rank)
+                self.rates[rank] = rate if old is None else 0.7 * old + 0.3 * rate
+
+    def _speeds(self, ranks: list[int]) -> list[float]:
+        """Relative speeds of `ranks`: the given ones (HELLO, --speeds) under `flops` when every
+        worker has one (equal when none has), else measured samples/s, a newcomer's scaled from
+        its given speed."""
+        given = {r: self.members[r].speed for r in ranks if self.members[r].speed}
+        if self.cfg.allocation == "flops" and len(given) == len(ranks):
+            return [float(given[r]) for r in ranks]
+        if self.cfg.allocation == "flops" and not given:
+            return [1.0] * len(ranks)  # no speeds given: the run started with equal shares
+        measured = {r: self.rates[r] for r in ranks if r in self.rates}
+        if not measured:
+            return [float(given.get(r, 1.0)) if len(given) == len(ranks) else 1.0 for r in ranks]
+        scale = [measured[r] / given[r] for r in measured if r in given]
+        typical = statistics.median(measured.values())
+        out = []
+        for r in ranks:
+            if r in measured:
+                out.append(measured[r])
+            elif r in given and scale:
+                out.append(given[r] * statistics.median(scale))
+            else:
+                out.append(typical)
+        return out
+
+    def resplit(self) -> None:
+        """Split the global batch over the live workers again (after a loss, a leave, a join)."""
+        ranks = self.ranks()
+        if not ranks:
+            return
+        total = self.cfg.global_batch
+        if self.cfg.batch_sizes and ranks == list(range(1, self.cfg.workers + 1)):
+            sizes = list(self.cfg.batch_sizes)
+        elif self.cfg.allocation == "equal":
+            sizes = equal_batch_sizes(total, len(ranks))
+        else:
+            sizes = proportional_batch_sizes(total, self._speeds(ranks))
+        self.batch_sizes = [0] * len(self.batch_sizes)
+        for r, n in zip(ranks, sizes):
+            self._grow(r)
+            self.batch_sizes[r - 1] = n
+
+    def shares(self, ranks: list[int]) -> list[int]:
+        """The batch shares of `ranks`, in that order."""
+        return [self.batch_sizes[r - 1] for r in ranks]
+
+    def set_shares(self, ranks: list[int], sizes: list[int]) -> None:
+        """New batch shares for `ranks` (measured re-balancing)."""
+        for r, n in zip(ranks, sizes):
+            self.batch_sizes[r - 1] = n
