@@ -118,20 +118,9 @@ class ControlPlaneClient:
         """Ship a batch of a role's output lines."""
         return self._post(f"/runs/{run_id}/logs", body)
 
-    def post_records(self, url: str, token: str | None, body: Mapping[str, Any]) -> dict[str, Any]:
-        """POST a trainer's spooled records to `url` (absolute) with the run's own `token`."""
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        try:
-            response = self._http.post(url, json=dict(body), headers=headers)
-        except httpx.HTTPError as exc:
-            raise ControlPlaneUnavailable(f"{url} unreachable: {exc!r}") from exc
-        _raise_for_status(response, url)
-        if response.status_code == 204 or not response.content:
-            return {}
-        try:
-            return dict(response.json())
-        except ValueError:
-            return {}
+    def reports(self, run_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Deliver records a trainer of this node spooled (with the agent's own token)."""
+        return self._post(f"/runs/{run_id}/metrics", body)
 
     def profile_result(self, profile_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
         """Report a task profile: {"status": "done", "result": ...} or {"status": "failed", ...}."""

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 OUTBOX_FILE = "outbox.db"
 EVENT = "event"  # POST /api/v1/agent/runs/{run}/events
 LOGS = "logs"  # POST /api/v1/agent/runs/{run}/logs
-REPORT = "report"  # POST {url} with the run's own token: the trainer's spooled records
+REPORT = "report"  # POST /api/v1/agent/runs/{run}/metrics: the trainer's spooled records
 KINDS = frozenset({EVENT, LOGS, REPORT})
 # Client errors that mean "not now" rather than "never".
 RETRIABLE_STATUS = frozenset({408, 429})
@@ -39,8 +39,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     kind TEXT NOT NULL,
     run_id INTEGER NOT NULL,
     body TEXT NOT NULL,
-    url TEXT,
-    token TEXT,
+    url TEXT,  -- unused: reports once went to the trainer's URL with the run's token
+    token TEXT,  -- unused, likewise
     lines INTEGER NOT NULL DEFAULT 0,
     created REAL NOT NULL
 )
@@ -54,7 +54,7 @@ class Transport(Protocol):
 
     def logs(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
 
-    def post_records(self, url: str, token: str | None, body: dict[str, Any]) -> dict[str, Any]: ...
+    def reports(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -65,19 +65,15 @@ class Entry:
     kind: str
     run_id: int
     body: dict[str, Any]
-    url: str | None = None
-    token: str | None = None
 
 
 @dataclass(frozen=True)
 class Message:
-    """What a caller puts in: `url` and `token` only for REPORT."""
+    """What a caller puts in."""
 
     kind: str
     run_id: int
     body: dict[str, Any]
-    url: str | None = None
-    token: str | None = None
 
 
 class Outbox:
@@ -103,7 +99,7 @@ class Outbox:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
-        self.path.chmod(0o600)  # report entries hold run tokens
+        self.path.chmod(0o600)  # trainers' records and log lines
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -112,10 +108,9 @@ class Outbox:
 
     # -- putting --------------------------------------------------------------------------
 
-    def put(self, kind: str, run_id: int, body: dict[str, Any], *, url: str | None = None,
-            token: str | None = None) -> None:
+    def put(self, kind: str, run_id: int, body: dict[str, Any]) -> None:
         """Store one message durably; the sender delivers it after every earlier one."""
-        self.put_many([Message(kind, run_id, body, url, token)])
+        self.put_many([Message(kind, run_id, body)])
 
     def put_many(self, messages: Iterable[Message]) -> None:
         """Store messages in one transaction, in order: all of them or none."""
@@ -123,18 +118,15 @@ class Outbox:
         for m in messages:
             if m.kind not in KINDS:
                 raise ValueError(f"outbox kind {m.kind!r} is not one of {sorted(KINDS)}")
-            if m.kind == REPORT and not m.url:
-                raise ValueError("a report message needs the url to post it to")
             lines = len(m.body.get("lines", [])) if m.kind == LOGS else 0
-            rows.append((m.kind, int(m.run_id), json.dumps(m.body), m.url, m.token, lines, time.time()))
+            rows.append((m.kind, int(m.run_id), json.dumps(m.body), lines, time.time()))
         if not rows:
             return
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.executemany(
-                    "INSERT INTO outbox (kind, run_id, body, url, token, lines, created)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)", rows,
+                    "INSERT INTO outbox (kind, run_id, body, lines, created) VALUES (?, ?, ?, ?, ?)", rows,
                 )
                 self._db.execute("COMMIT")
             except BaseException:
@@ -162,11 +154,11 @@ class Outbox:
     def _oldest(self) -> Entry | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT id, kind, run_id, body, url, token FROM outbox ORDER BY id LIMIT 1"
+                "SELECT id, kind, run_id, body FROM outbox ORDER BY id LIMIT 1"
             ).fetchone()
             if row is None:
                 return None
-        return Entry(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5])
+        return Entry(row[0], row[1], row[2], json.loads(row[3]))
 
     def _remove(self, entry: Entry) -> None:
         with self._lock:
@@ -186,8 +178,7 @@ class Outbox:
             return self.transport.role_event(entry.run_id, entry.body) or {}
         if entry.kind == LOGS:
             return self.transport.logs(entry.run_id, entry.body) or {}
-        assert entry.url is not None
-        return self.transport.post_records(entry.url, entry.token, entry.body) or {}
+        return self.transport.reports(entry.run_id, entry.body) or {}
 
     def _send_loop(self) -> None:
         delay = self.first_delay_s

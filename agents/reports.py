@@ -53,12 +53,13 @@ def with_flag(argv: list[str], flag: str, value: str, *, after: int) -> list[str
     return [*argv[:after], flag, value, *argv[after:]]
 
 
-def spool_messages(path: Path, *, run_id: int, url: str | None, token: str | None) -> list[Message]:
-    """The records a trainer spooled in `path`, as outbox messages of at most 500 records.
+def spool_messages(path: Path, *, run_id: int) -> list[Message]:
+    """The records a trainer spooled in `path`, as outbox messages of at most 500 records,
+    which the agent delivers with its own token (the run's may no longer report by then).
 
     A line that is not a JSON object (the torn last line of a killed trainer) is skipped.
     """
-    if not url or not path.exists():
+    if not path.exists():
         return []
     records = []
     skipped = 0
@@ -78,6 +79,6 @@ def spool_messages(path: Path, *, run_id: int, url: str | None, token: str | Non
     if skipped:
         log.warning("run %s: skipped %d unreadable line(s) of %s", run_id, skipped, path)
     return [
-        Message(REPORT, run_id, {"records": records[i:i + REPORT_BATCH]}, url=url, token=token)
+        Message(REPORT, run_id, {"records": records[i:i + REPORT_BATCH]})
         for i in range(0, len(records), REPORT_BATCH)
     ]

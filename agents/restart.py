@@ -55,8 +55,7 @@ def report_lost_roles(records: RoleRecords, outbox: Outbox) -> list[dict[str, An
             "t": time.time(),
         }
         spool = Path(record["spool"]) if record.get("spool") else None
-        reports = spool_messages(spool, run_id=run_id, url=record.get("report_url"),
-                                 token=record.get("report_token")) if spool else []
+        reports = spool_messages(spool, run_id=run_id) if spool else []
         # Queued before the record says "exited": a crash in between reports twice, not never.
         outbox.put_many([*reports, Message(EVENT, run_id, exited)])
         records.exited(run_id, rank, exited)

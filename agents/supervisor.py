@@ -371,10 +371,10 @@ class Supervisor:
         }
         reports: list[Message] = []
         if role.spool is not None:
-            reports = spool_messages(role.spool, run_id=spec.run_id, url=spec.report_url, token=spec.report_token)
-        # Reports first: the control plane may stop taking the run's reports once every
-        # rank has ended. Queued before the record says "exited", so a crash in between
-        # reports the exit twice (harmless) rather than never.
+            reports = spool_messages(role.spool, run_id=spec.run_id)
+        # Reports first, so the run's records are in before its end is. Queued before the
+        # record says "exited", so a crash in between reports the exit twice (harmless)
+        # rather than never.
         self.outbox.put_many([*reports, Message(EVENT, spec.run_id, exited)])
         role.exit_event = exited
         self.records.exited(spec.run_id, spec.rank, exited)

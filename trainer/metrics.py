@@ -7,8 +7,10 @@ non-blocking put. A batch that fails for a transient reason (no connection, a ti
 408, 429) is retried with backoff for as long as the process lives; a record the queue cannot
 hold, and whatever is still undelivered when `close()`'s deadline passes, goes to the report
 spool (JSON lines, each record exactly as it would have been POSTed), which the node's agent
-delivers after the process exits. Only a record refused outright (another 4xx) or one with no
-spool to go to is dropped, and every drop is counted and warned about.
+delivers after the process exits. So does a batch refused with 403: the run has ended and its
+token reports no more, but the agent delivers with its own. Only a record refused outright
+(another 4xx) or one with no spool to go to is dropped, and every drop is counted and warned
+about.
 """
 
 from __future__ import annotations
@@ -121,6 +123,10 @@ class HttpReporter:
             return type(exc).__name__
         if 200 <= resp.status_code < 300:
             self.sent += len(batch)
+            return None
+        if resp.status_code == 403:
+            # The run has ended: the agent delivers the spool under its own token.
+            self._to_spool(batch, f"HTTP 403: {resp.text[:200]}")
             return None
         # A 4xx other than 408/429 will not get better by retrying (nor by spooling).
         if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):

@@ -1,7 +1,7 @@
 """A run's life in one place: its states and the moves between them (`states`), the lock that
-guards them (`lock`), the orders they produce (`launch`, `restart`, `membership`), the queue
-for GPUs (`schedule`) and rank 0's port (`ports`), what a rank's start, exit or loss does
-(`roles`) and the periodic liveness pass (`liveness`).
+guards them (`lock`), the orders they produce (`launch`, `restart`, `membership`, `rejoin`),
+the queue for GPUs (`schedule`) and rank 0's port (`ports`), what a rank's start, exit or loss
+does (`roles`) and the periodic liveness pass (`liveness`).
 
 The API routes, the pages, the agents' events and heartbeats and the monitor call these
 functions inside one transaction under `run_state_lock`, commit, and only then send the
@@ -18,6 +18,7 @@ from app.lifecycle.launch import launch_failed, orders_for, release_held, resend
 from app.lifecycle.liveness import cancel_stragglers, check_liveness
 from app.lifecycle.lock import run_state_lock
 from app.lifecycle.membership import add_nodes
+from app.lifecycle.rejoin import rejoin_node
 from app.lifecycle.roles import Exit, rank_exited, rank_lost, rank_started
 from app.lifecycle.schedule import QueueView, queue_view, start_queued
 from app.lifecycle.states import TRANSITIONS, IllegalTransition, can_move, end_run, move
@@ -42,6 +43,7 @@ __all__ = [
     "rank_exited",
     "rank_lost",
     "rank_started",
+    "rejoin_node",
     "release_held",
     "resend_unacknowledged",
     "run_state_lock",

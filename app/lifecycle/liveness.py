@@ -109,7 +109,8 @@ def _late_launches(session: Session, *, settings: Settings, now: datetime) -> li
                 if worker.status in WAITING and worker.launched_at is not None and worker.launched_at < cutoff:
                     reason = (f"rank {worker.rank} (worker) did not join within {timeout:.0f} s "
                               f"(on {worker.node_name})")
-                    orders += rank_lost(session, run=run, worker=worker, reason=reason, settings=settings, now=now)
+                    orders += rank_lost(session, run=run, worker=worker, reason=reason, settings=settings,
+                                        now=now, rejoins=False)
             continue
         if run.status.finished or run.launched_at is None or run.launched_at >= cutoff:
             continue

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from app.config import Settings
 from app.dispatch import Order
 from app.lifecycle.launch import TRAINING, WAITING
+from app.lifecycle.rejoin import rejoin
 from app.lifecycle.restart import restart_or_fail
 from app.lifecycle.states import end_run, move
 from app.models import Run, RunStatus, RunWorker, WorkerStatus
@@ -155,7 +156,11 @@ def rank_exited(
         # a missing module), not a signal: a joiner would fail the same way, so the run does
         # not wait --min-workers-wait-s for one.
         return end_run(session, run=run, status=RunStatus.failed, now=now, reason=f"every worker failed: {cause}")
-    return lose(session, run=run, worker=worker, cause=cause, settings=settings, now=now)
+    # A worker killed by a signal (the OOM killer, its agent restarting) may rejoin; one that
+    # failed with an error of its own would fail the same way again, and one its stopping
+    # agent killed is on a node that is going away.
+    rejoins = bool(exit.signal) and not exit.cancelled and exit.cause != CAUSE_AGENT_STOPPING
+    return lose(session, run=run, worker=worker, cause=cause, settings=settings, now=now, rejoins=rejoins)
 
 
 def _every_worker_errored(run: Run) -> bool:
@@ -166,8 +171,11 @@ def _every_worker_errored(run: Run) -> bool:
 
 def rank_lost(
     session: Session, *, run: Run, worker: RunWorker, reason: str, settings: Settings, now: datetime,
+    rejoins: bool = True,
 ) -> list[Order]:
-    """A rank that is gone without an exit report (its node silent, its agent restarted)."""
+    """A rank that is gone without an exit report (its node silent, its agent restarted); a
+    PS worker that `rejoins` comes back from its node once it can (one that never started
+    does not: its node did not take the order)."""
     if worker.status in FINISHED_WORKER_STATUSES or run.status.finished:
         return []
     worker.status = WorkerStatus.failed
@@ -175,16 +183,21 @@ def rank_lost(
     worker.reason = reason
     record_event(session, run=run, kind=ROLE_EXITED, subject=worker.rank, node_id=worker.node_id,
                  detail=reason, t=now)
-    return lose(session, run=run, worker=worker, cause=reason, settings=settings, now=now)
+    return lose(session, run=run, worker=worker, cause=reason, settings=settings, now=now, rejoins=rejoins)
 
 
 def lose(
     session: Session, *, run: Run, worker: RunWorker, cause: str, settings: Settings, now: datetime,
+    rejoins: bool = False,
 ) -> list[Order]:
-    """The run without `worker`: degraded (a PS worker), restarted or failed (the others)."""
+    """The run without `worker`: degraded (a PS worker), restarted or failed (the others). A
+    PS worker that `rejoins` comes back from its node where it can (`rejoin.rejoin`)."""
     if _serves(run, worker):
         return restart_or_fail(session, run=run, cause=cause, settings=settings, now=now)
-    return _degrade(session, run=run, worker=worker, detail=cause, now=now)
+    orders = _degrade(session, run=run, worker=worker, detail=cause, now=now)
+    if rejoins:
+        orders += rejoin(session, run=run, lost=worker, settings=settings, now=now)
+    return orders
 
 
 def _degrade(session: Session, *, run: Run, worker: RunWorker, detail: str, now: datetime) -> list[Order]:

@@ -208,6 +208,7 @@ def apply_heartbeat(
     """
     now = now or utcnow()
     node.last_heartbeat = now
+    back = node.status == NodeStatus.offline
     if node.status in (NodeStatus.pending, NodeStatus.offline):
         log.info("node %s (id %s) is online", node.name, node.id)
         node.status = NodeStatus.online
@@ -278,6 +279,9 @@ def apply_heartbeat(
             continue
         reason = f"rank {w.rank} ({w.role}) is no longer running on node {node.name} (agent restarted?)"
         out.orders += lifecycle.rank_lost(session, run=run, worker=w, reason=reason, settings=settings, now=now)
+    if back:
+        # Runs that lost this node's workers while it was away take it back.
+        out.orders += lifecycle.rejoin_node(session, node=node, settings=settings, now=now)
     session.flush()
     return out
 

@@ -10,6 +10,7 @@ max_steps is still NULL stores it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 
 from sqlalchemy import Float, cast, func, select, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from app.errors import NotFoundError
 from app.models import Run, RunMetric
+from app.models.base import utcnow
 from app.schemas.runs import MetricRecord, MetricSeries
 from app.security import hash_secret, secrets_equal
 
@@ -47,26 +49,32 @@ _PG_INSERT = text(
 
 
 def metrics_token_valid(session: Session, *, run_id: int, token: str) -> bool:
-    """Whether `token` is the run's metrics token (NotFoundError when there is no such run).
-
-    Verified pairs are remembered: a run's token never changes, and this saves a query on
-    every batch of the ingestion hot path.
-    """
-    digest = hash_secret(token)
-    if (run_id, digest) in _verified:
-        return True
+    """Whether `token` is the run's current metrics token (NotFoundError when there is no such
+    run). Not cached: a restart gives the run a new token and retires the old one."""
     run_hash = session.scalar(select(Run.metrics_token_hash).where(Run.id == run_id))
     if run_hash is None:
         raise NotFoundError("run", run_id)
-    if not secrets_equal(digest, run_hash):
-        return False
-    if len(_verified) > 10_000:
-        _verified.clear()
-    _verified.add((run_id, digest))
-    return True
+    return secrets_equal(hash_secret(token), run_hash)
 
 
-_verified: set[tuple[int, str]] = set()
+def report_refusal(session: Session, *, run_id: int, token: str, grace_s: float,
+                   now: datetime | None = None) -> tuple[int, str] | None:
+    """Why `token` may not report into run `run_id` now, as (HTTP status, detail); None when
+    it may. A run's token reports while the run is active and for `grace_s` after it ended
+    (its workers' last records in flight); after that only the node's agent delivers what a
+    trainer spooled (`POST /agent/runs/{id}/metrics`), so a leaked token is worth nothing."""
+    row = session.execute(
+        select(Run.metrics_token_hash, Run.status, Run.finished_at).where(Run.id == run_id)
+    ).one_or_none()
+    if row is None:
+        raise NotFoundError("run", run_id)
+    if row.metrics_token_hash is None or not secrets_equal(hash_secret(token), row.metrics_token_hash):
+        return 401, "not this run's metrics token"
+    now = now or utcnow()
+    if row.status.finished and (row.finished_at is None or row.finished_at < now - timedelta(seconds=grace_s)):
+        return 403, (f"run {run_id} has {row.status}: its token reports no more; the agents deliver "
+                     "what their trainers spooled")
+    return None
 
 
 def _learn_max_steps(session: Session, run_id: int, records: Sequence[MetricRecord]) -> None:

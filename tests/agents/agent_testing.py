@@ -88,7 +88,8 @@ class FakeControlPlane:
         self.files: dict[str, tuple[str | None, bytes]] = {}
         self.downloads: list[str] = []
         self.download_delay_s = 0.0
-        # Trainer reports (a run's metrics endpoint): (run_id, token, body).
+        # Trainer reports: (run_id, token, body), the token the run's (a trainer's post to the
+        # run's metrics endpoint) or None (its agent's delivery of the spool).
         self.reports: list[tuple[int, str | None, dict[str, Any]]] = []
         # While set, every POST is answered 503, as by a control plane that is restarting.
         self.down = False
@@ -162,6 +163,9 @@ class FakeControlPlane:
                     return 422, {"detail": [{"loc": ["body", "result", "samples_per_s"], "msg": "Field required"}]}
                 self.profiles.append((int(parts[4]), body))
                 return 200, {"id": int(parts[4]), "status": body.get("status")}
+            if len(parts) == 6 and parts[3] == "runs" and parts[5] == "metrics":
+                self.reports.append((int(parts[4]), None, body))
+                return 200, {"received": len(body.get("records", [])), "stored": len(body.get("records", []))}
             if len(parts) == 6 and parts[3] == "runs" and parts[5] in ("events", "logs"):
                 run_id = int(parts[4])
                 (self.events if parts[5] == "events" else self.logs).append((run_id, body))

@@ -36,8 +36,8 @@ class Transport:
     def logs(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]:
         return self._take(LOGS, run_id, body)
 
-    def post_records(self, url: str, token: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        return self._take(REPORT, 0, {**body, "url": url, "token": token})
+    def reports(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        return self._take(REPORT, run_id, body)
 
 
 def _outbox(path: Path, transport: Transport) -> Outbox:
@@ -51,7 +51,7 @@ def test_outbox_delivers_in_the_order_things_were_put_once_the_control_plane_is_
     try:
         for i in range(5):
             box.put(EVENT, 1, {"i": i})
-        box.put_many([Message(REPORT, 1, {"records": [1]}, url="http://cp/x", token="t"),
+        box.put_many([Message(REPORT, 1, {"records": [1]}),
                        Message(LOGS, 1, {"lines": [{"seq": 0}]})])
 
         transport.down = False
@@ -59,7 +59,7 @@ def test_outbox_delivers_in_the_order_things_were_put_once_the_control_plane_is_
         assert box.drain(10)
         assert [(k, b.get("i")) for k, _, b in transport.delivered] == (
             [(EVENT, i) for i in range(5)] + [(REPORT, None), (LOGS, None)])
-        assert transport.delivered[5][2]["url"] == "http://cp/x" and transport.delivered[5][2]["token"] == "t"
+        assert transport.delivered[5] == (REPORT, 1, {"records": [1]})
     finally:
         box.close()
 

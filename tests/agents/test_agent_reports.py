@@ -22,25 +22,25 @@ def test_spool_messages_skip_a_torn_line_and_batch_by_500(tmp_path):
     spool = tmp_path / "report-spool.jsonl"
     spool.write_text("".join(f'{{"seq": {i}}}\n' for i in range(501)) + '{"seq": ')
 
-    messages = spool_messages(spool, run_id=4, url="http://cp/api/v1/runs/4/metrics", token="t")
+    messages = spool_messages(spool, run_id=4)
 
     assert [len(m.body["records"]) for m in messages] == [500, 1]
-    assert {(m.kind, m.run_id, m.url, m.token) for m in messages} == {(REPORT, 4, "http://cp/api/v1/runs/4/metrics", "t")}
+    assert {(m.kind, m.run_id) for m in messages} == {(REPORT, 4)}
 
 
 def test_spool_messages_of_a_missing_spool_are_none(tmp_path):
-    assert spool_messages(tmp_path / "none.jsonl", run_id=4, url="http://cp/x", token="t") == []
+    assert spool_messages(tmp_path / "none.jsonl", run_id=4) == []
 
 
-def test_the_client_posts_spooled_records_to_the_absolute_url_with_the_run_token(control_plane):
+def test_the_client_delivers_spooled_records_with_the_agents_own_token(control_plane):
     from agents.client import ControlPlaneClient
 
     client = ControlPlaneClient(control_plane.url, agent_token="hta_agent", timeout_s=5)
     try:
-        answer = client.post_records(f"{control_plane.url}/api/v1/runs/5/metrics", "run-secret",
-                                     {"records": [{"seq": 0}, {"seq": 1}]})
+        client.register(join_token=control_plane.JOIN_TOKEN, agent_token="hta_agent", hardware={"hostname": "n1"})
+        answer = client.reports(5, {"records": [{"seq": 0}, {"seq": 1}]})
     finally:
         client.close()
 
-    assert answer == {"stored": 2}
-    assert control_plane.reports == [(5, "run-secret", {"records": [{"seq": 0}, {"seq": 1}]})]
+    assert answer["stored"] == 2
+    assert control_plane.reports == [(5, None, {"records": [{"seq": 0}, {"seq": 1}]})]

@@ -37,7 +37,9 @@ class RecordingReporter:
     def __init__(self) -> None:
         self.events: list[tuple[int, dict[str, Any]]] = []
         self.batches: list[tuple[int, dict[str, Any]]] = []
-        self.reports: list[tuple[str, str | None, dict[str, Any]]] = []
+        self.delivered_reports: list[tuple[int, dict[str, Any]]] = []
+        # (what, run_id) in the order it arrived: an event's name, or "report".
+        self.order: list[tuple[str, int]] = []
         # Runs that ended: a "started" for one of them is answered "stop".
         self.finished_runs: set[int] = set()
         self.down = False
@@ -48,6 +50,7 @@ class RecordingReporter:
             raise ControlPlaneUnavailable("down")
         with self.lock:
             self.events.append((run_id, body))
+            self.order.append((body["event"], run_id))
         if body["event"] == "started" and run_id in self.finished_runs:
             return {"run_status": "cancelled", "action": "stop", "reason": f"run {run_id} has cancelled"}
         return {}
@@ -59,11 +62,12 @@ class RecordingReporter:
             self.batches.append((run_id, body))
         return {}
 
-    def post_records(self, url: str, token: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    def reports(self, run_id: int, body: dict[str, Any]) -> dict[str, Any]:
         if self.down:
             raise ControlPlaneUnavailable("down")
         with self.lock:
-            self.reports.append((url, token, body))
+            self.delivered_reports.append((run_id, body))
+            self.order.append(("report", run_id))
         return {}
 
     def event(self, run_id: int, kind: str) -> dict[str, Any] | None:
@@ -374,7 +378,7 @@ def test_a_stopping_agent_kills_a_role_still_running_after_the_stop_grace(superv
     assert exited["signal"] == signal.SIGKILL and exited["cause"] == "agent_stopping"
 
 
-def test_what_the_trainer_spooled_is_posted_to_its_report_url_before_its_exit(tmp_path, reporter):
+def test_what_the_trainer_spooled_is_delivered_by_its_agent_before_its_exit(tmp_path, reporter):
     sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
     try:
         launch_role(36, 1, role_spec(36, 1, spool_records=1201), supervisor=sup)
@@ -382,10 +386,11 @@ def test_what_the_trainer_spooled_is_posted_to_its_report_url_before_its_exit(tm
     finally:
         sup.close()
 
-    assert [len(body["records"]) for _, _, body in reporter.reports] == [500, 500, 201]
-    assert {(url, token) for url, token, _ in reporter.reports} == {
-        ("http://127.0.0.1:1/api/v1/runs/36/metrics", "run-secret")}
-    assert [r["seq"] for _, _, body in reporter.reports for r in body["records"]] == list(range(1201))
+    assert [len(body["records"]) for _, body in reporter.delivered_reports] == [500, 500, 201]
+    assert {run_id for run_id, _ in reporter.delivered_reports} == {36}
+    assert [r["seq"] for _, body in reporter.delivered_reports for r in body["records"]] == list(range(1201))
+    # The spooled records come before the exit that ends the run.
+    assert reporter.order.index(("report", 36)) < reporter.order.index(("exited", 36))
     assert not (tmp_path / "s" / "runs" / "36" / "rank1" / "report-spool.jsonl").exists()
 
 

@@ -16,7 +16,7 @@ from itsdangerous import URLSafeTimedSerializer
 from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
 from app.config import Settings
-from app.models import TokenScope
+from app.models import Run, TokenScope
 from app.models.base import utcnow
 from app.queries.runs import run_metrics_token
 from app.queries.tokens import create_token
@@ -207,15 +207,36 @@ def test_a_runs_metrics_token_cannot_download_another_runs_bundle(two_runs, make
     assert make_client(token).get(f"{API}/runs/{second}/bundle").status_code == 401
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 17: the per-rank, live-only reporting credential is not built yet; a finished "
-    "run's metrics token is still accepted for new records",
-)
-def test_a_finished_runs_metrics_token_is_refused(two_runs, client, make_client):
+def _finish(client: TestClient, node, rid: int) -> None:
+    node.event(rid, rank=0, role="worker", event="started", pid=100)
+    node.event(rid, rank=0, role="worker", event="exited", exit_code=0, pid=100)
+    assert _run(client, rid)["status"] == "succeeded"
+
+
+def test_a_finished_runs_metrics_token_is_refused_once_the_grace_has_passed(
+        two_runs, client, make_client, session, settings: Settings):
     first, _, token, a = two_runs
-    a.event(first, rank=0, role="worker", event="started", pid=100)
-    a.event(first, rank=0, role="worker", event="exited", exit_code=0, pid=100)
-    assert _run(client, first)["status"] == "succeeded"
+    _finish(client, a, first)
+    run = session.get(Run, first)
+    run.finished_at = utcnow() - timedelta(seconds=settings.finish_grace_s + 1)
+    session.commit()
+
     response = make_client(token).post(f"{API}/runs/{first}/metrics", json=_metrics())
-    assert response.status_code in (401, 403)
+
+    assert response.status_code == 403 and "reports no more" in response.json()["detail"]
+
+
+def test_a_just_finished_runs_metrics_token_still_delivers_the_records_in_flight(two_runs, client, make_client):
+    first, _, token, a = two_runs
+    _finish(client, a, first)
+
+    assert make_client(token).post(f"{API}/runs/{first}/metrics", json=_metrics()).status_code == 200
+
+
+def test_an_agent_cannot_deliver_spooled_records_of_a_rank_on_another_node(run_on_two_nodes, client):
+    rid, a, _ = run_on_two_nodes
+
+    response = a.agent.post(f"{API}/agent/runs/{rid}/metrics", json=_metrics(rank=1))
+
+    assert response.status_code == 409 and f"rank 1 of run {rid} is not planned on node" in response.json()["detail"]
+    assert client.get(f"{API}/runs/{rid}/metrics", params={"name": "bytes_sent"}).json()["series"] == []

@@ -98,6 +98,60 @@ def test_a_worker_killed_by_a_signal_degrades_the_run(online_node, client, dispa
     assert run["workers"][2]["reason"] == "rank 2 (worker) was killed by signal 9"
 
 
+def _joins(dispatched, node):
+    """(rank, spec) of each join launch waiting for `node`."""
+    return [(args[1], args[2]) for task, args in _run_orders(dispatched, node) if task == LAUNCH_ROLE]
+
+
+def test_a_worker_killed_by_a_signal_rejoins_from_its_node_as_a_new_rank(online_node, client, dispatched, session):
+    rid, a, b = _ps_run(online_node, client, dispatched)
+
+    b.event(rid, rank=2, role="worker", event="exited", signal=9, pid=102)
+
+    joins = _joins(dispatched, b)
+    assert [rank for rank, _ in joins] == [3] and joins[0][1]["join"] is True
+    assert [(w["rank"], w["status"]) for w in _run(client, rid)["workers"]][2:] == [(2, "failed"), (3, "launched")]
+    assert ("node_rejoined", 2) in _kinds(session, rid)
+
+
+def test_a_worker_that_failed_with_an_error_of_its_own_does_not_rejoin(online_node, client, dispatched, session):
+    rid, a, b = _ps_run(online_node, client, dispatched)
+
+    b.event(rid, rank=2, role="worker", event="exited", exit_code=1, pid=102, reason="rank 2: ValueError: bad batch")
+
+    assert _joins(dispatched, b) == []
+    assert ("node_rejoined", 2) not in _kinds(session, rid)
+
+
+def test_a_nodes_rejoins_stop_at_the_runs_max_restarts(online_node, client, dispatched, session):
+    rid, a, b = _ps_run(online_node, client, dispatched, max_restarts=1)
+    b.event(rid, rank=2, role="worker", event="exited", signal=9, pid=102)
+    assert [rank for rank, _ in _joins(dispatched, b)] == [3]
+    b.event(rid, rank=3, role="worker", event="started", pid=103)
+
+    b.event(rid, rank=3, role="worker", event="exited", signal=9, pid=103)
+
+    assert _joins(dispatched, b) == []
+    assert [w["status"] for w in _run(client, rid)["workers"]][2:] == ["failed", "failed"]
+
+
+def test_a_node_back_online_rejoins_the_run_that_lost_its_worker_while_it_was_away(
+        online_node, client, dispatched, session, settings):
+    rid, a, b = _ps_run(online_node, client, dispatched)
+    later = utcnow() + timedelta(seconds=31)
+    from app.models import Node
+
+    session.get(Node, a.id).last_heartbeat = later
+    check_liveness(session, settings=settings.model_copy(update={"heartbeat_timeout_s": 30}), now=later)
+    session.commit()
+    assert _run(client, rid)["workers"][2]["status"] == "failed" and _joins(dispatched, b) == []
+
+    beat = b.agent.post(f"{API}/agent/heartbeat", json={"roles": []})
+
+    assert beat.status_code == 200 and beat.json()["status"] == "online"
+    assert [rank for rank, _ in _joins(dispatched, b)] == [3]
+
+
 def test_a_worker_that_leaves_cleanly_is_left_and_the_run_degraded(online_node, client, dispatched, session):
     rid, a, b = _ps_run(online_node, client, dispatched)
 

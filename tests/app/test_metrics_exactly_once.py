@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from app import db
 from app.config import Settings
 from app.main import create_app
-from app.models import Node, Run, RunEvent, RunMetric, RunStatus, RunWorker, Site, WorkerStatus
+from app.models import Node, NodeAgent, Run, RunEvent, RunMetric, RunStatus, RunWorker, Site, WorkerStatus
 from app.models.enums import Continent, Provider, SiteKind
 from app.security import hash_secret, new_secret
 from trainer.metrics import HttpReporter, MetricsLogger
@@ -44,6 +44,8 @@ class IngestRun:
     run_id: int
     token: str
     node_ids: list[int]
+    # The agent token of the node of each rank.
+    agent_tokens: dict[int, str]
 
     @property
     def url(self) -> str:
@@ -59,13 +61,16 @@ class IngestRun:
         return int(self.session.scalar(select(func.count()).select_from(model).where(model.run_id == self.run_id)) or 0)
 
 
-def _running_run(session: Session) -> tuple[Run, str]:
+def _running_run(session: Session) -> tuple[Run, str, dict[int, str]]:
     tag = uuid.uuid4().hex[:8]
     site = Site(name=f"site-{tag}", kind=SiteKind.onprem, provider=Provider.onprem, continent=Continent.europe)
     nodes = [Node(site=site, name=f"{name}-{tag}", join_token_hash=hash_secret(new_secret("htj_")))
              for name in ("a", "b")]
     session.add_all([site, *nodes])
     session.flush()
+    agent_tokens = {node.id: new_secret("hta_") for node in nodes}
+    session.add_all([NodeAgent(node_id=node_id, token_hash=hash_secret(t), join_token_hash=hash_secret(new_secret("htj_")))
+                     for node_id, t in agent_tokens.items()])
     token = new_secret("htr_")
     now = datetime.now(UTC)
     run = Run(
@@ -78,13 +83,13 @@ def _running_run(session: Session) -> tuple[Run, str]:
     )
     session.add(run)
     session.commit()
-    return run, token
+    return run, token, {w.rank: agent_tokens[w.node_id] for w in run.workers}
 
 
 @pytest.fixture
 def pg_ingest(session: Session, make_client: Callable[[str | None], TestClient]) -> IngestRun:
-    run, token = _running_run(session)
-    return IngestRun(session, make_client(token), run.id, token, [w.node_id for w in run.workers])  # type: ignore[misc]
+    run, token, agents = _running_run(session)
+    return IngestRun(session, make_client(token), run.id, token, [w.node_id for w in run.workers], agents)  # type: ignore[misc]
 
 
 @pytest.fixture
@@ -94,9 +99,9 @@ def sqlite_ingest(tmp_path: Path) -> Iterator[IngestRun]:
     app = create_app(Settings(DATABASE_URL=url, CELERY_BROKER_URL=f"sqla+sqlite:///{tmp_path}/broker.db",
                               admin_token="adm-token"))
     with Session(app.state.engine, expire_on_commit=False) as session:
-        run, token = _running_run(session)
+        run, token, agents = _running_run(session)
         yield IngestRun(session, TestClient(app, headers={"Authorization": f"Bearer {token}"}), run.id, token,
-                        [w.node_id for w in run.workers])  # type: ignore[misc]
+                        [w.node_id for w in run.workers], agents)  # type: ignore[misc]
     app.state.engine.dispose()
 
 
@@ -264,11 +269,33 @@ def test_the_spool_written_at_close_completes_the_set_when_posted_later(
     assert sorted((r["stream"], r["seq"]) for r in spooled) == [(metrics.stream, s) for s in range(30, 90)]
 
     served.start()
-    # What the agent does after the role exits: post the spool's records as they are (twice,
-    # as a retry after a lost answer would).
-    url = f"http://127.0.0.1:{served.port}{pg_ingest.url}"
-    headers = {"Authorization": f"Bearer {pg_ingest.token}"}
-    first = httpx.post(url, json={"records": spooled}, headers=headers).json()
-    again = httpx.post(url, json={"records": spooled}, headers=headers).json()
+    first, again = (_deliver_spool(served, pg_ingest, spooled, rank=2) for _ in range(2))
     assert first["stored"] == 60 and again["stored"] == 0
     assert _stored_keys(pg_ingest) == [(metrics.stream, seq) for seq in range(90)]
+
+
+def _deliver_spool(plane: ServedControlPlane, run: IngestRun, records: list[dict[str, Any]], *, rank: int) -> dict:
+    """What the agent does after the role exits: post the spool's records as they are, with
+    its own token (a retry after a lost answer posts them again)."""
+    answer = httpx.post(f"http://127.0.0.1:{plane.port}{API}/agent/runs/{run.run_id}/metrics",
+                        json={"records": records}, headers={"Authorization": f"Bearer {run.agent_tokens[rank]}"})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_records_an_ended_run_refuses_go_to_the_spool_and_its_agent_delivers_them(
+    served: ServedControlPlane, pg_ingest: IngestRun, tmp_path: Path
+):
+    run = pg_ingest.session.get(Run, pg_ingest.run_id)
+    run.status, run.finished_at = RunStatus.succeeded, datetime.now(UTC).replace(year=2020)
+    pg_ingest.session.commit()
+    spool = tmp_path / "spool.jsonl"
+    metrics = MetricsLogger(2, "worker", reporter=_reporter(served, pg_ingest, spool))
+
+    _log_steps(metrics, range(0, 5))
+    metrics.close()
+
+    spooled = [json.loads(line) for line in spool.read_text().splitlines()]
+    assert _stored_keys(pg_ingest) == [] and len(spooled) == 15
+    assert _deliver_spool(served, pg_ingest, spooled, rank=2)["stored"] == 15
+    assert _stored_keys(pg_ingest) == [(metrics.stream, seq) for seq in range(15)]

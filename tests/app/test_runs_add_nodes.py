@@ -44,7 +44,8 @@ def test_an_added_node_joins_the_running_run_with_a_share_of_the_batch(online_no
 
 def test_a_node_whose_worker_left_may_join_again(online_node, client, dispatched):
     rid, a, b = _running_ps_run(online_node, client, dispatched)
-    b.event(rid, rank=2, role="worker", event="exited", signal=9, pid=12)
+    # An error of its own: the node does not rejoin by itself (a killed worker would).
+    b.event(rid, rank=2, role="worker", event="exited", exit_code=1, pid=12)
 
     answer = client.post(f"{API}/runs/{rid}/nodes", json={"node_ids": [b.id]})
 

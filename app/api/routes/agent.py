@@ -1,4 +1,4 @@
-"""The node agents' endpoints: register, heartbeat, role events and logs
+"""The node agents' endpoints: register, heartbeat, role events, logs and spooled metrics
 (docs/architecture.md, "Agent ↔ control plane")."""
 
 from __future__ import annotations
@@ -9,6 +9,10 @@ from app.api.deps import AgentNodeDep, DispatcherDep, IdPath, SessionDep, Settin
 from app.api.responses import CONFLICT, NOT_FOUND_OR_CONFLICT
 from app.dispatch import node_queue
 from app.queries import agents as queries
+from app.queries.reports import store_spooled_report
+from app.queries.runs import get_run
+from app.schemas.reports import ReportBatch
+from app.schemas.runs import MetricsStored
 from app.lifecycle import run_state_lock, start_queued
 from app.schemas.agent import (
     AgentRegister,
@@ -97,6 +101,16 @@ def report_role_event(
         action="stop" if outcome.stop_reason else None,
         reason=outcome.stop_reason,
     )
+
+
+@router.post("/runs/{run_id}/metrics", response_model=MetricsStored, responses=NOT_FOUND_OR_CONFLICT)
+def deliver_spooled_metrics(session: SessionDep, node: AgentNodeDep, run_id: IdPath, body: ReportBatch) -> MetricsStored:
+    """Store what this node's trainers spooled (records of its own ranks only), also after the
+    run has ended, when the run's own token reports no more; each record once."""
+    run = get_run(session, run_id=run_id)
+    stored = store_spooled_report(session, node=node, run=run, batch=body)
+    session.commit()
+    return MetricsStored(received=len(body.records), stored=stored)
 
 
 @router.post("/runs/{run_id}/logs", response_model=LogsStored, responses=NOT_FOUND_OR_CONFLICT)

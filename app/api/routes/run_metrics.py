@@ -6,36 +6,29 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 
-from app.api.deps import IdPath, MetricsTokenDep, ReadDep, SessionDep
+from app.api.deps import IdPath, MetricsTokenDep, ReadDep, SessionDep, SettingsDep
 from app.api.responses import NOT_FOUND
-from app.queries import events as event_queries
 from app.queries import metrics as queries
-from app.schemas.reports import ReportBatch, TrainerEventRecord
-from app.schemas.runs import MetricName, MetricRecord, MetricsStored, RunMetrics
+from app.queries.reports import store_report
+from app.schemas.reports import ReportBatch
+from app.schemas.runs import MetricName, MetricsStored, RunMetrics
 
 router = APIRouter()
 
 
 @router.post("/{run_id}/metrics", response_model=MetricsStored, responses=NOT_FOUND)
 def ingest_metrics(
-    session: SessionDep, token: MetricsTokenDep, run_id: IdPath, body: ReportBatch
+    session: SessionDep, settings: SettingsDep, token: MetricsTokenDep, run_id: IdPath, body: ReportBatch
 ) -> MetricsStored:
     """Store a batch of trainer records (measurements and run events); a record already
-    stored is skipped, not doubled."""
-    if not queries.metrics_token_valid(session, run_id=run_id, token=token):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED, "not this run's metrics token",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    measurements: list[MetricRecord] = []
-    events: list[TrainerEventRecord] = []
-    for record in body.records:
-        if isinstance(record, TrainerEventRecord):
-            events.append(record)
-        else:
-            measurements.append(record)
-    stored = queries.store_metrics(session, run_id=run_id, records=measurements)
-    stored += event_queries.store_trainer_events(session, run_id=run_id, records=events)
+    stored is skipped, not doubled. The run's token reports only while the run is active (and
+    `finish_grace_s` after): 403 once it has ended."""
+    refusal = queries.report_refusal(session, run_id=run_id, token=token, grace_s=settings.finish_grace_s)
+    if refusal is not None:
+        code, detail = refusal
+        headers = {"WWW-Authenticate": "Bearer"} if code == status.HTTP_401_UNAUTHORIZED else None
+        raise HTTPException(code, detail, headers=headers)
+    stored = store_report(session, run_id=run_id, batch=body)
     session.commit()
     return MetricsStored(received=len(body.records), stored=stored)
 
