@@ -318,7 +318,7 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                     assert injection is not None
                     time.sleep(10.0)  # let the agents reap and report what they stopped
                     events = get_json(api, f"/api/v1/runs/{run['id']}/events")
-                    events = events["data"] if isinstance(events, dict) else events
+                    events = events["events"]
                     stored = stored_points(api, run["id"])
                     logged = logged_points(metric_files(state, args.state_dir, run["id"]))
                     lost = sum((logged - stored).values())
