@@ -5,39 +5,23 @@ shows the bundle and `bundles delete` removes it."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from runs_testing import online_node_fixture  # noqa: F401 (fixture)
 
 from app.cli import main
-from tests.app.conftest import ADMIN_TOKEN
+from tests.app.serving import cli_server
 
 
 @pytest.fixture
 def server(app: FastAPI, make_client: Callable[[str | None], TestClient]) -> Iterator[list[str]]:
     """`--server URL --token T` of the test app served over real HTTP; requests share the test's
     rolled-back transaction (make_client installs it), and no lifespan starts the monitor."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    served = uvicorn.Server(config)
-    thread = threading.Thread(target=served.run, name="uvicorn-cli-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not served.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("the control plane did not start")
-        time.sleep(0.02)
-    port = served.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield ["--server", f"http://127.0.0.1:{port}", "--token", ADMIN_TOKEN]
-    finally:
-        served.should_exit = True
-        thread.join(timeout=10)
+    with cli_server(app, "uvicorn-cli-test") as argv:
+        yield argv
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:

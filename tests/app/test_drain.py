@@ -3,16 +3,14 @@ no new one, and queued runs that need it wait until it is undrained."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
 from app.cli import main
 from tests.app.conftest import ADMIN_TOKEN
+from tests.app.serving import cli_server
 
 
 def _create(client, nodes, **fields):
@@ -71,20 +69,8 @@ def test_a_queued_run_that_needs_a_draining_node_waits_and_starts_once_undrained
 @pytest.fixture
 def server(app, make_client) -> Iterator[list[str]]:
     """`--server URL --token T` of the test app served over real HTTP."""
-    served = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=served.run, name="uvicorn-drain-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not served.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("the control plane did not start")
-        time.sleep(0.02)
-    port = served.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield ["--server", f"http://127.0.0.1:{port}", "--token", ADMIN_TOKEN]
-    finally:
-        served.should_exit = True
-        thread.join(timeout=10)
+    with cli_server(app, "uvicorn-drain-test") as argv:
+        yield argv
 
 
 def test_the_cli_drains_and_undrains_a_node_by_name(server, online_node, client, capsys):

@@ -4,13 +4,10 @@ GET /runs/{id}/events and by `hybridtrain runs events`."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
@@ -22,7 +19,7 @@ from app.models import Node, Run, RunStatus, RunWorker, Site, WorkerStatus
 from app.models.enums import Continent, Provider, SiteKind
 from app.queries.events import list_events, record_event
 from app.security import hash_secret, new_secret
-from tests.app.conftest import ADMIN_TOKEN
+from tests.app.serving import cli_server
 
 API = "/api/v1"
 T0 = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
@@ -95,20 +92,8 @@ def test_runs_events_prints_one_line_per_event_with_its_step_rank_and_source():
 @pytest.fixture
 def server(app: FastAPI, client: TestClient) -> Iterator[list[str]]:
     """`--server URL --token T` of the test app served over real HTTP, sharing the test's session."""
-    served = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=served.run, name="uvicorn-events-cli", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not served.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("the control plane did not start")
-        time.sleep(0.02)
-    port = served.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield ["--server", f"http://127.0.0.1:{port}", "--token", ADMIN_TOKEN]
-    finally:
-        served.should_exit = True
-        thread.join(timeout=10)
+    with cli_server(app, "uvicorn-events-cli") as argv:
+        yield argv
 
 
 def test_runs_events_command_shows_the_runs_timeline(server, session: Session, run: Run, capsys):
