@@ -204,7 +204,11 @@ class MetricsLogger:
         self.rank = rank
         self.role = role
         self.reporter = reporter
-        self._file: IO[str] | None = open(path, "a", buffering=1 << 16) if path else None
+        # Line-buffered: a record is in the file (the kernel's page cache) before the reporter
+        # may send it, so a SIGKILL never leaves the control plane with a record the file lacks
+        # (the fault benchmark counts lost and doubled points against the file). A write per
+        # record costs microseconds against steps of tens of milliseconds.
+        self._file: IO[str] | None = open(path, "a", buffering=1) if path else None
         self.last: dict[str, float] = {}
         self._checked: set[str] = set()
         self.stream = new_stream_id()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import Float, cast, func, select, text, update
+from sqlalchemy import Float, case, cast, func, select, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
@@ -148,8 +148,10 @@ def read_metrics(
 ) -> tuple[list[MetricSeries], float | None]:
     """The run's series (name, rank, peer), each at most `max_points` long, and the newest t.
 
-    A longer series is cut into `max_points` equal step ranges; each becomes one point with
-    the range's last step and t and its mean value, all in one grouped query.
+    A series of at most `max_points` comes back whole, point by point in time order (a step
+    trained twice after a resume shows twice). A longer one is cut into `max_points` equal
+    step ranges; each becomes one point with the range's last step and t and its mean value,
+    all in one grouped query.
     """
     if session.get(Run, run_id) is None:
         raise NotFoundError("run", run_id)
@@ -167,12 +169,16 @@ def read_metrics(
     series_key = [m.c.name, m.c.rank, m.c.peer]
     lo = func.min(m.c.step).over(partition_by=series_key)
     hi = func.max(m.c.step).over(partition_by=series_key)
+    n = func.count().over(partition_by=series_key)
+    # The row's place in time: its own bucket when the whole series fits.
+    place = func.row_number().over(partition_by=series_key, order_by=(m.c.t, m.c.stream, m.c.seq))
+    # `//` is integer division on both backends (`/` divides as NUMERIC on Postgres).
+    step_range = (m.c.step - lo) * max_points // (hi - lo + 1)
     inner = (
         select(
             m.c.name, m.c.rank, m.c.peer, m.c.step, m.c.t, m.c.value,
-            # `//` is integer division on both backends (`/` divides as NUMERIC on Postgres).
-            ((m.c.step - lo) * max_points // (hi - lo + 1)).label("b"),
-            func.count().over(partition_by=series_key).label("n"),
+            case((n <= max_points, place), else_=step_range).label("b"),
+            n.label("n"),
         )
         .where(*conds)
         .subquery("x")

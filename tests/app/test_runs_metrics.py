@@ -142,6 +142,22 @@ def test_long_series_are_downsampled_on_the_server(metrics_run):
     assert series["points"][-1][0] == 4999
 
 
+def test_a_short_series_comes_back_whole_with_replayed_steps_in_time_order(metrics_run):
+    url = f"{API}/runs/{metrics_run.run_id}/metrics"
+    # A resumed run trains steps 3..4 a second time, later and in a new process (stream).
+    first = _records(range(5))
+    replay = [{**r, "t": r["t"] + 100, "value": r["value"] / 2, "stream": "b" * 16, "seq": i}
+              for i, r in enumerate(_records(range(3, 6)))]
+    metrics_run.trainer.post(url, json={"records": first})
+    metrics_run.trainer.post(url, json={"records": replay})
+
+    series = metrics_run.client.get(url, params={"name": "loss", "max_points": 8}).json()["series"][0]
+
+    assert series["count"] == 8 and series["downsampled"] is False
+    assert [p[0] for p in series["points"]] == [0, 1, 2, 3, 4, 3, 4, 5]
+    assert [p[1] for p in series["points"]] == sorted(p[1] for p in series["points"])
+
+
 def test_logs_are_stored_once_per_line_and_read_newest_last(metrics_run):
     url = f"{API}/agent/runs/{metrics_run.run_id}/logs"
     lines = [{"seq": i, "t": 1.0 + i, "line": f"step {i}"} for i in range(5)]
