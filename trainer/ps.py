@@ -61,6 +61,7 @@ from trainer.frames import (
     expect,
     pack,
 )
+from trainer.linkclock import LinkClock
 from trainer.metrics import MetricsLogger
 from trainer.relay import SERVER
 from trainer.session import Session
@@ -120,6 +121,7 @@ class _Sending:
     topk_s: float = 0.0
     encode_s: float = 0.0
     tx_s: float = 0.0
+    nbytes: int = 0
     # Overlap: params whose gradient the backward pass has produced, and whose SGD decay is in.
     ready: set = field(default_factory=set)
 
@@ -152,6 +154,7 @@ class PSClient(Session):
         # One codec state (residual) per chunk: each chunk is compressed on its own.
         self.codec_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
         self.last_tx_s = 0.0
+        self.link_clock = LinkClock()
         self.step = 0
         self.stopped = False
         self.train_samples = train_samples
@@ -388,6 +391,7 @@ class PSClient(Session):
         ts = time.perf_counter()
         sending.encode_s += ts - te
         sending.waits.append(self.transport.post_many([self.up], frame))
+        sending.nbytes += frame.numel()
         sending.tx_s += time.perf_counter() - ts
         sending.next_chunk = c + 1
 
@@ -447,7 +451,10 @@ class PSClient(Session):
         if self.ended_by_server:
             return
         last_arrival = time.perf_counter()
-        self.last_tx_s = tx_s
+        # By now the server has the whole upload and its ACKs are back: the rate sample is the
+        # upload's own.
+        self.link_clock.note(self.transport.delivery_rate(self.up))
+        self.last_tx_s = self.link_clock.send_s(sending.nbytes, tx_s)
         self.step = step
         total = step_s + time.perf_counter() - t0
         mlog = self.metrics.log
@@ -459,7 +466,8 @@ class PSClient(Session):
         mlog(step, "compress_s", topk_s + encode_s)
         # Communication is all of the step this worker did not spend computing or compressing:
         # its sends, the server's work and the update's way back (the bill's granularity is
-        # compute_s / comm_s). The send alone (`tx_s`) is what the density rule reads.
+        # compute_s / comm_s). The send alone, at the link's rate (trainer.linkclock), is what
+        # the density rule reads.
         mlog(step, "comm_s", max(0.0, total - compute_s - topk_s - encode_s))
         mlog(step, "wait_s", max(0.0, last_arrival - sent))
         mlog(step, "density", density)

@@ -277,9 +277,9 @@ class ParameterServer(Boundary):
         ranks = [r.rank for r in rows]
         self.roster.note_rates([(r.rank, r.samples, r.compute_s) for r in rows])
         if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
-            # A link's time is the longer of the worker's own send time (previous step) and the
-            # frame's arrival time seen here (this step): the first alone misses a shaped link
-            # whose bytes sit in a socket buffer, the second alone an emulated --link-mbps.
+            # A link's time is the longer of the worker's own send time (previous step, its bytes
+            # at the rate TCP measured: trainer.linkclock) and the frame's arrival time seen here
+            # (this step): each clock can read short where the other does not.
             times = [max(r.last_tx_s, arrival.get(r.rank, 0.0)) for r in rows]
             adapted = adapt_densities(
                 [self.densities[k - 1] for k in ranks], times, target=self.cfg.density,

@@ -76,6 +76,29 @@ def write_frame(sock: socket.socket, frame: torch.Tensor) -> None:
         sock.sendall(data.data.cast("B"))
 
 
+# struct tcp_info (linux/tcp.h) up to tcpi_delivery_rate, a u64 of bytes/s at offset 160
+# (Linux 4.9 and later; an older kernel returns a shorter struct).
+_TCP_INFO_LEN = 168
+_DELIVERY_RATE = struct.Struct("<Q")
+_DELIVERY_RATE_AT = 160
+
+
+def delivery_rate(sock: socket.socket) -> float | None:
+    """TCP's latest delivery-rate sample for `sock` in bytes/s (trainer.linkclock); None where
+    the platform or kernel does not give one."""
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if tcp_info is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, _TCP_INFO_LEN)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_LEN:
+        return None
+    (rate,) = _DELIVERY_RATE.unpack_from(info, _DELIVERY_RATE_AT)
+    return float(rate) if rate else None
+
+
 def _tune(sock: socket.socket) -> None:
     # Frames are written whole; Nagle would hold a small tail back for an ACK.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -142,6 +165,11 @@ class SocketTransport(Transport):
     def _send_link(self, peer: int) -> _Link | None:
         with self._cond:
             return self._send_links.get(peer)
+
+    def delivery_rate(self, peer: int) -> float | None:
+        """TCP's latest delivery-rate sample on the link to `peer`, in bytes/s."""
+        link = self._send_link(peer)
+        return None if link is None else delivery_rate(link.sock)
 
     def post_many(self, peers: Iterable[int], frame: torch.Tensor) -> Callable[[], None]:
         """Queue `frame` on every peer's link; the returned function waits until all are written."""

@@ -54,6 +54,12 @@ class Transport(ABC):
         self.send_many(peers, frame)
         return lambda: None
 
+    def delivery_rate(self, peer: int) -> float | None:
+        """The link to `peer`'s rate as its protocol last measured it, in bytes/s; None where
+        the transport cannot tell (queues, and links emulated by sleeping: their write time is
+        their clock)."""
+        return None
+
     def take_counts(self) -> tuple[dict[int, int], dict[int, int]]:
         """Bytes sent and received per peer since the last call, and reset the counters."""
         sent, recv = dict(self.bytes_sent), dict(self.bytes_recv)

@@ -5,21 +5,19 @@ a bandwidth limit measured through a shaped link in a network namespace."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from agent_testing import ROOT, FakeControlPlane, wait_until
+from shaped_link import shaped_link
 
 from agents.agent import Agent
 from agents.celery_app import make_celery, prepare_embedded_broker
@@ -299,48 +297,26 @@ SERVE_IN_NAMESPACE = (
 )
 
 
-def _sh(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True, timeout=10)
-
-
 def test_probe_reads_a_50_mbit_tbf_link_within_10_percent_past_its_burst():
-    # Fail, never skip: CI runs as root with iproute2, and a shaped link is the probe's point.
-    if os.geteuid() != 0 or not shutil.which("tc"):
-        pytest.fail("this test needs root and tc (iproute2) to shape a link in a network namespace")
-    tag = uuid.uuid4().hex[:6]
-    ns, outside, inside = f"p1probe{tag}", f"p1o{tag}", f"p1i{tag}"
-    # Outside the testbed's 10.213.0.0/16, so a running testbed is never disturbed.
-    net = f"10.98.{int(tag[2:4], 16)}"
+    # The probe's data flows from here into the namespace, the shaped direction. A 1.5 MB
+    # bucket lets the first 1.5 MB through at the veth's speed: a rate over the whole transfer
+    # would read 12 % high, its steady windows must not.
     proc = None
-    try:
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
-        _sh("ip", "link", "set", inside, "netns", ns)
-        _sh("ip", "addr", "add", f"{net}.1/30", "dev", outside)
-        _sh("ip", "link", "set", outside, "up")
-        _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{net}.2/30", "dev", inside)
-        _sh("ip", "netns", "exec", ns, "ip", "link", "set", inside, "up")
-        _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        # The probe's data flows from here into the namespace: shape that direction. A 1.5 MB
-        # bucket lets the first 1.5 MB through at the veth's speed: a rate over the whole
-        # transfer would read 12 % high, its steady windows must not.
-        _sh("tc", "qdisc", "add", "dev", outside, "root", "tbf", "rate", "50mbit",
-            "burst", "1500kb", "latency", "100ms")
-        port = 47000 + int(tag[:3], 16) % 1000
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-c", SERVE_IN_NAMESPACE, f"{net}.2", str(port)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with shaped_link("p1probe", "50mbit", "1500kb") as link:
+        try:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", link.ns, sys.executable, "-c", SERVE_IN_NAMESPACE, link.address,
+                 str(link.port)],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
 
-        m = measure(f"{net}.2", port, seconds=1.0)
+            m = measure(link.address, link.port, seconds=1.0)
 
-        # Goodput under a 50 Mbit/s shaper: the headers take ~3 %.
-        assert m.mbps == pytest.approx(50.0 * 0.97, rel=0.10)
-        assert m.bytes * 8 / m.seconds / 1e6 > m.mbps  # the burst did arrive fast
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        subprocess.run(["ip", "link", "del", outside], capture_output=True, timeout=10)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+            # Goodput under a 50 Mbit/s shaper: the headers take ~3 %.
+            assert m.mbps == pytest.approx(50.0 * 0.97, rel=0.10)
+            assert m.bytes * 8 / m.seconds / 1e6 > m.mbps  # the burst did arrive fast
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait()

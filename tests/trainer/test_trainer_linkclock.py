@@ -1,0 +1,91 @@
+"""The density rule's clock (trainer.linkclock): a worker's upload timed at the rate TCP
+measured for its link, on hand cases and on a real 20 Mbit/s shaped link."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from shaped_link import shaped_link
+
+from trainer.linkclock import LinkClock
+from trainer.sockets import delivery_rate
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def test_before_any_rate_the_clock_is_the_writes_own_time():
+    assert LinkClock().send_s(1_000_000, write_s=0.003) == 0.003
+
+
+def test_the_send_time_is_the_bytes_at_the_best_recent_rate():
+    clock = LinkClock(window=4)
+    for rate in (1e6, 2.5e6, 0.5e6):  # the lower samples were app- or window-limited
+        clock.note(rate)
+    assert clock.send_s(1_000_000, write_s=0.003) == pytest.approx(0.4)
+
+
+def test_a_write_slower_than_the_rate_implies_keeps_its_own_time():
+    # A link emulated in-process (--link-mbps) sleeps in the write; TCP sees loopback.
+    clock = LinkClock()
+    clock.note(5e9)
+    assert clock.send_s(1_000_000, write_s=0.08) == 0.08
+
+
+def test_missing_and_zero_samples_are_skipped():
+    clock = LinkClock()
+    clock.note(None)
+    clock.note(0.0)
+    assert clock.rate is None
+
+
+def test_the_window_forgets_a_rate_the_link_no_longer_has():
+    clock = LinkClock(window=3)
+    for rate in (10e6, 1e6, 1e6, 1e6):
+        clock.note(rate)
+    assert clock.rate == 1e6
+
+
+def test_a_window_must_hold_a_sample():
+    with pytest.raises(ValueError, match="window"):
+        LinkClock(window=0)
+
+
+SINK = (
+    "import socket, sys; s = socket.create_server((sys.argv[1], int(sys.argv[2]))); print('ready', flush=True); "
+    "c, _ = s.accept()\nwhile c.recv(1 << 20): pass"
+)
+
+
+def test_a_1_mb_upload_on_a_20_mbit_link_is_clocked_at_the_links_rate_though_its_write_returns_at_once():
+    proc = None
+    with shaped_link("p1clock", "20mbit", "32kb") as link:
+        try:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", link.ns, sys.executable, "-c", SINK, link.address, str(link.port)],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            sock = socket.create_connection((link.address, link.port), timeout=10)
+            clock, payload = LinkClock(), b"\0" * 1_000_000
+            writes = []
+            for _ in range(3):  # a worker's steps: upload, then the reply (here: a pause)
+                t0 = time.perf_counter()
+                sock.sendall(payload)
+                writes.append(time.perf_counter() - t0)
+                time.sleep(0.6)  # the upload drains and is acknowledged
+                clock.note(delivery_rate(sock))
+            sock.close()
+
+            # Goodput under a 20 Mbit/s shaper: the headers take ~3 %; 1 MB then takes 0.41 s.
+            assert clock.rate is not None and clock.rate * 8 / 1e6 == pytest.approx(20 * 0.97, rel=0.10)
+            assert clock.send_s(len(payload), write_s=min(writes)) == pytest.approx(0.41, rel=0.10)
+            # What the write alone reads once TCP has grown the socket's buffer: the old clock.
+            assert min(writes) < 0.2
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait()
