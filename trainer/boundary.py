@@ -55,8 +55,12 @@ from trainer.membership import Member
 RESIDUAL_GONE = "its error-feedback residual (the part of its gradient not sent yet) is gone"
 
 
-# At the start, once --min-workers have said HELLO and no other has for this long, training
-# begins: a restarted run's workers may have gaps in their ranks, and a late one joins.
+# A resumed run starts once --min-workers have said HELLO and no other has for this long: its
+# workers may have gaps in their ranks (a lost node), and a late one joins. A fresh run instead
+# waits up to --start-wait-s (120 s) for every planned worker: start-up differs by tens of
+# seconds between nodes (imports and the task's data on a full core or on a third of one: 25 s
+# on the paper testbed's ResNet-18), and a worker admitted later is a joiner, which misses the
+# site relay plan, so its site pays one WAN copy of every update per worker.
 START_QUIET_S = 20.0
 
 
@@ -103,11 +107,21 @@ class Boundary:
                 self.inbox.add(w)
             return {w: (expect(self.inbox.get(w)[0], Hello, peer=w), None) for w in range(1, self.cfg.workers + 1)}
         hellos: dict[int, tuple[Hello, str | None]] = {}
-        deadline = time.monotonic() + self.cfg.timeout_s
-        last = time.monotonic()
+        start = last = time.monotonic()
+        deadline = start + self.cfg.timeout_s
+        fresh = self._resume_model is None
+        said = False
         while len(hellos) < self.cfg.workers and time.monotonic() < deadline:
-            if len(hellos) >= max(1, self.cfg.min_workers) and time.monotonic() - last > START_QUIET_S:
-                break
+            now = time.monotonic()
+            if len(hellos) >= max(1, self.cfg.min_workers):
+                if now - (start if fresh else last) > (self.cfg.start_wait_s if fresh else START_QUIET_S):
+                    break
+                if fresh and not said and now - last > min(START_QUIET_S, self.cfg.start_wait_s / 2):
+                    missing = sorted(set(range(1, self.cfg.workers + 1)) - set(hellos))
+                    self.say(f"{len(hellos)} of {self.cfg.workers} workers connected; waiting up to "
+                             f"{min(self.cfg.start_wait_s, self.cfg.timeout_s):.0f} s from the start for "
+                             f"rank(s) {', '.join(map(str, missing))}, then starting without them")
+                    said = True
             try:
                 conn, raw, host = self.transport.arrivals.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except queue.Empty:

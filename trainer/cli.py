@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="PS strategies: below this many live workers training waits for joiners")
     sysg.add_argument("--min-workers-wait-s", type=float, default=d.min_workers_wait_s,
                       help="how long to wait below --min-workers before the run fails")
+    sysg.add_argument("--start-wait-s", type=float, default=d.start_wait_s,
+                      help="PS strategies: how long a fresh run waits for all its workers before it "
+                           "starts with those connected (the rest join later)")
     sysg.add_argument("--join", action="store_true",
                       help="PS strategies: join a running run (any rank not in it); admitted at the next "
                            "step boundary with the run's model")
@@ -259,7 +262,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         dense_numel=args.dense_numel, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, checkpoint_every_s=args.checkpoint_every_s,
         checkpoint_dir=args.checkpoint_dir, checkpoint_url=args.checkpoint_url, resume=args.resume,
-        min_workers=args.min_workers, min_workers_wait_s=args.min_workers_wait_s, join=args.join,
+        min_workers=args.min_workers, min_workers_wait_s=args.min_workers_wait_s,
+        start_wait_s=args.start_wait_s, join=args.join,
         metrics_out=args.metrics_out, report_url=args.report_url, report_token=_report_token(args),
         report_spool=args.report_spool,
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,

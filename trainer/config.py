@@ -24,7 +24,7 @@ RESUMABLE_CHANGES = frozenset(
     {"max_steps", "epochs", "target", "checkpoint_every", "checkpoint_dir", "metrics_out",
      "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume",
      "sites", "stop_at_target", "data_workers", "eval_every", "code_dir", "checkpoint_every_s",
-     "checkpoint_url", "report_spool", "min_workers", "min_workers_wait_s", "join",
+     "checkpoint_url", "report_spool", "min_workers", "min_workers_wait_s", "start_wait_s", "join",
      # A run resumes with whichever workers it has now (docs/elastic.md).
      "workers", "batch_sizes", "speeds", "link_mbps", "emulate_speeds"}
 )
@@ -104,6 +104,9 @@ class TrainConfig:
     # min_workers_wait_s, then fails the run with the reason.
     min_workers: int = 1
     min_workers_wait_s: float = 300.0
+    # PS strategies: how long a fresh run waits for every planned worker before it starts with
+    # those there (at least min_workers); the rest join later (trainer.boundary).
+    start_wait_s: float = 120.0
     # A worker started into a running run: the server admits it at the next step boundary and
     # hands it the current model and a share of the batch.
     join: bool = False

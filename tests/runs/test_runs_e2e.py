@@ -98,6 +98,9 @@ def test_a_workers_agent_killed_mid_run_degrades_the_run_which_trains_on(cluster
     victim = cluster.nodes[2]
     lost_rank = next(w["rank"] for w in running["workers"] if w["node_id"] == victim)
     victim_name = next(w["node_name"] for w in running["workers"] if w["node_id"] == victim)
+    # Mid-run: every worker has connected and trained (a fresh run waits up to --start-wait-s
+    # for a worker lost before it connected).
+    wait_until(lambda: _server_step(cluster, run["id"]) > 0, 120, "the first step")
 
     cluster.agents[victim].stop(signal.SIGKILL)
 

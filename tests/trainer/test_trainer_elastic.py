@@ -173,6 +173,37 @@ def test_a_joiner_of_a_task_run_catches_up_with_its_learning_rate_schedule(tmp_p
     assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
 
 
+def test_a_fresh_run_waits_for_a_worker_that_starts_late_and_plans_it_from_the_first_step(tmp_path):
+    args = [*run_args(2, 6), "--start-wait-s", "30"]
+    server, workers, port = start_ps_run(tmp_path, 2, args, ranks=[1])
+    late = None
+    try:
+        # The notice comes when no worker has said HELLO for min(20 s, --start-wait-s / 2): where
+        # a resumed run would have started without rank 2.
+        server.wait_for("waiting up to 30 s from the start for rank(s) 2")
+        late = Role("worker", 2, 3, port, args, metrics=tmp_path / "rank2.jsonl")
+        assert server.wait() == 0, server.output[-3000:]
+        assert workers[1].wait() == 0 and late.wait() == 0, late.output[-3000:]
+    finally:
+        stop_all(server, *workers.values(), *([late] if late else []))
+    assert events(server.records(), EVENT_WORKER_JOINED) == []
+    assert min(series(late.records(), "batch_size", rank=2)) == 1
+
+
+def test_a_fresh_run_starts_without_a_worker_missing_past_the_start_wait_and_admits_it_later(tmp_path):
+    args = [*run_args(2, 300), "--start-wait-s", "2"]
+    server, workers, port = start_ps_run(tmp_path, 2, args, ranks=[1])
+    late = None
+    try:
+        server.wait_for("[ps] step 1/")
+        late = Role("worker", 2, 3, port, args, metrics=tmp_path / "rank2.jsonl")
+        assert server.wait() == 0, server.output[-3000:]
+        assert workers[1].wait() == 0 and late.wait() == 0, late.output[-3000:]
+    finally:
+        stop_all(server, *workers.values(), *([late] if late else []))
+    assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [2]
+
+
 def test_a_run_below_min_workers_waits_then_fails_saying_why(tmp_path):
     server, workers, _ = start_ps_run(tmp_path, 2, [*run_args(2, 400), "--min-workers", "2",
                                                      "--min-workers-wait-s", "3"])
