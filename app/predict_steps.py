@@ -98,7 +98,45 @@ def concurrent(transfers: Sequence[Transfer], links: Mapping[tuple[int, int], Li
     return times
 
 
+def staggered(transfers: Sequence[Transfer], starts: Sequence[float],
+              links: Mapping[tuple[int, int], LinkSpec]) -> list[float]:
+    """Seconds each of `transfers` takes when each starts at its own time (seconds into the step).
+
+    Transfers share pipes only with those still under way when they start: in order of start,
+    one joins the running group if it starts before the group's last transfer ends, and a group
+    is timed as if its transfers ran at once (`concurrent`). Two workers of one site whose
+    compute ends 0.5 s apart each have the site's WAN link to themselves for a 40 ms upload;
+    timed as sharing it, the density rule would see twice the time (docs/predict.md).
+    """
+    if len(starts) != len(transfers):
+        raise ValueError(f"{len(transfers)} transfers but {len(starts)} start times")
+    times = [0.0] * len(transfers)
+    group: list[int] = []
+    end = -math.inf
+    for i in sorted(range(len(transfers)), key=lambda j: starts[j]):
+        if group and starts[i] >= end:
+            group = []
+        group.append(i)
+        shared = concurrent([transfers[j] for j in group], links)
+        for j, t in zip(group, shared):
+            times[j] = t
+        end = max(starts[j] + times[j] for j in group)
+    return times
+
+
 # -- the parameter server ---------------------------------------------------------------------
+
+
+def _ready(workers: Sequence[tuple[NodeSpec, int]], task: TaskSpec, dense: bool) -> tuple[list[float], list[float]]:
+    """Each worker's compute and its compression (the upload starts after both)."""
+    compute = [n / w.samples_per_s for w, n in workers]
+    # Elements that travel as dense fp32 payloads: everything on a dense step, else the dense
+    # part. Each costs an encode on its sender. Top-k's cost is one pass over the elements
+    # whatever k (selection by threshold), so the profile's time stands at any density.
+    dense_numel = task.params if dense else task.dense_params
+    compress = [(0.0 if dense else w.worker_compress_s) + dense_numel * w.dense_encode_s_per_element
+                for w, _ in workers]
+    return compute, compress
 
 
 @dataclass
@@ -167,21 +205,16 @@ def ps_step(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
     seeded = comp.compressor == "randomk"
     ups = [Transfer(w, server, grad_bytes(task.dense_params, chunks, None if dense else densities[i],
                                           comp.value_bytes, seeded)) for i, w in enumerate(nodes)]
-    upload = concurrent(ups, links)
+    compute, compress = _ready(workers, task, dense)
+    upload = staggered(ups, [a + b for a, b in zip(compute, compress)], links)
     cached = None if downlinks is None else downlinks.get(dense)
     if cached is None:
         cached = _downlink(nodes, server, links, task, comp, relay, chunks, dense)
         if downlinks is not None:
             downlinks[dense] = cached
     update_bytes, download, forwards, downs, fwd_transfers = cached
-    compute = [n / w.samples_per_s for w, n in workers]
-    # Elements that travel as dense fp32 payloads: everything on a dense step, else the dense
-    # part. Each costs an encode on its sender and a decode (and add) on its receiver.
+    # A dense payload's elements also cost a decode (and add) on their receiver.
     dense_numel = task.params if dense else task.dense_params
-    # Top-k's cost is one pass over the elements whatever k (selection by threshold), so the
-    # profile's time stands at any density.
-    compress = [(0.0 if dense else w.worker_compress_s) + dense_numel * w.dense_encode_s_per_element
-                for w in nodes]
     decode = [dense_numel * w.dense_aggregate_s_per_element for w in nodes]
     server_s = (m * (dense_numel * server.dense_aggregate_s_per_element + (0.0 if dense else server.aggregate_s))
                 + dense_numel * server.dense_encode_s_per_element + (0.0 if dense else server.server_compress_s))
@@ -256,12 +289,13 @@ def density_path(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
     nodes = [w for w, _ in workers]
     chunks = _chunks(task, comp)
     seeded = comp.compressor == "randomk"
+    starts = [a + b for a, b in zip(*_ready(workers, task, False))]
     d = [comp.density] * len(nodes)
     path = [d, d]
     for _ in range(200):
         ups = [Transfer(w, server, grad_bytes(task.dense_params, chunks, di, comp.value_bytes, seeded))
                for w, di in zip(nodes, d)]
-        new = adapt_densities(d, concurrent(ups, links), target=comp.density, low=comp.density_min,
+        new = adapt_densities(d, staggered(ups, starts, links), target=comp.density, low=comp.density_min,
                               high=comp.density_max, gamma=comp.density_gamma, floor=comp.density_time_floor_s)
         settled = all(abs(a - b) <= DENSITY_SETTLED * b for a, b in zip(new, d))
         path.append(new)

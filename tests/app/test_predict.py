@@ -71,6 +71,20 @@ def test_two_cloud_workers_share_one_site_to_site_pipe():
     assert [r["upload_s"] for r in p.per_worker] == pytest.approx([xfer(2 * DENSE_UP, 100, 40)] * 2)
 
 
+def test_cloud_workers_whose_compute_ends_far_apart_each_have_the_pipe_to_themselves():
+    # b computes 0.8 s, a 0.08 s: a's upload (37 ms) is long done when b's starts.
+    s, a, b = node(1, site=1), node(2, site=2), node(3, site=2, sps=10)
+    p = predict("ps", workers=[(a, 8), (b, 8)], server=s, links=mesh([s, a, b]), task=TASK, relay=False)
+    assert [r["upload_s"] for r in p.per_worker] == pytest.approx([xfer(DENSE_UP, 100, 40)] * 2)
+
+
+def test_an_upload_that_starts_while_another_is_under_way_shares_its_pipe():
+    # b's compute ends 9 ms after a's, within a's upload (20 ms).
+    s, a, b = node(1, site=1), node(2, site=2), node(3, site=2, sps=90)
+    p = predict("ps", workers=[(a, 8), (b, 8)], server=s, links=mesh([s, a, b]), task=TASK, relay=False)
+    assert [r["upload_s"] for r in p.per_worker] == pytest.approx([xfer(2 * DENSE_UP, 100, 40)] * 2)
+
+
 def test_granularity_is_compute_over_upload_and_download():
     s, a = node(1, site=1), node(2, site=2, sps=50)
     p = predict("ps", workers=[(a, 10)], server=s, links=mesh([s, a]), task=TASK)
