@@ -149,6 +149,12 @@ class ParameterServer(Boundary):
             more = self._collect(rest, first_s=self.cfg.timeout_s, then_s=self.cfg.timeout_s)
             first.update(more)
             frames.update(self._let_leavers_go({w: unpack(raw) for w, (raw, _) in more.items()}))
+            # A worker admitted just before an evaluation starts at the step after it: its
+            # gradient waits until the others have evaluated the step it did not train.
+            done = {f.step for f in frames.values() if not isinstance(f, Grad) and hasattr(f, "step")}
+            for w in [w for w, f in frames.items() if isinstance(f, Grad) and done and f.step > max(done)]:
+                self.inbox.unget(w, first.pop(w))
+                del frames[w]
         first = {w: v for w, v in sorted(first.items()) if w in frames}
         return first, dict(sorted(frames.items()))
 

@@ -204,6 +204,25 @@ def test_a_fresh_run_starts_without_a_worker_missing_past_the_start_wait_and_adm
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [2]
 
 
+def test_a_joiner_admitted_just_before_an_evaluation_starts_after_it_without_failing_the_run(tmp_path):
+    # An evaluation after every step: whenever the joiner is admitted, the others evaluate the
+    # step it did not train before its first gradient.
+    args = [*DIGITS, "--strategy", "ps", "--eval-every", "1", "--timeout-s", "60", "--max-steps", "40",
+            "--link-mbps", "10,10"]
+    server, workers, port = start_ps_run(tmp_path, 2, args)
+    joiner = None
+    try:
+        server.wait_for("[ps] step 2/")
+        joiner = Role("worker", 3, 3, port, [*args, "--join"], metrics=tmp_path / "rank3.jsonl")
+        assert server.wait() == 0, server.output[-3000:]
+        for role in (*workers.values(), joiner):
+            assert role.wait() == 0, role.output[-3000:]
+    finally:
+        stop_all(server, *workers.values(), *([joiner] if joiner else []))
+    assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [3]
+    assert max(series(joiner.records(), "batch_size", rank=3)) == 40
+
+
 def test_a_run_below_min_workers_waits_then_fails_saying_why(tmp_path):
     server, workers, _ = start_ps_run(tmp_path, 2, [*run_args(2, 400), "--min-workers", "2",
                                                      "--min-workers-wait-s", "3"])
