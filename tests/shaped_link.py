@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,3 +52,21 @@ def shaped_link(prefix: str, rate: str, burst: str) -> Iterator[ShapedLink]:
     finally:
         subprocess.run(["ip", "link", "del", outside], capture_output=True, timeout=10)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+@contextmanager
+def serving_inside(link: ShapedLink, code: str, cwd: str | os.PathLike[str]) -> Iterator[None]:
+    """Run `python -c code ADDRESS PORT` in the link's namespace until it prints 'ready'; killed on
+    the way out."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", link.ns, sys.executable, "-c", code, link.address, str(link.port)],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline().strip()
+        assert first == "ready", first
+        yield
+    finally:
+        proc.kill()
+        proc.wait()

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from agent_testing import ROOT, FakeControlPlane, wait_until
-from shaped_link import shaped_link
+from shaped_link import serving_inside, shaped_link
 
 from agents.agent import Agent
 from agents.celery_app import make_celery, prepare_embedded_broker
@@ -301,22 +301,9 @@ def test_probe_reads_a_50_mbit_tbf_link_within_10_percent_past_its_burst():
     # The probe's data flows from here into the namespace, the shaped direction. A 1.5 MB
     # bucket lets the first 1.5 MB through at the veth's speed: a rate over the whole transfer
     # would read 12 % high, its steady windows must not.
-    proc = None
-    with shaped_link("p1probe", "50mbit", "1500kb") as link:
-        try:
-            proc = subprocess.Popen(
-                ["ip", "netns", "exec", link.ns, sys.executable, "-c", SERVE_IN_NAMESPACE, link.address,
-                 str(link.port)],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with shaped_link("p1probe", "50mbit", "1500kb") as link, serving_inside(link, SERVE_IN_NAMESPACE, ROOT):
+        m = measure(link.address, link.port, seconds=1.0)
 
-            m = measure(link.address, link.port, seconds=1.0)
-
-            # Goodput under a 50 Mbit/s shaper: the headers take ~3 %.
-            assert m.mbps == pytest.approx(50.0 * 0.97, rel=0.10)
-            assert m.bytes * 8 / m.seconds / 1e6 > m.mbps  # the burst did arrive fast
-        finally:
-            if proc is not None:
-                proc.kill()
-                proc.wait()
+    # Goodput under a 50 Mbit/s shaper: the headers take ~3 %.
+    assert m.mbps == pytest.approx(50.0 * 0.97, rel=0.10)
+    assert m.bytes * 8 / m.seconds / 1e6 > m.mbps  # the burst did arrive fast

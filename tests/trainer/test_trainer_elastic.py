@@ -36,6 +36,26 @@ def run_args(workers: int, steps: int) -> list[str]:
             "--link-mbps", ",".join(["10"] * workers)]
 
 
+def run_with_a_late_worker(tmp_path, workers: int, args: list[str], *, after: str, rank: int, join: bool = True,
+                           cwd=None) -> tuple[Role, dict[int, Role]]:
+    """A PS run planned for `workers`; worker `rank` (a planned one, or with `join` a newcomer
+    given --join) starts once the server has printed `after`. Every role must exit 0; returns
+    the server and the workers by rank, the late one included."""
+    where = {"cwd": cwd} if cwd else {}
+    server, roles, port = start_ps_run(tmp_path, workers, args, ranks=[r for r in range(1, workers + 1) if r != rank],
+                                       **where)
+    try:
+        server.wait_for(after)
+        roles[rank] = Role("worker", rank, workers + 1, port, [*args, "--join"] if join else args,
+                           metrics=tmp_path / f"rank{rank}.jsonl", **where)
+        assert server.wait() == 0, server.output[-3000:]
+        for role in roles.values():
+            assert role.wait() == 0, role.output[-3000:]
+    finally:
+        stop_all(server, *roles.values())
+    return server, roles
+
+
 def test_a_killed_worker_is_dropped_within_three_step_times_and_the_run_finishes(tmp_path):
     server, workers, _ = start_ps_run(tmp_path, 3, run_args(3, 60))
     try:
@@ -132,24 +152,15 @@ def test_a_joiner_gets_the_runs_weights_and_optimizer_state_and_a_batch_share(tm
     (tmp_path / "train.py").write_text(SCRIPT)
     args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "300", "--timeout-s", "60",
             "--code-dir", str(tmp_path), "--script", "train.py"]
-    server, workers, port = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
-    joiner = None
-    try:
-        server.wait_for("[ps] step 1/")
-        joiner = Role("worker", 3, 3, port, [*args, "--join"], metrics=tmp_path / "rank3.jsonl", cwd=tmp_path)
-        assert server.wait() == 0, server.output[-3000:]
-        for role in (*workers.values(), joiner):
-            assert role.wait() == 0, role.output[-3000:]
-    finally:
-        stop_all(server, *workers.values(), *([joiner] if joiner else []))
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=3, cwd=tmp_path)
     joined = events(server.records(), EVENT_WORKER_JOINED)
     assert [e["subject"] for e in joined] == [3]
-    results = {r: role.wait_for("RESULT") for r, role in {**workers, 3: joiner}.items()}
+    results = {r: role.wait_for("RESULT") for r, role in roles.items()}
     hashes = {line.split(" hash ")[1].split()[0] for line in results.values()}
     assert len(hashes) == 1, results
     assert all(" step 300 " in line for line in results.values())
     # The joiner computed its share of every step after the one it caught up with.
-    steps = series(joiner.records(), "batch_size", rank=3)
+    steps = series(roles[3].records(), "batch_size", rank=3)
     assert min(steps) == joined[0]["step"] + 2 and max(steps) == 300
     assert all(0 < n < 48 for n in steps.values())
 
@@ -158,49 +169,25 @@ def test_a_joiner_of_a_task_run_catches_up_with_its_learning_rate_schedule(tmp_p
     # The digits task has a cosine schedule: a joiner whose schedule restarted would apply
     # another learning rate, and its weights would differ from the others' at the end.
     args = [*run_args(2, 120), "--eval-every", "60", *with_replica_script(tmp_path)]
-    server, workers, port = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
-    joiner = None
-    try:
-        server.wait_for("[ps] step 1/")
-        joiner = Role("worker", 3, 3, port, [*args, "--join"], metrics=tmp_path / "rank3.jsonl", cwd=tmp_path)
-        assert server.wait() == 0, server.output[-3000:]
-        for role in (*workers.values(), joiner):
-            assert role.wait() == 0, role.output[-3000:]
-    finally:
-        stop_all(server, *workers.values(), *([joiner] if joiner else []))
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=3, cwd=tmp_path)
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [3]
-    hashes = replica_hashes("\n".join(role.output for role in (*workers.values(), joiner)))
+    hashes = replica_hashes("\n".join(role.output for role in roles.values()))
     assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
 
 
 def test_a_fresh_run_waits_for_a_worker_that_starts_late_and_plans_it_from_the_first_step(tmp_path):
+    # The notice comes when no worker has said HELLO for min(20 s, --start-wait-s / 2): where a
+    # resumed run would have started without rank 2.
     args = [*run_args(2, 6), "--start-wait-s", "30"]
-    server, workers, port = start_ps_run(tmp_path, 2, args, ranks=[1])
-    late = None
-    try:
-        # The notice comes when no worker has said HELLO for min(20 s, --start-wait-s / 2): where
-        # a resumed run would have started without rank 2.
-        server.wait_for("waiting up to 30 s from the start for rank(s) 2")
-        late = Role("worker", 2, 3, port, args, metrics=tmp_path / "rank2.jsonl")
-        assert server.wait() == 0, server.output[-3000:]
-        assert workers[1].wait() == 0 and late.wait() == 0, late.output[-3000:]
-    finally:
-        stop_all(server, *workers.values(), *([late] if late else []))
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="waiting up to 30 s from the start for rank(s) 2",
+                                           rank=2, join=False)
     assert events(server.records(), EVENT_WORKER_JOINED) == []
-    assert min(series(late.records(), "batch_size", rank=2)) == 1
+    assert min(series(roles[2].records(), "batch_size", rank=2)) == 1
 
 
 def test_a_fresh_run_starts_without_a_worker_missing_past_the_start_wait_and_admits_it_later(tmp_path):
     args = [*run_args(2, 300), "--start-wait-s", "2"]
-    server, workers, port = start_ps_run(tmp_path, 2, args, ranks=[1])
-    late = None
-    try:
-        server.wait_for("[ps] step 1/")
-        late = Role("worker", 2, 3, port, args, metrics=tmp_path / "rank2.jsonl")
-        assert server.wait() == 0, server.output[-3000:]
-        assert workers[1].wait() == 0 and late.wait() == 0, late.output[-3000:]
-    finally:
-        stop_all(server, *workers.values(), *([late] if late else []))
+    server, _ = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=2, join=False)
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [2]
 
 
@@ -209,18 +196,9 @@ def test_a_joiner_admitted_just_before_an_evaluation_starts_after_it_without_fai
     # step it did not train before its first gradient.
     args = [*DIGITS, "--strategy", "ps", "--eval-every", "1", "--timeout-s", "60", "--max-steps", "40",
             "--link-mbps", "10,10"]
-    server, workers, port = start_ps_run(tmp_path, 2, args)
-    joiner = None
-    try:
-        server.wait_for("[ps] step 2/")
-        joiner = Role("worker", 3, 3, port, [*args, "--join"], metrics=tmp_path / "rank3.jsonl")
-        assert server.wait() == 0, server.output[-3000:]
-        for role in (*workers.values(), joiner):
-            assert role.wait() == 0, role.output[-3000:]
-    finally:
-        stop_all(server, *workers.values(), *([joiner] if joiner else []))
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 2/", rank=3)
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [3]
-    assert max(series(joiner.records(), "batch_size", rank=3)) == 40
+    assert max(series(roles[3].records(), "batch_size", rank=3)) == 40
 
 
 def test_a_run_below_min_workers_waits_then_fails_saying_why(tmp_path):

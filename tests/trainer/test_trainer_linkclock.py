@@ -4,12 +4,10 @@ measured for its link, on hand cases and on a real 20 Mbit/s shaped link."""
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
-from shaped_link import shaped_link
+from shaped_link import serving_inside, shaped_link
 
 from trainer.linkclock import LinkClock
 from trainer.sockets import delivery_rate
@@ -61,31 +59,20 @@ SINK = (
 
 
 def test_a_1_mb_upload_on_a_20_mbit_link_is_clocked_at_the_links_rate_though_its_write_returns_at_once():
-    proc = None
-    with shaped_link("p1clock", "20mbit", "32kb") as link:
-        try:
-            proc = subprocess.Popen(
-                ["ip", "netns", "exec", link.ns, sys.executable, "-c", SINK, link.address, str(link.port)],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-            sock = socket.create_connection((link.address, link.port), timeout=10)
-            clock, payload = LinkClock(), b"\0" * 1_000_000
-            writes = []
-            for _ in range(3):  # a worker's steps: upload, then the reply (here: a pause)
-                t0 = time.perf_counter()
-                sock.sendall(payload)
-                writes.append(time.perf_counter() - t0)
-                time.sleep(0.6)  # the upload drains and is acknowledged
-                clock.note(delivery_rate(sock))
-            sock.close()
+    with shaped_link("p1clock", "20mbit", "32kb") as link, serving_inside(link, SINK, ROOT):
+        sock = socket.create_connection((link.address, link.port), timeout=10)
+        clock, payload = LinkClock(), b"\0" * 1_000_000
+        writes = []
+        for _ in range(3):  # a worker's steps: upload, then the reply (here: a pause)
+            t0 = time.perf_counter()
+            sock.sendall(payload)
+            writes.append(time.perf_counter() - t0)
+            time.sleep(0.6)  # the upload drains and is acknowledged
+            clock.note(delivery_rate(sock))
+        sock.close()
 
-            # Goodput under a 20 Mbit/s shaper: the headers take ~3 %; 1 MB then takes 0.41 s.
-            assert clock.rate is not None and clock.rate * 8 / 1e6 == pytest.approx(20 * 0.97, rel=0.10)
-            assert clock.send_s(len(payload), write_s=min(writes)) == pytest.approx(0.41, rel=0.10)
-            # What the write alone reads once TCP has grown the socket's buffer: the old clock.
-            assert min(writes) < 0.2
-        finally:
-            if proc is not None:
-                proc.kill()
-                proc.wait()
+    # Goodput under a 20 Mbit/s shaper: the headers take ~3 %; 1 MB then takes 0.41 s.
+    assert clock.rate is not None and clock.rate * 8 / 1e6 == pytest.approx(20 * 0.97, rel=0.10)
+    assert clock.send_s(len(payload), write_s=min(writes)) == pytest.approx(0.41, rel=0.10)
+    # What the write alone reads once TCP has grown the socket's buffer: the old clock.
+    assert min(writes) < 0.2
