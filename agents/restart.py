@@ -1,7 +1,8 @@
 """What a restarted agent does about the roles its predecessor left: a role does not outlive
 its agent (the guard kills its group when the agent dies), so every role still "running" in
 the ledger died with it, or is about to. Whatever is left of it is killed, and its end is
-reported ("its agent restarted") after what its trainer had spooled, through the outbox.
+reported ("its agent restarted") after what its trainer had not delivered (its spool and
+its metrics file), through the outbox.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from agents.groups import group_members, killpg, same_process, wait_group_empty
 from agents.outbox import EVENT, Message, Outbox
 from agents.records import RoleRecords
-from agents.reports import spool_messages
+from agents.reports import undelivered_messages
 from agents.roles import RESTARTED_REASON, log_tail, pid_exists
 from hybridtrain.contract import CAUSE_AGENT_RESTARTED
 
@@ -55,7 +56,9 @@ def report_lost_roles(records: RoleRecords, outbox: Outbox) -> list[dict[str, An
             "t": time.time(),
         }
         spool = Path(record["spool"]) if record.get("spool") else None
-        reports = spool_messages(spool, run_id=run_id) if spool else []
+        metrics = Path(record["metrics"]) if record.get("metrics") else None
+        reports = undelivered_messages(run_id=run_id, rank=rank, spool=spool, metrics=metrics,
+                                       metrics_from=int(record.get("metrics_from") or 0), clean=False)
         # Queued before the record says "exited": a crash in between reports twice, not never.
         outbox.put_many([*reports, Message(EVENT, run_id, exited)])
         records.exited(run_id, rank, exited)

@@ -45,6 +45,9 @@ class RoleProcess:
     ended_at: float | None = None
     reason: str | None = None
     spool: Path | None = None
+    # The trainer's metrics file, and its size when this role was launched.
+    metrics: Path | None = None
+    metrics_from: int = 0
     exit_event: dict[str, Any] | None = None
     pending: deque[dict[str, Any]] = field(default_factory=deque)
     dropped: int = 0

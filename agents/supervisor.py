@@ -14,8 +14,9 @@ bundle that cannot be fetched or unpacked ends the role before it starts, report
 Per role, one reader thread copies output to `runs/<run>/rank<R>.log` and a bounded buffer;
 one watcher thread reports "started", waits for the guard to exit (without reaping it, so
 its pid cannot be reused while the group is swept), SIGKILLs what is left of the group,
-reaps, flushes the logs and reports "exited" together with what the trainer spooled. One
-shipper thread moves buffered lines to the outbox every `log_flush_interval_s`.
+reaps, flushes the logs and reports "exited" after what the trainer did not deliver (its
+spool; after a crash or a kill, its metrics file too: agents.reports). One shipper thread
+moves buffered lines to the outbox every `log_flush_interval_s`.
 
 Nothing is sent from here: every report goes into the durable outbox (agents.outbox), whose
 one sender delivers in order once the control plane answers. A role's record in the ledger
@@ -41,7 +42,9 @@ from agents.groups import Spawner, create_time, killpg, wait_group_empty
 from agents.outbox import EVENT, LOGS, Entry, Message, Outbox, Transport
 from agents.records import EXITED, RoleRecords
 from agents.restart import report_lost_roles
-from agents.reports import SPOOL_FILE, spool_messages, toward_server, with_flag
+from agents.reports import (
+    METRICS_OPTIONS, SPOOL_FILE, file_size, metrics_file, toward_server, undelivered_messages, with_flag,
+)
 from agents.roles import (
     MAX_LINE_CHARS,
     TOKEN_FILE,
@@ -151,17 +154,24 @@ class Supervisor:
             if existing is not None:
                 return existing
             log_path = run_dir / f"rank{spec.rank}.log"
+            rank_dir = run_dir / f"rank{spec.rank}"
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            metrics = metrics_file(spec.options, rank_dir)
+            options = {k: v for k, v in spec.options.items() if k not in METRICS_OPTIONS}
+            spec = spec.model_copy(update={"options": {**options, "metrics-out": str(metrics.resolve())}})
+            # A rank launched again (a restart, a rejoin) appends: only what this launch wrote
+            # is this role's to deliver after a crash.
+            metrics_from = file_size(metrics)
             argv = trainer_argv(spec, self.trainer_command)
             spool = None
             if spec.report_url:
                 # What the trainer could not deliver before it exits; posted after the exit.
-                spool = run_dir / f"rank{spec.rank}" / SPOOL_FILE
-                spool.parent.mkdir(parents=True, exist_ok=True)
+                spool = rank_dir / SPOOL_FILE
                 spool.unlink(missing_ok=True)
                 argv = with_flag(argv, "--report-spool", str(spool.resolve()), after=len(self.trainer_command))
             if spec.report_token:
                 # Not on the command line, which anyone on the node can read in `ps`.
-                token_file = write_secret(run_dir / f"rank{spec.rank}" / TOKEN_FILE, spec.report_token)
+                token_file = write_secret(rank_dir / TOKEN_FILE, spec.report_token)
                 argv = with_flag(argv, "--report-token-file", str(token_file.resolve()),
                                  after=len(self.trainer_command))
             argv = with_code_dir(argv, code_dir, after=len(self.trainer_command))
@@ -184,7 +194,8 @@ class Supervisor:
                 )
             except OSError as exc:
                 raise LaunchError(f"cannot start run {spec.run_id} rank {spec.rank}: {exc}") from exc
-            role = RoleProcess(spec=spec, proc=proc, log_path=log_path, started_at=time.time(), spool=spool)
+            role = RoleProcess(spec=spec, proc=proc, log_path=log_path, started_at=time.time(), spool=spool,
+                               metrics=metrics, metrics_from=metrics_from)
             self._roles[role.key] = role
             self._write_record(role)
         log.info(
@@ -369,9 +380,10 @@ class Supervisor:
             "tail": list(role.tail),
             "t": role.ended_at,
         }
-        reports: list[Message] = []
-        if role.spool is not None:
-            reports = spool_messages(role.spool, run_id=spec.run_id)
+        reports = undelivered_messages(
+            run_id=spec.run_id, rank=spec.rank, spool=role.spool, metrics=role.metrics,
+            metrics_from=role.metrics_from, clean=role.exit_code == 0,
+        )
         # Reports first, so the run's records are in before its end is. Queued before the
         # record says "exited", so a crash in between reports the exit twice (harmless)
         # rather than never.
@@ -511,6 +523,8 @@ class Supervisor:
             "create_time": create_time(role.pid),
             "log": str(role.log_path),
             "spool": str(role.spool) if role.spool else None,
+            "metrics": str(role.metrics) if role.metrics else None,
+            "metrics_from": role.metrics_from,
             "report_url": spec.report_url,
             "report_token": spec.report_token,
             "attempt": spec.attempt,

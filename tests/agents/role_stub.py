@@ -31,6 +31,9 @@ def main() -> int:
     # As a trainer with undelivered reports: write this many records to --report-spool.
     parser.add_argument("--spool-records", type=int, default=0)
     parser.add_argument("--report-spool")
+    # As a trainer that logged this many records to --metrics-out (and never reported them).
+    parser.add_argument("--metrics-records", type=int, default=0)
+    parser.add_argument("--metrics-out")
     args, _unknown = parser.parse_known_args()
 
     if args.ignore_term:
@@ -49,6 +52,11 @@ def main() -> int:
                 spool.write(json.dumps({"stream": f"rank{args.rank}", "seq": seq, "name": "loss",
                                         "value": 1.0 / (seq + 1), "step": seq}) + "\n")
             spool.write('{"torn": ')  # a killed writer's last line
+    if args.metrics_records and args.metrics_out:
+        with open(args.metrics_out, "a") as out:
+            for seq in range(args.metrics_records):
+                out.write(json.dumps({"rank": args.rank, "stream": f"m{args.rank}", "seq": seq, "name": "loss",
+                                      "value": 1.0, "step": seq}) + "\n")
     child = None
     if args.spawn_child:
         # A grandchild of the guard that ignores SIGTERM: only a group SIGKILL ends it.

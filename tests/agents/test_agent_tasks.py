@@ -278,6 +278,33 @@ def test_reap_stale_kills_what_a_dead_agent_left_and_reports_each_role_exited(tm
     assert all(json.loads(p.read_text())["state"] == "exited" for p in records.glob("*.json"))
 
 
+def test_reap_stale_delivers_what_a_lost_role_wrote_to_its_metrics_file_since_its_launch(tmp_path, reporter):
+    metrics = tmp_path / "s" / "runs" / "23" / "rank1" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    earlier = json.dumps({"rank": 1, "stream": "a", "seq": 0, "name": "loss", "value": 1.0, "step": 0}) + "\n"
+    metrics.write_text(earlier + "".join(
+        json.dumps({"rank": 1, "stream": "b", "seq": i, "name": "loss", "value": 1.0, "step": i}) + "\n"
+        for i in range(3)
+    ))
+    records = tmp_path / "s" / "roles"
+    records.mkdir(parents=True)
+    (records / "23-1.json").write_text(json.dumps({
+        "run_id": 23, "rank": 1, "role": "worker", "pid": os.getpid(), "create_time": 1.0, "state": "running",
+        "metrics": str(metrics), "metrics_from": len(earlier),
+    }))
+
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+    try:
+        sup.reap_stale()
+        wait_until(lambda: reporter.event(23, "exited"), 10, "the exit to be reported")
+    finally:
+        sup.close()
+
+    delivered = [(r["stream"], r["seq"]) for _, body in reporter.delivered_reports for r in body["records"]]
+    assert delivered == [("b", 0), ("b", 1), ("b", 2)]
+    assert reporter.order.index(("report", 23)) < reporter.order.index(("exited", 23))
+
+
 def test_a_launch_of_a_rank_an_earlier_agent_ran_to_its_end_starts_nothing_and_reports_the_exit(
         tmp_path, reporter):
     first = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
@@ -392,6 +419,43 @@ def test_what_the_trainer_spooled_is_delivered_by_its_agent_before_its_exit(tmp_
     # The spooled records come before the exit that ends the run.
     assert reporter.order.index(("report", 36)) < reporter.order.index(("exited", 36))
     assert not (tmp_path / "s" / "runs" / "36" / "rank1" / "report-spool.jsonl").exists()
+
+
+def test_a_crashed_trainers_metrics_file_is_delivered_by_its_agent_before_its_exit(tmp_path, reporter):
+    # Killed or crashed, a trainer loses what its reporter still held; its file has it all.
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+    try:
+        launch_role(39, 1, role_spec(39, 1, metrics_records=700, exit_code=1), supervisor=sup)
+        wait_until(lambda: reporter.event(39, "exited"), 20, "the exit event")
+    finally:
+        sup.close()
+
+    assert [r["seq"] for _, body in reporter.delivered_reports for r in body["records"]] == list(range(700))
+    assert reporter.order.index(("report", 39)) < reporter.order.index(("exited", 39))
+
+
+def test_a_clean_exit_leaves_the_metrics_file_to_the_trainers_own_reporter(tmp_path, reporter):
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+    try:
+        launch_role(40, 1, role_spec(40, 1, metrics_records=30), supervisor=sup)
+        wait_until(lambda: reporter.event(40, "exited"), 20, "the exit event")
+    finally:
+        sup.close()
+
+    assert reporter.delivered_reports == []
+
+
+def test_each_rank_writes_its_metrics_in_its_own_directory(tmp_path, reporter):
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+    try:
+        launch_role(41, 1, role_spec(41, 1, **{"metrics-out": "metrics.jsonl"}), supervisor=sup)
+        wait_until(lambda: reporter.event(41, "exited"), 20, "the exit event")
+    finally:
+        sup.close()
+
+    argv = next(x for x in reporter.lines(41, 1) if x.startswith("argv ")).split()
+    assert argv.count("--metrics-out") == 1
+    assert argv[argv.index("--metrics-out") + 1] == str(tmp_path / "s" / "runs" / "41" / "rank1" / "metrics.jsonl")
 
 
 def test_reports_and_checkpoints_go_to_the_control_plane_the_agent_reaches(tmp_path, reporter):
