@@ -17,11 +17,15 @@ import pytest
 
 @dataclass(frozen=True)
 class ShapedLink:
-    """The namespace, its address, and a port free to listen on inside it."""
+    """The namespace, its address, a port free to listen on inside it, the host's end of the
+    link (its device and address) and the namespace's end (its device)."""
 
     ns: str
     address: str
     port: int
+    outside: str = ""
+    host_address: str = ""
+    inside: str = ""
 
 
 def _sh(*argv: str) -> None:
@@ -48,7 +52,7 @@ def shaped_link(prefix: str, rate: str, burst: str) -> Iterator[ShapedLink]:
         _sh("ip", "netns", "exec", ns, "ip", "link", "set", inside, "up")
         _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
         _sh("tc", "qdisc", "add", "dev", outside, "root", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
-        yield ShapedLink(ns, f"{net}.2", 47000 + int(tag[:3], 16) % 1000)
+        yield ShapedLink(ns, f"{net}.2", 47000 + int(tag[:3], 16) % 1000, outside, f"{net}.1", inside)
     finally:
         subprocess.run(["ip", "link", "del", outside], capture_output=True, timeout=10)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)

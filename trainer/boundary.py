@@ -10,7 +10,9 @@ rounds themselves; this mixin changes who takes part in them, only at a step bou
 3. A newcomer's HELLO waits for the next boundary. The server asks a live worker for its
    state (FETCH; the worker answers with its weights and optimizer state as of its last
    step), hands it to the newcomer with a WELCOME, sends it the next step's update to apply,
-   and from the step after it computes with its share.
+   and from the step after it computes with its share. A newcomer in a remote site hears the
+   update from a worker of its site, told so with a ROUTE, as the start's relay plan would
+   have had it: one WAN copy per site, not one per worker (`Roster.relay_for`).
 4. Below --min-workers the server waits for joiners up to --min-workers-wait-s, then fails.
 5. Checkpoints: at a boundary every --checkpoint-every steps or --checkpoint-every-s seconds,
    one file from the server's state and a live worker's (trainer.checkpoint), uploaded in the
@@ -44,6 +46,7 @@ from trainer.frames import (
     Hello,
     LayoutSpec,
     ProtocolError,
+    Route,
     State,
     Welcome,
     expect,
@@ -260,8 +263,12 @@ class Boundary:
         if self.cfg.site_aggregation and self.roster.relay_group(rank):
             raise ProtocolError(f"{what}; per-site aggregation (--aggregate-at-sites) cannot re-plan a remote "
                                 "site's relay yet: the run stops and restarts from its latest checkpoint")
+        relay = self.roster.source(rank)
         orphans = self.roster.remove(rank)
         self._gone.add(rank)
+        if relay != SERVER and relay in self.roster:
+            # Its relay stops forwarding to it (and trying to connect to a peer that is gone).
+            self._reroute(relay)
         self.roster.resplit()
         self.say(f"{what}; training on with {len(self.roster)} workers, batch shares "
                  f"{[n for n in self.roster.batch_sizes if n]}")
@@ -311,8 +318,14 @@ class Boundary:
         self.transport.adopt(rank, conn, raw)
         self.inbox.add(rank)
         self._gone.discard(rank)
-        self.roster.add(Member(rank, hello.speed, hello.site, None, direct=True, joining=True))
+        address = (host, hello.listen_port) if host and hello.listen_port else None
+        relay = self.roster.relay_for(hello.site) if address else None
+        self.roster.add(Member(rank, hello.speed, hello.site, address, direct=relay is None, joining=True,
+                               relay=relay))
         self.roster.resplit()
+        if relay is not None:
+            # Before the update the joiner catches up with: the relay reads frames in order.
+            self._reroute(relay, peers={rank: address})
         self.transport.send(rank, pack(self._welcome(rank, donor=SERVER, catch_up=True)))
         self.transport.send(rank, pack(state))
         share = self.roster.batch_sizes[rank - 1]
@@ -321,6 +334,14 @@ class Boundary:
                                   f"step {self.step + 2} its share is {share} of {self.cfg.global_batch}")
         self.say(f"worker {rank} joined after step {self.step}; batch shares "
                  f"{[n for n in self.roster.batch_sizes if n]}")
+
+    def _reroute(self, relay: int, *, peers: dict | None = None) -> None:
+        """Tell `relay` whom it forwards the update to now (a ROUTE); a relay lost meanwhile is
+        the loss detection's to notice."""
+        try:
+            self.transport.send(relay, pack(Route(self.step, self.roster.forwards(relay), peers or {})))
+        except (ConnectionError, OSError):
+            pass
 
     def fetch_state(self, donor: int, *, after_bye: bool = False) -> State | None:
         """Ask `donor` for its weights and optimizer state (as of the last step); None if it is

@@ -10,8 +10,10 @@ the checkpoint) -> per step, one GRAD per chunk, answered by one UPDATE per chun
 then BUFFERS (answered by BUFFERS_AVG) and EVAL (answered by EVAL_RESULT) -> BYE, answered by
 BYE; BYE with `leaving` set is a worker leaving a run that goes on (a spot notice). FETCH may
 come from the server whenever a worker waits for it: the worker answers with STATE (its
-weights and optimizer state as of its last step) and waits on. ABORT, either way, carries the
-reason a run cannot go on.
+weights and optimizer state as of its last step) and waits on. ROUTE, from the server to a
+site's relay, names the workers it forwards the update to from then on (a joiner of its site
+added, one dropped); the relay's receiving thread takes it, so its main loop never sees one.
+ABORT, either way, carries the reason a run cannot go on.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from trainer.compression import Payload
 from trainer.wire import Message, decode, encode
 
 SERVER = 0
-HELLO, WELCOME, STATE, GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT, BYE, ABORT, FETCH = range(1, 13)
+HELLO, WELCOME, STATE, GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT, BYE, ABORT, FETCH, ROUTE = range(1, 14)
 KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", STATE: "STATE", GRAD: "GRAD", UPDATE: "UPDATE",
               BUFFERS: "BUFFERS", BUFFERS_AVG: "BUFFERS_AVG", EVAL: "EVAL",
-              EVAL_RESULT: "EVAL_RESULT", BYE: "BYE", ABORT: "ABORT", FETCH: "FETCH"}
+              EVAL_RESULT: "EVAL_RESULT", BYE: "BYE", ABORT: "ABORT", FETCH: "FETCH", ROUTE: "ROUTE"}
 
 
 def _dense(values: torch.Tensor) -> Payload:
@@ -346,9 +348,29 @@ class Abort:
         return cls(m.sender, m.text)
 
 
-Frame = Hello | Welcome | State | Grad | Update | Buffers | BuffersAvg | Eval | EvalResult | Bye | Abort | Fetch
+@dataclass(frozen=True)
+class Route:
+    """To a relay: the workers it forwards each update to from now on, and the addresses of
+    those it has not connected to yet."""
+
+    step: int
+    forwards: tuple[int, ...]
+    peers: dict[int, tuple[str, int]] = field(default_factory=dict)
+    kind: ClassVar[int] = ROUTE
+
+    def message(self) -> Message:
+        text = json.dumps({"forwards": self.forwards, "peers": {str(r): list(a) for r, a in self.peers.items()}})
+        return Message(ROUTE, self.step, SERVER, text=text)
+
+    @classmethod
+    def parse(cls, m: Message) -> Route:
+        d = json.loads(m.text)
+        return cls(m.step, tuple(d["forwards"]), {int(r): (a[0], int(a[1])) for r, a in d.get("peers", {}).items()})
+
+
+Frame = Hello | Welcome | State | Grad | Update | Buffers | BuffersAvg | Eval | EvalResult | Bye | Abort | Fetch | Route
 _PARSERS: dict[int, type] = {c.kind: c for c in (Hello, Welcome, State, Grad, Update, Buffers, BuffersAvg,
-                                                 Eval, EvalResult, Bye, Abort, Fetch)}
+                                                 Eval, EvalResult, Bye, Abort, Fetch, Route)}
 
 
 class ProtocolError(RuntimeError):
@@ -387,5 +409,5 @@ def expect(raw: torch.Tensor, cls: type, step: int | None = None, *, peer: int |
 
 
 __all__ = ["Abort", "Buffers", "BuffersAvg", "Bye", "Eval", "EvalResult", "Fetch", "Frame", "Grad", "Hello",
-           "LayoutSpec", "ProtocolError", "SERVER", "State", "Update", "Welcome", "expect", "pack",
-           "unpack"]
+           "LayoutSpec", "ProtocolError", "ROUTE", "Route", "SERVER", "State", "Update", "Welcome", "expect",
+           "pack", "unpack"]

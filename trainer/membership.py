@@ -32,10 +32,13 @@ class Member:
     speed: float | None = None
     site: str | None = None
     address: tuple[str, int] | None = None
-    # Taken off the start's relay plan (a joiner, a lost relay's orphan): the server sends to it.
+    # Taken off the relay routes (a lost relay's orphan, a joiner without a relay): the server
+    # sends to it.
     direct: bool = False
     # Admitted, but applies one more step's update before it computes (a joiner catching up).
     joining: bool = False
+    # A joiner's relay: the worker of its site the server routed it behind (None: the start's plan).
+    relay: int | None = None
 
 
 class Roster:
@@ -91,10 +94,22 @@ class Roster:
     def source(self, rank: int) -> int:
         """Who hands `rank` the update: the server, or its site's relay while both are in."""
         member = self.members.get(rank)
-        relay = self.plan.source(rank)
-        if member is None or member.direct or relay == SERVER or relay not in self.members:
+        if member is None or member.direct:
+            return SERVER
+        relay = self.plan.source(rank) if member.relay is None else member.relay
+        if relay == SERVER or relay not in self.members:
             return SERVER
         return relay
+
+    def relay_for(self, site: str | None) -> int | None:
+        """The worker a joiner of `site` hears the update from: the lowest-ranked worker of that
+        site that computes and hears the server itself (its plan relay while it lives). None in
+        the server's own site, without sites, or with per-site aggregation, whose relays also
+        combine gradients and are planned once."""
+        if not site or not self.cfg.sites or self.cfg.site_aggregation or site == self.cfg.sites[SERVER]:
+            return None
+        ranks = [r for r in self.active() if self.members[r].site == site and self.source(r) == SERVER]
+        return ranks[0] if ranks else None
 
     def forwards(self, rank: int) -> tuple[int, ...]:
         """The live workers `rank` relays the update to."""
@@ -146,18 +161,29 @@ class Roster:
                 old = self.rates.get(rank)
                 self.rates[rank] = rate if old is None else 0.7 * old + 0.3 * rate
 
+    def _given_speeds(self, ranks: list[int]) -> dict[int, float]:
+        """The speeds given for `ranks` (HELLO, --speeds); when none is, the planned shares of
+        those in the plan (--batch-sizes): the control plane launches with its split, made in
+        proportion to the speeds it planned with, and no --speeds."""
+        given = {r: float(self.members[r].speed) for r in ranks if self.members[r].speed}
+        if given:
+            return given
+        planned = self.cfg.batch_sizes
+        return {r: float(planned[r - 1]) for r in ranks if r <= len(planned) and planned[r - 1] > 0}
+
     def _speeds(self, ranks: list[int]) -> list[float]:
-        """Relative speeds of `ranks`: the given ones (HELLO, --speeds) under `flops` when every
+        """Relative speeds of `ranks`: the given ones (`_given_speeds`) under `flops` when every
         worker has one (equal when none has), else measured samples/s, a newcomer's scaled from
         its given speed."""
-        given = {r: self.members[r].speed for r in ranks if self.members[r].speed}
+        given = self._given_speeds(ranks)
         if self.cfg.allocation == "flops" and len(given) == len(ranks):
-            return [float(given[r]) for r in ranks]
+            return [given[r] for r in ranks]
         if self.cfg.allocation == "flops" and not given:
             return [1.0] * len(ranks)  # no speeds given: the run started with equal shares
         measured = {r: self.rates[r] for r in ranks if r in self.rates}
         if not measured:
-            return [float(given.get(r, 1.0)) if len(given) == len(ranks) else 1.0 for r in ranks]
+            typical = statistics.median(given.values()) if given else 1.0
+            return [given.get(r, typical) for r in ranks]
         scale = [measured[r] / given[r] for r in measured if r in given]
         typical = statistics.median(measured.values())
         out = []

@@ -50,6 +50,7 @@ from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.frames import (
     ABORT,
     BYE,
+    ROUTE,
     UPDATE,
     Buffers,
     BuffersAvg,
@@ -57,9 +58,11 @@ from trainer.frames import (
     EvalResult,
     Grad,
     ProtocolError,
+    Route,
     Update,
     expect,
     pack,
+    unpack,
 )
 from trainer.linkclock import LinkClock
 from trainer.metrics import MetricsLogger
@@ -308,16 +311,28 @@ class PSClient(Session):
         exchange is step 0's), once, since the control plane keeps one record per step."""
         self.metrics.log_bytes(self.step, *self.transport.take_counts())
 
-    def _forward(self, peer: int, frame: torch.Tensor) -> None:
+    def _forward(self, peer: int, frame: torch.Tensor) -> bool:
         """On the inbox thread: a relay forwards each update (and the final BYE) to its site's
-        peers before anything reads it, since they wait on it."""
+        peers before anything reads it, since they wait on it, and takes the server's ROUTE
+        (True: the frame is taken here), which comes before the first update it changes."""
+        if peer != SERVER:
+            return False
+        kind = peek_kind(frame)
+        if kind == ROUTE:
+            route = unpack(frame)
+            assert isinstance(route, Route)
+            if hasattr(self.transport, "peer_addresses"):
+                self.transport.peer_addresses.update(route.peers)
+            self.forwards = route.forwards
+            return True
         forwards = self.forwards
         # A leaving relay's BYE is its own: its peers hear from the server from then on.
-        if not forwards or self.left or peer != SERVER or peek_kind(frame) not in (UPDATE, BYE):
-            return
+        if not forwards or self.left or kind not in (UPDATE, BYE):
+            return False
         t0 = time.perf_counter()
         self.transport.send_many(forwards, frame)
         self._forward_s += time.perf_counter() - t0
+        return False
 
     # -- one step -----------------------------------------------------------------------------------
     def compress(self, step: int, chunk: int) -> tuple[Payload, Payload]:

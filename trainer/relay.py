@@ -12,8 +12,9 @@ Choice (the paper is silent): the relay is the lowest rank of its site. Forwardi
 local send per peer (milliseconds at 1 Gbit/s), far less than the inter-site copy it saves.
 
 The plan is made once, for the run's first workers (trainer.membership.Roster restricts it to
-whoever is still in). If a relay is lost its peers hear the server directly from then on, and
-a worker that joins later is always sent to directly (docs/elastic.md).
+whoever is still in). If a relay is lost its peers hear the server directly from then on; a
+worker that joins later in a remote site is routed behind a worker of its site with a ROUTE
+frame (`Roster.relay_for`, docs/elastic.md).
 """
 
 from __future__ import annotations

@@ -167,7 +167,8 @@ class Inbox:
     when its connection fails: the error is queued after the peer's last frame, so a lost peer
     is noticed where its next frame was expected. Peers can be added while it runs (a worker
     admitted into the run). `on_frame(peer, frame)` runs on the receiving thread before the
-    frame is queued: a relay forwards the server's update there, unread.
+    frame is queued: a relay forwards the server's update there, unread; a frame for which it
+    returns True is taken there and never queued (a relay's ROUTE).
     """
 
     def __init__(
@@ -177,7 +178,7 @@ class Inbox:
         *,
         timeout_s: float,
         last_kinds: frozenset[int],
-        on_frame: Callable[[int, torch.Tensor], None] | None = None,
+        on_frame: Callable[[int, torch.Tensor], bool | None] | None = None,
     ) -> None:
         from trainer.wire import peek_kind
 
@@ -210,11 +211,14 @@ class Inbox:
         while True:
             try:
                 frame = self.transport.recv(peer, count=False)
-                if self._on_frame is not None:
-                    self._on_frame(peer, frame)
+                taken = self._on_frame is not None and self._on_frame(peer, frame)
             except BaseException as exc:  # handed to the caller, raised there
                 self._put(peer, q, exc)
                 return
+            if taken:
+                with self._cond:  # the byte counts are the caller's otherwise, under this lock
+                    self.transport._count(self.transport.bytes_recv, peer, frame)  # noqa: SLF001
+                continue
             self._put(peer, q, (frame, self.transport.wire_s.get(peer, 0.0)))
             if self._peek(frame) in self._last:
                 return

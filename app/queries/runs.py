@@ -363,6 +363,11 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
             options["checkpoint-every"] = run.checkpoint_every
         if run.checkpoint_every_s:
             options["checkpoint-every-s"] = run.checkpoint_every_s
+    workers = sorted((w for w in run.workers if w.role == "worker"), key=lambda w: w.rank)
+    if is_ps(run.strategy) and workers and all(w.speed for w in workers):
+        # The speeds the plan split the batch with: a server that re-splits after a loss or a
+        # join keeps those proportions, and a joiner says its own in the same units.
+        options["speeds"] = [round(float(w.speed), 4) for w in workers]
     if is_ps(run.strategy) and run.min_workers is not None:
         options["min-workers"] = run.min_workers
         options["min-workers-wait-s"] = run.min_workers_wait_s

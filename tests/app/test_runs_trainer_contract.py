@@ -155,6 +155,21 @@ def test_a_joining_workers_order_is_a_valid_trainer_command_line():
     assert cfg.join is True and order.rank == 2 and cfg.batch_sizes == (30, 20, 14)
 
 
+def test_a_ps_run_hands_every_rank_the_speeds_its_batch_was_split_with():
+    run = _run("ps-bz-gc", {})
+    for worker, speed in zip(run.workers[1:], (3.0, 2.0, 1.4)):
+        worker.speed = speed
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+        assert _config(order)[1].speeds == (3.0, 2.0, 1.4)
+
+
+def test_a_run_with_a_node_of_unknown_speed_gets_no_speeds():
+    run = _run("ps-bz-gc", {})
+    run.workers[1].speed = 3.0
+    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+        assert _config(order)[1].speeds == ()
+
+
 def test_a_run_with_checkpoints_off_gets_no_checkpoint_flags():
     run = _lifecycle(_run("allreduce", {}), checkpoint_every=0, checkpoint_every_s=0.0)
     for order in launch_orders(run, metrics_token="t", public_url="http://cp"):

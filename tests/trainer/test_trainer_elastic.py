@@ -1,13 +1,16 @@
-"""Elastic parameter-server runs on real processes: a worker lost, leaving or joining, too few
-workers, a relay lost, and the server preempted (docs/elastic.md)."""
+"""Elastic parameter-server runs on real processes: a worker lost (killed, silent, or cut off
+by its link going down), leaving or joining, too few workers, a relay lost, and the server
+preempted (docs/elastic.md)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import statistics
+import subprocess
 import time
 
+from shaped_link import shaped_link
 from trainer_testing import (
     DIGITS,
     Role,
@@ -34,6 +37,12 @@ def run_args(workers: int, steps: int) -> list[str]:
     enough to hit mid-run on two shared cores, short enough for a test."""
     return [*DIGITS, "--strategy", "ps", "--eval-every", "1000", "--timeout-s", "60", "--max-steps", str(steps),
             "--link-mbps", ",".join(["10"] * workers)]
+
+
+def bytes_per_step(records: list[dict], *, rank: int, peer: int) -> dict[int, float]:
+    """step -> the bytes `rank` sent to `peer` in that step."""
+    return {r["step"]: r["value"] for r in records
+            if r.get("name") == "bytes_sent" and r["rank"] == rank and r.get("peer") == peer}
 
 
 def run_with_a_late_worker(tmp_path, workers: int, args: list[str], *, after: str, rank: int, join: bool = True,
@@ -100,6 +109,31 @@ def test_a_silent_worker_is_dropped_after_the_loss_deadline_not_the_peer_timeout
     assert [e["subject"] for e in lost] == [2] and "silent" in lost[0]["detail"]
     # The floor (5 s) plus a step, far below --timeout-s 60.
     assert lost[0]["t"] - stopped_at < 10
+
+
+def test_a_worker_whose_link_goes_down_is_dropped_after_the_loss_deadline_and_the_run_trains_on(tmp_path):
+    # Worker 2 runs in a namespace of its own behind a veth; bringing the namespace's end down
+    # cuts it off as a cloud VM's lost link would: no FIN, no RST, its frames just stop.
+    args = run_args(2, 60)
+    with shaped_link("htcut", "1gbit", "1mb") as link:
+        server, workers, port = start_ps_run(tmp_path, 2, args, ranks=[1], master_addr=link.host_address)
+        workers[2] = Role("worker", 2, 3, port, args, metrics=tmp_path / "rank2.jsonl",
+                          master_addr=link.host_address, prefix=("ip", "netns", "exec", link.ns))
+        try:
+            server.wait_for("[ps] step 1/")
+            time.sleep(2.0)
+            cut_at = time.time()
+            subprocess.run(["ip", "-n", link.ns, "link", "set", link.inside, "down"], check=True, timeout=10)
+            assert server.wait() == 0, server.output[-3000:]
+            assert workers[1].wait() == 0, workers[1].output[-3000:]
+        finally:
+            stop_all(server, *workers.values())
+    lost = events(server.records(), EVENT_WORKER_LOST)
+    assert [e["subject"] for e in lost] == [2] and "silent" in lost[0]["detail"]
+    assert lost[0]["t"] - cut_at < 10  # the 5 s floor plus a step, far below --timeout-s 60
+    after = [s for s in series(server.records(), "batch_size") if s > lost[0]["step"] + 1]
+    shares = series(workers[1].records(), "batch_size", rank=1)
+    assert after and all(shares[s] == 48 for s in after)  # the survivor takes the whole global batch
 
 
 def test_a_worker_told_to_leave_leaves_at_a_step_boundary_and_exits_0(tmp_path):
@@ -235,6 +269,34 @@ def test_a_lost_relay_leaves_its_site_training_through_the_server(tmp_path):
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_LOST)] == [2]
     for r in (3, 4):
         assert max(series(workers[r].records(), "batch_size", rank=r)) == 50
+
+
+def test_a_joiner_in_a_remote_site_hears_the_update_from_its_sites_relay(tmp_path):
+    # Workers 2 and 3 are "away" (2 relays to 3); worker 4 joins there mid-run. The server
+    # sends it the run's state, then nothing per step: worker 2 forwards it each update.
+    args = [*run_args(3, 300), "--sites", "home,home,away,away"]
+    server, workers, port = start_ps_run(tmp_path, 3, args)
+    try:
+        server.wait_for("[ps] step 1/")
+        joiner_args = [*run_args(4, 300), "--sites", "home,home,away,away,away", "--join"]
+        workers[4] = Role("worker", 4, 5, port, joiner_args, metrics=tmp_path / "rank4.jsonl")
+        assert server.wait() == 0, server.output[-3000:]
+        for r, role in workers.items():
+            assert role.wait() == 0, role.output[-3000:]
+    finally:
+        stop_all(server, *workers.values())
+    joined = events(server.records(), EVENT_WORKER_JOINED)
+    assert [e["subject"] for e in joined] == [4]
+    computed = series(workers[4].records(), "batch_size", rank=4)
+    assert computed and max(computed) == 300
+    later = range(joined[0]["step"] + 2, 300)
+    assert len(later) >= 20, joined
+    server_to_4 = bytes_per_step(server.records(), rank=0, peer=4)
+    relay_to_4 = bytes_per_step(workers[2].records(), rank=2, peer=4)
+    to_1 = bytes_per_step(server.records(), rank=0, peer=1)
+    # An update is the whole model, dense (`ps`): the relay sends it, the server only acks.
+    assert all(relay_to_4.get(s, 0) >= 0.9 * to_1[s] for s in later)
+    assert all(server_to_4.get(s, 0) < 0.01 * to_1[s] for s in later)
 
 
 def test_a_preempted_server_checkpoints_and_exits_saying_so(tmp_path):

@@ -20,6 +20,7 @@ from trainer.frames import (
     Hello,
     LayoutSpec,
     ProtocolError,
+    Route,
     State,
     Update,
     Welcome,
@@ -66,6 +67,11 @@ def test_hello_round_trips_a_stream_without_a_sample_count():
 def test_welcome_round_trips_the_plan():
     frame = Welcome((5, 11), (0.25, 0.01), 400, start_step=120)
     assert roundtrip(frame) == frame
+
+
+def test_route_round_trips_forwards_and_peer_addresses():
+    route = Route(7, (3, 5), {5: ("10.0.0.9", 40123)})
+    assert unpack(pack(route)) == route
 
 
 def test_state_round_trips_parameters_and_buffers():

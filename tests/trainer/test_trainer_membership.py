@@ -25,6 +25,14 @@ def test_a_lost_workers_share_is_split_over_the_survivors_by_their_speeds():
     assert roster.batch_sizes == [45, 15, 0]
 
 
+def test_without_speeds_a_lost_workers_share_is_split_in_the_plans_proportions():
+    # The control plane launches with its split (--batch-sizes) and no --speeds.
+    roster = _roster(workers=4, global_batch=320, batch_sizes=(119, 106, 48, 47))
+    roster.remove(4)
+    roster.resplit()
+    assert roster.batch_sizes == [*proportional_batch_sizes(320, [119.0, 106.0, 48.0]), 0]
+
+
 def test_under_measured_allocation_the_split_follows_measured_samples_per_second():
     roster = _roster(allocation="measured")
     roster.note_rates([(1, 20, 0.1), (2, 20, 0.4), (3, 20, 0.2)])  # 200, 50, 100 samples/s
@@ -53,6 +61,41 @@ def test_a_lost_relays_site_peers_hear_the_server_directly():
     assert [roster.source(r) for r in (1, 2, 3, 4)] == [SERVER, SERVER, 2, 2]
     assert roster.remove(2) == [3, 4]
     assert [roster.source(r) for r in (3, 4)] == [SERVER, SERVER]
+    assert roster.update_targets() == [1, 3, 4]
+
+
+def _sited(sites: tuple[str, ...], **options) -> Roster:
+    roster = Roster(TrainConfig(**({"strategy": "ps", "workers": len(sites) - 1, "sites": sites} | options)))
+    for rank in range(1, len(sites)):
+        roster.add(Member(rank, site=sites[rank]))
+    return roster
+
+
+def test_a_joiner_in_a_remote_site_is_routed_behind_that_sites_relay():
+    roster = _sited(("home", "home", "away", "away"))
+    relay = roster.relay_for("away")
+    roster.add(Member(4, site="away", joining=True, relay=relay))
+    assert relay == 2
+    assert roster.source(4) == 2 and roster.forwards(2) == (3, 4)
+    assert 4 not in roster.update_targets()
+
+
+def test_a_joiner_hears_the_server_in_its_own_site_without_sites_and_under_site_aggregation():
+    assert _sited(("home", "home", "away", "away")).relay_for("home") is None
+    assert _sited(("home", "home", "away", "away"), site_aggregation=True).relay_for("away") is None
+    assert _sited(("home", "home", "away", "away")).relay_for("elsewhere") is None
+
+
+def test_after_its_sites_relay_is_lost_a_joiner_is_routed_behind_an_orphan_that_hears_the_server():
+    roster = _sited(("home", "home", "away", "away", "away"))
+    roster.remove(2)
+    assert roster.relay_for("away") == 3
+
+
+def test_a_relayed_joiner_hears_the_server_once_its_relay_is_lost():
+    roster = _sited(("home", "home", "away", "away"))
+    roster.add(Member(4, site="away", relay=roster.relay_for("away")))
+    assert roster.remove(2) == [3, 4]
     assert roster.update_targets() == [1, 3, 4]
 
 

@@ -161,14 +161,15 @@ class Role:
     line by line on a thread so a test can wait for a line."""
 
     def __init__(self, role: str, rank: int, world_size: int, port: int, args: list[str], *, metrics: Path,
-                 cwd: Path = ROOT) -> None:
+                 cwd: Path = ROOT, master_addr: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.rank = rank
         self.lines: list[str] = []
         self.metrics = metrics
         options, tail = (args[: args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
-        argv = [sys.executable, "-m", "trainer", "--threads", "1", *options, "--role", role, "--rank", str(rank),
-                "--world-size", str(world_size), "--master-addr", "127.0.0.1", "--master-port", str(port),
+        # `prefix`: what the process runs under (`ip netns exec NS` for a worker across a link).
+        argv = [*prefix, sys.executable, "-m", "trainer", "--threads", "1", *options, "--role", role, "--rank",
+                str(rank), "--world-size", str(world_size), "--master-addr", master_addr, "--master-port", str(port),
                 "--metrics-out", str(metrics), *tail]
         self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
@@ -213,15 +214,16 @@ class Role:
 
 
 def start_ps_run(tmp_path: Path, workers: int, args: list[str], *, ranks: list[int] | None = None,
-                 cwd: Path = ROOT) -> tuple[Role, dict[int, Role], int]:
+                 cwd: Path = ROOT, master_addr: str = "127.0.0.1") -> tuple[Role, dict[int, Role], int]:
     """A parameter-server run as separate role processes on a free port: (server, workers by
     rank, port)."""
     from trainer.launch import free_port
 
     port = free_port()
     world = workers + 1
-    server = Role("ps", 0, world, port, args, metrics=tmp_path / "rank0.jsonl", cwd=cwd)
-    roles = {r: Role("worker", r, world, port, args, metrics=tmp_path / f"rank{r}.jsonl", cwd=cwd)
+    server = Role("ps", 0, world, port, args, metrics=tmp_path / "rank0.jsonl", cwd=cwd, master_addr=master_addr)
+    roles = {r: Role("worker", r, world, port, args, metrics=tmp_path / f"rank{r}.jsonl", cwd=cwd,
+                     master_addr=master_addr)
              for r in (ranks or range(1, workers + 1))}
     return server, roles, port
 
