@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import psutil
 
-from hybridtrain.contract import EVENT_RESUMED
+from hybridtrain.contract import EVENT_RESUMED, EVENT_WORKER_JOINED
 from testbed.errors import TestbedError
 from testbed.paperbench import FULL
 from testbed.state import TestbedState
@@ -165,6 +165,28 @@ def steps_lost(steps: list[tuple[int, float]]) -> int:
     return sum(n - 1 for n in counts.values())
 
 
+def after_window(injection: Injection, events: list[dict[str, Any]], settings: FaultSettings,
+                 last_step: int) -> tuple[int, int, list[str]]:
+    """The steps (lo, hi] that "after" is measured over, and the nodes training in them.
+
+    The last `window` steps, with the survivors; but a node that lost its worker and kept its
+    agent joins again (the control plane launches a new process): if it is back before the
+    window, it is one of the members; if it comes back inside the window, the window ends
+    where it joins, so that "after" measures the survivors alone, as the target means it.
+    """
+    lo, members = last_step - settings.window, list(injection.members_after)
+    rejoin = next((e.get("step") for e in events if e["kind"] == EVENT_WORKER_JOINED
+                   and e.get("step") is not None), None) if injection.victim not in members else None
+    if rejoin is None or injection.victim is None:
+        return lo, last_step, members
+    # Admitted after step `rejoin`: it computes from two steps on, and the step after its
+    # admission carries the state transfer.
+    if rejoin + 1 <= lo:
+        return lo, last_step, [*members, injection.victim]
+    first = settings.fault_step + 1  # the step that noticed the loss is not a steady one
+    return max(first, rejoin - settings.window), rejoin, members
+
+
 def summarise_fault(
     *,
     fault: Fault,
@@ -187,8 +209,9 @@ def summarise_fault(
     last_step = max((s for s, _ in steps), default=0)
     before = throughput(steps, settings.global_batch, max(1, settings.fault_step - settings.window),
                         settings.fault_step, eval_steps)  # fmt: skip
-    after_tp = throughput(steps, settings.global_batch, last_step - settings.window, last_step, eval_steps)
-    ideal_after = round(sum(standalone[n] for n in injection.members_after if n in standalone), 2)
+    lo, hi, members = after_window(injection, after, settings, last_step)
+    after_tp = throughput(steps, settings.global_batch, lo, hi, eval_steps)
+    ideal_after = round(sum(standalone[n] for n in members if n in standalone), 2)
     lost, doubled = lost_or_doubled
     return {
         "fault": fault.name,
@@ -201,6 +224,8 @@ def summarise_fault(
         "steps_lost": steps_lost(steps),
         "samples_per_s_before": before,
         "samples_per_s_after": after_tp,
+        "after_steps": [lo + 1, hi],
+        "after_members": members,
         "survivors_ideal": ideal_after,
         "after_of_ideal": round(after_tp / ideal_after, 3) if after_tp and ideal_after else None,
         "final_accuracy": accuracy,
@@ -243,6 +268,10 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _steps(span: list[int] | None) -> str:
+    return f"{span[0]}-{span[1]}" if span else "n/a"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The docs section: the command, the reference, one row per fault."""
     ref = doc["reference"]
@@ -252,18 +281,21 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['duration_s'] / 60:.0f} min). Every run is `ps-bz-gc` on the paper testbed, "
         f"the fault injected at step {doc['settings']['fault_step']} of {doc['settings']['max_steps']} "
         f"on `{doc['victim']}` where it hits a node; checkpoints every "
-        f"{doc['settings']['checkpoint_every']} steps. Reference run (no fault): "
+        f"{doc['settings']['checkpoint_every']} steps. \"after\" is measured over the last "
+        f"{doc['settings']['window']} steps with the nodes then training, or, where a lost node "
+        "joins again inside them, over the survivors' steps before it does. Reference run (no fault): "
         f"{_fmt(ref['samples_per_s'])} samples/s, final accuracy {_fmt(ref['final_accuracy'])}.",
         "",
         "| fault | status | detected after (s) | continued or resumed | steps lost | samples/s before | "
-        "after | after / survivors' ideal | accuracy vs reference (points) | points lost / doubled | "
-        "processes left | targets |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "after | after: steps | after / survivors' ideal | accuracy vs reference (points) | "
+        "points lost / doubled | processes left | targets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in doc["rows"]:
         lines.append(
             f"| {r['fault']} | {r['status']} | {_fmt(r['detected_after_s'])} | {r['mode']} | {r['steps_lost']} | "
-            f"{_fmt(r['samples_per_s_before'])} | {_fmt(r['samples_per_s_after'])} | {_fmt(r['after_of_ideal'])} | "
+            f"{_fmt(r['samples_per_s_before'])} | {_fmt(r['samples_per_s_after'])} | {_steps(r.get('after_steps'))} | "
+            f"{_fmt(r['after_of_ideal'])} | "
             f"{_fmt(r['accuracy_delta_points'])} | {r['metric_points_lost']} / {r['metric_points_doubled']} | "
             f"{r['processes_left']} | {'met' if not r['misses'] else '; '.join(r['misses'])} |"
         )  # fmt: skip

@@ -7,14 +7,14 @@ control plane needs to know of a task on this node, as one JSON line on stdout.
 "metrics"}: the parameter count, the part that travels dense (1-D and small tensors, at the
 trainer's default --dense-numel) and the (rows, cols) of every matrix-shaped parameter (which
 PowerSGD factors), the data sets' sizes (null for a stream), the node's throughput of
-forward, backward and optimizer step at batch N (after one warm-up step), measured for about S
-seconds, and what the compression path costs on this node: a worker's error feedback, top-k at
-the default density and frame encoding of the model's compressed part (`worker_compress_s`),
-the server's top-k of it at the default k_s and encoding (`server_compress_s`), and decoding and
-adding one worker's compressed frame (`aggregate_s`), what a dense frame costs per element
-(decoding and adding one worker's, `dense_aggregate_s_per_element`; encoding one,
-`dense_encode_s_per_element`), and PowerSGD's work on a worker per step at the default rank
-(`powersgd_s`), each the median of a few repeats. The control plane's performance model
+forward, backward and optimizer step at batch N (the median step of about S seconds, at
+least 3 steps, after two untimed ones), and what the compression path costs on this node: a
+worker's error feedback, top-k at the default density and frame encoding of the model's
+compressed part (`worker_compress_s`), the server's top-k of it at the default k_s and encoding
+(`server_compress_s`), and decoding and adding one worker's compressed frame (`aggregate_s`),
+what a dense frame costs per element (decoding and adding one worker's,
+`dense_aggregate_s_per_element`; encoding one, `dense_encode_s_per_element`), and PowerSGD's
+work on a worker per step at the default rank (`powersgd_s`), each the median of a few repeats. The control plane's performance model
 (app/predict.py) reads these. A task that cannot be loaded exits 1 with the reason on stderr.
 Node agents run this in a child process, so the agent itself never imports torch.
 """
@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
 from hybridtrain.task import TaskError, load_task, parse_task_args
 
+
+# A slow node's step takes seconds: the profile times at least this many, after two untimed.
+WARMUP_STEPS = 2
+MIN_TIMED_STEPS = 3
 
 # The largest dense frame the profile times (4 MB). The `ps` server of a ResNet-18 run on the
 # paper testbed spent 0.084 s a step on summing 4 x 11.2M elements and encoding 11.2M on its
@@ -69,12 +74,17 @@ def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, devic
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    one_step()  # warm-up: allocator, kernels, lazy modules
-    steps, t0 = 0, time.perf_counter()
-    while steps < 2 or time.perf_counter() - t0 < seconds:
+    for _ in range(WARMUP_STEPS):  # the allocator, kernels, lazy modules, the data's first pages
         one_step()
-        steps += 1
-    step_s = (time.perf_counter() - t0) / steps
+    times: list[float] = []
+    t0 = time.perf_counter()
+    while len(times) < MIN_TIMED_STEPS or time.perf_counter() - t0 < seconds:
+        t = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - t)
+    # The median: on a node with a CPU quota (a cloud VM's share, the testbed's cgroups) one
+    # step slowed by a neighbour or a throttled period moves a mean of two or three a long way.
+    step_s = statistics.median(times)
     from trainer.algorithm import Layout
     from trainer.config import TrainConfig
 
@@ -94,8 +104,6 @@ def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, devic
 def compression_costs(sparse_numel: int, repeats: int = 3) -> dict[str, float]:
     """Seconds of the PS strategies' compression path on this node for a compressed part of
     `sparse_numel` elements, at the trainer's default density, k_s and selection."""
-    import statistics
-
     import torch
 
     from trainer.algorithm import aggregate
@@ -135,8 +143,6 @@ def dense_frame_costs(numel: int, repeats: int = 5, frames: int = 4) -> dict[str
     server's decoding of `frames` workers' GRAD frames and adding them into the sum, per frame,
     and encoding one frame. Measured on frames of at most DENSE_FRAME_NUMEL elements in the
     steady state (the allocator warm), as a running server's are."""
-    import statistics
-
     import torch
 
     from trainer.algorithm import aggregate
@@ -168,8 +174,6 @@ def powersgd_cost(shapes: list[list[int]], params: int, *, rank: int, repeats: i
     `powerSGD_hook` does it on one bucket (error feedback on, warm start): add the residual, copy
     the uncompressed tensors out, P = M Q, orthogonalise P, Q = M^T P, M ~ P Q^T, the new residual
     and the copies back. The all-reduces are left out: the model times them on the links."""
-    import statistics
-
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 

@@ -77,6 +77,20 @@ def test_after_throughput_is_measured_against_the_survivors_ideal():
     assert (row["survivors_ideal"], row["after_of_ideal"]) == (30.0, 1.0)
 
 
+def test_a_lost_node_back_before_the_after_window_counts_in_the_ideal():
+    steps = [(k, float(k) * 2.0) for k in range(1, 41)]
+    events = [{"t": 101.0, "kind": "worker_lost"}, {"t": 110.0, "kind": "worker_joined", "step": 25}]
+    row = _row(KILL_WORKER, events, steps, settings=FaultSettings())
+    assert (row["after_steps"], row["after_members"], row["survivors_ideal"]) == ([33, 40], ["a", "b"], 60.0)
+
+
+def test_a_lost_node_back_inside_the_after_window_ends_it_where_it_joins():
+    steps = [(k, float(k) * 2.0) for k in range(1, 41)]
+    events = [{"t": 101.0, "kind": "worker_lost"}, {"t": 130.0, "kind": "worker_joined", "step": 36}]
+    row = _row(KILL_WORKER, events, steps, settings=FaultSettings())
+    assert (row["after_steps"], row["after_members"], row["survivors_ideal"]) == ([29, 36], ["a"], 30.0)
+
+
 def test_targets_flag_a_late_detection_and_doubled_points():
     events = [{"t": 110.0, "kind": "worker_lost"}]
     row = _row(KILL_WORKER, events, [(k, float(k)) for k in range(1, 11)], lost_or_doubled=(0, 3))
