@@ -405,13 +405,19 @@ def test_a_stopping_agent_kills_a_role_still_running_after_the_stop_grace(superv
     assert exited["signal"] == signal.SIGKILL and exited["cause"] == "agent_stopping"
 
 
-def test_what_the_trainer_spooled_is_delivered_by_its_agent_before_its_exit(tmp_path, reporter):
-    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
+def run_to_exit(tmp_path, reporter: RecordingReporter, spec: dict[str, Any], **options: Any) -> None:
+    """Run one role under a supervisor of its own (state dir `tmp_path/s`) until its exit is
+    reported."""
+    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND, **options)
     try:
-        launch_role(36, 1, role_spec(36, 1, spool_records=1201), supervisor=sup)
-        wait_until(lambda: reporter.event(36, "exited"), 20, "the exit event")
+        launch_role(spec["run_id"], spec["rank"], spec, supervisor=sup)
+        wait_until(lambda: reporter.event(spec["run_id"], "exited"), 20, "the exit event")
     finally:
         sup.close()
+
+
+def test_what_the_trainer_spooled_is_delivered_by_its_agent_before_its_exit(tmp_path, reporter):
+    run_to_exit(tmp_path, reporter, role_spec(36, 1, spool_records=1201))
 
     assert [len(body["records"]) for _, body in reporter.delivered_reports] == [500, 500, 201]
     assert {run_id for run_id, _ in reporter.delivered_reports} == {36}
@@ -423,35 +429,20 @@ def test_what_the_trainer_spooled_is_delivered_by_its_agent_before_its_exit(tmp_
 
 def test_a_crashed_trainers_metrics_file_is_delivered_by_its_agent_before_its_exit(tmp_path, reporter):
     # Killed or crashed, a trainer loses what its reporter still held; its file has it all.
-    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
-    try:
-        launch_role(39, 1, role_spec(39, 1, metrics_records=700, exit_code=1), supervisor=sup)
-        wait_until(lambda: reporter.event(39, "exited"), 20, "the exit event")
-    finally:
-        sup.close()
+    run_to_exit(tmp_path, reporter, role_spec(39, 1, metrics_records=700, exit_code=1))
 
     assert [r["seq"] for _, body in reporter.delivered_reports for r in body["records"]] == list(range(700))
     assert reporter.order.index(("report", 39)) < reporter.order.index(("exited", 39))
 
 
 def test_a_clean_exit_leaves_the_metrics_file_to_the_trainers_own_reporter(tmp_path, reporter):
-    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
-    try:
-        launch_role(40, 1, role_spec(40, 1, metrics_records=30), supervisor=sup)
-        wait_until(lambda: reporter.event(40, "exited"), 20, "the exit event")
-    finally:
-        sup.close()
+    run_to_exit(tmp_path, reporter, role_spec(40, 1, metrics_records=30))
 
     assert reporter.delivered_reports == []
 
 
 def test_each_rank_writes_its_metrics_in_its_own_directory(tmp_path, reporter):
-    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND)
-    try:
-        launch_role(41, 1, role_spec(41, 1, **{"metrics-out": "metrics.jsonl"}), supervisor=sup)
-        wait_until(lambda: reporter.event(41, "exited"), 20, "the exit event")
-    finally:
-        sup.close()
+    run_to_exit(tmp_path, reporter, role_spec(41, 1, **{"metrics-out": "metrics.jsonl"}))
 
     argv = next(x for x in reporter.lines(41, 1) if x.startswith("argv ")).split()
     assert argv.count("--metrics-out") == 1
@@ -459,14 +450,8 @@ def test_each_rank_writes_its_metrics_in_its_own_directory(tmp_path, reporter):
 
 
 def test_reports_and_checkpoints_go_to_the_control_plane_the_agent_reaches(tmp_path, reporter):
-    sup = Supervisor(reporter, state_dir=tmp_path / "s", trainer_command=STUB_COMMAND,
-                     server_url="https://cp.internal:8443")
     spec = {**role_spec(37, 1), "checkpoint_url": "http://localhost:8000/api/v1/runs/37/checkpoints"}
-    try:
-        launch_role(37, 1, spec, supervisor=sup)
-        wait_until(lambda: reporter.event(37, "exited"), 20, "the exit event")
-    finally:
-        sup.close()
+    run_to_exit(tmp_path, reporter, spec, server_url="https://cp.internal:8443")
 
     argv = next(x for x in reporter.lines(37, 1) if x.startswith("argv ")).split()
     assert argv[argv.index("--report-url") + 1] == "https://cp.internal:8443/api/v1/runs/37/metrics"
