@@ -66,12 +66,6 @@ def metrics_file(options: dict[str, object], rank_dir: Path) -> Path:
     return rank_dir / (Path(str(given)).name if given else METRICS_FILE)
 
 
-def spool_messages(path: Path, *, run_id: int) -> list[Message]:
-    """The records a trainer spooled in `path`, as outbox messages of at most 500 records,
-    which the agent delivers with its own token (the run's may no longer report by then)."""
-    return _batched(_records(path, run_id=run_id), run_id)
-
-
 def undelivered_messages(*, run_id: int, rank: int, spool: Path | None, metrics: Path | None,
                          metrics_from: int, clean: bool) -> list[Message]:
     """What the agent delivers for a role that ended: what its trainer spooled and, unless it

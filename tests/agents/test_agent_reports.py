@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from agents.outbox import REPORT
-from agents.reports import metrics_file, rebase_url, spool_messages, undelivered_messages
+from agents.reports import metrics_file, rebase_url, undelivered_messages
 
 
 def test_rebase_url_keeps_the_path_and_takes_scheme_host_and_port_from_the_server():
@@ -22,18 +22,19 @@ def test_rebase_url_keeps_a_servers_path_prefix():
         "https://gw.example/hybridtrain/api/v1/runs/3/metrics")
 
 
-def test_spool_messages_skip_a_torn_line_and_batch_by_500(tmp_path):
+def test_a_spool_is_delivered_without_its_torn_line_in_batches_of_500(tmp_path):
     spool = tmp_path / "report-spool.jsonl"
     spool.write_text("".join(f'{{"seq": {i}}}\n' for i in range(501)) + '{"seq": ')
 
-    messages = spool_messages(spool, run_id=4)
+    messages = undelivered_messages(run_id=4, rank=1, spool=spool, metrics=None, metrics_from=0, clean=True)
 
     assert [len(m.body["records"]) for m in messages] == [500, 1]
     assert {(m.kind, m.run_id) for m in messages} == {(REPORT, 4)}
 
 
-def test_spool_messages_of_a_missing_spool_are_none(tmp_path):
-    assert spool_messages(tmp_path / "none.jsonl", run_id=4) == []
+def test_a_missing_spool_delivers_nothing(tmp_path):
+    assert undelivered_messages(run_id=4, rank=1, spool=tmp_path / "none.jsonl", metrics=None, metrics_from=0,
+                                clean=True) == []
 
 
 def _lines(*records: dict) -> str:
