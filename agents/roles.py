@@ -164,6 +164,8 @@ def redact(argv: list[str]) -> list[str]:
 
 # The role's report token, in a file only the agent's user can read (never on a command line).
 TOKEN_FILE = "report-token"
+# The run's link secret (trainer.linktls), likewise.
+LINK_SECRET_FILE = "link-secret"
 # What stays with the agent: its own and the control plane's settings (the broker URL with its
 # password, the agent's token, database URLs). The rest of the node's environment (PATH, CUDA,
 # a cloud's credentials for the user's data) passes to the role as on any job runner; the

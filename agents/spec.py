@@ -74,6 +74,8 @@ class RoleSpec(BaseModel):
     batch_sizes: list[int] = Field(default_factory=list)
     report_url: str | None = None
     report_token: str | None = None
+    # PS strategies: the run's shared secret for TLS between its ranks (trainer.linktls).
+    link_secret: str | None = Field(default=None, max_length=200)
     # The rest of the trainer's flags, e.g. {"strategy": "ps-bz-gc", "max-steps": 200}.
     options: dict[str, OptionValue] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)

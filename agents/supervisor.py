@@ -46,6 +46,7 @@ from agents.reports import (
     METRICS_OPTIONS, SPOOL_FILE, file_size, metrics_file, toward_server, undelivered_messages, with_flag,
 )
 from agents.roles import (
+    LINK_SECRET_FILE,
     MAX_LINE_CHARS,
     TOKEN_FILE,
     role_base_env,
@@ -169,11 +170,12 @@ class Supervisor:
                 spool = rank_dir / SPOOL_FILE
                 spool.unlink(missing_ok=True)
                 argv = with_flag(argv, "--report-spool", str(spool.resolve()), after=len(self.trainer_command))
-            if spec.report_token:
-                # Not on the command line, which anyone on the node can read in `ps`.
-                token_file = write_secret(rank_dir / TOKEN_FILE, spec.report_token)
-                argv = with_flag(argv, "--report-token-file", str(token_file.resolve()),
-                                 after=len(self.trainer_command))
+            for secret, name, flag in ((spec.report_token, TOKEN_FILE, "--report-token-file"),
+                                       (spec.link_secret, LINK_SECRET_FILE, "--link-secret-file")):
+                if secret:
+                    # Not on the command line, which anyone on the node can read in `ps`.
+                    path = write_secret(rank_dir / name, secret)
+                    argv = with_flag(argv, flag, str(path.resolve()), after=len(self.trainer_command))
             argv = with_code_dir(argv, code_dir, after=len(self.trainer_command))
             # -I: the role's cwd holds the user's code, which must not shadow the guard's own
             # package (a user's `agents/` directory, say).

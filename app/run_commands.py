@@ -105,6 +105,8 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     queue.add_argument("--priority", type=int, default=None, help="higher starts first; default 0")
     queue.add_argument("--share-gpus", action="store_true", default=None,
                        help="run on GPUs that other sharing runs hold")
+    create.add_argument("--plain-links", dest="encrypt_links", action="store_false", default=None,
+                        help="PS: ranks talk over plain TCP, not TLS (only inside a VPN that encrypts)")
     create.add_argument("--idempotency-key", default=None,
                         help="a retry with the same key returns the same run (e.g. the CI job id)")
     create.add_argument("--plan-only", action="store_true",
@@ -228,7 +230,7 @@ def _run_body(args: argparse.Namespace) -> dict[str, Any]:
         ("stop_at_target", args.stop_at_target), ("checkpoint_every", args.checkpoint_every),
         ("checkpoint_every_s", args.checkpoint_every_s), ("max_restarts", args.max_restarts),
         ("min_workers", args.min_workers), ("min_workers_wait_s", args.min_workers_wait_s),
-        ("priority", args.priority), ("share_gpus", args.share_gpus),
+        ("priority", args.priority), ("share_gpus", args.share_gpus), ("encrypt_links", args.encrypt_links),
     ]:
         if value is not None:
             body[key] = value

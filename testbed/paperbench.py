@@ -189,6 +189,15 @@ def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, 
     return body
 
 
+def strategy_variant(entry: str) -> tuple[str, bool]:
+    """`ps-bz-gc+plain` -> (ps-bz-gc, True): the strategy with its links unencrypted, to
+    measure what TLS costs side by side (runs encrypt by default)."""
+    strategy, _, variant = entry.partition("+")
+    if variant not in ("", "plain"):
+        raise TestbedError(f"--strategies: {entry!r}: the only variant is +plain")
+    return strategy, variant == "plain"
+
+
 def run_strategy(api: httpx.Client, body: dict[str, Any], timeout_s: float, log: Log) -> dict[str, Any]:
     """Create a run, wait for its end (cancelling it past `timeout_s`), return the run."""
     created = _check(
@@ -473,6 +482,11 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     settings = with_overrides(QUICK if args.quick else FULL, args)
     config = load_config(args.config)
     strategies = tuple(args.strategies.split(",")) if args.strategies else STRATEGIES
+    for entry in strategies:
+        strategy, plain = strategy_variant(entry)
+        if strategy not in STRATEGIES:
+            raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
+                               "each optionally +plain)")
     started = time.monotonic()
     command = "hybridtrain " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else (
         f"hybridtrain bench paper --config {args.config}{' --quick' if args.quick else ''} --out {args.out}")
@@ -530,10 +544,14 @@ def _bench_on(
     target_metric = parse_target(s.target).metric
 
     results: dict[str, dict[str, Any]] = {}
-    for strategy in strategies:
+    for entry in strategies:
+        strategy, plain = strategy_variant(entry)
         t0 = time.monotonic()
-        log(f"  {strategy}: launching")
-        run = run_strategy(api, run_body(strategy, s, node_ids, ps_node_id, tag), s.run_timeout_s, log)
+        log(f"  {entry}: launching")
+        body = run_body(strategy, s, node_ids, ps_node_id, tag)
+        if plain:
+            body |= {"name": f"{body['name']}-plain", "encrypt_links": False}
+        run = run_strategy(api, body, s.run_timeout_s, log)
         records = fetch_metrics(api, run["id"], target_metric)
         rank_node = {w["rank"]: name_of[w["node_id"]] for w in run["workers"] if w["node_id"] in name_of}
         # A node's standalone speed, measured on its ps-bz-gc batch, stands for any batch size.
@@ -556,8 +574,8 @@ def _bench_on(
                     "wall_s": round(time.monotonic() - t0, 1),
                     "batch_sizes": {name_of.get(w["node_id"], "?"): w["batch_size"]
                                     for w in run["workers"] if w["role"] == "worker"}}  # fmt: skip
-        results[strategy] = summary
-        log(f"  {strategy}: {run['status']}, {summary['samples_per_s']} samples/s, "
+        results[entry] = summary
+        log(f"  {entry}: {run['status']}, {summary['samples_per_s']} samples/s, "
             f"tta {summary['tta_s']} s, accuracy {summary['final_accuracy']}, "
             f"{summary['steps']} steps, {summary['wall_s']} s")  # fmt: skip
     targets = check_targets(results, ideal)

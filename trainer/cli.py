@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a file holding the report token (an agent writes one, owner-only, per role)")
     io.add_argument("--report-spool", default=None,
                     help="JSON-lines file for records the control plane could not take before exit")
+    io.add_argument("--link-secret-file", default=None,
+                    help="a file holding the run's link secret: parameter-server connections are then "
+                         "mutual TLS keyed by it (an agent writes one, owner-only, per role)")
     sysg = p.add_argument_group("system")
     sysg.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
     sysg.add_argument("--device", choices=DEVICES, default=d.device)
@@ -265,7 +268,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         min_workers=args.min_workers, min_workers_wait_s=args.min_workers_wait_s,
         start_wait_s=args.start_wait_s, join=args.join,
         metrics_out=args.metrics_out, report_url=args.report_url, report_token=_report_token(args),
-        report_spool=args.report_spool,
+        report_spool=args.report_spool, link_secret=_read_secret(args.link_secret_file, "--link-secret-file"),
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,
         link_mbps=tuple(args.link_mbps), sites=tuple(args.sites), emulate_speeds=args.emulate_speeds,
         powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
@@ -277,13 +280,19 @@ def _report_token(args: argparse.Namespace) -> str | None:
         return args.report_token
     if args.report_token is not None:
         raise UsageError("give --report-token or --report-token-file, not both")
+    return _read_secret(args.report_token_file, "--report-token-file")
+
+
+def _read_secret(path: str | None, flag: str) -> str | None:
+    if path is None:
+        return None
     try:
-        token = Path(args.report_token_file).read_text().strip()
+        value = Path(path).read_text().strip()
     except OSError as exc:
-        raise UsageError(f"--report-token-file {args.report_token_file}: {exc.strerror}") from None
-    if not token:
-        raise UsageError(f"--report-token-file {args.report_token_file} is empty")
-    return token
+        raise UsageError(f"{flag} {path}: {exc.strerror}") from None
+    if not value:
+        raise UsageError(f"{flag} {path} is empty")
+    return value
 
 
 def _target(args: argparse.Namespace) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from hybridtrain.contract import (
@@ -24,14 +24,14 @@ RESUMABLE_CHANGES = frozenset(
     {"max_steps", "epochs", "target", "checkpoint_every", "checkpoint_dir", "metrics_out",
      "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume",
      "sites", "stop_at_target", "data_workers", "eval_every", "code_dir", "checkpoint_every_s",
-     "checkpoint_url", "report_spool", "min_workers", "min_workers_wait_s", "start_wait_s", "join",
+     "checkpoint_url", "report_spool", "link_secret", "min_workers", "min_workers_wait_s", "start_wait_s", "join",
      # A run resumes with whichever workers it has now (docs/elastic.md).
      "workers", "batch_sizes", "speeds", "link_mbps", "emulate_speeds"}
 )
 
 
 # Fields that are credentials: left out of what is written to disk (checkpoints).
-SECRET_FIELDS = frozenset({"report_token"})
+SECRET_FIELDS = frozenset({"report_token", "link_secret"})
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,9 @@ class TrainConfig:
     # Where records the control plane could not take before exit are written (JSON lines, with
     # their stream and sequence numbers), for the agent to deliver later.
     report_spool: str | None = None
+    # PS strategies: the run's shared secret; with it every connection between its ranks is
+    # mutual TLS (trainer.linktls), without it plain TCP that admits any process that connects.
+    link_secret: str | None = field(default=None, repr=False)
     threads: int = 1
     device: str = "cpu"
     # bf16 autocast around the task's forward pass and loss.

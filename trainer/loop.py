@@ -262,12 +262,14 @@ class DistributedOptimizer:
             raise RuntimeError("DistributedOptimizer needs the model: pass it, or call prepare_model first")
         self.module = module
         if ctx.cfg.is_ps and not ctx.standalone:
+            from trainer.linktls import LinkTls
             from trainer.ps import PSClient
             from trainer.sockets import WorkerSocketTransport
             from trainer.transport import ThrottledTransport
 
             transport = WorkerSocketTransport(ctx.rank, ctx.master_addr, ctx.master_port,
-                                              timeout_s=ctx.cfg.timeout_s, listen=bool(ctx.cfg.sites))
+                                              timeout_s=ctx.cfg.timeout_s, listen=bool(ctx.cfg.sites),
+                                              tls=LinkTls.given(ctx.cfg.link_secret), sites=ctx.cfg.sites)
             if ctx.worker < len(ctx.cfg.link_mbps):
                 transport = ThrottledTransport(transport, ctx.cfg.link_mbps[ctx.worker], peer=0)
             client = PSClient(ctx.cfg, ctx.rank, transport, module, optimizer, ctx.metrics,

@@ -21,6 +21,7 @@ from hybridtrain.contract import EXIT_TOO_FEW_WORKERS
 from hybridtrain.task import TaskError, load_task
 from trainer.config import TrainConfig
 from trainer.frames import ProtocolError
+from trainer.linktls import LinkTls
 from trainer.loop import WorkerLeft
 from trainer.metrics import HttpReporter, MetricsLogger
 
@@ -50,7 +51,8 @@ def _serve(cfg: TrainConfig, spec: RoleSpec) -> None:
     transport = None
     try:
         # Workers connect whenever they start (and join later): no fixed-size process group.
-        transport = ServerSocketTransport(spec.master_addr, spec.master_port, timeout_s=cfg.timeout_s)
+        transport = ServerSocketTransport(spec.master_addr, spec.master_port, timeout_s=cfg.timeout_s,
+                                          tls=LinkTls.given(cfg.link_secret))
         server = ParameterServer(cfg, transport, metrics)
         state = load_latest(cfg) if cfg.resume else None
         if state is not None:

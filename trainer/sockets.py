@@ -15,22 +15,26 @@ Site relays (trainer.relay): a worker that forwards or receives within its site 
 on an ephemeral port, says which in HELLO, and learns its peers' addresses from the server's
 WELCOME; worker-to-worker connections open on first send and carry one direction each.
 
-TLS is the next issue's: every socket passes through `_wrap` once connected, where an
-`ssl.SSLContext.wrap_socket` call belongs; nothing else touches the raw socket.
+With the run's link secret (trainer.linktls), a process without the secret is refused before
+its first frame, and every connection between sites is mutual TLS; one within a site (the
+ranks' `sites`) is plain TCP once both ends proved the secret. Each socket passes through
+`_secure_accepted` or `_secure_connected` once connected; nothing else touches the raw socket.
 """
 
 from __future__ import annotations
 
 import queue
 import socket
+import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
+from trainer.linktls import LinkTls
 from trainer.transport import Transport
 
 SERVER = 0
@@ -150,17 +154,31 @@ class _Link:
 class SocketTransport(Transport):
     """What the server's and the workers' ends share: links per peer, receives, byte counts."""
 
-    def __init__(self, rank: int, *, timeout_s: float) -> None:
+    def __init__(self, rank: int, *, timeout_s: float, tls: LinkTls | None = None,
+                 sites: Sequence[str] = ()) -> None:
         super().__init__(rank)
         self.timeout_s = timeout_s
+        self.tls = tls
+        self.sites = tuple(sites)
         self._send_links: dict[int, _Link] = {}
         self._recv_socks: dict[int, socket.socket] = {}
         self._cond = threading.Condition()
         self._closed = False
 
-    def _wrap(self, sock: socket.socket, *, server_side: bool) -> socket.socket:
-        """Where TLS goes (ssl.SSLContext.wrap_socket); plain TCP for now."""
-        return sock
+    def _secure_accepted(self, sock: socket.socket) -> socket.socket:
+        """An accepted `sock` once its peer proved the run's secret (over TLS if it asked)."""
+        return sock if self.tls is None else self.tls.accept(sock)  # type: ignore[return-value]
+
+    def _secure_connected(self, sock: socket.socket, peer: int) -> socket.socket:
+        """A connected `sock` to `peer`: TLS unless both ends are known to share a site."""
+        if self.tls is None:
+            return sock
+        return self.tls.connect(sock, encrypt=not self._same_site(peer))  # type: ignore[return-value]
+
+    def _same_site(self, peer: int) -> bool:
+        if max(self.rank, peer) >= len(self.sites):
+            return False
+        return bool(self.sites[self.rank]) and self.sites[self.rank] == self.sites[peer]
 
     def _send_link(self, peer: int) -> _Link | None:
         with self._cond:
@@ -255,8 +273,8 @@ class ServerSocketTransport(SocketTransport):
     """Rank 0: listens for workers; a new connection's first frame waits in `arrivals` until
     the server adopts (or refuses) it at a step boundary."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float) -> None:
-        super().__init__(SERVER, timeout_s=timeout_s)
+    def __init__(self, host: str, port: int, *, timeout_s: float, tls: LinkTls | None = None) -> None:
+        super().__init__(SERVER, timeout_s=timeout_s, tls=tls)
         self.arrivals: queue.Queue[tuple[socket.socket, torch.Tensor, str]] = queue.Queue()
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -280,8 +298,9 @@ class ServerSocketTransport(SocketTransport):
     def _greet(self, conn: socket.socket, host: str) -> None:
         try:
             _tune(conn)
-            conn = self._wrap(conn, server_side=True)
+            # The deadline covers the handshake too: a silent connection never holds a thread.
             conn.settimeout(self.timeout_s)
+            conn = self._secure_accepted(conn)
             # A HELLO is a few kilobytes of layout: anything far larger is not a worker.
             frame, _ = read_frame(conn, limit=_MAX_HELLO)
             conn.settimeout(None)
@@ -318,8 +337,9 @@ class WorkerSocketTransport(SocketTransport):
     """A worker: one connection to the server (opened by the worker, so only the server needs
     to be reachable); with `listen`, also a port for its site's relay traffic."""
 
-    def __init__(self, rank: int, host: str, port: int, *, timeout_s: float, listen: bool = False) -> None:
-        super().__init__(rank, timeout_s=timeout_s)
+    def __init__(self, rank: int, host: str, port: int, *, timeout_s: float, listen: bool = False,
+                 tls: LinkTls | None = None, sites: Sequence[str] = ()) -> None:
+        super().__init__(rank, timeout_s=timeout_s, tls=tls, sites=sites)
         self.peer_addresses: dict[int, tuple[str, int]] = {}
         self.listen_port: int | None = None
         if listen:
@@ -339,9 +359,14 @@ class WorkerSocketTransport(SocketTransport):
         while True:
             try:
                 sock = socket.create_connection(address, timeout=10)
-                sock.settimeout(None)
                 _tune(sock)
-                return self._wrap(sock, server_side=False)
+                sock = self._secure_connected(sock, SERVER)
+                sock.settimeout(None)
+                return sock
+            except ssl.SSLError as exc:
+                # Not worth retrying: the peer holds another run's secret (or is no hybridtrain peer).
+                raise PeerLost(f"rank {self.rank}: {what} at {address[0]}:{address[1]} refused this "
+                               f"rank's run key at the handshake: {exc}") from exc
             except OSError as exc:
                 if time.monotonic() + delay > deadline:
                     raise PeerLost(f"rank {self.rank}: cannot reach {what} at {address[0]}:{address[1]} "
@@ -357,8 +382,10 @@ class WorkerSocketTransport(SocketTransport):
                 return
             try:
                 _tune(conn)
-                conn = self._wrap(conn, server_side=True)
+                conn.settimeout(self.timeout_s)
+                conn = self._secure_accepted(conn)
                 (peer,) = _RANK.unpack(_recv_exact(conn, _RANK.size))
+                conn.settimeout(None)
             except (OSError, PeerLost):
                 conn.close()
                 continue
@@ -375,9 +402,9 @@ class WorkerSocketTransport(SocketTransport):
             return link
         try:
             sock = socket.create_connection(self.peer_addresses[peer], timeout=10)
-            sock.settimeout(None)
             _tune(sock)
-            sock = self._wrap(sock, server_side=False)
+            sock = self._secure_connected(sock, peer)
+            sock.settimeout(None)
             sock.sendall(_RANK.pack(self.rank))
         except OSError:
             # A site peer that is gone: the server drops it; this worker stops trying.

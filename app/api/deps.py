@@ -199,7 +199,7 @@ AgentNodeDep = Annotated[Node, Depends(get_agent_node)]
 
 metrics_bearer = HTTPBearer(
     auto_error=False, scheme_name="RunMetricsToken",
-    description="The per-run token handed to the trainer at launch (metric ingestion only).",
+    description="A rank's token handed to its trainer at launch: its own records, its run's checkpoints and bundle.",
 )
 
 

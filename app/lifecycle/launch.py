@@ -19,7 +19,10 @@ from app.lifecycle.states import end_run
 from app.models import Run, RunStatus, RunWorker, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES
-from app.queries.runs import current_batch_sizes, get_run, launch_orders, rank_sites, run_metrics_token
+from app.queries.runs import (
+    current_batch_sizes, get_run, launch_orders, rank_sites, run_link_secret, run_metrics_token,
+)
+from hybridtrain.contract import is_ps
 
 # States in which the run trains: a rank launched then is joining it, not starting it.
 TRAINING = frozenset({RunStatus.running, RunStatus.degraded})
@@ -36,11 +39,19 @@ def orders_for(
     resume: bool = False,
     live: Iterable[RunWorker] | None = None,
 ) -> list[LaunchOrder]:
-    """Launch orders for `ranks` (default all) with the token of the run's current attempt;
+    """Launch orders for `ranks` (default all) with their tokens of the run's current attempt;
     `live` (the ranks expected to train) re-splits the batch over them, else the plan's."""
-    token = run_metrics_token(settings.secret_key, run_id=run.id, attempt=run.restarts)
+    def token(rank: int) -> str:
+        return run_metrics_token(settings.secret_key, run_id=run.id, attempt=run.restarts, rank=rank)
+
+    # gloo (the all-reduce baselines) has no TLS: only parameter-server links are keyed.
+    link_secret = (
+        run_link_secret(settings.secret_key, run_id=run.id, attempt=run.restarts)
+        if run.encrypt_links and is_ps(run.strategy) else None
+    )
     return launch_orders(
-        run, metrics_token=token, public_url=settings.public_url, sites=rank_sites(session, run=run),
+        run, metrics_token=token, public_url=settings.public_url, link_secret=link_secret,
+        sites=rank_sites(session, run=run),
         ranks=ranks, join=join, resume=resume,
         batch_sizes=current_batch_sizes(run, live) if live is not None else None,
     )

@@ -56,10 +56,10 @@ def restart_or_fail(
 
     move(run, RunStatus.restarting, now=now)
     run.restarts += 1
-    # The next attempt's token: the old one stops being accepted, so a straggler of the old
-    # attempt cannot report into the new one.
+    # The next attempt's tokens: the old ones stop being accepted (they are checked against
+    # `restarts`), so a straggler of the old attempt cannot report into the new one.
     run.metrics_token_hash = hash_secret(
-        run_metrics_token(settings.secret_key, run_id=run.id, attempt=run.restarts)
+        run_metrics_token(settings.secret_key, run_id=run.id, attempt=run.restarts, rank=0)
     )
     # A port free on the node at launch, not the old one: the killed server's socket may
     # still hold it. Rank 0's agent confirms it or picks another.

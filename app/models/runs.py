@@ -178,6 +178,9 @@ class Run(TimestampMixin, Base):
     priority: Mapped[int] = mapped_column(default=0, server_default="0")
     # True: the run may hold its GPUs together with other runs that share (never with one that does not).
     share_gpus: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # PS strategies: the ranks' connections are mutual TLS keyed by the run's secret
+    # (trainer.linktls). Runs stored before this column existed ran in the clear.
+    encrypt_links: Mapped[bool] = mapped_column(default=True, server_default=false())
 
     workers: Mapped[list[RunWorker]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True,

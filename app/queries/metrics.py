@@ -9,7 +9,7 @@ max_steps is still NULL stores it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import Float, case, cast, func, select, text, update
@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session
 from app.errors import NotFoundError
 from app.models import Run, RunMetric
 from app.models.base import utcnow
+from app.queries.runs import token_rank
 from app.schemas.runs import MetricRecord, MetricSeries
-from app.security import hash_secret, secrets_equal
 
 NO_PEER = -1
 
@@ -48,31 +48,37 @@ _PG_INSERT = text(
 )
 
 
-def metrics_token_valid(session: Session, *, run_id: int, token: str) -> bool:
-    """Whether `token` is the run's current metrics token (NotFoundError when there is no such
-    run). Not cached: a restart gives the run a new token and retires the old one."""
-    run_hash = session.scalar(select(Run.metrics_token_hash).where(Run.id == run_id))
-    if run_hash is None:
+def metrics_token_valid(session: Session, *, run_id: int, token: str, secret_key: str) -> bool:
+    """Whether `token` is one of the run's ranks' tokens of its current attempt (NotFoundError
+    when there is no such run). Not cached: a restart retires every old token."""
+    attempt = session.scalar(select(Run.restarts).where(Run.id == run_id))
+    if attempt is None:
         raise NotFoundError("run", run_id)
-    return secrets_equal(hash_secret(token), run_hash)
+    return token_rank(secret_key, token, run_id=run_id, attempt=attempt) is not None
 
 
-def report_refusal(session: Session, *, run_id: int, token: str, grace_s: float,
-                   now: datetime | None = None) -> tuple[int, str] | None:
-    """Why `token` may not report into run `run_id` now, as (HTTP status, detail); None when
-    it may. A run's token reports while the run is active and for `grace_s` after it ended
-    (its workers' last records in flight); after that only the node's agent delivers what a
-    trainer spooled (`POST /agent/runs/{id}/metrics`), so a leaked token is worth nothing."""
+def report_refusal(session: Session, *, run_id: int, token: str, secret_key: str, grace_s: float,
+                   ranks: Collection[int], now: datetime | None = None) -> tuple[int, str] | None:
+    """Why `token` may not report records of `ranks` into run `run_id` now, as (HTTP status,
+    detail); None when it may. A rank's token reports that rank's records, while the run is
+    active and for `grace_s` after it ended (its workers' last records in flight); after that
+    only the node's agent delivers what a trainer spooled (`POST /agent/runs/{id}/metrics`),
+    so a leaked token is worth nothing."""
     row = session.execute(
-        select(Run.metrics_token_hash, Run.status, Run.finished_at).where(Run.id == run_id)
+        select(Run.restarts, Run.status, Run.finished_at).where(Run.id == run_id)
     ).one_or_none()
     if row is None:
         raise NotFoundError("run", run_id)
-    if row.metrics_token_hash is None or not secrets_equal(hash_secret(token), row.metrics_token_hash):
-        return 401, "not this run's metrics token"
+    rank = token_rank(secret_key, token, run_id=run_id, attempt=row.restarts)
+    if rank is None:
+        return 401, "not a report token of this run's current attempt"
+    others = sorted(set(ranks) - {rank})
+    if others:
+        return 403, (f"rank {rank}'s token reports rank {rank}'s records only, not rank(s) "
+                     f"{', '.join(map(str, others))}")
     now = now or utcnow()
     if row.status.finished and (row.finished_at is None or row.finished_at < now - timedelta(seconds=grace_s)):
-        return 403, (f"run {run_id} has {row.status}: its token reports no more; the agents deliver "
+        return 403, (f"run {run_id} has {row.status}: a token of it reports no more; the agents deliver "
                      "what their trainers spooled")
     return None
 

@@ -9,7 +9,7 @@ import base64
 import hashlib
 import hmac
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -26,7 +26,7 @@ from app.queries.common import paginate
 from app.queries import predictions
 from app.queries.profiles import latest_profiles
 from app.schemas.runs import RunCreate
-from app.security import hash_secret, new_secret
+from app.security import hash_secret, new_secret, secrets_equal
 from hybridtrain.contract import is_ps, proportional_batch_sizes
 
 METRICS_TOKEN_PREFIX = "htr_"
@@ -287,6 +287,7 @@ def create_run(
         min_workers_wait_s=data.min_workers_wait_s,
         priority=data.priority,
         share_gpus=data.share_gpus,
+        encrypt_links=data.encrypt_links,
         workers=[
             RunWorker(
                 rank=w.rank, role=w.role, node_id=w.node_id, node_name=w.node_name,
@@ -298,22 +299,45 @@ def create_run(
     )
     session.add(run)
     session.flush()
-    token = run_metrics_token(secret_key, run_id=run.id, attempt=0)
+    token = run_metrics_token(secret_key, run_id=run.id, attempt=0, rank=0)
+    # Kept for the column's uniqueness; tokens are checked by deriving them again (token_rank).
     run.metrics_token_hash = hash_secret(token)
     session.flush()
     return run, token
 
 
-def run_metrics_token(secret_key: str, *, run_id: int, attempt: int) -> str:
-    """The metrics token of a run's `attempt` (0, then one per restart).
+def run_metrics_token(secret_key: str, *, run_id: int, attempt: int, rank: int) -> str:
+    """The report token of one rank in a run's `attempt` (0, then one per restart).
 
-    Derived from the control plane's secret rather than stored: only its hash is kept, yet
-    the control plane can hand it again to a rank whose launch order it re-sends or to a
-    worker that joins later; a restart moves to the next attempt, which retires the old token.
+    Derived from the control plane's secret rather than stored, so the control plane can hand
+    it again to a rank whose launch order it re-sends or to a worker that joins later, and
+    checks it by deriving it again. It names its rank: it reports that rank's records only
+    (`token_rank`). A restart moves to the next attempt, which retires every old token.
     """
-    message = f"hybridtrain-run-metrics:{run_id}:{attempt}".encode()
+    digest = _run_secret(secret_key, "metrics", f"{run_id}:{attempt}:{rank}")
+    return f"{METRICS_TOKEN_PREFIX}{rank}.{digest}"
+
+
+def token_rank(secret_key: str, token: str, *, run_id: int, attempt: int) -> int | None:
+    """The rank `token` reports for in the run's `attempt`; None when it is no token of it."""
+    head, dot, _ = token.removeprefix(METRICS_TOKEN_PREFIX).partition(".")
+    if not token.startswith(METRICS_TOKEN_PREFIX) or not dot or not head.isdigit() or len(head) > 9:
+        return None
+    rank = int(head)
+    expected = run_metrics_token(secret_key, run_id=run_id, attempt=attempt, rank=rank)
+    return rank if secrets_equal(token, expected) else None
+
+
+def run_link_secret(secret_key: str, *, run_id: int, attempt: int) -> str:
+    """The secret a run's ranks key their TLS with (trainer.linktls) in `attempt`: derived,
+    like the report tokens, so a re-sent order or a joiner gets the same, never stored."""
+    return _run_secret(secret_key, "links", f"{run_id}:{attempt}")
+
+
+def _run_secret(secret_key: str, purpose: str, subject: str) -> str:
+    message = f"hybridtrain-run-{purpose}:{subject}".encode()
     digest = hmac.new(secret_key.encode(), message, hashlib.sha256).digest()
-    return METRICS_TOKEN_PREFIX + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 def _check_min_workers(data: RunCreate, plan: Plan) -> None:
@@ -412,8 +436,9 @@ def current_batch_sizes(run: Run, live: Iterable[RunWorker]) -> list[int]:
 def launch_orders(
     run: Run,
     *,
-    metrics_token: str,
+    metrics_token: Callable[[int], str],
     public_url: str,
+    link_secret: str | None = None,
     sites: Sequence[str] = (),
     ranks: Iterable[RunWorker] | None = None,
     join: bool = False,
@@ -421,8 +446,8 @@ def launch_orders(
     batch_sizes: Sequence[int] | None = None,
 ) -> list[LaunchOrder]:
     """One launch order per rank (`ranks`, default all), carrying everything the role's command
-    line needs; `sites` (one label per rank, `rank_sites`) lets a PS run relay its update once
-    per remote site. `join` admits the ranks into the running run, `resume` starts them from
+    line needs, with the report token `metrics_token` gives its rank; `sites` (one label per rank, `rank_sites`) lets a PS run relay its update once
+    per remote site; `link_secret` keys the ranks' TLS. `join` admits the ranks into the running run, `resume` starts them from
     the latest checkpoint (a restart); `batch_sizes` overrides the plan's split."""
     sizes = list(batch_sizes) if batch_sizes is not None else [
         w.batch_size for w in run.workers if w.role == "worker" and w.batch_size
@@ -455,7 +480,9 @@ def launch_orders(
             "pick_port": worker.rank == 0,
             "batch_sizes": sizes,
             "report_url": f"{public_url.rstrip('/')}/api/v1/runs/{run.id}/metrics",
-            "report_token": metrics_token,
+            "report_token": metrics_token(worker.rank),
+            # Only where set: an agent that predates encrypted links still takes a plain run.
+            **({"link_secret": link_secret} if link_secret else {}),
             "options": options,
             "env": env,
             "bundle": bundle,

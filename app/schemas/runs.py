@@ -158,6 +158,12 @@ class RunCreate(Schema):
         default=False,
         description="run on GPUs that other sharing runs hold (it waits only for runs that do not share)",
     )
+    encrypt_links: Flag = Field(
+        default=True,
+        description="parameter-server strategies: the ranks talk over TLS keyed by a secret of the run's; "
+        "false only where the sites' network already encrypts (a VPN). All-reduce runs over gloo, "
+        "which has no TLS, whatever this says",
+    )
 
     @field_validator("task")
     @classmethod
@@ -322,6 +328,7 @@ class RunPublic(PublicSchema):
     min_workers_wait_s: float
     priority: int = 0
     share_gpus: bool = False
+    encrypt_links: bool = False
     queue_position: int | None = Field(
         default=None, description="1 for the next queued run to start; null unless queued"
     )

@@ -459,15 +459,17 @@ def test_reports_and_checkpoints_go_to_the_control_plane_the_agent_reaches(tmp_p
     assert argv[argv.index("--report-spool") + 1] == str(tmp_path / "s" / "runs" / "37" / "rank1" / "report-spool.jsonl")
 
 
-def test_the_report_token_reaches_the_role_in_an_owner_only_file(supervisor, reporter):
-    launch_role(38, 1, role_spec(38, 1), supervisor=supervisor)
+@pytest.mark.parametrize(("field", "flag"), [("report_token", "--report-token-file"),
+                                           ("link_secret", "--link-secret-file")])
+def test_a_runs_secret_reaches_the_role_in_an_owner_only_file(supervisor, reporter, field, flag):
+    launch_role(38, 1, {**role_spec(38, 1), field: "run-secret"}, supervisor=supervisor)
     wait_until(lambda: reporter.event(38, "exited"), 20, "the exit event")
 
     argv = next(x for x in reporter.lines(38, 1) if x.startswith("argv ")).split()
     assert "--report-token" not in argv and "run-secret" not in " ".join(argv)
-    token_file = Path(argv[argv.index("--report-token-file") + 1])
-    assert token_file.read_text().strip() == "run-secret"
-    assert token_file.stat().st_mode & 0o777 == 0o600
+    secret_file = Path(argv[argv.index(flag) + 1])
+    assert secret_file.read_text().strip() == "run-secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
 
 
 def test_a_role_gets_the_nodes_environment_without_the_agents_settings():

@@ -1,7 +1,7 @@
 """Attacks on the control plane's credentials, each expecting a refusal (issue 17, "Secrets
 and trust"): API tokens beyond their scope, expiry, revocation or actions; forged and orphaned
-dashboard sessions; a node's agent token on another node's ranks; a run's metrics token on
-another run, or after its run ended."""
+dashboard sessions; a node's agent token on another node's ranks; a rank's report token on
+another rank's records, on another run, or after its run ended."""
 
 from __future__ import annotations
 
@@ -173,11 +173,11 @@ def test_an_agents_heartbeat_cannot_end_a_rank_on_another_node(run_on_two_nodes,
 
 @pytest.fixture
 def two_runs(online_node, client, dispatched, settings: Settings):
-    """Two single-node runs and the first one's metrics token."""
+    """Two single-node runs and the report token of the first one's rank 0."""
     a, b = online_node(), online_node()
     first = client.post(f"{API}/runs", json=run_body([a], strategy="allreduce")).json()["id"]
     second = client.post(f"{API}/runs", json=run_body([b], strategy="allreduce")).json()["id"]
-    return first, second, run_metrics_token(settings.secret_key, run_id=first, attempt=0), a
+    return first, second, run_metrics_token(settings.secret_key, run_id=first, attempt=0, rank=0), a
 
 
 def test_a_runs_metrics_token_cannot_post_another_runs_metrics(two_runs, make_client):
@@ -185,6 +185,24 @@ def test_a_runs_metrics_token_cannot_post_another_runs_metrics(two_runs, make_cl
     trainer = make_client(token)
     assert trainer.post(f"{API}/runs/{first}/metrics", json=_metrics()).status_code == 200
     assert trainer.post(f"{API}/runs/{second}/metrics", json=_metrics()).status_code == 401
+
+
+def test_a_ranks_token_cannot_post_another_ranks_bytes(run_on_two_nodes, make_client, settings: Settings):
+    rid, _, _ = run_on_two_nodes
+    rank1 = make_client(run_metrics_token(settings.secret_key, run_id=rid, attempt=0, rank=1))
+
+    response = rank1.post(f"{API}/runs/{rid}/metrics", json=_metrics(rank=0))
+
+    assert response.status_code == 403 and "rank 1's token reports rank 1's records only" in response.json()["detail"]
+    assert rank1.post(f"{API}/runs/{rid}/metrics", json=_metrics(rank=1)).status_code == 200
+
+
+def test_a_token_naming_another_rank_than_it_was_made_for_is_refused(run_on_two_nodes, make_client, settings):
+    rid, _, _ = run_on_two_nodes
+    token = run_metrics_token(settings.secret_key, run_id=rid, attempt=0, rank=1)
+    forged = make_client(token.replace("htr_1.", "htr_0.", 1))
+
+    assert forged.post(f"{API}/runs/{rid}/metrics", json=_metrics(rank=0)).status_code == 401
 
 
 def test_a_runs_metrics_token_cannot_upload_another_runs_checkpoint(two_runs, make_client):

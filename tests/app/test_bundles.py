@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import get_settings
 from app.config import Settings
 from app.models import Run, RunStatus, TokenScope
+from app.queries.runs import run_metrics_token
 from app.security import hash_secret
 
 API = "/api/v1"
@@ -78,14 +79,14 @@ def override_settings(app: FastAPI, settings: Settings) -> Iterator[Callable[...
 
 
 @pytest.fixture
-def make_run(session: Session) -> Callable[..., tuple[int, str]]:
-    """Store a run directly (no nodes, no launch) that uses a bundle; returns (id, run token)."""
+def make_run(session: Session, settings: Settings) -> Callable[..., tuple[int, str]]:
+    """Store a run directly (no nodes, no launch) that uses a bundle; returns (id, rank 0's token)."""
 
     def _make(bundle_sha256: str | None, status: RunStatus = RunStatus.running) -> tuple[int, str]:
-        token = "htr_" + secrets.token_urlsafe(24)
         known: dict[str, Any] = {
             "name": "bundle-run", "status": status, "strategy": "allreduce",
-            "global_batch_size": 8, "allocation": "equal", "metrics_token_hash": hash_secret(token),
+            "global_batch_size": 8, "allocation": "equal",
+            "metrics_token_hash": hash_secret("htr_" + secrets.token_urlsafe(24)),
             "created_by": "test", "max_steps": 10,
         }
         if bundle_sha256 is not None:
@@ -102,7 +103,7 @@ def make_run(session: Session) -> Callable[..., tuple[int, str]]:
             setattr(run, column.key, filler)
         session.add(run)
         session.commit()
-        return run.id, token
+        return run.id, run_metrics_token(settings.secret_key, run_id=run.id, attempt=run.restarts, rank=0)
 
     return _make
 

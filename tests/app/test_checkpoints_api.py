@@ -33,7 +33,7 @@ def store_settings(request, app, settings, tmp_path) -> Iterator[object]:
 def run_and_token(online_node, client, dispatched, store_settings):
     a = online_node()
     run = client.post(f"{API}/runs", json=run_body([a], strategy="allreduce")).json()
-    return run["id"], run_metrics_token(store_settings.secret_key, run_id=run["id"], attempt=0)
+    return run["id"], run_metrics_token(store_settings.secret_key, run_id=run["id"], attempt=0, rank=0)
 
 
 def _put(client, rid, token, step, data, digest=None):

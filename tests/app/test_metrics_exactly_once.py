@@ -29,6 +29,7 @@ from app.config import Settings
 from app.main import create_app
 from app.models import Node, NodeAgent, Run, RunEvent, RunMetric, RunStatus, RunWorker, Site, WorkerStatus
 from app.models.enums import Continent, Provider, SiteKind
+from app.queries.runs import run_metrics_token
 from app.security import hash_secret, new_secret
 from trainer.metrics import HttpReporter, MetricsLogger
 
@@ -37,31 +38,45 @@ API = "/api/v1"
 
 @dataclass
 class IngestRun:
-    """A running two-rank run, a session on its database and a client holding its metrics token."""
+    """A running three-rank run, a session on its database, and its ranks' report tokens."""
 
     session: Session
-    trainer: TestClient
     run_id: int
-    token: str
     node_ids: list[int]
     # The agent token of the node of each rank.
     agent_tokens: dict[int, str]
+    secret_key: str
+    client_with: Callable[[str], TestClient]
 
     @property
     def url(self) -> str:
         return f"{API}/runs/{self.run_id}/metrics"
 
+    def token_of(self, rank: int) -> str:
+        """Rank `rank`'s report token, as its launch order carries it."""
+        return run_metrics_token(self.secret_key, run_id=self.run_id, attempt=0, rank=rank)
+
+    @property
+    def trainer(self) -> TestClient:
+        """Rank 1's trainer."""
+        return self.client_with(self.token_of(1))
+
     def post(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        answer = self.trainer.post(self.url, json={"records": records})
-        assert answer.status_code == 200, answer.text
-        return answer.json()
+        """Each rank's records with its own token, as its trainer posts them; the answers summed."""
+        total = {"received": 0, "stored": 0}
+        for rank in sorted({r["rank"] for r in records}):
+            answer = self.client_with(self.token_of(rank)).post(
+                self.url, json={"records": [r for r in records if r["rank"] == rank]})
+            assert answer.status_code == 200, answer.text
+            total = {k: v + answer.json()[k] for k, v in total.items()}
+        return total
 
     def count(self, model: type[RunMetric] | type[RunEvent]) -> int:
         self.session.expire_all()
         return int(self.session.scalar(select(func.count()).select_from(model).where(model.run_id == self.run_id)) or 0)
 
 
-def _running_run(session: Session) -> tuple[Run, str, dict[int, str]]:
+def _running_run(session: Session) -> tuple[Run, dict[int, str]]:
     tag = uuid.uuid4().hex[:8]
     site = Site(name=f"site-{tag}", kind=SiteKind.onprem, provider=Provider.onprem, continent=Continent.europe)
     nodes = [Node(site=site, name=f"{name}-{tag}", join_token_hash=hash_secret(new_secret("htj_")))
@@ -71,37 +86,41 @@ def _running_run(session: Session) -> tuple[Run, str, dict[int, str]]:
     agent_tokens = {node.id: new_secret("hta_") for node in nodes}
     session.add_all([NodeAgent(node_id=node_id, token_hash=hash_secret(t), join_token_hash=hash_secret(new_secret("htj_")))
                      for node_id, t in agent_tokens.items()])
-    token = new_secret("htr_")
     now = datetime.now(UTC)
     run = Run(
         name=f"run-{tag}", status=RunStatus.running, strategy="ps-bz-gc", task="hybridtrain.tasks.digits:smallcnn",
         global_batch_size=64, max_steps=100, allocation="flops", compression={},
-        metrics_token_hash=hash_secret(token), created_by="test", launched_at=now, started_at=now,
+        metrics_token_hash=hash_secret(new_secret("htr_")), created_by="test", launched_at=now, started_at=now,
         workers=[RunWorker(rank=rank, role=role, node_id=node.id, node_name=node.name,
                            status=WorkerStatus.running, started_at=now)
                  for rank, role, node in ((0, "ps", nodes[0]), (1, "worker", nodes[0]), (2, "worker", nodes[1]))],
     )
     session.add(run)
     session.commit()
-    return run, token, {w.rank: agent_tokens[w.node_id] for w in run.workers}
+    return run, {w.rank: agent_tokens[w.node_id] for w in run.workers}
 
 
 @pytest.fixture
-def pg_ingest(session: Session, make_client: Callable[[str | None], TestClient]) -> IngestRun:
-    run, token, agents = _running_run(session)
-    return IngestRun(session, make_client(token), run.id, token, [w.node_id for w in run.workers], agents)  # type: ignore[misc]
+def pg_ingest(session: Session, make_client: Callable[[str | None], TestClient], settings: Settings) -> IngestRun:
+    run, agents = _running_run(session)
+    return IngestRun(session, run.id, [w.node_id for w in run.workers], agents, settings.secret_key, make_client)  # type: ignore[misc]
 
 
 @pytest.fixture
 def sqlite_ingest(tmp_path: Path) -> Iterator[IngestRun]:
     url = f"sqlite+pysqlite:///{tmp_path}/cp.db"
     db.upgrade(url)
-    app = create_app(Settings(DATABASE_URL=url, CELERY_BROKER_URL=f"sqla+sqlite:///{tmp_path}/broker.db",
-                              admin_token="adm-token"))
+    settings = Settings(DATABASE_URL=url, CELERY_BROKER_URL=f"sqla+sqlite:///{tmp_path}/broker.db",
+                        admin_token="adm-token")
+    app = create_app(settings)
+
+    def client_with(token: str) -> TestClient:
+        return TestClient(app, headers={"Authorization": f"Bearer {token}"})
+
     with Session(app.state.engine, expire_on_commit=False) as session:
-        run, token, agents = _running_run(session)
-        yield IngestRun(session, TestClient(app, headers={"Authorization": f"Bearer {token}"}), run.id, token,
-                        [w.node_id for w in run.workers], agents)  # type: ignore[misc]
+        run, agents = _running_run(session)
+        yield IngestRun(session, run.id, [w.node_id for w in run.workers], agents,  # type: ignore[misc]
+                        settings.secret_key, client_with)
     app.state.engine.dispose()
 
 
@@ -219,8 +238,8 @@ def served(app: FastAPI, pg_ingest: IngestRun) -> Iterator[ServedControlPlane]:
         plane.stop()
 
 
-def _reporter(plane: ServedControlPlane, run: IngestRun, spool: Path) -> HttpReporter:
-    return HttpReporter(f"http://127.0.0.1:{plane.port}{run.url}", run.token, spool=str(spool),
+def _reporter(plane: ServedControlPlane, run: IngestRun, spool: Path, *, rank: int) -> HttpReporter:
+    return HttpReporter(f"http://127.0.0.1:{plane.port}{run.url}", run.token_of(rank), spool=str(spool),
                         interval_s=0.05, backoff_s=0.05, max_backoff_s=0.2, timeout_s=2.0)
 
 
@@ -241,7 +260,7 @@ def test_a_reporter_rides_out_a_control_plane_restart_and_every_record_is_stored
     served: ServedControlPlane, pg_ingest: IngestRun, tmp_path: Path
 ):
     spool = tmp_path / "spool.jsonl"
-    metrics = MetricsLogger(1, "worker", reporter=_reporter(served, pg_ingest, spool))
+    metrics = MetricsLogger(1, "worker", reporter=_reporter(served, pg_ingest, spool, rank=1))
     _log_steps(metrics, range(0, 20))
     time.sleep(0.5)
     served.stop()
@@ -258,7 +277,7 @@ def test_the_spool_written_at_close_completes_the_set_when_posted_later(
     served: ServedControlPlane, pg_ingest: IngestRun, tmp_path: Path
 ):
     spool = tmp_path / "spool.jsonl"
-    reporter = _reporter(served, pg_ingest, spool)
+    reporter = _reporter(served, pg_ingest, spool, rank=2)
     metrics = MetricsLogger(2, "worker", reporter=reporter)
     _log_steps(metrics, range(0, 10))
     time.sleep(0.5)
@@ -290,7 +309,7 @@ def test_records_an_ended_run_refuses_go_to_the_spool_and_its_agent_delivers_the
     run.status, run.finished_at = RunStatus.succeeded, datetime.now(UTC).replace(year=2020)
     pg_ingest.session.commit()
     spool = tmp_path / "spool.jsonl"
-    metrics = MetricsLogger(2, "worker", reporter=_reporter(served, pg_ingest, spool))
+    metrics = MetricsLogger(2, "worker", reporter=_reporter(served, pg_ingest, spool, rank=2))
 
     _log_steps(metrics, range(0, 5))
     metrics.close()

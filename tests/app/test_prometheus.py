@@ -166,7 +166,8 @@ def test_ingested_records_are_counted_received_and_stored(scrape, client, online
     run = client.post(f"{API}/runs", json=run_body([node])).json()
     token = next(args for task, args in dispatched.take(node.id) if task == LAUNCH_ROLE)[2]["report_token"]
     trainer = make_client(token)
-    records = [{"rank": 1, "role": "worker", "step": s, "t": 1_763_779_200.0 + s, "name": "loss", "value": 1.0}
+    # Rank 0's order goes out first; its token reports rank 0's records.
+    records = [{"rank": 0, "role": "ps", "step": s, "t": 1_763_779_200.0 + s, "name": "loss", "value": 1.0}
                for s in range(4)]
     before = scrape()
 

@@ -1,11 +1,11 @@
 """Metric ingestion and reads, and run logs, on Postgres and on the embedded SQLite database:
-per-run tokens, deduplication, filters and server-side downsampling."""
+per-rank tokens, deduplication, filters and server-side downsampling."""
 
 from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,17 +17,22 @@ from agents.celery_app import LAUNCH_ROLE
 from app import db
 from app.config import Settings
 from app.main import create_app
+from app.queries.runs import run_metrics_token
 
 
 @dataclass
 class MetricsRun:
-    """A launched run, a client for its trainer (metrics token) and one for its agent."""
+    """A launched run, a client for each of its trainers (its rank's token) and one for its agent."""
 
     client: TestClient
-    trainer: TestClient
     agent: TestClient
     run_id: int
-    token: str
+    trainer_of: Callable[[int], TestClient]
+
+    @property
+    def trainer(self) -> TestClient:
+        """Rank 1's trainer, the run's first worker."""
+        return self.trainer_of(1)
 
 
 def _launch(client: TestClient, orders: Orders, node_id: int, body: dict) -> tuple[int, str]:
@@ -37,11 +42,16 @@ def _launch(client: TestClient, orders: Orders, node_id: int, body: dict) -> tup
     return run.json()["id"], launches[0][2]["report_token"]
 
 
+def _trainers(make: Callable[[str], TestClient], secret_key: str, run_id: int) -> Callable[[int], TestClient]:
+    """A client per rank with that rank's token, as its launch order carries it."""
+    return lambda rank: make(run_metrics_token(secret_key, run_id=run_id, attempt=0, rank=rank))
+
+
 @pytest.fixture
-def pg_run(client, online_node, dispatched, make_client) -> MetricsRun:
+def pg_run(client, online_node, dispatched, make_client, settings) -> MetricsRun:
     node = online_node()
-    run_id, token = _launch(client, dispatched, node.id, run_body([node]))
-    return MetricsRun(client, make_client(token), node.agent, run_id, token)
+    run_id, _ = _launch(client, dispatched, node.id, run_body([node]))
+    return MetricsRun(client, node.agent, run_id, _trainers(make_client, settings.secret_key, run_id))
 
 
 @pytest.fixture
@@ -49,7 +59,8 @@ def sqlite_run(tmp_path: Path) -> Iterator[MetricsRun]:
     url = f"sqlite+pysqlite:///{tmp_path}/cp.db"
     broker = f"sqla+sqlite:///{tmp_path}/broker.db"
     db.upgrade(url)
-    app = create_app(Settings(DATABASE_URL=url, CELERY_BROKER_URL=broker, admin_token="adm-token"))
+    settings = Settings(DATABASE_URL=url, CELERY_BROKER_URL=broker, admin_token="adm-token")
+    app = create_app(settings)
     client = TestClient(app, headers={"Authorization": "Bearer adm-token"})
     site = client.post(f"{API}/sites", json={"name": "s", "kind": "onprem", "provider": "onprem",
                                              "continent": "europe"}).json()
@@ -58,10 +69,12 @@ def sqlite_run(tmp_path: Path) -> Iterator[MetricsRun]:
     agent_token = "hta_" + secrets.token_urlsafe(32)
     client.post(f"{API}/agent/register", json={"join_token": node["join_token"], "agent_token": agent_token,
                                                "hardware": {"address": "127.0.0.1", "gpus": []}})
-    run_id, token = _launch(client, Orders(broker), node["id"],
-                            {"name": "r", "node_ids": [node["id"]], "max_steps": 5})
-    yield MetricsRun(client, TestClient(app, headers={"Authorization": f"Bearer {token}"}),
-                     TestClient(app, headers={"Authorization": f"Bearer {agent_token}"}), run_id, token)
+    run_id, _ = _launch(client, Orders(broker), node["id"], {"name": "r", "node_ids": [node["id"]], "max_steps": 5})
+
+    def make(token: str) -> TestClient:
+        return TestClient(app, headers={"Authorization": f"Bearer {token}"})
+
+    yield MetricsRun(client, make(agent_token), run_id, _trainers(make, settings.secret_key, run_id))
     app.state.engine.dispose()
 
 
@@ -113,8 +126,8 @@ def test_a_diverged_loss_is_stored_as_null(metrics_run):
 
 def test_metrics_filter_by_name_rank_and_since(metrics_run):
     url = f"{API}/runs/{metrics_run.run_id}/metrics"
-    metrics_run.trainer.post(url, json={"records": _records(range(10), rank=1) + _records(range(10), rank=2)
-                                        + _records(range(10), name="accuracy")})
+    metrics_run.trainer.post(url, json={"records": _records(range(10)) + _records(range(10), name="accuracy")})
+    metrics_run.trainer_of(2).post(url, json={"records": _records(range(10), rank=2)})
 
     loss_rank2 = metrics_run.client.get(url, params={"name": "loss", "rank": 2}).json()
     newer = metrics_run.client.get(url, params={"name": "loss", "rank": 1, "since": 1_763_779_200.0 + 6}).json()

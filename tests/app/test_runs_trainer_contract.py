@@ -15,6 +15,11 @@ from trainer import cli as trainer_cli
 SHA = "ab" * 32
 
 
+def _token(rank: int) -> str:
+    """Each rank's report token, as the control plane derives them."""
+    return f"htr_{rank}.secret"
+
+
 def _config(order):
     args = trainer_cli.build_parser().parse_args(trainer_argv(RoleSpec.model_validate(order.spec), command=[]))
     return args, trainer_cli.config_from_args(args)
@@ -46,7 +51,7 @@ def _run(strategy: str, compression: dict) -> Run:
 )
 def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compression):
     run = _run(strategy, compression)
-    for order in launch_orders(run, metrics_token="htr_secret", public_url="http://cp:8000"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp:8000"):
         args, cfg = _config(order)
         role = trainer_cli._role_spec(args, cfg)
 
@@ -55,8 +60,8 @@ def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compressio
         assert cfg.strategy == strategy and cfg.max_steps == 40 and cfg.target == "accuracy>=0.9"
         assert cfg.task == "hybridtrain.tasks.digits:smallcnn" and cfg.task_args == '{"lr": 0.05}'
         assert cfg.report_url == "http://cp:8000/api/v1/runs/7/metrics"
-        # The token travels in the order; the agent hands it to the trainer in a file.
-        assert order.spec["report_token"] == "htr_secret" and cfg.report_token is None
+        # The rank's own token travels in the order; the agent hands it to the trainer in a file.
+        assert order.spec["report_token"] == _token(order.rank) and cfg.report_token is None
         if strategy == "ps-bz-gc":
             assert (cfg.density, cfg.error_feedback, cfg.server_k_fraction) == (0.02, False, 0.05)
             assert cfg.pipeline_chunks == 4 and cfg.momentum_correction is False
@@ -67,7 +72,7 @@ def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compressio
 def test_run_request_compression_fields_map_to_trainer_flags():
     body = RunCreate(name="r", node_ids=[1], compression={"density": 0.02, "error_feedback": True})
     run = _run("ps-bz-gc", body.compression.model_dump(exclude_none=True))
-    spec = launch_orders(run, metrics_token="t", public_url="http://cp")[0].spec
+    spec = launch_orders(run, metrics_token=_token, public_url="http://cp")[0].spec
     assert spec["options"]["density"] == 0.02 and spec["options"]["error-feedback"] is True
     assert spec["role"] == "ps"
 
@@ -76,27 +81,27 @@ def test_run_request_compression_fields_map_to_trainer_flags():
 def test_whether_a_run_stops_at_its_target_reaches_the_trainer(stop):
     run = _run("ps-gc", {})
     run.stop_at_target = stop
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp"):
         assert _config(order)[1].stop_at_target is stop
 
 
 def test_rank_sites_become_the_trainers_relay_plan():
     run = _run("ps-bz-gc", {})
     sites = ["4", "4", "9", "9"]
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp", sites=sites):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp", sites=sites):
         assert _config(order)[1].sites == ("4", "4", "9", "9")
 
 
 def test_an_all_reduce_run_gets_no_sites_even_across_sites():
     run = _run("allreduce", {})
-    orders = launch_orders(run, metrics_token="t", public_url="http://cp", sites=["4", "4", "9"])
+    orders = launch_orders(run, metrics_token=_token, public_url="http://cp", sites=["4", "4", "9"])
     assert all("sites" not in o.spec["options"] for o in orders)
 
 
 def test_a_run_given_in_epochs_hands_the_trainer_its_epochs():
     run = _run("ps-bz-gc", {})
     run.max_steps, run.epochs = None, 3
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp"):
         cfg = _config(order)[1]
         assert cfg.epochs == 3 and "max-steps" not in order.spec["options"]
 
@@ -104,7 +109,7 @@ def test_a_run_given_in_epochs_hands_the_trainer_its_epochs():
 def test_a_script_run_reaches_the_trainer_with_its_bundle_and_arguments():
     run = _run("ps-bz-gc", {})
     run.bundle_sha256, run.script, run.script_args = SHA, "train/main.py", ["--epochs", "3"]
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp"):
         spec = RoleSpec.model_validate(order.spec)
         cfg = _config(order)[1]
         assert cfg.script == "train/main.py" and cfg.script_args == ("--epochs", "3")
@@ -114,7 +119,7 @@ def test_a_script_run_reaches_the_trainer_with_its_bundle_and_arguments():
 def test_a_bundled_task_run_names_its_bundle_to_the_agent():
     run = _run("allreduce", {})
     run.bundle_sha256, run.task, run.task_args = SHA, "examples.diabetes:task", {"hidden": 32}
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp"):
         spec = RoleSpec.model_validate(order.spec)
         cfg = _config(order)[1]
         assert spec.bundle.sha256 == SHA and cfg.task == "examples.diabetes:task"
@@ -131,7 +136,7 @@ def _lifecycle(run: Run, **fields) -> Run:
 
 def test_checkpoints_and_minimum_workers_reach_the_trainer():
     run = _lifecycle(_run("ps-bz-gc", {}))
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp:8000"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp:8000"):
         cfg = _config(order)[1]
         assert (cfg.checkpoint_every, cfg.checkpoint_every_s) == (100, 600.0)
         assert cfg.checkpoint_url == "http://cp:8000/api/v1/runs/7/checkpoint"
@@ -141,7 +146,7 @@ def test_checkpoints_and_minimum_workers_reach_the_trainer():
 
 def test_a_restarts_orders_resume_from_the_checkpoint_store():
     run = _lifecycle(_run("ps-bz-gc", {}), restarts=1)
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp", resume=True):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp", resume=True):
         cfg = _config(order)[1]
         assert cfg.resume is True and cfg.checkpoint_url == "http://cp/api/v1/runs/7/checkpoint"
         assert order.spec["attempt"] == 1
@@ -149,7 +154,7 @@ def test_a_restarts_orders_resume_from_the_checkpoint_store():
 
 def test_a_joining_workers_order_is_a_valid_trainer_command_line():
     run = _lifecycle(_run("ps-bz-gc", {}))
-    order = launch_orders(run, metrics_token="t", public_url="http://cp", ranks=[run.workers[2]], join=True,
+    order = launch_orders(run, metrics_token=_token, public_url="http://cp", ranks=[run.workers[2]], join=True,
                           batch_sizes=[30, 20, 14])[0]
     args, cfg = _config(order)
     assert cfg.join is True and order.rank == 2 and cfg.batch_sizes == (30, 20, 14)
@@ -159,20 +164,20 @@ def test_a_ps_run_hands_every_rank_the_speeds_its_batch_was_split_with():
     run = _run("ps-bz-gc", {})
     for worker, speed in zip(run.workers[1:], (3.0, 2.0, 1.4)):
         worker.speed = speed
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp"):
         assert _config(order)[1].speeds == (3.0, 2.0, 1.4)
 
 
 def test_a_run_with_a_node_of_unknown_speed_gets_no_speeds():
     run = _run("ps-bz-gc", {})
     run.workers[1].speed = 3.0
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp"):
         assert _config(order)[1].speeds == ()
 
 
 def test_a_run_with_checkpoints_off_gets_no_checkpoint_flags():
     run = _lifecycle(_run("allreduce", {}), checkpoint_every=0, checkpoint_every_s=0.0)
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp"):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp"):
         cfg = _config(order)[1]
         assert cfg.checkpoint_every == 0 and cfg.checkpoint_url is None
         assert "min-workers" not in order.spec["options"]  # all-reduce: no server to wait
@@ -181,6 +186,6 @@ def test_a_run_with_checkpoints_off_gets_no_checkpoint_flags():
 def test_a_script_run_is_never_told_to_resume():
     run = _lifecycle(_run("ps-bz-gc", {}), restarts=1)
     run.bundle_sha256, run.script = SHA, "train.py"
-    for order in launch_orders(run, metrics_token="t", public_url="http://cp", resume=True):
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp", resume=True):
         cfg = _config(order)[1]
         assert cfg.resume is False and cfg.checkpoint_url is None

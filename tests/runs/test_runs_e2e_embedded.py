@@ -83,9 +83,14 @@ def test_run_on_embedded_defaults_succeeds_once_per_idempotency_key_and_cancels_
 
     done = local.wait_status(run["id"], {"succeeded", "failed", "cancelled"}, timeout=240)
     assert done["status"] == "succeeded", done["reason"]
-    metrics = local.get(f"/runs/{run['id']}/metrics", params={"name": "batch_size"})
-    assert {s["rank"]: s["points"][0][2] for s in metrics["series"] if s["rank"] in planned} == {
-        r: float(n) for r, n in planned.items()}
+
+    def first_batch_sizes() -> dict[int, float]:
+        metrics = local.get(f"/runs/{run['id']}/metrics", params={"name": "batch_size"})
+        return {s["rank"]: s["points"][0][2] for s in metrics["series"] if s["rank"] in planned}
+
+    # Workers end after their server: their last reports may land just after the run's end.
+    wait_until(lambda: len(first_batch_sizes()) == len(planned), 30, "every worker's batch size")
+    assert first_batch_sizes() == {r: float(n) for r, n in planned.items()}
 
     long_run = local.post("/runs", {**body, "name": "embedded-cancel", "max_steps": 100_000}).json()
     running = local.wait_status(long_run["id"], {"running", "failed"}, timeout=120)

@@ -17,6 +17,7 @@ from testbed.paperbench import (
     profile_argv,
     run_body,
     samples_per_s,
+    strategy_variant,
     summarise,
     with_overrides,
 )
@@ -193,3 +194,12 @@ def test_the_measured_rate_is_read_past_warnings_after_the_json_line() -> None:
 
 def test_a_measurement_without_a_json_line_has_no_rate() -> None:
     assert samples_per_s("Traceback (most recent call last):\nValueError: bad task\n") is None
+
+
+def test_a_strategy_with_plus_plain_runs_over_unencrypted_links_and_no_other_variant_exists() -> None:
+    from testbed.errors import TestbedError
+
+    assert strategy_variant("ps-bz-gc") == ("ps-bz-gc", False)
+    assert strategy_variant("ps-bz-gc+plain") == ("ps-bz-gc", True)
+    with pytest.raises(TestbedError, match="only variant"):
+        strategy_variant("ps+fast")

@@ -229,7 +229,7 @@ def download_run_bundle(
     session: SessionDep, token: MetricsTokenDep, settings: SettingsDep, run_id: IdPath
 ) -> Response:
     """A run's bundle, for the agents launching its roles (the run's own token; active runs only)."""
-    if not metrics_token_valid(session, run_id=run_id, token=token):
+    if not metrics_token_valid(session, run_id=run_id, token=token, secret_key=settings.secret_key):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "not this run's token",
             headers={"WWW-Authenticate": "Bearer"},

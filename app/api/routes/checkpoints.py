@@ -81,7 +81,7 @@ def upload_checkpoint(
     upload: Annotated[Upload, Depends(read_checkpoint)],
 ) -> CheckpointPublic:
     """Store a checkpoint of an active run (the run's token); the newest two are kept."""
-    if not metrics_token_valid(session, run_id=run_id, token=token):
+    if not metrics_token_valid(session, run_id=run_id, token=token, secret_key=settings.secret_key):
         raise _unauthorized()
     with run_state_lock(settings.is_sqlite):
         run = get_run(session, run_id=run_id, lock=True)
@@ -102,7 +102,7 @@ def download_checkpoint(
     session: SessionDep, settings: SettingsDep, token: MetricsTokenDep, run_id: IdPath,
 ) -> Response:
     """The run's newest checkpoint, for its restarted server (the run's token) or a user (read)."""
-    if not metrics_token_valid(session, run_id=run_id, token=token):
+    if not metrics_token_valid(session, run_id=run_id, token=token, secret_key=settings.secret_key):
         principal = get_principal(session, settings, HTTPAuthorizationCredentials(scheme="Bearer", credentials=token))
         if not principal.scope.allows(TokenScope.read):
             raise _unauthorized()

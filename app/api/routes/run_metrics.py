@@ -21,9 +21,12 @@ def ingest_metrics(
     session: SessionDep, settings: SettingsDep, token: MetricsTokenDep, run_id: IdPath, body: ReportBatch
 ) -> MetricsStored:
     """Store a batch of trainer records (measurements and run events); a record already
-    stored is skipped, not doubled. The run's token reports only while the run is active (and
-    `finish_grace_s` after): 403 once it has ended."""
-    refusal = queries.report_refusal(session, run_id=run_id, token=token, grace_s=settings.finish_grace_s)
+    stored is skipped, not doubled. A rank's token reports its own rank's records only, and only
+    while the run is active (and `finish_grace_s` after): 403 otherwise."""
+    refusal = queries.report_refusal(
+        session, run_id=run_id, token=token, secret_key=settings.secret_key, grace_s=settings.finish_grace_s,
+        ranks={r.rank for r in body.records},
+    )
     if refusal is not None:
         code, detail = refusal
         headers = {"WWW-Authenticate": "Bearer"} if code == status.HTTP_401_UNAUTHORIZED else None

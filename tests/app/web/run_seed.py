@@ -23,7 +23,6 @@ GRADIENT_BYTES = 2_000_000  # what one worker pushes per step, roughly a 0.5 M-p
 @dataclass(frozen=True)
 class SeededRun:
     run_id: int
-    metrics_token: str
     worker_ranks: list[int]
     t0: float
 
@@ -54,14 +53,13 @@ def seed_run(
     """A ps-bz-gc run of `workers` workers and a server; metrics for `metrics_steps` steps
     (default all), one record of each kind per worker and step, as the trainer sends them."""
     server, nodes = seed_sites_and_nodes(session, workers=workers)
-    token = new_secret("htr_")
     started = datetime.now(UTC) - timedelta(seconds=steps * 0.05 + 60)
     run = Run(
         name=name, status=RunStatus.succeeded if finished else RunStatus.running,
         strategy="ps-bz-gc", task="hybridtrain.tasks.digits:smallcnn", task_args={"lr": 0.1},
         global_batch_size=64 * workers, max_steps=steps, allocation="flops", target="accuracy>=0.9",
         compression={"density": 0.01},
-        metrics_token_hash=hash_secret(token), created_by="seed",
+        metrics_token_hash=hash_secret(new_secret("htr_")), created_by="seed",
         ps_node_id=server.id, master_addr=server.address, master_port=29500,
         launched_at=started, started_at=started,
         finished_at=started + timedelta(seconds=steps * 0.05) if finished else None,
@@ -83,7 +81,7 @@ def seed_run(
     if records:
         store_metrics(session, run_id=run.id, records=records)
     session.flush()
-    return SeededRun(run.id, token, list(range(1, workers + 1)), t0)
+    return SeededRun(run.id, list(range(1, workers + 1)), t0)
 
 
 def step_records(step: int, t: float, ranks, *, loss_scale: float = 1.0) -> list[MetricRecord]:  # type: ignore[no-untyped-def]
