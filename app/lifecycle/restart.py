@@ -15,7 +15,7 @@ from app.lifecycle.ports import suggest_port
 from app.lifecycle.states import cancel_orders, end_run, move
 from app.models import Node, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
 from app.queries.events import record_event
-from app.queries.runs import run_metrics_token
+from app.run_secrets import run_metrics_token
 from app.security import hash_secret
 from hybridtrain.contract import is_ps
 

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from app.errors import NotFoundError
 from app.models import Run, RunMetric
 from app.models.base import utcnow
-from app.queries.runs import token_rank
+from app.run_secrets import token_rank
 from app.schemas.runs import MetricRecord, MetricSeries
 
 NO_PEER = -1

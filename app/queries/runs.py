@@ -5,9 +5,7 @@ Every change of a run's state after its creation lives in `app.lifecycle`.
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import hmac
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,10 +24,10 @@ from app.queries.common import paginate
 from app.queries import predictions
 from app.queries.profiles import latest_profiles
 from app.schemas.runs import RunCreate
-from app.security import hash_secret, new_secret, secrets_equal
+from app.run_secrets import METRICS_TOKEN_PREFIX, run_metrics_token
+from app.security import hash_secret, new_secret
 from hybridtrain.contract import is_ps, proportional_batch_sizes
 
-METRICS_TOKEN_PREFIX = "htr_"
 _EPOCH = datetime.fromtimestamp(0, UTC)
 
 
@@ -304,40 +302,6 @@ def create_run(
     run.metrics_token_hash = hash_secret(token)
     session.flush()
     return run, token
-
-
-def run_metrics_token(secret_key: str, *, run_id: int, attempt: int, rank: int) -> str:
-    """The report token of one rank in a run's `attempt` (0, then one per restart).
-
-    Derived from the control plane's secret rather than stored, so the control plane can hand
-    it again to a rank whose launch order it re-sends or to a worker that joins later, and
-    checks it by deriving it again. It names its rank: it reports that rank's records only
-    (`token_rank`). A restart moves to the next attempt, which retires every old token.
-    """
-    digest = _run_secret(secret_key, "metrics", f"{run_id}:{attempt}:{rank}")
-    return f"{METRICS_TOKEN_PREFIX}{rank}.{digest}"
-
-
-def token_rank(secret_key: str, token: str, *, run_id: int, attempt: int) -> int | None:
-    """The rank `token` reports for in the run's `attempt`; None when it is no token of it."""
-    head, dot, _ = token.removeprefix(METRICS_TOKEN_PREFIX).partition(".")
-    if not token.startswith(METRICS_TOKEN_PREFIX) or not dot or not head.isdigit() or len(head) > 9:
-        return None
-    rank = int(head)
-    expected = run_metrics_token(secret_key, run_id=run_id, attempt=attempt, rank=rank)
-    return rank if secrets_equal(token, expected) else None
-
-
-def run_link_secret(secret_key: str, *, run_id: int, attempt: int) -> str:
-    """The secret a run's ranks key their TLS with (trainer.linktls) in `attempt`: derived,
-    like the report tokens, so a re-sent order or a joiner gets the same, never stored."""
-    return _run_secret(secret_key, "links", f"{run_id}:{attempt}")
-
-
-def _run_secret(secret_key: str, purpose: str, subject: str) -> str:
-    message = f"hybridtrain-run-{purpose}:{subject}".encode()
-    digest = hmac.new(secret_key.encode(), message, hashlib.sha256).digest()
-    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 def _check_min_workers(data: RunCreate, plan: Plan) -> None:

@@ -18,7 +18,7 @@ from runs_testing import API, dispatched_fixture, online_node_fixture, run_body,
 from app.config import Settings
 from app.models import Run, TokenScope
 from app.models.base import utcnow
-from app.queries.runs import run_metrics_token
+from app.run_secrets import run_metrics_token
 from app.queries.tokens import create_token
 from app.security import hash_secret
 from app.web import session as web_session

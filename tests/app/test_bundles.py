@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import get_settings
 from app.config import Settings
 from app.models import Run, RunStatus, TokenScope
-from app.queries.runs import run_metrics_token
+from app.run_secrets import run_metrics_token
 from app.security import hash_secret
 
 API = "/api/v1"

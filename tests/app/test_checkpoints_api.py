@@ -14,7 +14,7 @@ from runs_testing import API, dispatched_fixture, online_node_fixture, run_body,
 
 from app.api.deps import get_settings
 from app.models import TokenScope
-from app.queries.runs import run_metrics_token
+from app.run_secrets import run_metrics_token
 
 
 @pytest.fixture(params=["db", "dir"])

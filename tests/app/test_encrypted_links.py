@@ -8,7 +8,7 @@ import pytest
 from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
 from agents.celery_app import LAUNCH_ROLE
-from app.queries.runs import run_link_secret, run_metrics_token
+from app.run_secrets import run_link_secret, run_metrics_token
 
 _CREATED: list[int] = []
 

@@ -29,7 +29,7 @@ from app.config import Settings
 from app.main import create_app
 from app.models import Node, NodeAgent, Run, RunEvent, RunMetric, RunStatus, RunWorker, Site, WorkerStatus
 from app.models.enums import Continent, Provider, SiteKind
-from app.queries.runs import run_metrics_token
+from app.run_secrets import run_metrics_token
 from app.security import hash_secret, new_secret
 from trainer.metrics import HttpReporter, MetricsLogger
 

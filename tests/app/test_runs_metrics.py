@@ -17,7 +17,7 @@ from agents.celery_app import LAUNCH_ROLE
 from app import db
 from app.config import Settings
 from app.main import create_app
-from app.queries.runs import run_metrics_token
+from app.run_secrets import run_metrics_token
 
 
 @dataclass

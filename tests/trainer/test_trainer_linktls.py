@@ -63,11 +63,16 @@ def test_frames_cross_a_tls_link_both_ways_at_once_unchanged_and_counted_as_plai
     worker.close()
 
 
-def test_a_worker_holding_another_runs_secret_is_refused_at_once_and_never_adopted():
+# Without sites, across sites, within the server's site: TLS, TLS, the secret proved then plain.
+SITE_LAYOUTS = [(), ("onprem", "cloud"), ("onprem", "onprem")]
+
+
+@pytest.mark.parametrize("sites", SITE_LAYOUTS)
+def test_a_worker_holding_another_runs_secret_is_refused_at_once_and_never_adopted(sites):
     server = _server()
     t0 = time.monotonic()
     with pytest.raises(PeerLost, match="refused this rank's run key"):
-        WorkerSocketTransport(1, "127.0.0.1", server.port, timeout_s=30, tls=LinkTls("another run"))
+        WorkerSocketTransport(1, "127.0.0.1", server.port, timeout_s=30, tls=LinkTls("another run"), sites=sites)
     assert time.monotonic() - t0 < 5
     assert server.arrivals.empty()
     server.close()
@@ -94,39 +99,15 @@ def _adopted(server: ServerSocketTransport, rank: int):
     return conn
 
 
-def test_a_worker_in_another_site_than_the_server_talks_tls():
+@pytest.mark.parametrize(("sites", "encrypted"), list(zip(SITE_LAYOUTS, [True, True, False])))
+def test_a_worker_talks_tls_unless_it_shares_the_servers_site(sites, encrypted):
     server = _server()
-    worker = WorkerSocketTransport(1, "127.0.0.1", server.port, timeout_s=30, tls=LinkTls(SECRET),
-                                   sites=("onprem", "cloud"))
+    worker = WorkerSocketTransport(1, "127.0.0.1", server.port, timeout_s=30, tls=LinkTls(SECRET), sites=sites)
     worker.send(0, _hello(1))
-    assert isinstance(_adopted(server, 1), TlsSocket)
+    assert isinstance(_adopted(server, 1), TlsSocket) is encrypted
     worker.send(0, torch.tensor([5], dtype=torch.uint8))
     assert int(server.recv(1)[0]) == 5
     worker.close()
-    server.close()
-
-
-def test_a_worker_in_the_servers_site_proves_the_secret_then_talks_plain_tcp():
-    server = _server()
-    worker = WorkerSocketTransport(1, "127.0.0.1", server.port, timeout_s=30, tls=LinkTls(SECRET),
-                                   sites=("onprem", "onprem"))
-    worker.send(0, _hello(1))
-    conn = _adopted(server, 1)
-    assert not isinstance(conn, TlsSocket)
-    worker.send(0, torch.tensor([6], dtype=torch.uint8))
-    assert int(server.recv(1)[0]) == 6
-    worker.close()
-    server.close()
-
-
-def test_a_worker_in_the_servers_site_holding_another_secret_is_refused_at_once():
-    server = _server()
-    t0 = time.monotonic()
-    with pytest.raises(PeerLost, match="refused this rank's run key"):
-        WorkerSocketTransport(1, "127.0.0.1", server.port, timeout_s=30, tls=LinkTls("another run"),
-                              sites=("onprem", "onprem"))
-    assert time.monotonic() - t0 < 5
-    assert server.arrivals.empty()
     server.close()
 
 

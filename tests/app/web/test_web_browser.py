@@ -16,7 +16,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from app.queries.runs import run_metrics_token
+from app.run_secrets import run_metrics_token
 from tests.app.web.conftest import LiveServer, screenshot, sign_in_browser
 from tests.app.web.run_seed import now_t, seed_run, step_records
 
