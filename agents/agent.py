@@ -35,7 +35,7 @@ from agents import supervisor as supervision
 from agents.bundles import BundleCache
 from agents.client import ControlPlaneClient, call_with_retry, retry_conflicts
 from agents.config import AgentSettings
-from agents.errors import AgentAuthError, AgentConfigError, ControlPlaneError
+from agents.errors import AgentAuthError, AgentConfigError, ControlPlaneError, ControlPlaneRejected
 from agents.hardware import Hardware, detect_in_child
 from agents.outbox import Outbox
 
@@ -131,6 +131,9 @@ class Agent:
         self._lock_fd: int | None = None
         self.outbox: Outbox | None = None
         self.probe_server: probe.ProbeServer | None = None
+        # Whether the agent consumes with the node's own broker user (the control plane then
+        # re-creates it should the broker lose it).
+        self._broker_user = False
 
     # -- registration ---------------------------------------------------------------------
 
@@ -228,6 +231,35 @@ class Agent:
         log.info("registered as node %s (%s) on queue %s", state.node_id, state.node_name, state.queue)
         return state
 
+    def broker_url(self, state: AgentState) -> str:
+        """The broker this agent consumes its queue from: the one configured, else the one the
+        control plane hands out (on Redis, with a user of this node's own)."""
+        from agents.celery_app import embedded_broker_exists, is_embedded_broker, redact_url
+
+        if self.settings.broker_url:
+            return self.settings.broker_url
+        try:
+            answer = call_with_retry(self.client.broker, deadline_s=60)
+        except ControlPlaneRejected as exc:
+            if exc.status_code == 404:
+                raise AgentConfigError(
+                    f"the control plane at {self.settings.server_url} hands out no broker (an older "
+                    "version?): pass --broker-url"
+                ) from exc
+            raise
+        url = str(answer["url"])
+        if is_embedded_broker(url) and not embedded_broker_exists(url):
+            raise AgentConfigError(
+                f"the control plane at {self.settings.server_url} keeps its orders in its embedded "
+                f"broker ({url}), which only agents on its own machine reach: run the control plane "
+                "with a Redis broker that agents reach (CELERY_BROKER_URL and "
+                "HYBRIDTRAIN_BROKER_URL_FOR_AGENTS, docs/deploy.md), or pass --broker-url"
+            )
+        self._broker_user = bool(answer.get("node_user"))
+        log.info("node %s takes its orders from %s%s", state.node_id, redact_url(url),
+                 " as the node's own broker user" if self._broker_user else "")
+        return url
+
     # -- heartbeat ------------------------------------------------------------------------
 
     def _heartbeat_body(self, *, first: bool = False) -> dict[str, Any]:
@@ -238,6 +270,7 @@ class Agent:
                 "memory_available_gb": round(psutil.virtual_memory().available / 2**30, 2),
             },
             "t": time.time(),
+            "broker_user": self._broker_user,
         }
         if first and self.hardware is not None:
             body["hardware"] = self.hardware_json()
@@ -342,8 +375,9 @@ class Agent:
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
 
-        configure(app, self.settings.broker_url)
-        prepare_embedded_broker(self.settings.broker_url)
+        broker_url = self.broker_url(state)
+        configure(app, broker_url, node_id=state.node_id)
+        prepare_embedded_broker(broker_url)
 
         def announce_ready(**_: Any) -> None:
             log.info("agent ready: node %s consuming queue %s", state.node_id, state.queue)

@@ -8,6 +8,9 @@ name without importing the agent's tasks (or torch).
 
 from __future__ import annotations
 
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
 from celery import Celery
 from kombu.transport import sqlalchemy as kombu_sqlalchemy
 
@@ -47,6 +50,51 @@ def is_embedded_broker(broker_url: str) -> bool:
     return broker_url.startswith(_SQL_PREFIXES)
 
 
+def is_redis_broker(broker_url: str) -> bool:
+    """Whether the URL names a Redis broker (the production default)."""
+    return broker_url.startswith(("redis://", "rediss://", "redis+socket://"))
+
+
+def node_key_prefix(node_id: int) -> str:
+    """The prefix of every Redis key of a node's queue: its own broker user is limited to it."""
+    return f"hybridtrain.node.{node_id}:"
+
+
+def node_transport_options(broker_url: str, node_id: int) -> dict[str, str]:
+    """kombu transport options that put a node's queue under its key prefix (Redis only).
+
+    kombu keeps one `unacked` hash per key space, holding every consumer's messages in
+    flight; without a prefix per node, a node allowed to ack its own orders could read
+    every other node's orders (and the run secrets in them)."""
+    return {"global_keyprefix": node_key_prefix(node_id)} if is_redis_broker(broker_url) else {}
+
+
+def _embedded_path(broker_url: str) -> str | None:
+    """The SQLite file of an embedded broker URL; None for other brokers and in-memory ones."""
+    if not is_embedded_broker(broker_url):
+        return None
+    db_url = broker_url.split("+", 1)[1]
+    if not db_url.startswith("sqlite"):
+        return None
+    path = db_url.split(":///", 1)[1] if ":///" in db_url else ""
+    return path if path and path != ":memory:" else None
+
+
+def embedded_broker_exists(broker_url: str) -> bool:
+    """Whether an embedded broker's file is on this machine (the control plane creates it)."""
+    path = _embedded_path(broker_url)
+    return path is None or Path(path).exists()
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password masked, for logs."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
 def prepare_embedded_broker(broker_url: str) -> None:
     """Create the embedded broker's SQLite file and folder, in WAL mode; no-op for others.
 
@@ -56,23 +104,18 @@ def prepare_embedded_broker(broker_url: str) -> None:
     # SQLite cannot create the file's folder, and WAL lets the control plane publish while
     # several agents poll the same file without "database is locked" errors.
     import sqlite3
-    from pathlib import Path
 
-    if not is_embedded_broker(broker_url):
-        return
-    db_url = broker_url.split("+", 1)[1]
-    if not db_url.startswith("sqlite"):
-        return
-    path = db_url.split(":///", 1)[1] if ":///" in db_url else ""
-    if not path or path == ":memory:":
+    path = _embedded_path(broker_url)
+    if path is None:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(path, timeout=30) as conn:
         conn.execute("PRAGMA journal_mode=WAL")
 
 
-def configure(celery: Celery, broker_url: str) -> Celery:
-    """Point `celery` at `broker_url` and apply the task settings chosen for long jobs."""
+def configure(celery: Celery, broker_url: str, *, node_id: int | None = None) -> Celery:
+    """Point `celery` at `broker_url` and apply the task settings chosen for long jobs; with
+    `node_id`, as that node's agent (its queue's keys under the node's prefix)."""
     conf: dict[str, object] = {
         "broker_url": broker_url,
         # A broker that restarts or is not up yet is waited for, however long: an agent that
@@ -140,7 +183,10 @@ def configure(celery: Celery, broker_url: str) -> Celery:
         conf.update(
             # Reset what an earlier configure() for the embedded broker may have set.
             broker_transport=None,
-            broker_transport_options={"visibility_timeout": REDIS_VISIBILITY_TIMEOUT_S},
+            broker_transport_options={
+                "visibility_timeout": REDIS_VISIBILITY_TIMEOUT_S,
+                **(node_transport_options(broker_url, node_id) if node_id is not None else {}),
+            },
         )
     celery.conf.update(conf)
     return celery
@@ -152,9 +198,10 @@ def make_celery(broker_url: str) -> Celery:
 
 
 def _default_broker_url() -> str:
-    from agents.config import get_settings
+    from agents.config import EMBEDDED_BROKER_URL, get_settings
 
-    return get_settings().broker_url
+    # Unset, the agent takes its broker from the control plane once registered.
+    return get_settings().broker_url or EMBEDDED_BROKER_URL
 
 
 # The agent's app; `agents.tasks` registers its tasks here and `hybridtrain agent` may point

@@ -106,6 +106,10 @@ class ControlPlaneClient:
         body = {"join_token": join_token, "agent_token": agent_token, "hardware": dict(hardware)}
         return self._post("/register", body, auth=False)
 
+    def broker(self) -> dict[str, Any]:
+        """The broker to take orders from: {"url", "node_user"} (a Redis user of this node's own)."""
+        return self._post("/broker", {})
+
     def heartbeat(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Report liveness and roles; the answer may list roles the agent must stop."""
         return self._post("/heartbeat", body)

@@ -32,8 +32,12 @@ class AgentSettings(BaseSettings):
         default=None, validation_alias=AliasChoices("HYBRIDTRAIN_AGENT_TOKEN", "join_token")
     )
     state_dir: Path = Path("./var/agent")
-    broker_url: str = Field(
-        default=EMBEDDED_BROKER_URL,
+    # The broker this agent takes its orders from. Unset (the default), the control plane
+    # hands it over at registration: on Redis with a user of this node's own, limited to its
+    # queue (docs/deploy.md, "How an agent gets its orders"). Set it only where agents reach
+    # the broker at another address than the control plane's broker_url_for_agents says.
+    broker_url: str | None = Field(
+        default=None,
         validation_alias=AliasChoices(
             "CELERY_BROKER_URL", "HYBRIDTRAIN_AGENT_BROKER_URL", "broker_url"
         ),

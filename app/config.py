@@ -29,6 +29,14 @@ class Settings(BaseSettings):
         default="sqla+sqlite:///./var/broker.db",
         validation_alias=AliasChoices("CELERY_BROKER_URL", "HYBRIDTRAIN_CELERY_BROKER_URL"),
     )
+    # The broker as agents on other machines reach it (e.g. redis://cp.example.org:6379/0),
+    # handed to each agent at registration; None hands out celery_broker_url. On Redis the
+    # agent gets it with a user of its own node instead of these credentials.
+    broker_url_for_agents: str | None = None
+    # On Redis, give each node's agent an ACL user limited to its own queue's keys (the
+    # control plane's broker user then needs the ACL commands). False hands every agent the
+    # shared credentials of broker_url_for_agents, for a Redis without ACL rights.
+    broker_node_users: bool = True
     admin_token: str | None = None
     # The bearer token Prometheus sends to GET /metrics. Unset, /metrics answers only clients
     # on this host that no proxy relayed, so a control plane on a public address does not hand

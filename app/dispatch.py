@@ -99,41 +99,42 @@ class Dispatcher:
 
     def send(self, orders: Iterable[Order]) -> None:
         """Publish the orders; raises kombu's OperationalError when the broker is down."""
-        from agents.celery_app import (
-            CANCEL_EXPIRES_S,
-            CANCEL_RUN,
-            LAUNCH_EXPIRES_S,
-            LAUNCH_ROLE,
-        )
+        from agents.celery_app import node_transport_options
 
         # A broker that is briefly away is retried a few times, then the error surfaces: the
         # caller fails the run with it rather than hanging the request.
         retry = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2}
         celery = self._app()
+        by_node: dict[int, list[Order]] = {}
         for order in orders:
-            queue = node_queue(order.node_id)
-            if isinstance(order, LaunchOrder):
-                celery.send_task(
-                    LAUNCH_ROLE, args=[order.run_id, order.rank, order.spec], queue=queue,
-                    expires=LAUNCH_EXPIRES_S, retry=True, retry_policy=retry,
-                )
-            elif isinstance(order, ProfileOrder):
-                celery.send_task(
-                    PROFILE_TASK, args=[order.profile_id, order.spec], queue=queue,
-                    expires=PROFILE_EXPIRES_S, retry=True, retry_policy=retry,
-                )
-            elif isinstance(order, ProbeOrder):
-                celery.send_task(
-                    PROBE_LINKS_TASK, args=[order.spec], queue=queue,
-                    expires=PROBE_EXPIRES_S, retry=True, retry_policy=retry,
-                )
-            else:
-                kwargs = {} if order.before_attempt is None else {"before_attempt": order.before_attempt}
-                celery.send_task(
-                    CANCEL_RUN, args=[order.run_id, order.reason], kwargs=kwargs, queue=queue,
-                    expires=CANCEL_EXPIRES_S, retry=True, retry_policy=retry,
-                )
-            log.info("sent %s to %s", order.__class__.__name__, queue)
+            by_node.setdefault(order.node_id, []).append(order)
+        for node_id, node_orders in by_node.items():
+            # On Redis each node's queue lives under its own key prefix (its agent's broker
+            # user sees nothing else), so the orders go through a connection with that prefix.
+            options = node_transport_options(self.broker_url, node_id)
+            with celery.connection_for_write(transport_options=options) as connection:
+                for order in node_orders:
+                    self._publish(celery, connection, order, retry)
+
+    @staticmethod
+    def _publish(celery: Any, connection: Any, order: Order, retry: dict[str, float]) -> None:
+        from agents.celery_app import CANCEL_EXPIRES_S, CANCEL_RUN, LAUNCH_EXPIRES_S, LAUNCH_ROLE
+
+        queue = node_queue(order.node_id)
+        common = {"queue": queue, "connection": connection, "retry": True, "retry_policy": retry}
+        if isinstance(order, LaunchOrder):
+            celery.send_task(LAUNCH_ROLE, args=[order.run_id, order.rank, order.spec],
+                             expires=LAUNCH_EXPIRES_S, **common)
+        elif isinstance(order, ProfileOrder):
+            celery.send_task(PROFILE_TASK, args=[order.profile_id, order.spec],
+                             expires=PROFILE_EXPIRES_S, **common)
+        elif isinstance(order, ProbeOrder):
+            celery.send_task(PROBE_LINKS_TASK, args=[order.spec], expires=PROBE_EXPIRES_S, **common)
+        else:
+            kwargs = {} if order.before_attempt is None else {"before_attempt": order.before_attempt}
+            celery.send_task(CANCEL_RUN, args=[order.run_id, order.reason], kwargs=kwargs,
+                             expires=CANCEL_EXPIRES_S, **common)
+        log.info("sent %s to %s", order.__class__.__name__, queue)
 
     def send_quietly(self, orders: Iterable[Order]) -> None:
         """Publish best-effort orders (cancels after a failure); log instead of raising.

@@ -144,7 +144,9 @@ def main() -> int:
         # The metrics token travels only inside the launch order: read it back from Redis.
         from kombu import Connection
 
-        with Connection(args.redis) as conn:
+        from agents.celery_app import node_transport_options
+
+        with Connection(args.redis, transport_options=node_transport_options(args.redis, node["id"])) as conn:
             queue = conn.SimpleQueue(f"node.{node['id']}", no_ack=True)
             token = queue.get(timeout=10).decode()[0][2]["report_token"]
             queue.close()

@@ -9,6 +9,7 @@ Order (each process is recorded in the state file before `up` goes on):
    declared GPU and a label naming its namespace; the server pod is a node without GPUs;
 5. `hybridtrain agent` inside each node's namespace, in the node's host cgroup, with its node's
    join token and a trainer command that moves each role onto the node's quota (incgroup.py);
+   no broker: each agent takes it from the control plane, with a Redis user of its node's own;
 6. wait until every node is online.
 """
 
@@ -97,7 +98,7 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
             _spawn_service(
                 state, state_dir, name=f"agent-{name}", argv=[*_hybridtrain(), "agent",
                 "--server", internal_url, "--token", token,
-                "--state-dir", str(work / "agents" / name), "--broker-url", broker_url,
+                "--state-dir", str(work / "agents" / name),
                 "--advertise-address", ep.address, "--role-threads", "1",
                 "--trainer-command", json.dumps(trainer), "--profile-command", json.dumps(profiler),
                 "--log-level", "WARNING"],

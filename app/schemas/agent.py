@@ -66,6 +66,12 @@ class AgentRegistered(PublicSchema):
     heartbeat_interval_s: float
 
 
+class AgentBroker(PublicSchema):
+    url: str = Field(description="The broker to consume the node's queue from, with this node's "
+                     "own user on Redis; embedded SQL brokers reach agents on the same machine only")
+    node_user: bool = Field(description="Whether the URL carries a user limited to this node's queue")
+
+
 class RoleState(Schema):
     model_config = ConfigDict(extra="ignore")
 
@@ -92,6 +98,9 @@ class Heartbeat(Schema):
     hardware: HardwareReport | None = None
     load: dict[str, Any] | None = None
     roles: Annotated[list[RoleState], Field(max_length=1024)] = []
+    # The agent consumes with the broker user the control plane handed it, which a restarted
+    # Redis may have forgotten: the control plane re-creates it.
+    broker_user: bool = False
 
 
 class StopOrder(PublicSchema):

@@ -95,6 +95,9 @@ class FakeControlPlane:
         self.down = False
         # Registrations answered 409 ("retry") before one is taken.
         self.conflicts = 0
+        # The answer to POST /agent/broker; None answers 404, as a control plane that hands
+        # out no broker.
+        self.broker: dict[str, Any] | None = None
         self.lock = threading.Lock()
         plane = self
 
@@ -154,6 +157,8 @@ class FakeControlPlane:
                 return 201, {"node_id": self.node_id, "node_name": "n1", "queue": self.queue}
             if not self._authorized(auth):
                 return 401, {"detail": "bad agent token"}
+            if path == "/api/v1/agent/broker":
+                return (404, {"detail": "Not Found"}) if self.broker is None else (200, self.broker)
             if path == "/api/v1/agent/heartbeat":
                 self.heartbeats.append(body)
                 stop, self.stop_orders = self.stop_orders, []
@@ -297,12 +302,24 @@ def wait_registered(plane: FakeControlPlane, agent: AgentProcess, timeout: float
     wait_until(ready, timeout, "the agent to register, heartbeat and start its worker")
 
 
-def send_launch(broker_url: str, plane: FakeControlPlane, run_id: int, rank: int = 1, **options: Any) -> float:
-    """Publish a launch of the role stub on the plane's node queue; returns when it was sent."""
-    from agents.celery_app import LAUNCH_ROLE, make_celery
+def publish(broker_url: str, plane: FakeControlPlane, task: str, args: list[Any], **kwargs: Any) -> None:
+    """Put an order on the plane's node queue as the control plane does (under the node's key
+    prefix on Redis)."""
+    from agents.celery_app import make_celery, node_transport_options
 
     celery = make_celery(broker_url)
+    try:
+        options = node_transport_options(broker_url, plane.node_id)
+        with celery.connection_for_write(transport_options=options) as connection:
+            celery.send_task(task, args=args, queue=plane.queue, connection=connection, **kwargs)
+    finally:
+        celery.close()
+
+
+def send_launch(broker_url: str, plane: FakeControlPlane, run_id: int, rank: int = 1, **options: Any) -> float:
+    """Publish a launch of the role stub on the plane's node queue; returns when it was sent."""
+    from agents.celery_app import LAUNCH_ROLE
+
     sent = time.time()
-    celery.send_task(LAUNCH_ROLE, args=[run_id, rank, role_spec(run_id, rank, **options)], queue=plane.queue)
-    celery.close()
+    publish(broker_url, plane, LAUNCH_ROLE, [run_id, rank, role_spec(run_id, rank, **options)])
     return sent

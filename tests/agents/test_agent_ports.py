@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import socket
 
-from agent_testing import role_spec, wait_registered, wait_until
+from agent_testing import publish, role_spec, wait_registered, wait_until
 
-from agents.celery_app import LAUNCH_ROLE, make_celery
+from agents.celery_app import LAUNCH_ROLE
 from agents.spec import free_port
 
 
@@ -56,9 +56,7 @@ def test_the_agent_launches_rank_0_on_a_free_port_and_names_it_when_it_starts(
     with _listener() as busy:
         taken = busy.getsockname()[1]
         spec = role_spec(41, rank=0) | {"master_port": taken, "pick_port": True}
-        celery = make_celery(sqlite_broker)
-        celery.send_task(LAUNCH_ROLE, args=[41, 0, spec], queue=control_plane.queue)
-        celery.close()
+        publish(sqlite_broker, control_plane, LAUNCH_ROLE, [41, 0, spec])
 
         started = wait_until(lambda: control_plane.events_of(41, "started"), 30, "rank 0's start")[0]
 

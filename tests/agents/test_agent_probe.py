@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-from agent_testing import ROOT, FakeControlPlane, wait_until
+from agent_testing import ROOT, FakeControlPlane, publish, wait_until
 from shaped_link import serving_inside, shaped_link
 
 from agents.agent import Agent
-from agents.celery_app import make_celery, prepare_embedded_broker
+from agents.celery_app import prepare_embedded_broker
 from agents.client import ControlPlaneClient
 from agents.config import AgentSettings
 from agents.hardware import Hardware
@@ -276,10 +276,8 @@ def test_agent_advertises_its_probe_server_and_runs_a_probe_order_from_the_broke
         advertised = plane.registrations[0]["hardware"]["probe_port"]
         assert measure("127.0.0.1", advertised, seconds=0.05).bytes > 0
 
-        celery = make_celery(broker)
         spec = {"targets": [{"node_id": 9, "host": "127.0.0.1", "port": server.port}], "seconds": 0.1}
-        celery.send_task(PROBE_LINKS_TASK, args=[spec], queue=plane.queue)
-        celery.close()
+        publish(broker, plane, PROBE_LINKS_TASK, [spec])
 
         [report] = wait_until(lambda: list(plane.links), 30, "the agent's link report")
         assert report["src_node_id"] == plane.node_id

@@ -18,19 +18,18 @@ from agent_testing import (
     group_members,
     make_bundle,
     pids_from_logs,
+    publish,
     role_spec,
     sha256_of,
     wait_until,
 )
 
-from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE, make_celery
+from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE
 from hybridtrain.contract import PROFILE_TASK
 
 
 def _cancel(broker_url: str, plane: FakeControlPlane, run_id: int) -> None:
-    celery = make_celery(broker_url)
-    celery.send_task(CANCEL_RUN, args=[run_id, "cancelled by the user"], queue=plane.queue)
-    celery.close()
+    publish(broker_url, plane, CANCEL_RUN, [run_id, "cancelled by the user"])
 
 
 def _launch_then_cancel(broker_url: str, plane: FakeControlPlane, agent: AgentProcess) -> float:
@@ -160,9 +159,7 @@ def test_agent_runs_a_bundle_role_sent_through_the_broker(sqlite_broker, control
     agent = start_agent(control_plane, sqlite_broker)
     wait_registered(control_plane, agent)
 
-    celery = make_celery(sqlite_broker)
-    celery.send_task(LAUNCH_ROLE, args=[71, 1, spec], queue=control_plane.queue)
-    celery.close()
+    publish(sqlite_broker, control_plane, LAUNCH_ROLE, [71, 1, spec])
 
     exited = wait_until(lambda: control_plane.events_of(71, "exited"), 30, "the role's exit")[0]
     assert exited["exit_code"] == 0, exited
@@ -183,9 +180,7 @@ def test_agent_profiles_a_task_sent_through_the_broker(sqlite_broker, control_pl
     spec = {"task": "usertask:task", "task_args": {}, "batch_size": 8, "device": "cpu",
             "bundle": {"sha256": sha256_of(data), "path": "/api/v1/agent/profiles/3/bundle"}}
 
-    celery = make_celery(sqlite_broker)
-    celery.send_task(PROFILE_TASK, args=[3, spec], queue=control_plane.queue)
-    celery.close()
+    publish(sqlite_broker, control_plane, PROFILE_TASK, [3, spec])
 
     [(profile_id, body)] = wait_until(lambda: list(control_plane.profiles), 60, "the profile's report")
     assert profile_id == 3 and body["status"] == "done", body

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from kombu import Connection
 
 from app.api.deps import get_dispatcher
+from agents.celery_app import node_transport_options
 from app.dispatch import Dispatcher, node_queue
 
 API = "/api/v1"
@@ -46,7 +47,7 @@ class Orders:
     def take_calls(self, node_id: int) -> list[tuple[str, list[Any], dict[str, Any]]]:
         """Every order waiting on the node's queue, as (task name, args, kwargs), removed from it."""
         out = []
-        with Connection(self.broker_url) as conn:
+        with Connection(self.broker_url, transport_options=node_transport_options(self.broker_url, node_id)) as conn:
             queue = conn.SimpleQueue(node_queue(node_id), no_ack=True)
             try:
                 while True:

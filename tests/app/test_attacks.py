@@ -1,7 +1,9 @@
 """Attacks on the control plane's credentials, each expecting a refusal (issue 17, "Secrets
 and trust"): API tokens beyond their scope, expiry, revocation or actions; forged and orphaned
 dashboard sessions; a node's agent token on another node's ranks; a rank's report token on
-another rank's records, on another run, or after its run ended."""
+another rank's records, on another run, or after its run ended. An order for a node put on
+its queue by anything but the control plane (another node's broker user) is refused by the
+broker: test_agent_broker.py."""
 
 from __future__ import annotations
 

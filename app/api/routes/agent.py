@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Response, status
+import logging
+
+from fastapi import APIRouter, HTTPException, Request, Response, status
+from sqlalchemy.orm import Session
 
 from app.api.deps import AgentNodeDep, DispatcherDep, IdPath, SessionDep, SettingsDep
 from app.api.responses import CONFLICT, NOT_FOUND_OR_CONFLICT
+from app.broker_access import BrokerAccessError, BrokerOutOfReach, agent_broker, keep_node_user
+from app.config import Settings
+from app.models import Node, NodeAgent
+from app.schemas.common import ErrorMessage
 from app.dispatch import node_queue
 from app.queries import agents as queries
 from app.queries.reports import store_spooled_report
@@ -15,6 +22,7 @@ from app.schemas.reports import ReportBatch
 from app.schemas.runs import MetricsStored
 from app.lifecycle import run_state_lock, start_queued
 from app.schemas.agent import (
+    AgentBroker,
     AgentRegister,
     AgentRegistered,
     Heartbeat,
@@ -26,6 +34,7 @@ from app.schemas.agent import (
     StopOrder,
 )
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 # How often agents should beat: five beats inside the offline threshold.
@@ -59,6 +68,29 @@ def register_agent(
     )
 
 
+@router.post(
+    "/broker",
+    response_model=AgentBroker,
+    responses={
+        409: {"model": ErrorMessage, "description": "The broker is on loopback and the agent on another host"},
+        503: {"model": ErrorMessage, "description": "The broker refused to set up the node's user"},
+    },
+)
+def broker_for_agent(session: SessionDep, settings: SettingsDep, node: AgentNodeDep, request: Request) -> AgentBroker:
+    """The broker this node's agent takes its orders from; on Redis with a user of the node's
+    own, limited to its queue, (re)set by this call."""
+    agent = session.get(NodeAgent, node.id)
+    assert agent is not None  # the agent token just resolved to this node through it
+    client_host = request.client.host if request.client else None
+    try:
+        broker = agent_broker(settings, node_id=node.id, agent_token_hash=agent.token_hash, client_host=client_host)
+    except BrokerOutOfReach as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
+    except BrokerAccessError as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
+    return AgentBroker(url=broker.url, node_user=broker.node_user)
+
+
 @router.post("/heartbeat", response_model=HeartbeatAnswer)
 def heartbeat(
     session: SessionDep,
@@ -75,9 +107,22 @@ def heartbeat(
         launches = start_queued(session, settings=settings)
         session.commit()
     dispatcher.send_quietly([*outcome.orders, *launches])
+    if body.broker_user:
+        _keep_broker_user(session, settings, node)
     return HeartbeatAnswer(
         node_id=node.id, status=str(node.status), stop=[StopOrder(**s) for s in outcome.stop]
     )
+
+
+def _keep_broker_user(session: Session, settings: Settings, node: Node) -> None:
+    agent = session.get(NodeAgent, node.id)
+    if agent is None:
+        return
+    try:
+        if keep_node_user(settings, node_id=node.id, agent_token_hash=agent.token_hash):
+            log.warning("the broker had lost node %s's user (restarted without an ACL file?); re-created it", node.id)
+    except BrokerAccessError as exc:
+        log.warning("%s", exc)
 
 
 @router.post("/runs/{run_id}/events", response_model=RoleEventAnswer, responses=NOT_FOUND_OR_CONFLICT)

@@ -9,6 +9,7 @@ from pydantic import TypeAdapter
 
 from app.api.deps import AdminDep, DispatcherDep, IdPath, IdQuery, PaginationDep, ReadDep, SessionDep, SettingsDep
 from app.api.responses import NOT_FOUND, NOT_FOUND_OR_CONFLICT
+from app.broker_access import drop_node_user
 from app.lifecycle import run_state_lock, start_queued
 from app.models import NodeStatus, Provider, SiteKind
 from app.models.base import utcnow
@@ -113,7 +114,8 @@ def rotate_join_token(session: SessionDep, _: AdminDep, node_id: IdPath) -> Join
 
 
 @router.delete("/{node_id}", status_code=status.HTTP_204_NO_CONTENT, responses=NOT_FOUND)
-def delete_node(session: SessionDep, _: AdminDep, node_id: IdPath) -> None:
-    """Remove a node (it leaves its clusters)."""
+def delete_node(session: SessionDep, settings: SettingsDep, _: AdminDep, node_id: IdPath) -> None:
+    """Remove a node (it leaves its clusters, and its agent its broker user)."""
     queries.delete_node(session, node_id=node_id)
     session.commit()
+    drop_node_user(settings, node_id)
