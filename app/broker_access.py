@@ -15,6 +15,7 @@ import hmac
 import ipaddress
 import logging
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -28,6 +29,8 @@ NODE_USER_PREFIX = "hybridtrain-node-"
 # keys and channels only. kombu's Redis transport needs lists, hashes, sorted sets, scripts,
 # transactions and pub/sub, all inside its key prefix.
 NODE_USER_RULES = ("+@all", "-@dangerous")
+# A heartbeat checks its node's user: a broker that is away delays the beat by this, no more.
+ADMIN_TIMEOUT_S = 2.0
 
 
 class BrokerAccessError(Exception):
@@ -89,7 +92,7 @@ def set_node_user(admin_url: str, node_id: int, password: str) -> None:
 
     prefix = node_key_prefix(node_id)
     try:
-        with redis.Redis.from_url(admin_url, socket_timeout=5, socket_connect_timeout=5) as admin:
+        with _admin(admin_url) as admin:
             admin.execute_command(
                 "ACL", "SETUSER", node_user_name(node_id), "reset", "on", f">{password}",
                 f"~{prefix}*", f"&{prefix}*", *NODE_USER_RULES,
@@ -115,7 +118,7 @@ def drop_node_user(settings: Settings, node_id: int) -> None:
     import redis
 
     try:
-        with redis.Redis.from_url(settings.celery_broker_url, socket_timeout=5, socket_connect_timeout=5) as admin:
+        with _admin(settings.celery_broker_url) as admin:
             admin.execute_command("ACL", "DELUSER", node_user_name(node_id))
     except redis.RedisError as exc:
         log.warning("could not delete the broker user of node %s: %s", node_id, exc)
@@ -129,13 +132,20 @@ def keep_node_user(settings: Settings, *, node_id: int, agent_token_hash: str) -
     import redis
 
     try:
-        with redis.Redis.from_url(settings.celery_broker_url, socket_timeout=5, socket_connect_timeout=5) as admin:
+        with _admin(settings.celery_broker_url) as admin:
             if admin.execute_command("ACL", "GETUSER", node_user_name(node_id)) is not None:
                 return False
     except redis.RedisError as exc:
         raise BrokerAccessError(f"could not look up node {node_id}'s broker user: {exc}") from exc
     set_node_user(settings.celery_broker_url, node_id, node_password(settings.secret_key, node_id, agent_token_hash))
     return True
+
+
+def _admin(url: str) -> Any:
+    """A client of the control plane's own broker user; short timeouts, as a request waits on it."""
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=ADMIN_TIMEOUT_S, socket_connect_timeout=ADMIN_TIMEOUT_S)
 
 
 def _absolute_embedded(url: str) -> str:

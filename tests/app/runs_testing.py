@@ -134,3 +134,24 @@ def run_body(nodes: list[JoinedNode], **fields: Any) -> dict[str, Any]:
     """A small run over `nodes`."""
     return {"name": f"run-{uuid.uuid4().hex[:6]}", "node_ids": [n.id for n in nodes],
             "strategy": "ps-bz-gc", "global_batch_size": 64, "max_steps": 20} | fields
+
+
+# Runs created through `post_run`; `cancel_created_runs` cancels those a test leaves active.
+_CREATED: list[int] = []
+
+
+def post_run(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
+    """Create a run (201 or the test fails) that is cancelled after the test if still active."""
+    answer = client.post(f"{API}/runs", json=body)
+    assert answer.status_code == 201, answer.text
+    _CREATED.append(answer.json()["id"])
+    return answer.json()
+
+
+@pytest.fixture(autouse=True, name="cancel_created_runs")
+def cancel_created_runs_fixture(client: TestClient) -> Iterator[None]:
+    """Runs a test leaves active are cancelled, so that no later test's liveness pass starts
+    or fails them (autouse where imported)."""
+    yield
+    while _CREATED:
+        client.post(f"{API}/runs/{_CREATED.pop()}/cancel")

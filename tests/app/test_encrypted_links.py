@@ -5,28 +5,15 @@ none. Over the real API on the real Postgres, with orders read back from the rea
 from __future__ import annotations
 
 import pytest
-from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
+from runs_testing import API, cancel_created_runs_fixture, dispatched_fixture, online_node_fixture, post_run, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
 from agents.celery_app import LAUNCH_ROLE
 from app.run_secrets import run_link_secret, run_metrics_token
 
-_CREATED: list[int] = []
-
-
-@pytest.fixture(autouse=True)
-def _cancel_leftovers(client):
-    """Runs a test leaves active are cancelled, so that no later test's liveness pass meets them."""
-    yield
-    while _CREATED:
-        client.post(f"{API}/runs/{_CREATED.pop()}/cancel")
-
 
 def _create(client, nodes, **fields):
     server = {"ps_node_id": nodes[0].id} if fields["strategy"].startswith("ps") else {}
-    answer = client.post(f"{API}/runs", json=run_body(nodes, **server, **fields))
-    assert answer.status_code == 201, answer.text
-    _CREATED.append(answer.json()["id"])
-    return answer.json()
+    return post_run(client, run_body(nodes, **server, **fields))
 
 
 def _launches(dispatched, nodes, rid):

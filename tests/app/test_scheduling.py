@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
+from runs_testing import API, cancel_created_runs_fixture, dispatched_fixture, online_node_fixture, post_run, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
 from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE
 from app.lifecycle import check_liveness, end_run
@@ -14,24 +14,9 @@ from app.models import RunStatus
 from app.queries.runs import get_run
 
 
-_CREATED: list[int] = []
-
-
-@pytest.fixture(autouse=True)
-def _cancel_leftovers(client):
-    """Runs a test leaves active are cancelled, so that no later test's liveness pass starts
-    or fails them."""
-    yield
-    while _CREATED:
-        client.post(f"{API}/runs/{_CREATED.pop()}/cancel")
-
-
 def _create(client, nodes, **fields):
     """A PS run with its server and one worker on the first of `nodes` (one T4 each)."""
-    answer = client.post(f"{API}/runs", json=run_body(nodes, strategy="ps", ps_node_id=nodes[0].id, **fields))
-    assert answer.status_code == 201, answer.text
-    _CREATED.append(answer.json()["id"])
-    return answer.json()
+    return post_run(client, run_body(nodes, strategy="ps", ps_node_id=nodes[0].id, **fields))
 
 
 def _run(client, rid):
