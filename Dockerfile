@@ -6,11 +6,13 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/hybridtrain
 
-# Dependencies first, so code edits do not reinstall torch.
+# Dependencies first, so code edits do not reinstall torch; setuptools too, with which the
+# control plane builds the agents' wheel (GET /dist/) from this tree.
 COPY pyproject.toml README.md ./
 RUN mkdir -p app agents trainer hybridtrain testbed \
     && touch app/__init__.py agents/__init__.py trainer/__init__.py hybridtrain/__init__.py testbed/__init__.py \
-    && pip install '.[server,agent]' && pip uninstall -y hybridtrain
+    && pip install '.[server,agent]' && pip uninstall -y hybridtrain \
+    && pip install setuptools==84.2.1
 
 COPY app ./app
 COPY agents ./agents

@@ -36,6 +36,7 @@ from agents.bundles import BundleCache
 from agents.client import ControlPlaneClient, call_with_retry, retry_conflicts
 from agents.config import AgentSettings
 from agents.errors import AgentAuthError, AgentConfigError, ControlPlaneError, ControlPlaneRejected
+from agents.gpu_usage import GpuUsage
 from agents.hardware import Hardware, detect_in_child
 from agents.outbox import Outbox
 
@@ -114,7 +115,9 @@ def new_agent_token() -> str:
 class Agent:
     """One node agent process."""
 
-    def __init__(self, settings: AgentSettings, *, client: ControlPlaneClient | None = None) -> None:
+    def __init__(
+        self, settings: AgentSettings, *, client: ControlPlaneClient | None = None, gpu_usage: GpuUsage | None = None,
+    ) -> None:
         if not settings.server_url:
             raise AgentConfigError("no control plane given: pass --server URL")
         self.settings = settings
@@ -134,6 +137,7 @@ class Agent:
         # Whether the agent consumes with the node's own broker user (the control plane then
         # re-creates it should the broker lose it).
         self._broker_user = False
+        self.gpu_usage = gpu_usage or GpuUsage()
 
     # -- registration ---------------------------------------------------------------------
 
@@ -272,6 +276,9 @@ class Agent:
             "t": time.time(),
             "broker_user": self._broker_user,
         }
+        gpus = self.gpu_usage.read()
+        if gpus is not None:
+            body["gpus"] = gpus
         if first and self.hardware is not None:
             body["hardware"] = self.hardware_json()
         return body

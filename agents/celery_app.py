@@ -159,9 +159,12 @@ def configure(celery: Celery, broker_url: str, *, node_id: int | None = None) ->
         # the agent's stdout.
         "worker_hijack_root_logger": False,
         "worker_redirect_stdouts": False,
-        # Remote control (`celery inspect active`) stays on where the broker supports it;
-        # the agent starts its worker without gossip and mingle (see agents.agent).
-        "worker_enable_remote_control": True,
+        # No remote control (`celery inspect`, `celery control shutdown`): nothing of ours uses
+        # it, with shared broker credentials it would let any agent command every worker, and
+        # a node's own Redis user may not PSUBSCRIBE its broadcast channel (an ACL checks a
+        # pattern literally), so the consumer would reconnect forever. Gossip and mingle are
+        # off too (see agents.agent).
+        "worker_enable_remote_control": False,
         "worker_send_task_events": False,
         "task_send_sent_event": False,
         # Queues are named per node and created on first use.
@@ -176,8 +179,6 @@ def configure(celery: Celery, broker_url: str, *, node_id: int | None = None) ->
             broker_transport_options=(
                 {"connect_args": {"timeout": 30}} if db_url.startswith("sqlite") else {}
             ),
-            # The SQL transport has no fanout exchanges, which remote control needs.
-            worker_enable_remote_control=False,
         )
     else:
         conf.update(

@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     # its run names, node names and spend to anyone (docs/deploy.md, "Monitoring").
     metrics_token: SecretStr | None = Field(default=None, min_length=16)
     secret_key: str = _EXAMPLE_SECRET
+    # The wheel that GET /dist/<its name> hands to joining machines (`pip wheel --no-deps .`);
+    # None builds one from the source tree this control plane runs from (app/agent_wheel.py).
+    agent_wheel: Path | None = None
     # The address agents and trainers use to reach this control plane.
     public_url: str = "http://127.0.0.1:8000"
     heartbeat_timeout_s: float = 30.0

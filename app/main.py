@@ -14,7 +14,8 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.api.main import api_router
-from app.api.routes import health, prometheus
+from app.agent_wheel import AgentWheel, source_tree
+from app.api.routes import dist, health, prometheus
 from app.config import Settings, get_settings
 from app.db import make_engine, make_sessionmaker
 from app.errors import (
@@ -113,9 +114,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = factory
     app.state.dispatcher = dispatcher
     app.state.monitor = monitor
+    app.state.agent_wheel = AgentWheel(settings.agent_wheel, source_tree())
     _install_error_handlers(app)
     app.include_router(health.router, tags=["health"])
     app.include_router(prometheus.router, tags=["operations"])
+    app.include_router(dist.router, tags=["operations"])
     install_telemetry(app)
     app.include_router(api_router, prefix=API_PREFIX)
     install_dashboard(app)

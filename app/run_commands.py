@@ -356,7 +356,7 @@ def prediction_table(plans: list[dict[str, Any]]) -> str:
 
 
 def _describe(run: dict[str, Any]) -> str:
-    from app.run_progress import status_text
+    from hybridtrain.progress import status_text
 
     ranks = " ".join(f"{w['rank']}:{w['status']}" for w in run["workers"])
     reason = f" ({run['reason']})" if run.get("reason") else ""
@@ -390,9 +390,9 @@ def _runs_create(args: argparse.Namespace) -> int:
         if not args.wait:
             _print_json(run)
             return 0
-        from app.run_progress import RunProgress
+        from app.run_progress import run_progress
 
-        progress = RunProgress(client.metrics, sys.stderr)
+        progress = run_progress(client, sys.stderr)
         try:
             run = client.wait_for_run(
                 run["id"], timeout_s=args.timeout, retry_for_s=args.retry_for,

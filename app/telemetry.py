@@ -128,8 +128,25 @@ class DatabaseCollector:
         for status, count in queries.nodes_by_status(self.session).items():
             nodes.add_metric([status.value], count)
         yield nodes
+        yield from _gpu_families(queries.live_gpu_figures(self.session))
         yield from _rank_families(queries.running_rank_figures(self.session))
         yield from _run_families(queries.live_runs(self.session))
+
+
+def _gpu_families(figures: list[queries.GpuFigures]) -> Iterator[Metric]:
+    labels = ["node", "gpu", "model"]
+    utilization = GaugeMetricFamily(
+        "hybridtrain_node_gpu_utilization_ratio",
+        "Share of the last sample period a GPU was busy (NVML, at the node's last heartbeat).", labels=labels,
+    )
+    used = GaugeMetricFamily("hybridtrain_node_gpu_memory_used_bytes", "GPU memory in use (NVML).", labels=labels)
+    total = GaugeMetricFamily("hybridtrain_node_gpu_memory_total_bytes", "GPU memory (NVML).", labels=labels)
+    for f in figures:
+        values = [f.node, str(f.gpu), f.model]
+        utilization.add_metric(values, f.utilization)
+        used.add_metric(values, f.memory_used_bytes)
+        total.add_metric(values, f.memory_total_bytes)
+    yield from (utilization, used, total)
 
 
 def _rank_families(figures: list[queries.RankFigures]) -> Iterator[Metric]:

@@ -66,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                       help="calibrate the global batch to this balanced compute per step")
     over.add_argument("--pipeline-chunks", type=int, help="PS strategies' pipeline (1: none)")
     over.add_argument("--server-k-fraction", type=float, help="ps-gc and ps-bz-gc server k")
+    over.add_argument("--seeds", type=_seeds, help="runs per strategy, seeds 0, 1, ...; results are their means")
     p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
     p.set_defaults(func=_bench_paper)
 
@@ -81,6 +82,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "default docs/BENCHMARKS.md for a full run, none for --quick)")  # fmt: skip
     p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
     p.set_defaults(func=_bench_faults)
+
+
+def _seeds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 20")
+    return value
 
 
 def _task(text: str) -> str:

@@ -5,10 +5,10 @@
    batch `ps-bz-gc` gives it (the plan preview); the sum is `ideal_samples_per_s`.
 3. Run the five strategies one after another through the REST API (`POST /api/v1/runs`), with
    the same task (a built-in `hybridtrain.tasks.<dataset>:<model>` and its args), global
-   batch, seed, steps and target.
-4. Read each run's metrics and bill back from the API and reduce them (`summarise`), check the
-   issue's targets, write results.json, the Markdown section of docs/BENCHMARKS.md and the
-   charts.
+   batch, steps and target, each once per seed.
+4. Read each run's metrics and bill back from the API and reduce them (testbed/paper_figures.py:
+   `summarise`, `combine_seeds` over the seeds), check the issue's targets, write results.json,
+   the Markdown section of docs/BENCHMARKS.md and the charts.
 5. Tear the testbed down, also on failure, Ctrl-C or SIGTERM.
 """
 
@@ -23,7 +23,6 @@ import statistics
 import sys
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,19 +31,19 @@ from typing import Any
 import httpx
 
 from hybridtrain.contract import (
-    ALLREDUCE,
     ALLREDUCE_POWERSGD,
     COMPRESSING_STRATEGIES,
     LEGACY_TIME_TO_TARGET,
-    PS,
     PS_BZ_GC,
     PS_STRATEGIES,
     STRATEGIES,
     VAL_LOSS,
     parse_target,
 )
+from hybridtrain.progress import RunProgress, duration, status_text
 from testbed import lifecycle, processes, services
 from testbed.errors import TestbedError
+from testbed.paper_figures import check_targets, combine_seeds, link_prices, summarise
 from testbed.state import TestbedState
 from testbed.topology import TestbedConfig, load_config
 
@@ -66,6 +65,9 @@ class BenchSettings:
     target: str
     task_args: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    # Each strategy runs with seeds seed, seed + 1, ...: the results are means over them, with
+    # their spread (the testbed's figures move a few percent from run to run).
+    seeds: int = 1
     # Applied to ps-gc and ps-bz-gc (and powersgd_rank to allreduce-powersgd).
     compression: dict[str, Any] = field(default_factory=dict)
     powersgd_rank: int | None = None
@@ -121,6 +123,7 @@ FULL = BenchSettings(
     # FLOPs ignore that a small batch runs less efficiently per core than a large one; the
     # measured re-split closes that gap after the warm-up (docs/testbed.md).
     rebalance_every=5,
+    seeds=3,
 )  # fmt: skip
 # Under 5 minutes, a smoke test of the whole path rather than a measurement: each run spends
 # about 34 s starting and stopping (importing torch and the trainer is 3.4 s of CPU, 22 s on a
@@ -155,7 +158,7 @@ def run_body(
 ) -> dict[str, Any]:
     """The POST /api/v1/runs body of one strategy."""
     body: dict[str, Any] = {
-        "name": f"paper-{strategy}-{tag}",
+        "name": f"paper-{strategy}-{tag}-seed{s.seed}",
         "node_ids": node_ids,
         "strategy": strategy,
         "task": s.task,
@@ -198,27 +201,48 @@ def strategy_variant(entry: str) -> tuple[str, bool]:
     return strategy, variant == "plain"
 
 
-def run_strategy(api: httpx.Client, body: dict[str, Any], timeout_s: float, log: Log) -> dict[str, Any]:
-    """Create a run, wait for its end (cancelling it past `timeout_s`), return the run."""
+# A run's progress line is printed at most this often (and only when it changed).
+PROGRESS_EVERY_S = 15.0
+
+
+def _metrics_reader(api: httpx.Client) -> Callable[..., dict[str, Any]]:
+    """GET /runs/{id}/metrics as RunProgress reads it."""
+
+    def fetch(run_id: int, *, rank: int, since: float | None, max_points: int) -> dict[str, Any]:
+        params: list[tuple[str, Any]] = [("rank", rank), ("max_points", max_points)]
+        if since is not None:
+            params.append(("since", since))
+        return _check(api.get(f"/api/v1/runs/{run_id}/metrics", params=params), f"metrics of {run_id}")
+
+    return fetch
+
+
+def run_strategy(api: httpx.Client, body: dict[str, Any], timeout_s: float, *, label: str | None = None) -> dict[str, Any]:
+    """Create a run, wait for its end (cancelling it past `timeout_s`) showing its progress on
+    stdout under `label` (a bar on a terminal), return the run."""
     created = _check(
         api.post("/api/v1/runs", json=body, headers={"Idempotency-Key": body["name"]}),
         f"create run {body['name']}",
     )
     run_id = created["id"]
     deadline = time.monotonic() + timeout_s
-    last_print = 0.0
+    label = label or f"run {run_id} ({body['strategy']})"
+    progress = RunProgress(_metrics_reader(api), sys.stdout, missed=(httpx.HTTPError, TestbedError),
+                           label=f"  {label}", every_s=PROGRESS_EVERY_S)
+    status = ""
     try:
         while True:
             run = _check(api.get(f"/api/v1/runs/{run_id}"), f"read run {run_id}")
             if run["status"] in TERMINAL:
                 return run
+            if run["status"] != status:
+                status = run["status"]
+                progress.note(f"  {label}: {status_text(run)}")
             if time.monotonic() > deadline:
-                log(f"  run {run_id} over its {timeout_s:.0f} s budget: cancelling")
+                progress.note(f"  run {run_id} over its {timeout_s:.0f} s budget: cancelling")
                 api.post(f"/api/v1/runs/{run_id}/cancel", json={"reason": "bench time budget"})
                 deadline = float("inf")
-            if time.monotonic() - last_print > 30:
-                last_print = time.monotonic()
-                log(f"  run {run_id} ({body['strategy']}): {run['status']}")
+            progress.poll(run)
             time.sleep(0.5)
     except BaseException:
         # Interrupted: stop the run first, the teardown then removes what is left.
@@ -227,6 +251,8 @@ def run_strategy(api: httpx.Client, body: dict[str, Any], timeout_s: float, log:
         except httpx.HTTPError:
             pass
         raise
+    finally:
+        progress.close()
 
 
 # Runs recorded before task metrics name their time to target LEGACY_TIME_TO_TARGET.
@@ -251,133 +277,9 @@ def fetch_metrics(api: httpx.Client, run_id: int, target_metric: str = "accuracy
     return records
 
 
-# ---------------------------------------------------------------------------------------------
-# Reducing a run's records to the benchmark's figures (pure functions, tested on their own).
-
-
-def _by(records: list[dict[str, Any]], name: str) -> dict[int, dict[int, float]]:
-    """rank -> step -> value of metric `name`, summed over peers (byte counts have several)."""
-    out: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    for r in records:
-        if r["name"] == name and r["value"] is not None:
-            out[r["rank"]][r["step"]] += float(r["value"])
-    return out
-
-
-def summarise(
-    records: list[dict[str, Any]],
-    *,
-    strategy: str,
-    global_batch: int,
-    skip_steps: int,
-    rank_node: dict[int, str],
-    egress_usd_per_gb: Callable[[str, str], float] | None,
-    standalone: dict[int, tuple[int, float]] | None = None,
-    target_metric: str = "accuracy",
-) -> dict[str, Any]:
-    """The benchmark figures of one run from its metric records.
-
-    - samples_per_s: global batch over the mean step time of the steady state: the intervals
-      between the reference rank's (rank 0's) consecutive `loss` records, after `skip_steps`,
-      leaving out the intervals that hold an evaluation.
-    - tta_s: the trainer's own `time_to_target_s` (training time, start-up excluded), or
-      `time_to_accuracy_s` in the records of runs from before task metrics.
-    - bytes_per_step: bytes sent by all ranks per steady-state step.
-    - granularity: seed 003's compute time over communication time. The compute time of a
-      step is the slowest worker's batch at its standalone speed (`standalone`, samples/s by
-      rank), the same yardstick for every strategy (DDP's own compute_s includes the
-      all-reduce it overlaps with the backward pass); the rest of the step is communication.
-    - egress_usd: bytes each rank sent to another node, at the price per GB of that link
-      (`egress_usd_per_gb(src node, dst node)`, from the control plane's bill); None without.
-    """
-    is_ps = strategy in PS_STRATEGIES
-    loss_t = {r["step"]: r["t"] for r in records if r["name"] == "loss" and r["rank"] == 0}
-    eval_names = {"accuracy", VAL_LOSS, target_metric}
-    eval_steps = {r["step"] for r in records if r["name"] in eval_names}
-    steps = sorted(loss_t)
-    window = [k for k in steps if k > skip_steps and k - 1 in loss_t and k - 1 not in eval_steps]
-    durations = {k: loss_t[k] - loss_t[k - 1] for k in window}
-    step_s = statistics.mean(durations.values()) if durations else None
-    compute = _by(records, "compute_s")
-    workers = [k for k in compute if not (is_ps and k == 0)]
-    slowest = {k: max(compute[w].get(k, 0.0) for w in workers) for k in window} if workers else {}
-    comp_s = statistics.mean(slowest.values()) if slowest else None
-    # rank -> (batch size, standalone samples/s of its node)
-    compute_est = max((n / rate for n, rate in (standalone or {}).values() if rate), default=None)
-    sent = _by(records, "bytes_sent")
-    per_step_bytes = [sum(sent[r].get(k, 0.0) for r in sent) for k in window]
-    accuracy = sorted((r["step"], r["value"]) for r in records if r["name"] == "accuracy" and r["rank"] == 0)
-    tta = ([r["value"] for r in records if r["name"] == "time_to_target_s"]
-           or [r["value"] for r in records if r["name"] == LEGACY_TIME_TO_TARGET])  # fmt: skip
-    egress: float | None = None
-    if egress_usd_per_gb is not None:
-        egress = 0.0
-        for r in records:
-            if r["name"] == "bytes_sent" and r["peer"] is not None and r["value"]:
-                src, dst = rank_node.get(r["rank"]), rank_node.get(r["peer"])
-                if src and dst and src != dst:
-                    # GB as the control plane's bill counts them (2**30 bytes, docs/costs.md).
-                    egress += float(r["value"]) / 2**30 * egress_usd_per_gb(src, dst)
-
-    def mean_of(name: str, ranks: list[int]) -> float | None:
-        series = _by(records, name)
-        vals = [series[r][k] for r in ranks for k in window if k in series.get(r, {})]
-        return round(statistics.mean(vals), 4) if vals else None
-
-    return {
-        "samples_per_s": round(global_batch / step_s, 2) if step_s else None,
-        "tta_s": round(tta[0], 2) if tta else None,
-        "final_accuracy": round(accuracy[-1][1], 4) if accuracy else None,
-        "bytes_per_step": round(statistics.mean(per_step_bytes)) if per_step_bytes else None,
-        "granularity": (round(compute_est / (step_s - compute_est), 3)
-                        if compute_est and step_s and step_s > compute_est else None),
-        "egress_usd": round(egress, 8) if egress is not None else None,
-        "steps": steps[-1] if steps else 0,
-        "step_s": round(step_s, 4) if step_s else None,
-        "accuracy_curve": accuracy,
-        # Where a step's time goes, means over the steady state (docs/architecture.md names).
-        "profile": {
-            "slowest_worker_compute_s": round(comp_s, 4) if comp_s else None,
-            "worker_compute_s": mean_of("compute_s", workers),
-            "worker_compress_s": mean_of("compress_s", workers),
-            "worker_comm_s": mean_of("comm_s", workers),
-            "worker_wait_s": mean_of("wait_s", workers),
-            "server_wait_s": mean_of("wait_s", [0]) if is_ps else None,
-            "server_compress_s": mean_of("compress_s", [0]) if is_ps else None,
-            "server_comm_s": mean_of("comm_s", [0]) if is_ps else None,
-        },
-        "loss_curve": sorted(
-            (r["t"], r["value"]) for r in records if r["name"] == "loss" and r["rank"] == 0
-        ),
-    }
-
-
-def check_targets(results: dict[str, dict[str, Any]], ideal: float | None) -> dict[str, dict[str, Any]]:
-    """The issue's targets, each with its measured value and whether it is met."""
-    bz, ps, ar, psgd = (results.get(k, {}) for k in (PS_BZ_GC, PS, ALLREDUCE, ALLREDUCE_POWERSGD))
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a and b else None
-
-    targets: dict[str, dict[str, Any]] = {}
-
-    def add(name: str, value: float | None, goal: str, ok: Callable[[float], bool]) -> None:
-        targets[name] = {"value": value, "goal": goal, "met": bool(value is not None and ok(value))}
-
-    add("throughput vs ps", ratio(bz.get("samples_per_s"), ps.get("samples_per_s")), ">= 2.5x",
-        lambda v: v >= 2.5)
-    add("throughput vs allreduce", ratio(bz.get("samples_per_s"), ar.get("samples_per_s")),
-        ">= 2x", lambda v: v >= 2.0)
-    tta_bz, tta_ps = bz.get("tta_s"), ps.get("tta_s")
-    add("tta reduction vs ps", round(1 - tta_bz / tta_ps, 3) if tta_bz and tta_ps else None,
-        ">= 55%", lambda v: v >= 0.55)
-    add("throughput vs allreduce-powersgd", ratio(bz.get("samples_per_s"), psgd.get("samples_per_s")),
-        "> 1x", lambda v: v > 1.0)
-    acc_bz, acc_ps = bz.get("final_accuracy"), ps.get("final_accuracy")
-    add("accuracy vs ps (points)", round(100 * (acc_bz - acc_ps), 2) if acc_bz is not None and acc_ps is not None else None,
-        ">= -1", lambda v: v >= -1.0)
-    add("share of ideal", ratio(bz.get("samples_per_s"), ideal), ">= 80%", lambda v: v >= 0.8)
-    return targets  # fmt: skip
+def seeds_of(s: BenchSettings) -> list[int]:
+    """The seeds each strategy runs with."""
+    return [s.seed + i for i in range(max(1, s.seeds))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,22 +336,6 @@ def samples_per_s(output: str) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Egress prices, from the control plane's bill.
-
-
-def link_prices(bill: dict[str, Any]) -> Callable[[str, str], float]:
-    """(src node, dst node) -> USD per GB, as the run's bill (GET /api/v1/runs/{id}/cost)
-    priced each link it saw; 0 for a link the bill does not list.
-
-    The traffic-class rules stay with the control plane (docs/costs.md); pricing the
-    benchmark's own per-link byte counts at the bill's rates cross-checks the bytes it billed.
-    """
-    rates = {(link["src"], link["dst"]): float(link["usd_per_gb"])
-             for link in bill.get("egress_by_link") or ()}  # fmt: skip
-    return lambda src, dst: rates.get((src, dst), 0.0)
-
-
-# ---------------------------------------------------------------------------------------------
 # The whole benchmark.
 
 
@@ -457,7 +343,7 @@ def with_overrides(settings: BenchSettings, args: argparse.Namespace) -> BenchSe
     """`settings` with the workload flags that were given on the command line (a batch given
     there is used as it is, not calibrated)."""
     names = ("task", "task_args", "global_batch", "max_steps", "target", "pipeline_chunks",
-             "balanced_step_s")
+             "balanced_step_s", "seeds")
     changes: dict[str, Any] = {name: getattr(args, name) for name in names
                                if getattr(args, name, None) is not None}  # fmt: skip
     if "global_batch" in changes:
@@ -544,40 +430,46 @@ def _bench_on(
     target_metric = parse_target(s.target).metric
 
     results: dict[str, dict[str, Any]] = {}
-    for entry in strategies:
+    walls: list[float] = []
+    runs_total = len(strategies) * s.seeds
+    for number, entry in enumerate(strategies, 1):
         strategy, plain = strategy_variant(entry)
-        t0 = time.monotonic()
-        log(f"  {entry}: launching")
-        body = run_body(strategy, s, node_ids, ps_node_id, tag)
-        if plain:
-            body |= {"name": f"{body['name']}-plain", "encrypt_links": False}
-        run = run_strategy(api, body, s.run_timeout_s, log)
-        records = fetch_metrics(api, run["id"], target_metric)
-        rank_node = {w["rank"]: name_of[w["node_id"]] for w in run["workers"] if w["node_id"] in name_of}
-        # A node's standalone speed, measured on its ps-bz-gc batch, stands for any batch size.
-        yardstick = {w["rank"]: (w["batch_size"], standalone[name_of[w["node_id"]]])
-                     for w in run["workers"] if w["role"] == "worker" and w["batch_size"]}
-        cost = api.get(f"/api/v1/runs/{run['id']}/cost")
-        bill = cost.json() if cost.status_code == 200 else None
-        summary = summarise(records, strategy=strategy, global_batch=s.global_batch,
-                            skip_steps=s.skip_steps, rank_node=rank_node,
-                            egress_usd_per_gb=link_prices(bill) if bill else None,
-                            standalone=yardstick, target_metric=target_metric)  # fmt: skip
-        if bill:
-            # The control plane's own bill is the figure; ours (the benchmark's per-link byte
-            # counts at the bill's per-link rates) stays beside it as a cross-check.
-            summary["egress_usd_check"] = summary["egress_usd"]
-            summary["egress_usd"] = bill["egress_usd"]
-            summary["cost"] = {k: bill.get(k) for k in ("total_usd", "compute_usd",
-                               "usd_per_million_samples", "egress_by_class", "unpriced")}  # fmt: skip
-        summary |= {"run_id": run["id"], "status": run["status"], "reason": run.get("reason"),
-                    "wall_s": round(time.monotonic() - t0, 1),
-                    "batch_sizes": {name_of.get(w["node_id"], "?"): w["batch_size"]
-                                    for w in run["workers"] if w["role"] == "worker"}}  # fmt: skip
-        results[entry] = summary
-        log(f"  {entry}: {run['status']}, {summary['samples_per_s']} samples/s, "
-            f"tta {summary['tta_s']} s, accuracy {summary['final_accuracy']}, "
-            f"{summary['steps']} steps, {summary['wall_s']} s")  # fmt: skip
+        per_seed: list[dict[str, Any]] = []
+        for seed in seeds_of(s):
+            t0 = time.monotonic()
+            label = f"[{number}/{len(strategies)}] {entry}, seed {seed}"
+            if walls:
+                log(f"  {label}: about {duration(statistics.mean(walls) * (runs_total - len(walls)))} "
+                    "of runs left, this one included")
+            body = run_body(strategy, replace(s, seed=seed), node_ids, ps_node_id, tag)
+            if plain:
+                body |= {"name": f"{body['name']}-plain", "encrypt_links": False}
+            run = run_strategy(api, body, s.run_timeout_s, label=label)
+            records = fetch_metrics(api, run["id"], target_metric)
+            rank_node = {w["rank"]: name_of[w["node_id"]] for w in run["workers"] if w["node_id"] in name_of}
+            cost = api.get(f"/api/v1/runs/{run['id']}/cost")
+            bill = cost.json() if cost.status_code == 200 else None
+            summary = summarise(records, strategy=strategy, global_batch=s.global_batch,
+                                skip_steps=s.skip_steps, rank_node=rank_node,
+                                egress_usd_per_gb=link_prices(bill) if bill else None,
+                                target_metric=target_metric)  # fmt: skip
+            if bill:
+                # The control plane's own bill is the figure; ours (the benchmark's per-link
+                # byte counts at the bill's per-link rates) stays beside it as a cross-check.
+                summary["egress_usd_check"] = summary["egress_usd"]
+                summary["egress_usd"] = bill["egress_usd"]
+                summary["cost"] = {k: bill.get(k) for k in ("total_usd", "compute_usd",
+                                   "usd_per_million_samples", "egress_by_class", "unpriced")}  # fmt: skip
+            summary |= {"seed": seed, "run_id": run["id"], "status": run["status"], "reason": run.get("reason"),
+                        "wall_s": round(time.monotonic() - t0, 1),
+                        "batch_sizes": {name_of.get(w["node_id"], "?"): w["batch_size"]
+                                        for w in run["workers"] if w["role"] == "worker"}}  # fmt: skip
+            walls.append(summary["wall_s"])
+            per_seed.append(summary)
+            log(f"  {label}: {run['status']}, {summary['samples_per_s']} samples/s, "
+                f"tta {summary['tta_s']} s, accuracy {summary['final_accuracy']}, "
+                f"{summary['steps']} steps, {summary['wall_s']} s")  # fmt: skip
+        results[entry] = combine_seeds(per_seed)
     targets = check_targets(results, ideal)
     return {
         "results": results,

@@ -22,6 +22,21 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec) if spec else str(value)
 
 
+def _with_spread(r: dict[str, Any], key: str, spec: str) -> str:
+    """A figure, as 'mean ± sd' where it is a mean over several seeds."""
+    spread = (r.get("spread") or {}).get(key)
+    if r.get("seeds") and len(r["seeds"]) > 1 and spread and r.get(key) is not None:
+        return f"{format(r[key], spec)} ± {format(spread['sd'], spec)}"
+    return _fmt(r.get(key), spec)
+
+
+def _seeds_text(doc: dict[str, Any]) -> str:
+    seeds = next((r.get("seeds") for r in doc["results"].values() if r.get("seeds")), None) or [doc["settings"]["seed"]]
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"seeds {', '.join(map(str, seeds))} (figures are means ± sample standard deviation over them)"
+
+
 def markdown_table(doc: dict[str, Any]) -> str:
     """The results table, one row per strategy, with throughput relative to ps-bz-gc."""
     results = doc["results"]
@@ -36,9 +51,9 @@ def markdown_table(doc: dict[str, Any]) -> str:
         speedup = f"{bz / sps:.2f}" if bz and sps else "n/a"
         mb = r["bytes_per_step"] / 1e6 if r.get("bytes_per_step") is not None else None
         lines.append(
-            f"| {STRATEGY_LABELS.get(strategy, strategy)} | {_fmt(sps, '.1f')} | {speedup} "
-            f"| {_fmt(r.get('tta_s'), '.1f')} | {_fmt(r.get('final_accuracy'), '.4f')} "
-            f"| {_fmt(mb, '.2f')} | {_fmt(r.get('granularity'), '.2f')} "
+            f"| {STRATEGY_LABELS.get(strategy, strategy)} | {_with_spread(r, 'samples_per_s', '.1f')} | {speedup} "
+            f"| {_with_spread(r, 'tta_s', '.1f')} | {_with_spread(r, 'final_accuracy', '.4f')} "
+            f"| {_fmt(mb, '.2f')} | {_with_spread(r, 'granularity', '.2f')} "
             f"| {_fmt(r.get('egress_usd'), '.4f')} | {r.get('steps')} | {r.get('status')} |"
         )
     ideal = doc.get("ideal_samples_per_s")
@@ -118,14 +133,14 @@ def section(doc: dict[str, Any], chart_links: list[str]) -> str:
         "",
         (f"Testbed `{tb['name']}` ({tb['description']}); see docs/testbed.md. Workload: task "
          f"`{task}` with args `{json.dumps(task_args)}`, global batch {s['global_batch']}, "
-         f"seed {s['seed']}, at most {s['max_steps']} steps, target `{target}`; compression "
+         f"{_seeds_text(doc)}, at most {s['max_steps']} steps, target `{target}`; compression "
          f"{s['compression'] or 'trainer defaults'}. Throughput is the steady state after "
          f"{s['skip_steps']} steps; time to target is the trainer's own (training time, "
          "start-up excluded)."),
         "",
         markdown_table(doc),
         "",
-        "Targets of issue 7, from this one invocation:",
+        "Targets of issue 18 (of issue 7 before 2026-11-24), from this one invocation (on the means):",
         "",
         targets_table(doc),
         "",

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     CheckConstraint,
     Column,
+    JSON,
     ForeignKey,
     Index,
     String,
@@ -15,6 +16,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from app.models.base import Base, TimestampMixin, str_enum
@@ -117,6 +119,8 @@ class Node(TimestampMixin, Base):
     # Filled in by the node's agent: what it found on the machine and how fast it trains.
     detected_hardware: Mapped[dict[str, Any] | None]
     measured_samples_per_s: Mapped[float | None]
+    # Each GPU's utilisation and memory from NVML, as of the last heartbeat that had them.
+    gpu_usage: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON().with_variant(JSONB(), "postgresql"))
     # sha256 of the one-time secret the agent presents to join; the secret is never stored.
     join_token_hash: Mapped[str] = mapped_column(String(64), unique=True)
 

@@ -219,6 +219,8 @@ def apply_heartbeat(
             node.address = beat.hardware.address
     else:
         refresh_mismatch(node)
+    if beat.gpus is not None:
+        node.gpu_usage = [gpu.model_dump() for gpu in beat.gpus]
     out = HeartbeatOutcome()
     if just_joined:
         node.detected_hardware = {

@@ -73,6 +73,34 @@ def nodes_by_status(session: Session) -> dict[NodeStatus, int]:
     return counts
 
 
+@dataclass(frozen=True)
+class GpuFigures:
+    """One GPU of a live node as its agent's NVML last read it."""
+
+    node: str
+    gpu: int
+    model: str
+    utilization: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
+def live_gpu_figures(session: Session) -> list[GpuFigures]:
+    """The GPUs of nodes whose agent is alive (online or draining) and reports NVML readings;
+    an offline node's last readings are stale and left out."""
+    rows = session.execute(
+        select(Node.name, Node.gpu_usage)
+        .where(Node.status.in_((NodeStatus.online, NodeStatus.draining)), Node.gpu_usage.is_not(None))
+        .order_by(Node.name)
+    )
+    return [
+        GpuFigures(node=name, gpu=int(gpu["index"]), model=str(gpu.get("name", "")),
+                   utilization=float(gpu["utilization"]), memory_used_bytes=int(gpu["memory_used_bytes"]),
+                   memory_total_bytes=int(gpu["memory_total_bytes"]))
+        for name, usage in rows for gpu in usage or []
+    ]
+
+
 def _latest_value(name: str):  # type: ignore[no-untyped-def]
     # Rides ix_run_metrics_series (run_id, name, rank, peer, step) backwards: one seek per rank.
     # A step trained again after a restart is told apart by its later id.

@@ -91,6 +91,18 @@ class RoleState(Schema):
     cause: SmallText | None = None
 
 
+class GpuReading(Schema):
+    """One GPU's utilisation (0..1) and memory, as NVML reads it on the node."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: Annotated[int, Field(ge=0, le=255)]
+    name: Annotated[str, Field(max_length=128)] = ""
+    utilization: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+    memory_used_bytes: Annotated[int, Field(ge=0, le=2**50)]
+    memory_total_bytes: Annotated[int, Field(ge=0, le=2**50)]
+
+
 class Heartbeat(Schema):
     model_config = ConfigDict(extra="ignore")
 
@@ -101,6 +113,8 @@ class Heartbeat(Schema):
     # The agent consumes with the broker user the control plane handed it, which a restarted
     # Redis may have forgotten: the control plane re-creates it.
     broker_user: bool = False
+    # Absent where the agent has no NVML (no driver, no GPU): the node keeps its last readings.
+    gpus: Annotated[list[GpuReading], Field(max_length=64)] | None = None
 
 
 class StopOrder(PublicSchema):

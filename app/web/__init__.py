@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from app.web import session as web_session
 from app.web.assets import mount_static
-from app.web.auth import CsrfRejected, LoginRequired, ScopeTooSmall, current_session
+from app.web.auth import ActionNotAllowed, CsrfRejected, LoginRequired, ScopeTooSmall, current_session
 from app.web.pages import PageNotFound
 
 
@@ -55,6 +55,13 @@ def install_dashboard(app: FastAPI) -> None:
             request, 403, "Not allowed",
             f"You are signed in as '{exc.principal.name}' with scope '{exc.principal.scope}'; "
             f"this needs scope '{exc.needed}'. Sign in with a token that has it.",
+        )
+
+    @app.exception_handler(ActionNotAllowed)
+    def action_not_allowed(request: Request, exc: ActionNotAllowed) -> Response:
+        return _error_page(
+            request, 403, "Not allowed",
+            f"Refused: {exc}. Sign in with a token that may do it.",
         )
 
     @app.exception_handler(CsrfRejected)

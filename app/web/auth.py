@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 from starlette.datastructures import FormData
 
@@ -40,6 +40,11 @@ class ScopeTooSmall(Exception):
         super().__init__(f"token '{principal.name}' has scope '{principal.scope}'; this needs '{needed}'")
         self.principal = principal
         self.needed = needed
+
+
+class ActionNotAllowed(Exception):
+    """The signed-in token's action limit does not name what this form does; the message says
+    what it is limited to and what this needs."""
 
 
 class TokenRefused(Exception):
@@ -133,7 +138,7 @@ def require_page_scope(needed: TokenScope) -> Callable[..., Viewer]:
             raise ScopeTooSmall(viewer.principal, needed)
         refused = viewer.principal.refusal(request)
         if refused is not None:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, refused)
+            raise ActionNotAllowed(refused)
         return viewer
 
     check_page_scope.__name__ = f"require_page_{needed.value}_scope"

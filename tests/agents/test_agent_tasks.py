@@ -193,7 +193,9 @@ def test_stop_all_ends_every_role(supervisor, reporter):
 
     assert sorted(stopped) == [(17, 1), (18, 2)]
     assert all(group_members(p) == [] for p in pids)
-    assert reporter.event(17, "exited")["reason"] == "rank 1 (worker) stopped: agent stopping"
+    # The exits are queued when stop_all returns; the outbox delivers them a moment later.
+    exited = wait_until(lambda: reporter.event(17, "exited"), 20, "the exit event")
+    assert exited["reason"] == "rank 1 (worker) stopped: agent stopping"
     with pytest.raises(LaunchError, match="stopping"):
         launch_role(19, 1, role_spec(19, 1), supervisor=supervisor)
 

@@ -12,7 +12,9 @@ from runs_testing import API, dispatched_fixture, online_node_fixture, run_body,
 
 from agents.celery_app import LAUNCH_ROLE
 from app.client import HybridtrainClient
-from app.run_progress import RunProgress
+from app.run_progress import run_progress
+from hybridtrain.progress import RunProgress
+from testbed.paperbench import _metrics_reader
 from tests.app.conftest import ADMIN_TOKEN
 
 T0 = 1_800_000_000.0
@@ -48,7 +50,7 @@ def test_the_progress_line_reads_the_runs_rank_0_metrics(api, running):
     _report(trainer, run_id, 10, loss=1.2, samples_per_s=40.0, accuracy=0.5)
     _report(trainer, run_id, 30, loss=0.8, samples_per_s=42.5, accuracy=0.75)
     stream = io.StringIO()
-    progress = RunProgress(api.metrics, stream, tty=False, clock=lambda: T0 + 30)
+    progress = run_progress(api, stream, tty=False, clock=lambda: T0 + 30)
     progress.poll(api.get_run(run_id))
     line = stream.getvalue().strip()
     assert line.startswith("hybridtrain: step 30/100 (30%) 42.5 samples/s accuracy 0.750 elapsed ")
@@ -72,3 +74,13 @@ def test_wait_for_run_shows_progress_until_the_run_succeeds(api, running):
     seen: list[str] = []
     done = api.wait_for_run(run_id, poll_s=0.01, on_poll=lambda r: seen.append(r["status"]))
     assert (done["status"], seen) == ("succeeded", ["succeeded"])
+
+
+def test_the_benchmark_reads_the_same_progress_through_its_own_client(api, running, make_client):
+    run_id, trainer, _ = running
+    _report(trainer, run_id, 30, loss=0.8, samples_per_s=42.5, accuracy=0.75)
+    stream = io.StringIO()
+    progress = RunProgress(_metrics_reader(make_client(ADMIN_TOKEN)), stream, tty=False,
+                           label="  [1/1] allreduce, seed 0", clock=lambda: T0 + 30)
+    progress.poll(api.get_run(run_id))
+    assert stream.getvalue().startswith("  [1/1] allreduce, seed 0: step 30/100 (30%) 42.5 samples/s accuracy 0.750")

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from agents.celery_app import LAUNCH_ROLE
 from app.api.deps import get_session
 from app.main import create_app
-from app.models import Run, RunStatus, RunWorker, WorkerStatus
+from app.models import Node, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
 from app.queries.metrics import store_metrics
 from app.schemas.runs import MetricRecord
 from app.security import hash_secret, new_secret
@@ -224,6 +224,44 @@ def hybrid_live_run(session: Session, make_site, make_node) -> tuple[Run, dict, 
     store_metrics(session, run_id=run.id, records=records)
     session.commit()
     return run, onprem, cloud
+
+
+GPU_READINGS = [
+    {"index": 0, "name": "Tesla T4", "utilization": 0.87, "memory_used_bytes": 9 * GIB, "memory_total_bytes": 15 * GIB},
+    {"index": 1, "name": "Tesla T4", "utilization": 0.0, "memory_used_bytes": 0, "memory_total_bytes": 15 * GIB},
+]
+
+
+def test_a_nodes_gpus_show_their_utilisation_and_memory_from_its_heartbeat(scrape, online_node):
+    node = online_node()
+    assert node.agent.post(f"{API}/agent/heartbeat", json={"gpus": GPU_READINGS}).status_code == 200
+    families = scrape()
+
+    assert _value(families, "hybridtrain_node_gpu_utilization_ratio", node=node.name, gpu="0", model="Tesla T4") == 0.87
+    assert _value(families, "hybridtrain_node_gpu_utilization_ratio", node=node.name, gpu="1") == 0.0
+    assert _value(families, "hybridtrain_node_gpu_memory_used_bytes", node=node.name, gpu="0") == 9 * GIB
+    assert _value(families, "hybridtrain_node_gpu_memory_total_bytes", node=node.name, gpu="1") == 15 * GIB
+
+
+def test_a_heartbeat_without_readings_keeps_the_last_ones(scrape, online_node):
+    node = online_node()
+    node.agent.post(f"{API}/agent/heartbeat", json={"gpus": GPU_READINGS})
+    assert node.agent.post(f"{API}/agent/heartbeat", json={}).status_code == 200
+    assert _value(scrape(), "hybridtrain_node_gpu_utilization_ratio", node=node.name, gpu="0") == 0.87
+
+
+def test_an_offline_nodes_gpus_leave_the_scrape(scrape, online_node, session):
+    node = online_node()
+    node.agent.post(f"{API}/agent/heartbeat", json={"gpus": GPU_READINGS})
+    session.get(Node, node.id).status = NodeStatus.offline
+    session.commit()
+    assert not _samples(scrape(), "hybridtrain_node_gpu_utilization_ratio", node=node.name)
+
+
+def test_a_reading_out_of_range_is_refused(online_node):
+    node = online_node()
+    bad = [GPU_READINGS[0] | {"utilization": 87}]
+    assert node.agent.post(f"{API}/agent/heartbeat", json={"gpus": bad}).status_code == 422
 
 
 def test_a_running_rank_shows_its_latest_samples_per_second_and_step_time(scrape, hybrid_live_run):

@@ -12,7 +12,8 @@ from runs_testing import run_body, dispatched_fixture, online_node_fixture, runs
 
 from app.client import HybridtrainClient
 from app.run_commands import _run_body, register
-from app.run_progress import describe_run, status_text
+from app.run_progress import describe_run
+from hybridtrain.progress import status_text
 from tests.app.conftest import ADMIN_TOKEN
 
 

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.models import TokenScope
+from app.models import Site, TokenScope
 from app.models.base import utcnow
 from app.queries.tokens import create_token
 from tests.app.web.conftest import PageClient, field_errors
@@ -56,7 +57,7 @@ def test_a_session_ends_when_its_token_expires(session: Session, make_client: Ma
     assert response.headers["location"].startswith("/login")
 
 
-def test_a_limited_tokens_form_post_outside_its_actions_is_refused(
+def test_a_limited_tokens_form_post_outside_its_actions_gets_a_page_saying_what_it_needs(
     session: Session, make_client: MakeClient
 ) -> None:
     _, secret = create_token(session, name="pricer", scope=TokenScope.admin, actions=["prices:write"])
@@ -65,5 +66,7 @@ def test_a_limited_tokens_form_post_outside_its_actions_is_refused(
     page.get("/nodes")
     response = page.post("/nodes/sites", {"name": "not-allowed", "kind": "cloud", "provider": "gcp",
                                           "continent": "europe"})
-    assert response.status_code == 403
-    assert "this needs 'sites:write'" in response.text
+    assert response.status_code == 403 and response.headers["content-type"].startswith("text/html")
+    assert "Not allowed" in response.text
+    assert "token &#39;pricer&#39; is limited to prices:write; this needs &#39;sites:write&#39;" in response.text
+    assert session.scalar(select(Site).where(Site.name == "not-allowed")) is None

@@ -5,7 +5,6 @@ Services and policies that select pods that exist, references to Secrets that ex
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import socket
@@ -118,15 +117,6 @@ def _referenced(container: Doc) -> set[str]:
 
 
 @pytest.fixture
-def clean_environ(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No HYBRIDTRAIN_*/CELERY_*/DATABASE_URL variable of the test's own environment leaks in."""
-    for name in list(os.environ):
-        if name.startswith(("HYBRIDTRAIN_", "CELERY_")) or name == "DATABASE_URL":
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
-@pytest.fixture
 def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any attempt to open a connection fails the test: validation must work offline."""
 
@@ -204,6 +194,7 @@ def test_the_control_plane_gets_every_setting_it_needs_under_names_it_reads(clea
     assert settings.database_url.startswith("postgresql+psycopg://hybridtrain:")
     assert settings.database_url.endswith("@postgres:5432/hybridtrain")
     assert settings.celery_broker_url.startswith("redis://:") and settings.celery_broker_url.endswith("@redis:6379/0")
+    assert settings.broker_url_for_agents == "redis://redis.hybridtrain.svc:6379/0" and settings.broker_node_users
     assert settings.public_url.startswith("https://")
     assert settings.secret_key == _secret_data("hybridtrain-secrets")["secret-key"]
     assert settings.admin_token and settings.metrics_token is not None
@@ -260,10 +251,17 @@ def test_the_agent_command_line_uses_only_flags_of_hybridtrain_agent(clean_envir
     state_mounts = {m["mountPath"] for m in container["volumeMounts"] if m["name"] == "state"}
     assert str(settings.state_dir) in state_mounts
     assert settings.server_url == "http://hybridtrain-control-plane.hybridtrain.svc:8000"
-    assert settings.broker_url.startswith("redis://:") and "@redis.hybridtrain.svc:6379/" in settings.broker_url
+    assert settings.broker_url is None  # it takes its node's own from the control plane
     assert settings.advertise_address == FIELD_SAMPLES["status.hostIP"]
     # The join token travels in the environment, never on the command line.
     assert "--token" not in flags
+
+
+def test_the_agent_pod_holds_no_broker_secret():
+    container = _pod_spec(_one("DaemonSet", "hybridtrain-agent"))["containers"][0]
+    keys = {item["valueFrom"]["secretKeyRef"]["key"] for item in container["env"]
+            if "secretKeyRef" in item.get("valueFrom", {})}
+    assert "redis-password" not in keys and not {"CELERY_BROKER_URL", "HYBRIDTRAIN_AGENT_BROKER_URL"} & set(_env(container))
 
 
 def test_the_agent_runs_on_gpu_nodes_with_their_gpus_and_the_host_network():

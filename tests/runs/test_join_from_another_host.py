@@ -1,6 +1,7 @@
-"""Joining from another machine with the node page's command alone: the agent runs in a network
-namespace whose only route is to the control plane's host (control plane and broker listen
-there), from an empty environment and a fresh working directory, and its node runs a run."""
+"""Joining from another machine with the node page's two lines alone: the agent is installed
+from the control plane's own wheel and runs in a network namespace whose only route is to the
+control plane's host (control plane and broker listen there), from an empty environment and a
+fresh working directory, and its node runs a run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.e2e
 
 CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 COMMAND = re.compile(r'<code id="agent-command-text">([^<]+)</code>')
+INSTALL = re.compile(r'<code id="agent-install-text">([^<]+)</code>')
 
 
 def _free_port_on(address: str) -> int:
@@ -38,6 +41,23 @@ def remote_host() -> Iterator[ShapedLink]:
     """A namespace joined to this host by one veth pair: its only route is to the host's end."""
     with shaped_link("htjoin", "1gbit", "1mb") as link:
         yield link
+
+
+@pytest.fixture
+def fresh_python(tmp_path: Path) -> Path:
+    """A new virtual environment holding hybridtrain's dependencies but not hybridtrain: the
+    machine's package index, as it were, already delivered (torch is 5 GB; the namespace has
+    no index to reach). Its entries are links to this environment's, hybridtrain's left out."""
+    venv = tmp_path / "machine"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    ours = Path(sysconfig.get_paths()["purelib"])
+    theirs = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
+    present = {entry.name for entry in theirs.iterdir()}
+    for entry in ours.iterdir():
+        if entry.name in present or "hybridtrain" in entry.name:
+            continue
+        (theirs / entry.name).symlink_to(entry)
+    return venv
 
 
 @pytest.fixture
@@ -70,8 +90,9 @@ def deployment(remote_host: ShapedLink, postgres_url: str, tmp_path: Path) -> It
         drop()
 
 
-def _join_command_from_the_page(url: str, site_id: int) -> tuple[int, str]:
-    """Sign in to the dashboard, declare a node with its form, and read the command it shows."""
+def _join_lines_from_the_page(url: str, site_id: int) -> tuple[int, str, str]:
+    """Sign in to the dashboard, declare a node with its form, and read the two lines it shows:
+    the install and the agent's command."""
     with httpx.Client(base_url=url, timeout=30, follow_redirects=True) as web:
         csrf = CSRF.search(web.get("/login").text).group(1)
         assert web.post("/login", data={"token": ADMIN, "csrf_token": csrf, "next": "/"}).status_code == 200
@@ -80,15 +101,18 @@ def _join_command_from_the_page(url: str, site_id: int) -> tuple[int, str]:
                                          "gpu_model_0": "T4", "gpu_count_0": "1"})
         assert page.status_code == 201, page.text[-2000:]
         node_id = int(re.search(r'id="agent-command" data-node-id="(\d+)"', page.text).group(1))
-        return node_id, COMMAND.search(page.text).group(1).replace("&#39;", "'").replace("&amp;", "&")
+        install, command = (pattern.search(page.text).group(1).replace("&#39;", "'").replace("&amp;", "&")
+                            for pattern in (INSTALL, COMMAND))
+        return node_id, install, command
 
 
-def test_the_node_pages_command_alone_joins_a_machine_that_reaches_only_the_control_plane(
-    deployment: Deployment, remote_host: ShapedLink, tmp_path: Path
+def test_the_node_pages_two_lines_alone_join_a_machine_that_reaches_only_the_control_plane(
+    deployment: Deployment, remote_host: ShapedLink, fresh_python: Path, tmp_path: Path
 ):
     site = deployment.post("/sites", {"name": "far", "kind": "cloud", "provider": "gcp",
                                       "region": "europe-west4", "continent": "europe"}).json()["id"]
-    node_id, command = _join_command_from_the_page(deployment.url, site)
+    node_id, install, command = _join_lines_from_the_page(deployment.url, site)
+    assert install.startswith(f"python3 -m pip install 'hybridtrain[agent] @ {deployment.url}/dist/hybridtrain-")
     assert command.startswith(f"hybridtrain agent --server {deployment.url} --token htj_")
     routes = subprocess.run(["ip", "netns", "exec", remote_host.ns, "ip", "route"], capture_output=True,
                             text=True, check=True).stdout
@@ -96,8 +120,16 @@ def test_the_node_pages_command_alone_joins_a_machine_that_reaches_only_the_cont
 
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
-    # An empty environment but for PATH (where the one-line install put `hybridtrain`) and HOME.
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(workdir)}
+    # An empty environment but for PATH (the machine's python3, where the install puts
+    # `hybridtrain`) and HOME.
+    env = {"PATH": f"{fresh_python / 'bin'}:/usr/bin:/bin", "HOME": str(workdir)}
+    installed = subprocess.run(["ip", "netns", "exec", remote_host.ns, "sh", "-c", install], cwd=workdir, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stdout[-2000:] + installed.stderr[-2000:]
+    where = subprocess.run([fresh_python / "bin" / "python3", "-c", "import agents; print(agents.__file__)"],
+                           cwd=workdir, env=env, capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(fresh_python)), where  # the agent runs from the wheel, not this tree
+
     log = open(tmp_path / "remote-agent.log", "wb")
     agent = subprocess.Popen(["ip", "netns", "exec", remote_host.ns, "sh", "-c", command], cwd=workdir, env=env,
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -123,6 +155,8 @@ def test_the_node_pages_command_alone_joins_a_machine_that_reaches_only_the_cont
         series = deployment.get(f"/runs/{done['id']}/metrics", params={"name": "loss"})["series"]
         assert series and series[0]["points"], series
         assert (workdir / "var" / "agent" / "agent.json").exists()
+        # Its consumer stayed connected: nothing it does is beyond its node's broker user.
+        assert "NoPermissionError" not in (tmp_path / "remote-agent.log").read_text()
     finally:
         os.killpg(agent.pid, signal.SIGTERM)
         try:

@@ -23,6 +23,10 @@ def test_a_target_is_kept_as_written_without_blanks() -> None:
     assert _parse("--target", "val_loss <= 0.3").target == "val_loss<=0.3"
 
 
+def test_seeds_are_a_count_of_runs_per_strategy() -> None:
+    assert _parse("--seeds", "2").seeds == 2 and _parse().seeds is None
+
+
 def test_task_args_are_parsed_as_a_json_object() -> None:
     args = _parse("--task", "hybridtrain.tasks.shapes:resnet18", "--task-args", '{"lr": 0.05}')
     assert args.task == "hybridtrain.tasks.shapes:resnet18" and args.task_args == {"lr": 0.05}
@@ -31,7 +35,8 @@ def test_task_args_are_parsed_as_a_json_object() -> None:
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [("--task-args", "[1]", "JSON object"), ("--task-args", "{lr", "not JSON"),
-     ("--task", "widecnn", "module:function"), ("--target", "accuracy>0.9", "METRIC>=VALUE")],
+     ("--task", "widecnn", "module:function"), ("--target", "accuracy>0.9", "METRIC>=VALUE"),
+     ("--seeds", "0", "from 1 to 20"), ("--seeds", "three", "from 1 to 20")],
 )  # fmt: skip
 def test_a_bad_workload_flag_is_one_line_naming_the_flag(
     flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]

@@ -14,7 +14,9 @@ from starlette.datastructures import FormData
 from starlette.responses import Response
 
 from app.api.deps import DispatcherDep, SessionDep, SettingsDep
+from app.agent_wheel import AgentWheel
 from app.api.routes import nodes as nodes_api
+from app.api.routes.dist import AgentWheelDep
 from app.config import Settings
 from app.errors import HybridtrainError, NotFoundError
 from app.models import Continent, GpuModel, Node, NodeStatus, Provider, Site, SiteKind
@@ -41,6 +43,13 @@ NodeIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
 def agent_command(server_url: str, join_token: str) -> str:
     """The command that joins a machine to its node: `hybridtrain agent --server URL --token T`."""
     return f"hybridtrain agent --server {shlex.quote(server_url)} --token {shlex.quote(join_token)}"
+
+
+def install_command(server_url: str, wheel: str) -> str:
+    """The one line that installs the agent from this control plane's own wheel; its
+    dependencies come from the machine's package index."""
+    requirement = f"hybridtrain[agent] @ {server_url.rstrip('/')}/dist/{wheel}"
+    return f"python3 -m pip install {shlex.quote(requirement)}"
 
 
 def _gpu_field(loc: str) -> str:
@@ -184,7 +193,8 @@ def create_site(request: Request, session: SessionDep, viewer: AdminViewerDep, f
 
 @router.post("/nodes")
 def create_node(
-    request: Request, session: SessionDep, settings: SettingsDep, viewer: AdminViewerDep, form: FormDep
+    request: Request, session: SessionDep, settings: SettingsDep, wheel: AgentWheelDep, viewer: AdminViewerDep,
+    form: FormDep,
 ) -> Response:
     """Declare a node from the form, then show the agent command with its one-time join token."""
     data, echoed, errors, rows = _node_payload(form)
@@ -199,18 +209,19 @@ def create_node(
                 session.rollback()
                 errors = forms.domain_errors(exc, _renamer(rows))
             else:
-                created = _created(settings, node, join_token)
+                created = _created(settings, wheel, node, join_token)
     if created is None:
         return _nodes_page(request, session, viewer, node_values=echoed, node_errors=errors, status_code=422)
     # Rendered, not redirected: the join token is shown this once and stored nowhere.
     return _nodes_page(request, session, viewer, created=created, status_code=201)
 
 
-def _created(settings: Settings, node: Node, join_token: str) -> dict[str, str]:
+def _created(settings: Settings, wheel: AgentWheel, node: Node, join_token: str) -> dict[str, str]:
     return {
         "node_id": str(node.id),
         "name": node.name,
         "join_token": join_token,
+        "install": install_command(settings.public_url, wheel.filename),
         "command": agent_command(settings.public_url, join_token),
     }
 
@@ -320,11 +331,11 @@ def undrain_node(
 
 @router.post("/nodes/{node_id}/join-token")
 def rotate_join_token(
-    request: Request, session: SessionDep, settings: SettingsDep, viewer: AdminViewerDep, _: FormDep,
-    node_id: NodeIdPath,
+    request: Request, session: SessionDep, settings: SettingsDep, wheel: AgentWheelDep, viewer: AdminViewerDep,
+    _: FormDep, node_id: NodeIdPath,
 ) -> Response:
     """Issue a new join token (the old one stops working) and show the agent command again."""
     node = _node_or_404(session, node_id)
     join_token = node_queries.rotate_join_token(session, node_id=node.id)
     session.commit()
-    return _edit_page(request, session, viewer, node, created=_created(settings, node, join_token), status_code=201)
+    return _edit_page(request, session, viewer, node, created=_created(settings, wheel, node, join_token), status_code=201)

@@ -35,6 +35,7 @@ def test_add_node_shows_the_agent_command_with_a_working_join_token(
     assert response.status_code == 201
     token = response.text.split("data-join-token>")[1].split("<")[0]
     assert f"hybridtrain agent --server http://127.0.0.1:8000 --token {token}" in response.text
+    assert "pip install &#39;hybridtrain[agent] @ http://127.0.0.1:8000/dist/hybridtrain-" in response.text
     node = node_by_join_token(session, join_token=token)
     assert node is not None and node.labels == {"rack": "b2"} and node.gpus[0].count == 2
 

@@ -1,11 +1,13 @@
-"""The progress `runs create --wait` shows: a pure line of (run, latest metrics, now), plain
-lines at most every 10 s off a terminal, a tqdm bar on one."""
+"""The progress `runs create --wait` and the benchmarks show: a pure line of (run, latest
+metrics, now), plain lines at most every 10 s off a terminal, a tqdm bar on one."""
 
 from __future__ import annotations
 
 import io
 
-from app.run_progress import RunProgress, Snapshot, duration, progress_line
+import pytest
+
+from hybridtrain.progress import RunProgress, Snapshot, duration, progress_line
 
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 STARTED = "2027-01-15T08:00:00Z"
@@ -82,15 +84,18 @@ class _Clock:
         return self.now
 
 
-def _progress(answers: list[dict], *, tty: bool) -> tuple[RunProgress, io.StringIO, _Clock, list[dict]]:
+def _progress(answers: list[dict | Exception], *, tty: bool, **options) -> tuple[RunProgress, io.StringIO, _Clock, list[dict]]:
     calls: list[dict] = []
 
     def fetch(run_id: int, **params) -> dict:
         calls.append(params)
-        return answers.pop(0)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     stream, clock = io.StringIO(), _Clock()
-    return RunProgress(fetch, stream, tty=tty, clock=clock), stream, clock, calls
+    return RunProgress(fetch, stream, tty=tty, clock=clock, **options), stream, clock, calls
 
 
 def _answer(step: int, t: float) -> dict:
@@ -129,3 +134,24 @@ def test_on_a_terminal_a_bar_shows_the_step_of_max_steps():
     progress.close()
     out = stream.getvalue()
     assert "| 120/500 loss 1.000 elapsed 1m02s" in out and "hybridtrain: run 7 succeeded\n" in out
+
+
+def test_a_missed_poll_is_skipped_and_the_next_one_catches_up():
+    progress, stream, clock, _ = _progress([TimeoutError("slow"), _answer(2, T0 + 2)], tty=False,
+                                           missed=(TimeoutError,))
+    progress.poll(_run())
+    assert stream.getvalue() == ""
+    progress.poll(_run())
+    assert stream.getvalue().startswith("hybridtrain: step 2/500")
+
+
+def test_an_error_that_is_not_a_missed_poll_is_raised():
+    progress, _, _, _ = _progress([KeyError("bug")], tty=False, missed=(TimeoutError,))
+    with pytest.raises(KeyError):
+        progress.poll(_run())
+
+
+def test_plain_lines_start_with_the_label():
+    progress, stream, _, _ = _progress([_answer(3, T0 + 3)], tty=False, label="  [2/4] ps, seed 0")
+    progress.poll(_run())
+    assert stream.getvalue().startswith("  [2/4] ps, seed 0: step 3/500 (0%)")

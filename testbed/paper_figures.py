@@ -1,0 +1,203 @@
+"""The paper benchmark's figures from a run's metric records and bill (pure functions, tested
+on their own): a run's summary, its seeds combined, the issue's targets, the bill's link prices.
+testbed/paperbench.py runs the benchmark and calls these."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from hybridtrain.contract import (
+    ALLREDUCE,
+    ALLREDUCE_POWERSGD,
+    LEGACY_TIME_TO_TARGET,
+    PS,
+    PS_BZ_GC,
+    PS_STRATEGIES,
+    VAL_LOSS,
+)
+
+
+def _by(records: list[dict[str, Any]], name: str) -> dict[int, dict[int, float]]:
+    """rank -> step -> value of metric `name`, summed over peers (byte counts have several)."""
+    out: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for r in records:
+        if r["name"] == name and r["value"] is not None:
+            out[r["rank"]][r["step"]] += float(r["value"])
+    return out
+
+
+def summarise(
+    records: list[dict[str, Any]],
+    *,
+    strategy: str,
+    global_batch: int,
+    skip_steps: int,
+    rank_node: dict[int, str],
+    egress_usd_per_gb: Callable[[str, str], float] | None,
+    target_metric: str = "accuracy",
+) -> dict[str, Any]:
+    """The benchmark figures of one run from its metric records.
+
+    - samples_per_s: global batch over the mean step time of the steady state: the intervals
+      between the reference rank's (rank 0's) consecutive `loss` records, after `skip_steps`,
+      leaving out the intervals that hold an evaluation.
+    - tta_s: the trainer's own `time_to_target_s` (training time, start-up excluded), or
+      `time_to_accuracy_s` in the records of runs from before task metrics.
+    - bytes_per_step: bytes sent by all ranks per steady-state step.
+    - granularity: seed 003's compute time over communication time, as the bill defines it
+      (app/billing/bill.py): every worker's `compute_s` over every worker's `comm_s`, summed,
+      here over the steady state. Each strategy's trainer reports both (DDP: the step less the
+      all-reduce time the backward pass did not hide, and the all-reduces' span); None for a
+      run that reported no communication.
+    - egress_usd: bytes each rank sent to another node, at the price per GB of that link
+      (`egress_usd_per_gb(src node, dst node)`, from the control plane's bill); None without.
+    """
+    is_ps = strategy in PS_STRATEGIES
+    loss_t = {r["step"]: r["t"] for r in records if r["name"] == "loss" and r["rank"] == 0}
+    eval_names = {"accuracy", VAL_LOSS, target_metric}
+    eval_steps = {r["step"] for r in records if r["name"] in eval_names}
+    steps = sorted(loss_t)
+    window = [k for k in steps if k > skip_steps and k - 1 in loss_t and k - 1 not in eval_steps]
+    durations = {k: loss_t[k] - loss_t[k - 1] for k in window}
+    step_s = statistics.mean(durations.values()) if durations else None
+    compute = _by(records, "compute_s")
+    workers = [k for k in compute if not (is_ps and k == 0)]
+    slowest = {k: max(compute[w].get(k, 0.0) for w in workers) for k in window} if workers else {}
+    comp_s = statistics.mean(slowest.values()) if slowest else None
+    comm = _by(records, "comm_s")
+    compute_total = sum(compute[w].get(k, 0.0) for w in workers for k in window)
+    comm_total = sum(comm[w].get(k, 0.0) for w in workers for k in window)
+    sent = _by(records, "bytes_sent")
+    per_step_bytes = [sum(sent[r].get(k, 0.0) for r in sent) for k in window]
+    accuracy = sorted((r["step"], r["value"]) for r in records if r["name"] == "accuracy" and r["rank"] == 0)
+    tta = ([r["value"] for r in records if r["name"] == "time_to_target_s"]
+           or [r["value"] for r in records if r["name"] == LEGACY_TIME_TO_TARGET])  # fmt: skip
+    egress: float | None = None
+    if egress_usd_per_gb is not None:
+        egress = 0.0
+        for r in records:
+            if r["name"] == "bytes_sent" and r["peer"] is not None and r["value"]:
+                src, dst = rank_node.get(r["rank"]), rank_node.get(r["peer"])
+                if src and dst and src != dst:
+                    # GB as the control plane's bill counts them (2**30 bytes, docs/costs.md).
+                    egress += float(r["value"]) / 2**30 * egress_usd_per_gb(src, dst)
+
+    def mean_of(name: str, ranks: list[int]) -> float | None:
+        series = _by(records, name)
+        vals = [series[r][k] for r in ranks for k in window if k in series.get(r, {})]
+        return round(statistics.mean(vals), 4) if vals else None
+
+    return {
+        "samples_per_s": round(global_batch / step_s, 2) if step_s else None,
+        "tta_s": round(tta[0], 2) if tta else None,
+        "final_accuracy": round(accuracy[-1][1], 4) if accuracy else None,
+        "bytes_per_step": round(statistics.mean(per_step_bytes)) if per_step_bytes else None,
+        "granularity": round(compute_total / comm_total, 3) if comm_total > 0 else None,
+        "egress_usd": round(egress, 8) if egress is not None else None,
+        "steps": steps[-1] if steps else 0,
+        "step_s": round(step_s, 4) if step_s else None,
+        "accuracy_curve": accuracy,
+        # Where a step's time goes, means over the steady state (docs/architecture.md names).
+        "profile": {
+            "slowest_worker_compute_s": round(comp_s, 4) if comp_s else None,
+            "worker_compute_s": mean_of("compute_s", workers),
+            "worker_compress_s": mean_of("compress_s", workers),
+            "worker_comm_s": mean_of("comm_s", workers),
+            "worker_wait_s": mean_of("wait_s", workers),
+            "server_wait_s": mean_of("wait_s", [0]) if is_ps else None,
+            "server_compress_s": mean_of("compress_s", [0]) if is_ps else None,
+            "server_comm_s": mean_of("comm_s", [0]) if is_ps else None,
+        },
+        "loss_curve": sorted(
+            (r["t"], r["value"]) for r in records if r["name"] == "loss" and r["rank"] == 0
+        ),
+    }
+
+
+# The figures that are means over a strategy's seeds; the rest come from its first seed.
+SEED_MEANS = ("samples_per_s", "tta_s", "final_accuracy", "bytes_per_step", "granularity", "egress_usd",
+              "egress_usd_check", "step_s", "wall_s")  # fmt: skip
+
+
+def combine_seeds(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """One strategy's figures over its seeds' summaries: each of SEED_MEANS the mean over the
+    seeds (None when a seed lacks it: a mean of the runs that reached a target flatters),
+    with its sample standard deviation, min and max under `spread`; the step profile averaged;
+    the curves and everything else from the first seed; `status` succeeded only if every seed
+    did; each seed's own figures under `per_seed`."""
+    if not per_seed:
+        raise ValueError("no runs to combine")
+    first = per_seed[0]
+    out = dict(first)
+    spread: dict[str, dict[str, float] | None] = {}
+    for key in SEED_MEANS:
+        values = [r.get(key) for r in per_seed]
+        if any(v is None for v in values):
+            out[key], spread[key] = None, None
+            continue
+        mean = statistics.mean(values)
+        out[key] = round(mean, 4)
+        spread[key] = {"sd": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+                       "min": min(values), "max": max(values)}
+    profiles = [r.get("profile") or {} for r in per_seed]
+    out["profile"] = {
+        key: (round(statistics.mean(p[key] for p in profiles), 4)
+              if all(p.get(key) is not None for p in profiles) else None)
+        for key in profiles[0]
+    }
+    failed = [r for r in per_seed if r.get("status") != "succeeded"]
+    if failed:
+        out["status"] = f"{failed[0].get('status')} ({len(failed)} of {len(per_seed)} seeds)"
+        out["reason"] = failed[0].get("reason")
+    out["seeds"] = [r.get("seed") for r in per_seed]
+    out["spread"] = spread
+    out["per_seed"] = [{k: v for k, v in r.items() if k not in ("loss_curve", "accuracy_curve")} for r in per_seed]
+    return out
+
+
+def check_targets(results: dict[str, dict[str, Any]], ideal: float | None) -> dict[str, dict[str, Any]]:
+    """Issue 18's targets (on the means over seeds), each with its measured value and whether it
+    is met."""
+    bz, ps, ar, psgd = (results.get(k, {}) for k in (PS_BZ_GC, PS, ALLREDUCE, ALLREDUCE_POWERSGD))
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    targets: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, value: float | None, goal: str, ok: Callable[[float], bool]) -> None:
+        targets[name] = {"value": value, "goal": goal, "met": bool(value is not None and ok(value))}
+
+    add("throughput vs ps", ratio(bz.get("samples_per_s"), ps.get("samples_per_s")), ">= 3x",
+        lambda v: v >= 3.0)
+    add("throughput vs allreduce", ratio(bz.get("samples_per_s"), ar.get("samples_per_s")),
+        ">= 2.2x", lambda v: v >= 2.2)
+    tta_bz, tta_ps = bz.get("tta_s"), ps.get("tta_s")
+    add("tta reduction vs ps", round(1 - tta_bz / tta_ps, 3) if tta_bz and tta_ps else None,
+        ">= 60%", lambda v: v >= 0.6)
+    add("throughput vs allreduce-powersgd", ratio(bz.get("samples_per_s"), psgd.get("samples_per_s")),
+        ">= 1.6x", lambda v: v >= 1.6)
+    acc_bz, acc_ps = bz.get("final_accuracy"), ps.get("final_accuracy")
+    add("accuracy vs ps (points)", round(100 * (acc_bz - acc_ps), 2) if acc_bz is not None and acc_ps is not None else None,
+        ">= -0.5", lambda v: v >= -0.5)
+    add("share of ideal", ratio(bz.get("samples_per_s"), ideal), ">= 90%", lambda v: v >= 0.9)
+    return targets  # fmt: skip
+
+
+
+
+def link_prices(bill: dict[str, Any]) -> Callable[[str, str], float]:
+    """(src node, dst node) -> USD per GB, as the run's bill (GET /api/v1/runs/{id}/cost)
+    priced each link it saw; 0 for a link the bill does not list.
+
+    The traffic-class rules stay with the control plane (docs/costs.md); pricing the
+    benchmark's own per-link byte counts at the bill's rates cross-checks the bytes it billed.
+    """
+    rates = {(link["src"], link["dst"]): float(link["usd_per_gb"])
+             for link in bill.get("egress_by_link") or ()}  # fmt: skip
+    return lambda src, dst: rates.get((src, dst), 0.0)
+
+
