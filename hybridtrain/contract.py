@@ -138,8 +138,11 @@ def steps_for_epochs(epochs: float, train_samples: int, global_batch: int) -> in
 # data, is reported for every task that has evaluation data.
 SYSTEM_METRICS = frozenset(
     {"loss", "batch_size", "samples_per_s", "compute_s", "data_s", "compress_s", "comm_s", "wait_s",
-     "bytes_sent", "bytes_recv", "density", "time_to_target_s", "max_steps", "params"}
+     "bytes_sent", "bytes_recv", "density", "time_to_target_s", "max_steps", "params", "eval_s"}
 )
+# Seconds an evaluation held the run up (logged at its step). time_to_target_s counts them, as
+# the bill does; a comparison of training algorithms subtracts them (testbed/paper_figures.py).
+EVAL_S = "eval_s"
 VAL_LOSS = "val_loss"
 # The metric name of runs stored before task metrics existed (read, never written).
 LEGACY_TIME_TO_TARGET = "time_to_accuracy_s"

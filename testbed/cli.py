@@ -46,8 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks that need a testbed")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     p = bench_sub.add_parser("paper", help="seed 000's comparison of five strategies (needs root)")
-    p.add_argument("--config", default="bench/testbeds/paper.yaml")
-    p.add_argument("--quick", action="store_true", help="a shorter run (under 5 minutes)")
+    p.add_argument("--config", default=None,
+                   help="comma-separated testbed configs, run one after another (default "
+                        "bench/testbeds/paper.yaml,bench/testbeds/intercontinental.yaml; the first for --quick)")
+    p.add_argument("--workloads", default=None,
+                   help="comma-separated, of widecnn and resnet18 (default both; widecnn for --quick)")
+    p.add_argument("--quick", action="store_true", help="a smoke test of the whole path (under 6 minutes)")
     p.add_argument("--out", type=Path, default=Path("results.json"))
     p.add_argument("--docs", default=None,
                    help="the Markdown file whose paper section is rewritten ('-' to skip; "

@@ -12,6 +12,7 @@ from typing import Any
 from hybridtrain.contract import (
     ALLREDUCE,
     ALLREDUCE_POWERSGD,
+    EVAL_S,
     LEGACY_TIME_TO_TARGET,
     PS,
     PS_BZ_GC,
@@ -44,8 +45,9 @@ def summarise(
     - samples_per_s: global batch over the mean step time of the steady state: the intervals
       between the reference rank's (rank 0's) consecutive `loss` records, after `skip_steps`,
       leaving out the intervals that hold an evaluation.
-    - tta_s: the trainer's own `time_to_target_s` (training time, start-up excluded), or
-      `time_to_accuracy_s` in the records of runs from before task metrics.
+    - tta_s: the trainer's own `time_to_target_s` (training time, start-up excluded; or
+      `time_to_accuracy_s` in the records of runs from before task metrics) less the `eval_s`
+      of the evaluations up to the target's; `tta_with_eval_s` keeps them.
     - bytes_per_step: bytes sent by all ranks per steady-state step.
     - granularity: seed 003's compute time over communication time, as the bill defines it
       (app/billing/bill.py): every worker's `compute_s` over every worker's `comm_s`, summed,
@@ -73,8 +75,13 @@ def summarise(
     sent = _by(records, "bytes_sent")
     per_step_bytes = [sum(sent[r].get(k, 0.0) for r in sent) for k in window]
     accuracy = sorted((r["step"], r["value"]) for r in records if r["name"] == "accuracy" and r["rank"] == 0)
-    tta = ([r["value"] for r in records if r["name"] == "time_to_target_s"]
-           or [r["value"] for r in records if r["name"] == LEGACY_TIME_TO_TARGET])  # fmt: skip
+    tta = ([r for r in records if r["name"] == "time_to_target_s"]
+           or [r for r in records if r["name"] == LEGACY_TIME_TO_TARGET])  # fmt: skip
+    # The trainer's time to target counts its evaluations (the bill pays for them); the
+    # comparison leaves them out, as it leaves them out of the throughput: how often a run
+    # evaluates is the benchmark's choice, not the training algorithm's cost.
+    evals = _by(records, EVAL_S).get(0, {})
+    eval_before_target = sum(v for k, v in evals.items() if k <= tta[0]["step"]) if tta else 0.0
     egress: float | None = None
     if egress_usd_per_gb is not None:
         egress = 0.0
@@ -92,7 +99,9 @@ def summarise(
 
     return {
         "samples_per_s": round(global_batch / step_s, 2) if step_s else None,
-        "tta_s": round(tta[0], 2) if tta else None,
+        "tta_s": round(tta[0]["value"] - eval_before_target, 2) if tta else None,
+        "tta_with_eval_s": round(tta[0]["value"], 2) if tta else None,
+        "eval_s": round(sum(evals.values()), 2),
         "final_accuracy": round(accuracy[-1][1], 4) if accuracy else None,
         "bytes_per_step": round(statistics.mean(per_step_bytes)) if per_step_bytes else None,
         "granularity": round(compute_total / comm_total, 3) if comm_total > 0 else None,
@@ -118,8 +127,8 @@ def summarise(
 
 
 # The figures that are means over a strategy's seeds; the rest come from its first seed.
-SEED_MEANS = ("samples_per_s", "tta_s", "final_accuracy", "bytes_per_step", "granularity", "egress_usd",
-              "egress_usd_check", "step_s", "wall_s")  # fmt: skip
+SEED_MEANS = ("samples_per_s", "tta_s", "tta_with_eval_s", "eval_s", "final_accuracy", "bytes_per_step",
+              "granularity", "egress_usd", "egress_usd_check", "step_s", "wall_s")  # fmt: skip
 
 
 def combine_seeds(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
@@ -158,9 +167,11 @@ def combine_seeds(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def check_targets(results: dict[str, dict[str, Any]], ideal: float | None) -> dict[str, dict[str, Any]]:
+def check_targets(results: dict[str, dict[str, Any]], ideal: float | None,
+                  testbed: str = "paper") -> dict[str, dict[str, Any]]:
     """Issue 18's targets (on the means over seeds), each with its measured value and whether it
-    is met."""
+    is met: seed 000's on the `paper` testbed; on any other (the intercontinental one), ps-bz-gc
+    at >= 80 % of its ideal and ahead of every baseline."""
     bz, ps, ar, psgd = (results.get(k, {}) for k in (PS_BZ_GC, PS, ALLREDUCE, ALLREDUCE_POWERSGD))
 
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -170,6 +181,15 @@ def check_targets(results: dict[str, dict[str, Any]], ideal: float | None) -> di
 
     def add(name: str, value: float | None, goal: str, ok: Callable[[float], bool]) -> None:
         targets[name] = {"value": value, "goal": goal, "met": bool(value is not None and ok(value))}
+
+    if testbed != "paper":
+        add("share of ideal", ratio(bz.get("samples_per_s"), ideal), ">= 80%", lambda v: v >= 0.8)
+        baselines = [k for k in results if k != PS_BZ_GC]
+        margins = [ratio(bz.get("samples_per_s"), results[k].get("samples_per_s")) for k in baselines]
+        # The closest baseline decides; unknown when any baseline's throughput is.
+        add("throughput vs the fastest baseline", None if not margins or None in margins else min(margins),
+            "> 1x", lambda v: v > 1.0)
+        return targets
 
     add("throughput vs ps", ratio(bz.get("samples_per_s"), ps.get("samples_per_s")), ">= 3x",
         lambda v: v >= 3.0)

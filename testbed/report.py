@@ -30,6 +30,17 @@ def _with_spread(r: dict[str, Any], key: str, spec: str) -> str:
     return _fmt(r.get(key), spec)
 
 
+def parts_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The (testbed, workload) parts of a results document; one written before workloads is
+    its own single part."""
+    return doc["parts"] if "parts" in doc else [doc]
+
+
+def part_title(part: dict[str, Any]) -> str:
+    """'widecnn on paper': the part's workload and testbed."""
+    return f"{part.get('workload') or workload(part['settings'])[0]} on {part['testbed']['name']}"
+
+
 def _seeds_text(doc: dict[str, Any]) -> str:
     seeds = next((r.get("seeds") for r in doc["results"].values() if r.get("seeds")), None) or [doc["settings"]["seed"]]
     if len(seeds) == 1:
@@ -86,15 +97,23 @@ def figures(doc: dict[str, Any]) -> list[Any]:
     """Time-to-target bars, throughput bars (with the ideal), loss against training time."""
     import plotly.graph_objects as go
 
+    out = []
+    for part in parts_of(doc):
+        out += _part_figures(part, go)
+    return out
+
+
+def _part_figures(doc: dict[str, Any], go: Any) -> list[Any]:
     results = doc["results"]
+    where = part_title(doc)
     names = [STRATEGY_LABELS.get(s, s) for s in results]
     tta = go.Figure(go.Bar(x=names, y=[r.get("tta_s") for r in results.values()]))
-    tta.update_layout(title=f"Time to {workload(doc['settings'])[2]} (s, lower is better)",
-                      yaxis_title="seconds")
+    tta.update_layout(title=f"{where}: time to {workload(doc['settings'])[2]} (s, evaluations left out, "
+                      "lower is better)", yaxis_title="seconds")
     thr = go.Figure(go.Bar(x=names, y=[r.get("samples_per_s") for r in results.values()]))
     if doc.get("ideal_samples_per_s"):
         thr.add_hline(y=doc["ideal_samples_per_s"], line_dash="dash", annotation_text="ideal")
-    thr.update_layout(title="Training throughput (samples/s, higher is better)", yaxis_title="samples/s")
+    thr.update_layout(title=f"{where}: training throughput (samples/s, higher is better)", yaxis_title="samples/s")
     loss = go.Figure()
     for strategy, r in results.items():
         curve = r.get("loss_curve") or []
@@ -102,7 +121,7 @@ def figures(doc: dict[str, Any]) -> list[Any]:
             t0 = curve[0][0]
             loss.add_trace(go.Scatter(x=[t - t0 for t, _ in curve], y=[v for _, v in curve],
                                       mode="lines", name=STRATEGY_LABELS.get(strategy, strategy)))  # fmt: skip
-    loss.update_layout(title="Training loss against time", xaxis_title="seconds since the first step",
+    loss.update_layout(title=f"{where}: training loss against time", xaxis_title="seconds since the first step",
                        yaxis_title="loss", yaxis_type="log")  # fmt: skip
     return [tta, thr, loss]
 
@@ -119,28 +138,44 @@ def workload(settings: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
 
 
 def section(doc: dict[str, Any], chart_links: list[str]) -> str:
-    """The whole Markdown section (heading included)."""
-    s = doc["settings"]
-    task, task_args, target = workload(s)
-    tb = doc["testbed"]
+    """The whole Markdown section (heading included): one subsection per part."""
     load = doc.get("machine", {}).get("load_avg_at_end")
-    parts = [
+    lines = [
         SECTION,
         "",
         (f"Measured {doc.get('date', '')} on this {doc.get('machine', {}).get('cpus')}-CPU "
          f"machine (1-minute load average at the end {load[0]:.1f}), in "
          f"{doc.get('duration_s', 0) / 60:.1f} minutes. Reproduce (root): `{doc.get('command')}`."),
         "",
+        "Charts: " + ", ".join(f"[{Path(c).name}]({c})" for c in chart_links) + ". "
+        "What each profile says about each target, and by how much a missed one is missed: "
+        "docs/testbed.md, \"Where the step goes\".",
+        "",
+    ]
+    for part in parts_of(doc):
+        lines += part_section(part)
+    return "\n".join(lines)
+
+
+def part_section(doc: dict[str, Any]) -> list[str]:
+    """One (testbed, workload) part's subsection: what ran, results, targets, step profile."""
+    s = doc["settings"]
+    task, task_args, target = workload(s)
+    tb = doc["testbed"]
+    return [
+        f"### {part_title(doc)}",
+        "",
         (f"Testbed `{tb['name']}` ({tb['description']}); see docs/testbed.md. Workload: task "
          f"`{task}` with args `{json.dumps(task_args)}`, global batch {s['global_batch']}, "
-         f"{_seeds_text(doc)}, at most {s['max_steps']} steps, target `{target}`; compression "
+         f"{_seeds_text(doc)}, at most {s['max_steps']} steps, evaluation every "
+         f"{s.get('eval_every') or 'trainer default'} steps, target `{target}`; compression "
          f"{s['compression'] or 'trainer defaults'}. Throughput is the steady state after "
          f"{s['skip_steps']} steps; time to target is the trainer's own (training time, "
-         "start-up excluded)."),
+         "start-up excluded) less the evaluations before it, which throughput leaves out too."),
         "",
         markdown_table(doc),
         "",
-        "Targets of issue 18 (of issue 7 before 2026-11-24), from this one invocation (on the means):",
+        "Targets of issue 18, from this one invocation (on the means):",
         "",
         targets_table(doc),
         "",
@@ -149,12 +184,7 @@ def section(doc: dict[str, Any], chart_links: list[str]) -> str:
         "",
         profile_table(doc),
         "",
-        "Charts: " + ", ".join(f"[{Path(c).name}]({c})" for c in chart_links) + ". "
-        "What this profile says about each target, and by how much a missed one is missed: "
-        "docs/testbed.md, \"Where the step goes\".",
-        "",
     ]
-    return "\n".join(parts)
 
 
 def replace_section(document: str, new_section: str, heading: str = SECTION) -> str:
@@ -189,7 +219,9 @@ def write_docs(doc: dict[str, Any], docs_path: Path) -> list[Path]:
     try:
         import kaleido  # noqa: F401
 
-        for fig, name in zip(figs, ("tta", "throughput", "loss")):
+        names = [f"{part.get('workload', 'bench')}-{part['testbed']['name']}-{kind}"
+                 for part in parts_of(doc) for kind in ("tta", "throughput", "loss")]
+        for fig, name in zip(figs, names):
             png = chart_dir / f"paper-{name}.png"
             fig.write_image(png)
             written.append(png)

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--overlap", action="store_true",
                     help="PS strategies: compress and send each chunk of the gradient as soon as the "
                          "backward pass has produced it (use with --pipeline-chunks N > 1)")
+    gc.add_argument("--delayed-updates", action="store_true",
+                    help="PS strategies: apply each step's update at the next step, after that step's "
+                         "gradient has left, so the server's reply hides behind its compute (gradients "
+                         "one step stale)")
     gc.add_argument("--dense-numel", type=int, default=d.dense_numel,
                     help="tensors with fewer elements (and all 1-D ones) travel dense")
     gc.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
@@ -225,6 +229,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.overlap and not ps:
         raise UsageError(f"--overlap overlaps a parameter server's push with backward; {args.strategy} has none "
                          "(DDP overlaps its all-reduce already)")
+    if args.delayed_updates and not ps:
+        raise UsageError(f"--delayed-updates delays a parameter server's update; {args.strategy} has none "
+                         "(its all-reduce is the update)")
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
     target = _target(args)
@@ -262,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         server_k_fraction=args.server_k_fraction, error_feedback=args.error_feedback,
         warmup_steps=args.warmup_steps, momentum_correction=args.momentum_correction,
         pipeline_chunks=args.pipeline_chunks, overlap=args.overlap, site_aggregation=args.aggregate_at_sites,
+        delayed_updates=args.delayed_updates,
         dense_numel=args.dense_numel, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, checkpoint_every_s=args.checkpoint_every_s,
         checkpoint_dir=args.checkpoint_dir, checkpoint_url=args.checkpoint_url, resume=args.resume,

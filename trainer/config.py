@@ -90,6 +90,10 @@ class TrainConfig:
     # PS strategies with --sites: a remote site's workers send their gradients to the site's
     # relay, which combines them and sends one frame across the WAN (trainer.ps).
     site_aggregation: bool = False
+    # PS strategies: step t's update is applied at step t+1's step(), after step t+1's gradient
+    # (computed without it) has left, so the server's work and the reply's way back hide behind
+    # the next step's compute; gradients are one step stale (trainer.ps.PSClient.drain).
+    delayed_updates: bool = False
     dense_numel: int = 1024
     eval_every: int = 50
     checkpoint_every: int = 0

@@ -287,14 +287,16 @@ class Eval:
     sender: int
     sums: dict[str, float]
     count: int
+    # Seconds the worker spent evaluating: the slowest worker's is the evaluation's cost to the run.
+    seconds: float = 0.0
     kind: ClassVar[int] = EVAL
 
     def message(self) -> Message:
-        return Message(EVAL, self.step, self.sender, [self.count], text=json.dumps(self.sums))
+        return Message(EVAL, self.step, self.sender, [self.count, self.seconds], text=json.dumps(self.sums))
 
     @classmethod
     def parse(cls, m: Message) -> Eval:
-        return cls(m.step, m.sender, json.loads(m.text), int(m.scalars[0]))
+        return cls(m.step, m.sender, json.loads(m.text), int(m.scalars[0]), float(m.scalars[1]))
 
 
 @dataclass(frozen=True)

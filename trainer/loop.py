@@ -41,6 +41,7 @@ from hybridtrain.contract import (
     ENV_RANK,
     ENV_ROLE,
     ENV_WORLD_SIZE,
+    EVAL_S,
     parse_target,
 )
 from hybridtrain.task import Metric
@@ -132,7 +133,7 @@ class Context:
         self._data_s += seconds
         self._batch_ready_at = time.perf_counter()
 
-    def _note_eval(self, values: dict[str, float], stop: bool | None = None) -> None:
+    def _note_eval(self, values: dict[str, float], stop: bool | None = None, seconds: float = 0.0) -> None:
         reached = self.target is not None and self.target.metric in values and self.target.reached(
             values[self.target.metric])
         self.should_stop = stop if stop is not None else (reached and self.cfg.stop_at_target)
@@ -141,6 +142,9 @@ class Context:
         if logs:
             for name, value in values.items():
                 self.metrics.log(self.step, name, value)
+            # The collective makes every rank's evaluation end with the slowest one's: this
+            # rank's span is the evaluation's cost to the run.
+            self.metrics.log(self.step, EVAL_S, seconds)
             if reached and self.reached_at is None:
                 self.reached_at = self.elapsed()
                 self.metrics.log(self.step, "time_to_target_s", self.reached_at)
@@ -373,12 +377,13 @@ def evaluate(model: nn.Module, dataset: Any, *, metrics: Sequence[Metric] = (),
     (`ctx.should_stop`), and returned."""
     ctx = current()
     module = unwrap(model)
+    started = time.perf_counter()
     n = None if isinstance(dataset, torch.utils.data.IterableDataset) else len(dataset)
     if ctx.standalone:
         sums, count = metric_sums(module, dataset, part=None, metrics=metrics, loss=loss,
                                   batch_size=batch_size, device=ctx.device, collate=collate)
         values = {k: v / max(1, count) for k, v in sums.items()}
-        ctx._note_eval(values)
+        ctx._note_eval(values, seconds=time.perf_counter() - started)
         return values
     if n is None:
         lo = sum(ctx.batch_sizes[: ctx.worker])
@@ -389,7 +394,7 @@ def evaluate(model: nn.Module, dataset: Any, *, metrics: Sequence[Metric] = (),
         ctx.client.average_buffers(ctx.step)
         sums, count = metric_sums(module, dataset, part=part, metrics=metrics, loss=loss,
                                   batch_size=batch_size, device=ctx.device, collate=collate)
-        values, stop = ctx.client.combine_eval(ctx.step, sums, count)
+        values, stop = ctx.client.combine_eval(ctx.step, sums, count, time.perf_counter() - started)
         ctx._note_eval(values, stop)
         return values
     alpha = ctx.batch_size / ctx.global_batch
@@ -398,7 +403,7 @@ def evaluate(model: nn.Module, dataset: Any, *, metrics: Sequence[Metric] = (),
     sums, count = metric_sums(module, dataset, part=part, metrics=metrics, loss=loss,
                               batch_size=batch_size, device=ctx.device, collate=collate)
     values = ddp_baseline.combine_eval(sums, count, ctx.device)
-    ctx._note_eval(values)
+    ctx._note_eval(values, seconds=time.perf_counter() - started)
     return values
 
 

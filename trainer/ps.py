@@ -23,7 +23,11 @@ worker's HELLO (a different one aborts the run at once, naming the difference) a
 worker 1's weights to the others, so the replicas start equal whatever the model factory did.
 With `--overlap` a chunk leaves as soon as the backward pass has produced its gradients; with
 `--aggregate-at-sites` a remote site's relay combines its site's chunks into one frame (the
-mirror of the update's relay). docs/trainer.md, steps 7-9, says why and what each costs.
+mirror of the update's relay). With `--delayed-updates` step t's update is applied at step
+t+1's push_pull, after step t+1's gradient has left, so the server's work and the reply's way
+back overlap the next forward and backward passes (one step of staleness); whatever needs the
+current model drains it first (`PSClient.drain`). docs/trainer.md, steps 7-10, says why and
+what each costs.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -194,6 +200,13 @@ class PSClient(Session):
         self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=_LAST, on_frame=self._forward)
         self.left = False
         self.ended_by_server = False
+        # Delayed updates: the step whose gradient has been sent but whose update is not applied
+        # yet (always self.step + 1), and the optimizer's hyperparameters as they were at that
+        # step's push_pull: a schedule steps them before the update is applied, and the update
+        # of step t must move the weights with step t's learning rate, as it would without delay.
+        self._pending: int | None = None
+        self._pending_hyper: list[dict] | None = None
+        self._applying_hyper: list[dict] | None = None
 
     # -- the optimizer --------------------------------------------------------------------------
     def _adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> _SgdRules:
@@ -239,7 +252,7 @@ class PSClient(Session):
         self._bind_grads()
         # The bytes so far are the last step's (and its evaluation's): this step's may start now.
         self.flush_bytes()
-        self._sending = _Sending(self.step + 1, self.batch_sizes[self.index])
+        self._sending = _Sending(self.sent_step + 1, self.batch_sizes[self.index])
 
     def collect_grads(self, done: set | frozenset = frozenset()) -> None:
         """Autograd accumulates into the bound views; copy back if user code replaced one, then
@@ -305,11 +318,18 @@ class PSClient(Session):
     def _flat_params(self) -> torch.Tensor:
         return torch.cat([self._params[n].detach().reshape(-1).float() for n in self.layout.names])
 
+    @property
+    def sent_step(self) -> int:
+        """The last step whose gradient this worker has sent: `step`, or one more while that
+        step's update is pending (delayed updates)."""
+        return self.step if self._pending is None else self._pending
+
     def flush_bytes(self) -> None:
-        """Log the bytes since the last flush under the last step: a step's record per link then
-        holds the step and whatever followed it before the next (an evaluation; the start-up
-        exchange is step 0's), once, since the control plane keeps one record per step."""
-        self.metrics.log_bytes(self.step, *self.transport.take_counts())
+        """Log the bytes since the last flush under the last step sent: a step's record per link
+        then holds the step and whatever followed it before the next (an evaluation; the
+        start-up exchange is step 0's), once, since the control plane keeps one record per step.
+        With delayed updates a step's record holds the previous step's update."""
+        self.metrics.log_bytes(self.sent_step, *self.transport.take_counts())
 
     def _forward(self, peer: int, frame: torch.Tensor) -> bool:
         """On the inbox thread: a relay forwards each update (and the final BYE) to its site's
@@ -369,12 +389,31 @@ class PSClient(Session):
         apply_payload(self.flat_grad[nd + a : nd + b], update.sparse)
         if update.chunk < len(self.bounds) - 1:
             return
-        if self.velocity is None:
-            self.optimizer.step()
-        else:
-            self._step_with_momentum_correction()
+        with self._hyperparameters(self._applying_hyper):
+            if self.velocity is None:
+                self.optimizer.step()
+            else:
+                self._step_with_momentum_correction()
         self.densities = list(update.densities)
         self.batch_sizes = list(update.batch_sizes)
+
+    def _hyperparameter_values(self) -> list[dict]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    @contextmanager
+    def _hyperparameters(self, values: list[dict] | None) -> Iterator[None]:
+        """The optimizer's groups set to `values` (None: as they are) for the block, then back."""
+        if values is None:
+            yield
+            return
+        now = self._hyperparameter_values()
+        for group, held in zip(self.optimizer.param_groups, values):
+            group.update(held)
+        try:
+            yield
+        finally:
+            for group, held in zip(self.optimizer.param_groups, now):
+                group.update(held)
 
     def _step_with_momentum_correction(self) -> None:
         compressed = self._compressed_params()
@@ -462,15 +501,26 @@ class PSClient(Session):
             wait()
         sent = time.perf_counter()
         topk_s, encode_s, tx_s = sending.topk_s, sending.encode_s, sending.tx_s + sent - ts
-        self._read_updates(step)
+        # Delayed updates: the previous step's update is applied now, after this step's gradient
+        # has left, and this step's waits for the next push_pull while the next step computes.
+        # The run's last step takes its own at once, so the run ends with every update applied.
+        self.drain()
+        if self.ended_by_server:
+            return
+        if self.cfg.delayed_updates and step < self.max_steps:
+            self._pending, self._pending_hyper = step, self._hyperparameter_values()
+        else:
+            self._read_updates(step)
         if self.ended_by_server:
             return
         last_arrival = time.perf_counter()
         # By now the server has the whole upload and its ACKs are back: the rate sample is the
-        # upload's own.
+        # upload's own. (With delayed updates it may be the previous upload's: the clock keeps
+        # the best of several steps anyway.)
         self.link_clock.note(self.transport.delivery_rate(self.up))
         self.last_tx_s = self.link_clock.send_s(sending.nbytes, tx_s)
-        self.step = step
+        if self._pending is None:
+            self.step = step
         total = step_s + time.perf_counter() - t0
         mlog = self.metrics.log
         if math.isfinite(loss):
@@ -487,9 +537,31 @@ class PSClient(Session):
         mlog(step, "wait_s", max(0.0, last_arrival - sent))
         mlog(step, "density", density)
 
+    def drain(self) -> None:
+        """Apply the update still pending under --delayed-updates (a no-op otherwise), so that
+        the model is the run's current one: before an evaluation, a checkpoint, leaving, the end."""
+        if self._pending is None or self.ended_by_server:
+            return
+        step, hyper = self._pending, self._pending_hyper
+        self._pending = self._pending_hyper = None
+        # Between zero_grad() and push_pull() the flat buffer holds the next step's gradient (with
+        # --overlap partly sent already); the update passes through that buffer, so it is put back.
+        held = self.flat_grad.clone() if self._sending is not None else None
+        self._applying_hyper = hyper
+        try:
+            self._read_updates(step)
+        finally:
+            self._applying_hyper = None
+            if held is not None:
+                self.flat_grad.copy_(held)
+        if not self.ended_by_server:
+            self.step = step
+
     # -- evaluation --------------------------------------------------------------------------------
     def average_buffers(self, step: int) -> None:
-        """Pitfall: BatchNorm statistics are averaged by batch share before evaluation."""
+        """Pitfall: BatchNorm statistics are averaged by batch share before evaluation (the
+        pending update, if any, applied first: the run evaluates its current model)."""
+        self.drain()
         buffers = float_buffers(self.model)
         if not buffers:
             return
@@ -505,10 +577,12 @@ class PSClient(Session):
                 b.copy_(avg[off : off + b.numel()].view_as(b))
                 off += b.numel()
 
-    def combine_eval(self, step: int, sums: dict[str, float], count: int) -> tuple[dict[str, float], bool]:
-        """Send this worker's metric sums; the server answers with the run's means and whether
-        the target stops the run."""
-        self.transport.send(SERVER, pack(Eval(step, self.rank, sums, count)))
+    def combine_eval(self, step: int, sums: dict[str, float], count: int,
+                     seconds: float = 0.0) -> tuple[dict[str, float], bool]:
+        """Send this worker's metric sums and how long it evaluated; the server answers with the
+        run's means and whether the target stops the run."""
+        self.drain()
+        self.transport.send(SERVER, pack(Eval(step, self.rank, sums, count, seconds)))
         result = self._from_server(EvalResult, step)
         if result is None:
             self.stopped = True
@@ -516,10 +590,26 @@ class PSClient(Session):
         self.stopped = result.stop
         return result.values, result.stop
 
+    # -- leaving and the end: trainer.session, with the pending update applied first ---------------
+    def close(self) -> None:
+        """Apply the pending update (delayed updates), then BYE (`Session.close`): the run ends
+        with every replica equal to the model the server's updates make."""
+        if not self.left:
+            self.drain()
+        super().close()
+
+    def leave(self) -> None:
+        """Apply the pending update (delayed updates), then leave (`Session.leave`): the server
+        answers the last step this worker sent before it lets the worker go."""
+        if not self.left:
+            self.drain()
+        super().leave()
+
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Residual, velocity, densities, batch sizes, last transmission time (the model and
-        optimizer are the caller's)."""
+        optimizer are the caller's, current once this returns: a pending update is applied)."""
+        self.drain()
         return {
             "residual": _join_residuals(self.codec_states),
             "densities": self.densities,
@@ -530,7 +620,8 @@ class PSClient(Session):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`."""
+        """Restore `state_dict()` (after applying a pending update, which the state replaces)."""
+        self.drain()
         if (self.velocity is not None) != (state.get("velocity") is not None):
             raise ValueError(
                 "the checkpoint was written with momentum correction "

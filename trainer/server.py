@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hybridtrain.contract import parse_target
+from hybridtrain.contract import EVAL_S, parse_target
 from trainer.algorithm import adapt_densities, aggregate, chunks, server_sparsify
 from trainer.allocation import aggregation_weights, rebalance
 from trainer.compression import CompressionState, Payload
@@ -335,6 +335,8 @@ class ParameterServer(Boundary):
         self.transport.send_many(list(frames), pack(EvalResult(step, values, self.stopped)))
         for name, value in values.items():
             self.metrics.log(step, name, value)
+        # The slowest worker's evaluation is what it cost the run (the others wait on it).
+        self.metrics.log(step, EVAL_S, max(m.seconds for m in msgs))
         if reached and self.reached_at is None:
             self.reached_at = self.elapsed()
             self.metrics.log(step, "time_to_target_s", self.reached_at)

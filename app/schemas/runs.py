@@ -69,6 +69,12 @@ class CompressionOptions(Schema):
         description="PS strategies across sites: each remote site's workers send their gradients to "
         "the site's relay, which sends one combined frame across the WAN; default off",
     )
+    delayed_updates: Flag | None = Field(
+        default=None,
+        description="PS strategies: apply each step's update at the next step, after that step's "
+        "gradient has left, so the server's reply hides behind its compute (gradients one step "
+        "stale); default off",
+    )
 
     @model_validator(mode="after")
     def _ordered_densities(self) -> CompressionOptions:
@@ -216,7 +222,7 @@ class RunCreate(Schema):
         chunks = self.compression.pipeline_chunks if self.compression else None
         if chunks not in (None, 1) and not contract.is_ps(self.strategy):
             raise ValueError(f"compression.pipeline_chunks: only PS strategies pipeline, not {self.strategy}")
-        for flag in ("overlap", "aggregate_at_sites"):
+        for flag in ("overlap", "aggregate_at_sites", "delayed_updates"):
             if self.compression and getattr(self.compression, flag) and not contract.is_ps(self.strategy):
                 raise ValueError(f"compression.{flag}: only PS strategies have it, not {self.strategy}")
         if self.compression and self.compression.overlap and self.compression.aggregate_at_sites:

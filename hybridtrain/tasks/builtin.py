@@ -2,7 +2,10 @@
 momentum and weight decay, linear warm-up then cosine (or constant) learning rate.
 
 `digits`, `shapes` and `synthetic` each expose one function per model, made by `task_function`;
-their JSON arguments are `lr`, `momentum`, `weight_decay`, `schedule` and `warmup_steps`.
+their JSON arguments are `lr`, `momentum`, `weight_decay`, `schedule`, `warmup_steps`,
+`image_size` (the images averaged down to this side), `eval_samples` (scored on a fixed
+sample of this many held-out images, not all of them) and, for digits, `holdout` (the held-out
+fraction, 0.2 by default).
 """
 
 from __future__ import annotations
@@ -65,8 +68,12 @@ def _number(name: str, value: Any, ok: Callable[[float], bool], expected: str) -
 
 
 def image_task(dataset: str, model: str, *, lr: float = 0.1, momentum: float = 0.9,
-               weight_decay: float = 5e-4, schedule: str = "cosine", warmup_steps: int = 10) -> Task:
-    """The built-in `model` on the built-in `dataset`; ValueError naming a bad argument."""
+               weight_decay: float = 5e-4, schedule: str = "cosine", warmup_steps: int = 10,
+               image_size: int | None = None, eval_samples: int | None = None,
+               holdout: float | None = None) -> Task:
+    """The built-in `model` on the built-in `dataset` (digits split `holdout` held-out, images
+    averaged down to `image_size`, scored on a fixed sample of `eval_samples` held-out images);
+    ValueError naming a bad argument."""
     if model not in models.MODELS:
         raise ValueError(f"model {model!r}: expected one of {', '.join(models.MODELS)}")
     lr = _number("lr", lr, lambda v: v > 0, "a number > 0")
@@ -76,11 +83,13 @@ def image_task(dataset: str, model: str, *, lr: float = 0.1, momentum: float = 0
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    data = datasets.load(dataset)
+    data = datasets.load(dataset, holdout)
+    if image_size is not None:
+        data = data.resized(image_size)
     return Task(
         model=partial(models.build, model, data.input_shape, data.num_classes),
         train_data=data.train(),
-        eval_data=data.eval(),
+        eval_data=data.eval(eval_samples),
         loss=F.cross_entropy,
         optimizer=partial(sgd, lr=lr, momentum=momentum, weight_decay=weight_decay),
         metrics=[accuracy()],
@@ -94,9 +103,11 @@ def task_function(module: str, dataset: str, model: str, doc: str) -> Callable[.
     of `image_task` (defaults lr=0.1, momentum=0.9, weight_decay=5e-4, cosine, 10 warm-up steps)."""
 
     def make(*, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 5e-4,
-             schedule: str = "cosine", warmup_steps: int = 10) -> Task:
+             schedule: str = "cosine", warmup_steps: int = 10, image_size: int | None = None,
+             eval_samples: int | None = None, holdout: float | None = None) -> Task:
         return image_task(dataset, model, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                          schedule=schedule, warmup_steps=warmup_steps)
+                          schedule=schedule, warmup_steps=warmup_steps, image_size=image_size,
+                          eval_samples=eval_samples, holdout=holdout)
 
     make.__name__ = make.__qualname__ = model
     make.__module__ = module

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, replace
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +75,30 @@ class Arrays:
         """The training split as a Dataset (sharing the cached tensors)."""
         return TensorPairs(self.x_train, self.y_train)
 
-    def eval(self) -> TensorPairs:
-        """The held-out split as a Dataset (sharing the cached tensors)."""
-        return TensorPairs(self.x_test, self.y_test)
+    def eval(self, samples: int | None = None) -> TensorPairs:
+        """The held-out split as a Dataset, or a fixed sample of `samples` of it (the same one
+        in every process and run: the evaluation's cost is bounded and its figures comparable)."""
+        if samples is None:
+            return TensorPairs(self.x_test, self.y_test)
+        n = len(self.y_test)
+        if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= n:
+            raise ValueError(f"eval_samples must be an integer from 1 to {n} (the held-out set's size), "
+                             f"got {samples!r}")
+        gen = torch.Generator().manual_seed(SPLIT_SEED)
+        keep = torch.randperm(n, generator=gen)[:samples].sort().values
+        return TensorPairs(self.x_test[keep], self.y_test[keep])
+
+    def resized(self, side: int) -> Arrays:
+        """The same images at `side` x `side` pixels, averaged down (a reduced input size:
+        a convolutional model's compute per sample falls with the pixel count)."""
+        native = self.input_shape[-1]
+        if len(self.input_shape) != 3 or isinstance(side, bool) or not isinstance(side, int) \
+                or not 4 <= side <= native:
+            raise ValueError(f"image_size must be an integer from 4 to {native} (the images' side), got {side!r}")
+        if side == native:
+            return self
+        shrink = partial(torch.nn.functional.interpolate, size=(side, side), mode="area")
+        return replace(self, x_train=shrink(self.x_train), x_test=shrink(self.x_test))
 
 
 def _standardise(x_train: np.ndarray, x_test: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,9 +219,16 @@ def load_synthetic(n: int = 4096, shape: tuple[int, ...] = (3, 32, 32)) -> Array
     return Arrays(x, y, x[:256].clone(), y[:256].clone(), 10)
 
 
-@lru_cache(maxsize=3)
-def load(name: str) -> Arrays:
-    """A built-in data set by name, built once per process."""
+@lru_cache(maxsize=4)
+def load(name: str, holdout: float | None = None) -> Arrays:
+    """A built-in data set by name, built once per process; `holdout` is digits' held-out
+    fraction (0.2 unless given; the other sets generate theirs apart)."""
+    if holdout is not None:
+        if name != "digits":
+            raise ValueError(f"holdout: only digits is split into training and held-out data, not {name}")
+        if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0.05 <= holdout <= 0.8:
+            raise ValueError(f"holdout must be a fraction from 0.05 to 0.8, got {holdout!r}")
+        return load_digits(float(holdout))
     if name == "digits":
         return load_digits()
     if name == "shapes":

@@ -181,3 +181,35 @@ def test_builtin_data_is_built_once_per_process():
 def test_importing_the_tasks_package_does_not_import_torch():
     code = "import sys, hybridtrain.tasks; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_eval_samples_scores_a_fixed_sample_of_the_held_out_set():
+    first = load_task("hybridtrain.tasks.shapes:smallcnn", {"eval_samples": 1200}).eval_data
+    again = load_task("hybridtrain.tasks.shapes:smallcnn", {"eval_samples": 1200}).eval_data
+    full = datasets.load("shapes").eval()
+    assert len(first) == 1200 and torch.equal(first.y, again.y) and torch.equal(first.x, again.x)
+    # A sample of the set, not its first rows: every class is in it about equally.
+    assert not torch.equal(first.y, full.y[:1200])
+    assert torch.bincount(first.y, minlength=10).min() > 80
+
+
+@pytest.mark.parametrize("samples", [0, 2001, 1.5, True])
+def test_eval_samples_outside_the_held_out_set_is_refused_naming_its_size(samples):
+    with pytest.raises(ValueError, match=r"eval_samples must be an integer from 1 to 2000"):
+        builtin.image_task("shapes", "smallcnn", eval_samples=samples)
+
+
+def test_image_size_averages_the_images_down_and_the_model_follows():
+    task = load_task("hybridtrain.tasks.shapes:smallcnn", {"image_size": 16})
+    x, y = task.train_data[0:4]
+    assert x.shape == (4, 3, 16, 16)
+    assert task.model()(x).shape == (4, 10)
+    # Area averaging: each new pixel is the mean of a 2x2 block.
+    full = datasets.load("shapes").x_train[0]
+    assert torch.allclose(x[0, :, 0, 0], full[:, :2, :2].mean(dim=(1, 2)), atol=1e-6)
+
+
+@pytest.mark.parametrize("side", [3, 33, "16"])
+def test_image_size_beyond_the_images_is_refused(side):
+    with pytest.raises(ValueError, match=r"image_size must be an integer from 4 to 32"):
+        builtin.image_task("shapes", "smallcnn", image_size=side)

@@ -214,6 +214,18 @@ def test_a_run_records_its_time_to_target_and_stops_there_only_if_asked(strategy
     assert max(series(records, "loss", 1)) == (step if stop else 30)
 
 
+@pytest.mark.parametrize("strategy", ["ps-gc", "allreduce"])
+def test_each_evaluation_records_how_long_it_held_the_run_up(strategy, tmp_path):
+    proc = run_cli(*FAST, "--strategy", strategy, "--workers", "2", "--max-steps", "10", "--eval-every", "5",
+                   "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    records = read_metrics(tmp_path / "m.jsonl")
+    spans = series(records, "eval_s")
+    assert sorted(spans) == sorted(series(records, "accuracy")) == [5, 10]
+    # Scoring 360 digits takes a moment, far less than the run.
+    assert all(0 < v < 30 for v in spans.values())
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "allreduce-powersgd"])
 def test_peer_baselines_train_and_count_bytes(strategy, tmp_path):
     proc = run_cli(*FAST, "--strategy", strategy, "--workers", "2", "--max-steps", "40",
