@@ -599,7 +599,7 @@ def main(args: argparse.Namespace) -> int:
     from testbed import report
 
     def save(doc: dict[str, Any]) -> None:
-        args.out.write_text(json.dumps(_public(doc), indent=2) + "\n")
+        write_results(doc, args.out)
 
     try:
         doc = run_bench(args, save=save)
@@ -617,6 +617,13 @@ def main(args: argparse.Namespace) -> int:
     for part in report.parts_of(doc):
         print(f"\n{report.part_title(part)}\n{report.markdown_table(part)}")
     return 0
+
+
+def write_results(doc: dict[str, Any], out: Path) -> None:
+    """results.json at `out`, its folder made first (a fresh checkout has no var/bench): a
+    missing folder after the first part must not lose the parts done."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_public(doc), indent=2) + "\n")
 
 
 def _public(doc: dict[str, Any]) -> dict[str, Any]:

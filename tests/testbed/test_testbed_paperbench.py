@@ -24,6 +24,7 @@ from testbed.paperbench import (
     strategy_variant,
     with_overrides,
     workloads_of,
+    write_results,
 )
 from testbed.report import SECTION, markdown_table, replace_section, section, workload
 
@@ -329,3 +330,10 @@ def test_off_the_paper_testbed_ps_bz_gc_must_reach_80_percent_of_ideal_and_beat_
     assert targets["throughput vs the fastest baseline"]["value"] == pytest.approx(90 / 85, abs=1e-3)
     slower = check_targets(results | {"allreduce": {"samples_per_s": 95.0}}, 100.0, testbed="interc")
     assert not slower["throughput vs the fastest baseline"]["met"]
+
+
+def test_results_are_written_into_a_folder_that_does_not_exist_yet_without_the_curves(tmp_path) -> None:
+    doc = {"parts": [{"results": {"ps": {"samples_per_s": 1.0, "loss_curve": [[0.0, 1.0]]}}}]}
+    out = tmp_path / "var" / "bench" / "results.json"
+    write_results(doc, out)
+    assert json.loads(out.read_text()) == {"parts": [{"results": {"ps": {"samples_per_s": 1.0}}}]}
