@@ -11,6 +11,7 @@ benchmark's widecnn on digits, ResNet-18 on shapes' 32x32 images), in one invoca
 4. run every strategy for real (POST /api/v1/runs, as `hybridtrain bench paper` does) and reduce
    the metrics: rank 0's median samples/s over the steady steps and the bytes per step on links
    that cross sites (the run's bytes_sent records by peer);
+   Steps 2-4 are repeated (--repeats, 3 by default) and each cell is the median of its runs;
 5. print predicted against measured with the error of each cell (goal 10 %, bar 15 %), write the
    JSON (--out) and the "Prediction accuracy" section of docs/BENCHMARKS.md.
 
@@ -19,10 +20,10 @@ Where the control plane does not answer yet (an endpoint 404s, or the plan has n
 links from the testbed's own TCP probe (`testbed.probe`), profiles from `trainer.profile` run in
 each node's namespace and cgroup, and the prediction from `app.predict.predict` on those.
 
-    sudo .venv/bin/python bench/predict.py --out var/bench/predict.json        # ~40 min
+    sudo .venv/bin/python bench/predict.py --out var/bench/predict.json        # 3 runs a cell, ~2 h
     sudo .venv/bin/python bench/predict.py --quick --out var/bench/predict-quick.json   # < 8 min
     sudo .venv/bin/python bench/predict.py --testbeds paper --tasks resnet18 --strategies ps,ps-gc \
-        --out var/bench/predict-ps.json      # a few cells, ~6 min; a subset writes no docs
+        --repeats 1 --out var/bench/predict-ps.json      # a few cells, ~6 min; a subset writes no docs
 """
 
 from __future__ import annotations
@@ -308,6 +309,49 @@ def compare(predicted: Mapping[str, Any], measured: Mapping[str, Any], site_of: 
     }
 
 
+def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from repeated runs of it (each its own fresh profile, prediction and run): the
+    medians of predicted and measured, the median of the runs' own errors (each pairs a
+    prediction with the run it predicted) and its verdict, and every run's figures kept."""
+    if len(runs) == 1:
+        return runs[0] | {"runs": [_run_summary(runs[0])]}
+
+    def med(values: Iterable[Any], digits: int) -> float | None:
+        vals = [v for v in values if v is not None]
+        return round(statistics.median(vals), digits) if vals else None
+
+    cell = dict(runs[-1])
+    for key, digits in (("predicted_samples_per_s", 2), ("measured_samples_per_s", 2),
+                        ("predicted_egress_bytes_per_step", 0), ("measured_egress_bytes_per_step", 0),
+                        ("error_samples_pct", 1), ("error_egress_pct", 1), ("predicted_step_s", 4),
+                        ("measured_step_s", 4), ("wall_s", 1)):  # fmt: skip
+        cell[key] = med((r.get(key) for r in runs), digits)
+    cell["verdict"] = max((verdict(cell["error_samples_pct"]), verdict(cell["error_egress_pct"])),
+                          key=["-", "goal", "bar", "off"].index)
+    probe = [r.get("on_probe_links") or {} for r in runs]
+    cell["on_probe_links"] = {"error_samples_pct": med((p.get("error_samples_pct") for p in probe), 1),
+                              "error_egress_pct": med((p.get("error_egress_pct") for p in probe), 1)}
+    cell["status"] = "succeeded" if all(r.get("status") == "succeeded" for r in runs) else \
+        ",".join(str(r.get("status")) for r in runs)
+    cell["runs"] = [_run_summary(r) for r in runs]
+    return cell
+
+
+def _run_summary(cell: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("run_id", "status", "predicted_samples_per_s", "measured_samples_per_s", "error_samples_pct",
+            "predicted_egress_bytes_per_step", "measured_egress_bytes_per_step", "error_egress_pct",
+            "batch_sizes", "densities")
+    return {k: cell.get(k) for k in keys if k in cell}
+
+
+def run_errors(cell: Mapping[str, Any]) -> str:
+    """The samples/s errors of a cell's runs, in run order ("-": a single run)."""
+    runs = cell.get("runs") or ()
+    if len(runs) < 2:
+        return "-"
+    return " ".join(_fmt(r.get("error_samples_pct"), "+.1f") for r in runs)
+
+
 def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -321,13 +365,14 @@ def table_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
                      _fmt(_mb(c.get("predicted_egress_bytes_per_step")), ".2f"),
                      _fmt(_mb(c.get("measured_egress_bytes_per_step")), ".2f"),
                      _fmt(c.get("error_egress_pct"), "+.1f"), c.get("verdict", "-"),
-                     _fmt((c.get("on_probe_links") or {}).get("error_samples_pct"), "+.1f")])  # fmt: skip
+                     _fmt((c.get("on_probe_links") or {}).get("error_samples_pct"), "+.1f"),
+                     run_errors(c)])  # fmt: skip
     return rows
 
 
 HEADER = ["testbed", "task", "strategy", "predicted samples/s", "measured samples/s", "error %",
           "predicted egress MB/step", "measured egress MB/step", "error %", "within",
-          "samples/s error % on probe links"]
+          "samples/s error % on probe links", "each run's samples/s error %"]
 
 
 def _mb(v: float | None) -> float | None:
@@ -343,7 +388,7 @@ def text_table(cells: list[dict[str, Any]]) -> str:
 
 def markdown_table(cells: list[dict[str, Any]]) -> str:
     """The table as Markdown."""
-    lines = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join(["---"] * 3 + ["---:"] * 6 + ["---", "---:"]) + " |"]
+    lines = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join(["---"] * 3 + ["---:"] * 6 + ["---", "---:", "---"]) + " |"]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(cells)]
     return "\n".join(lines)
 
@@ -678,77 +723,83 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
     ids_of = {v: k for k, v in name_of.items()}
     all_ids = workers + ([server] if server else [])
     share = max(1, s.global_batch // len(workers))
-    progress.say(where, f"profiling {s.task} at batch {share} on {len(all_ids)} nodes")
-    api_profiles = profile_api(api, s, all_ids, share, log)
-    local_profiles = None
-    tag = uuid.uuid4().hex[:6]
-    cells = []
-    for strategy in strategies:
-        body = run_body(strategy, s, workers, server, f"predict-{key}-{s.key}-{strategy}-{tag}")
-        plan = _check(api.post("/api/v1/runs/plan", json=plan_body(body)), f"plan {strategy}")
-        pred = extract_predictions(plan).get(strategy)
-        source = "api"
-        if local_profiles is None:
-            with_result = {name_of[n]: p["result"] for n, p in api_profiles.items() if isinstance(p.get("result"), dict)
-                           and "worker_compress_s" in p["result"]}  # fmt: skip
-            local_profiles = (with_result if len(with_result) == len(all_ids)
-                              else profile_local(state, args.state_dir, s, share, [name_of[n] for n in all_ids], log))
-            # The control plane's measured speeds, so that the second prediction differs from
-            # the API's in its links only (compression costs from the local profile).
-            local_profiles = {n: dict(v) | {"samples_per_s": api_profiles[ids_of[n]]["samples_per_s"]}
-                              for n, v in local_profiles.items()}  # fmt: skip
-        on_probe = local_prediction(strategy, body, plan, profiles=local_profiles, site_rates=site_rates,
-                                    name_of=name_of, site_of_name=site_of_name)  # fmt: skip
-        if pred is None:
-            source = "local (app.predict)"
-            note = f"{s.key}: prediction computed locally (the plan had no 'prediction')"
-            if note not in info["fallbacks"]:
-                log(f"  {note}")
-                info["fallbacks"].append(note)
-            pred = on_probe
-        progress.say(where + f" {strategy}",
-                     f"predicted {pred.get('samples_per_s', 0):.1f} samples/s ({source}); running {body['max_steps']} steps")
-        t0 = time.monotonic()
-        run = run_and_wait(api, body, s.run_timeout_s, progress, where + f" {strategy}")
-        # paperbench's reader takes one extra metric name: the densities the workers used.
-        records = fetch_metrics(api, run["id"], "density")
-        rank_site = {w["rank"]: site_of[w["node_id"]] for w in run["workers"] if w["node_id"] in site_of}
-        _, skip = steps_for(s, strategy)
-        measured = measure_run(records, strategy=strategy, global_batch=s.global_batch, skip_steps=skip,
-                               rank_site=rank_site)
-        cell = {"testbed": key, "task": s.key, "strategy": strategy, "prediction_source": source,
-                "run_id": run["id"], "status": run["status"], "reason": run.get("reason"),
-                "wall_s": round(time.monotonic() - t0, 1),
-                "batch_sizes": {name_of.get(w["node_id"], "?"): w["batch_size"] for w in run["workers"]
-                                if w.get("role") == "worker"}}  # fmt: skip
-        # The prediction of the steps measured: past the warm-up, on the densities' path.
-        window = (skip + 1, body["max_steps"])
-        cell |= compare(pred, measured, site_of, window)
-        # The same model on the testbed probe's links (one direction at a time).
-        alt = compare(on_probe, measured, site_of, window)
-        cell["on_probe_links"] = {k: alt[k] for k in ("predicted_samples_per_s", "error_samples_pct",
-                                                      "predicted_egress_bytes_per_step", "error_egress_pct",
-                                                      "predicted_breakdown")}  # fmt: skip
-        cell["measured_steady_steps"] = measured["steady_steps"]
-        if strategy in ("ps-gc", "ps-bz-gc"):
-            rank_name = {w["rank"]: name_of.get(w["node_id"]) for w in run["workers"]}
-            cell["densities"] = {
-                "predicted": {w.get("name"): w.get("density") for w in pred.get("per_worker") or ()},
-                "measured": {rank_name.get(r): d for r, d in measured["densities"].items()}}
-        cell["prediction"] = pred
-        cell["measured_bytes_per_step"] = measured["bytes_per_step"]
-        cost = api.get(f"/api/v1/runs/{run['id']}/cost")
-        if cost.status_code == 200:
-            bill = cost.json()
-            cell["bill_egress_by_class"] = bill.get("egress_by_class")
-            cell["bill_predicted"] = bill.get("predicted") or bill.get("prediction")
-        cells.append(cell)
-        progress.done += 1
-        progress.say(where + f" {strategy}",
-                     f"{run['status']}: measured {_fmt(measured['samples_per_s'])} samples/s vs predicted "
-                     f"{_fmt(pred.get('samples_per_s'))} ({_fmt(cell['error_samples_pct'], '+.1f')} %), egress "
-                     f"{_fmt(cell['error_egress_pct'], '+.1f')} % [{cell['verdict']}]")
-    return cells
+    # Each repeat profiles afresh and predicts from that before it runs: a run is judged against
+    # the prediction a user would have had just before launching it, and the host's drift over
+    # the invocation (up to 15 % between two runs of one cell here) meets both sides alike.
+    runs_of: dict[str, list[dict[str, Any]]] = {}
+    for rep in range(args.repeats):
+        if args.repeats > 1:
+            where = f"{key} {s.key} (repeat {rep + 1}/{args.repeats})"
+        progress.say(where, f"profiling {s.task} at batch {share} on {len(all_ids)} nodes")
+        api_profiles = profile_api(api, s, all_ids, share, log)
+        local_profiles = None
+        tag = uuid.uuid4().hex[:6]
+        for strategy in strategies:
+            body = run_body(strategy, s, workers, server, f"predict-{key}-{s.key}-{strategy}-{tag}")
+            plan = _check(api.post("/api/v1/runs/plan", json=plan_body(body)), f"plan {strategy}")
+            pred = extract_predictions(plan).get(strategy)
+            source = "api"
+            if local_profiles is None:
+                with_result = {name_of[n]: p["result"] for n, p in api_profiles.items() if isinstance(p.get("result"), dict)
+                               and "worker_compress_s" in p["result"]}  # fmt: skip
+                local_profiles = (with_result if len(with_result) == len(all_ids)
+                                  else profile_local(state, args.state_dir, s, share, [name_of[n] for n in all_ids], log))
+                # The control plane's measured speeds, so that the second prediction differs from
+                # the API's in its links only (compression costs from the local profile).
+                local_profiles = {n: dict(v) | {"samples_per_s": api_profiles[ids_of[n]]["samples_per_s"]}
+                                  for n, v in local_profiles.items()}  # fmt: skip
+            on_probe = local_prediction(strategy, body, plan, profiles=local_profiles, site_rates=site_rates,
+                                        name_of=name_of, site_of_name=site_of_name)  # fmt: skip
+            if pred is None:
+                source = "local (app.predict)"
+                note = f"{s.key}: prediction computed locally (the plan had no 'prediction')"
+                if note not in info["fallbacks"]:
+                    log(f"  {note}")
+                    info["fallbacks"].append(note)
+                pred = on_probe
+            progress.say(where + f" {strategy}",
+                         f"predicted {pred.get('samples_per_s', 0):.1f} samples/s ({source}); running {body['max_steps']} steps")
+            t0 = time.monotonic()
+            run = run_and_wait(api, body, s.run_timeout_s, progress, where + f" {strategy}")
+            # paperbench's reader takes one extra metric name: the densities the workers used.
+            records = fetch_metrics(api, run["id"], "density")
+            rank_site = {w["rank"]: site_of[w["node_id"]] for w in run["workers"] if w["node_id"] in site_of}
+            _, skip = steps_for(s, strategy)
+            measured = measure_run(records, strategy=strategy, global_batch=s.global_batch, skip_steps=skip,
+                                   rank_site=rank_site)
+            cell = {"testbed": key, "task": s.key, "strategy": strategy, "prediction_source": source,
+                    "run_id": run["id"], "status": run["status"], "reason": run.get("reason"),
+                    "wall_s": round(time.monotonic() - t0, 1),
+                    "batch_sizes": {name_of.get(w["node_id"], "?"): w["batch_size"] for w in run["workers"]
+                                    if w.get("role") == "worker"}}  # fmt: skip
+            # The prediction of the steps measured: past the warm-up, on the densities' path.
+            window = (skip + 1, body["max_steps"])
+            cell |= compare(pred, measured, site_of, window)
+            # The same model on the testbed probe's links (one direction at a time).
+            alt = compare(on_probe, measured, site_of, window)
+            cell["on_probe_links"] = {k: alt[k] for k in ("predicted_samples_per_s", "error_samples_pct",
+                                                          "predicted_egress_bytes_per_step", "error_egress_pct",
+                                                          "predicted_breakdown")}  # fmt: skip
+            cell["measured_steady_steps"] = measured["steady_steps"]
+            if strategy in ("ps-gc", "ps-bz-gc"):
+                rank_name = {w["rank"]: name_of.get(w["node_id"]) for w in run["workers"]}
+                cell["densities"] = {
+                    "predicted": {w.get("name"): w.get("density") for w in pred.get("per_worker") or ()},
+                    "measured": {rank_name.get(r): d for r, d in measured["densities"].items()}}
+            cell["prediction"] = pred
+            cell["measured_bytes_per_step"] = measured["bytes_per_step"]
+            cost = api.get(f"/api/v1/runs/{run['id']}/cost")
+            if cost.status_code == 200:
+                bill = cost.json()
+                cell["bill_egress_by_class"] = bill.get("egress_by_class")
+                cell["bill_predicted"] = bill.get("predicted") or bill.get("prediction")
+            runs_of.setdefault(strategy, []).append(cell)
+            progress.done += 1
+            progress.say(where + f" {strategy}",
+                         f"{run['status']}: measured {_fmt(measured['samples_per_s'])} samples/s vs predicted "
+                         f"{_fmt(pred.get('samples_per_s'))} ({_fmt(cell['error_samples_pct'], '+.1f')} %), egress "
+                         f"{_fmt(cell['error_egress_pct'], '+.1f')} % [{cell['verdict']}]")
+    return [merge_repeats(runs_of[st]) for st in strategies if st in runs_of]
 
 
 def docs_section(doc: dict[str, Any]) -> str:
@@ -762,7 +813,9 @@ def docs_section(doc: dict[str, Any]) -> str:
              "links that cross sites, predicted by POST /api/v1/runs/plan against measured. Goal within 10 %,",
              "bar 15 %. \"on probe links\" is the same model (app.predict, the control plane's task profiles)",
              "on the testbed's own TCP probe of each site pair, one direction at a time: where it is close and",
-             "the API's prediction is not, the links the agents measured are at fault, not the model.", "",
+             "the API's prediction is not, the links the agents measured are at fault, not the model.",
+             f"Each cell is the median of {doc.get('repeats', 1)} run(s), each profiled and predicted afresh just "
+             "before it runs; its error is the median of the runs' own errors, listed in the last column.", "",
              "```sh", doc["command"], "```", "",
              f"{doc['date']}, {doc['machine']['cpus']} cores, {doc['duration_s'] / 60:.1f} minutes; "
              f"cells within 10 %: {counts['goal']} of {n}, within 15 %: {counts['goal'] + counts['bar']} of {n}.", ""]
@@ -783,10 +836,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("var/bench/predict.json"))
     p.add_argument("--docs", help="Markdown file to write the section into ('-': none; default "
                    "docs/BENCHMARKS.md for a full run, none for --quick or a subset)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of each cell, each with a fresh profile and prediction; the cell is their "
+                   "median (default 3, 1 with --quick)")
     p.add_argument("--state-dir", type=Path, default=None)
     p.add_argument("--report", type=Path, help="re-render the table and docs section of an earlier --out JSON; "
                    "runs nothing")
     args = p.parse_args(argv)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if args.report:
         doc = json.loads(args.report.read_text())
         print(text_table(doc["cells"]))
@@ -805,8 +864,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         tasks = [replace(t, max_steps=8, skip_steps=2) for t in tasks]
     started = time.monotonic()
-    progress = Progress(len(testbeds) * len(tasks) * len(strategies), print)
+    progress = Progress(len(testbeds) * len(tasks) * len(strategies) * args.repeats, print)
     doc: dict[str, Any] = {"cells": [], "testbeds": {}, "settings": {t.key: asdict(t) for t in tasks},
+                           "repeats": args.repeats,
                            "command": "sudo .venv/bin/python bench/predict.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     try:
         for key in testbeds:

@@ -123,7 +123,7 @@ def test_tables_have_one_row_per_cell() -> None:
             "measured_samples_per_s": 9.0, "error_samples_pct": 11.1, "predicted_egress_bytes_per_step": 2e6,
             "measured_egress_bytes_per_step": 2e6, "error_egress_pct": 0.0, "verdict": "bar"}
     md = bp.markdown_table([cell]).splitlines()
-    assert len(md) == 3 and "| paper | widecnn | ps | 10.0 | 9.0 | +11.1 | 2.00 | 2.00 | +0.0 | bar | - |" == md[2]
+    assert len(md) == 3 and "| paper | widecnn | ps | 10.0 | 9.0 | +11.1 | 2.00 | 2.00 | +0.0 | bar | - | - |" == md[2]
     assert len(bp.text_table([cell]).splitlines()) == 2
 
 
@@ -157,3 +157,33 @@ def test_docs_section_holds_command_counts_and_table() -> None:
     text = bp.docs_section(doc)
     assert text.startswith(bp.SECTION) and doc["command"] in text
     assert "within 10 %: 2 of 2" in text and "| paper | widecnn | ps |" in text
+
+
+def _run(measured: float, err: float, egress_err: float = 0.0) -> dict:
+    return {"testbed": "paper", "task": "widecnn", "strategy": "ps", "status": "succeeded",
+            "predicted_samples_per_s": 100.0, "measured_samples_per_s": measured, "error_samples_pct": err,
+            "predicted_egress_bytes_per_step": 1e6, "measured_egress_bytes_per_step": 1e6,
+            "error_egress_pct": egress_err, "on_probe_links": {"error_samples_pct": err}}
+
+
+def test_merge_repeats_takes_the_median_of_the_runs_own_errors() -> None:
+    cell = bp.merge_repeats([_run(80.0, 25.0), _run(95.0, 5.3), _run(105.0, -4.8)])
+    assert cell["error_samples_pct"] == 5.3 and cell["measured_samples_per_s"] == 95.0
+    assert cell["verdict"] == "goal" and cell["on_probe_links"]["error_samples_pct"] == 5.3
+
+
+def test_merge_repeats_keeps_every_run_and_lists_their_errors() -> None:
+    cell = bp.merge_repeats([_run(80.0, 25.0), _run(95.0, 5.3), _run(105.0, -4.8)])
+    assert [r["measured_samples_per_s"] for r in cell["runs"]] == [80.0, 95.0, 105.0]
+    assert bp.run_errors(cell) == "+25.0 +5.3 -4.8"
+
+
+def test_merge_repeats_names_a_failed_run_in_the_status() -> None:
+    failed = _run(80.0, 25.0) | {"status": "failed", "measured_samples_per_s": None, "error_samples_pct": None}
+    cell = bp.merge_repeats([failed, _run(95.0, 5.0)])
+    assert cell["status"] == "failed,succeeded" and cell["error_samples_pct"] == 5.0
+
+
+def test_a_single_run_is_its_own_cell() -> None:
+    cell = bp.merge_repeats([_run(95.0, 5.0)])
+    assert cell["error_samples_pct"] == 5.0 and bp.run_errors(cell) == "-"
