@@ -377,6 +377,7 @@ class Agent:
         profiles.install(profiles.Profiling(
             client=self.client, cache=bundles, state_dir=self.state_dir,
             command=self.settings.profile_command, timeout_s=self.settings.profile_timeout_s,
+            threads=self.settings.role_threads,
         ))
         probe.install(probe.Probing(client=self.client, node_id=state.node_id))
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)

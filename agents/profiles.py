@@ -48,14 +48,21 @@ def run_profile(
     cwd: Path,
     code_dir: Path | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """Run the profiler `argv` in `cwd` and return the JSON object it printed.
+    """Run the profiler `argv` in `cwd` and return the JSON object it printed; `threads`: the
+    OMP/MKL threads the node's roles get (the agent's --role-threads).
 
     Raises ProfileError with the child's last stderr lines (or the reason) when it fails,
     times out or prints no JSON object.
     """
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    if threads is not None:
+        # As the roles compute (agents.supervisor): an agent started with --role-threads but
+        # no OMP_NUM_THREADS would otherwise profile on torch's one thread per core and predict
+        # roles that run on fewer.
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     if code_dir is not None:
         # As for a role (agents.supervisor): the profiler puts the user's code first on its
         # import path once its own packages are loaded, never before them.
@@ -118,6 +125,8 @@ class Profiling:
     state_dir: Path
     command: list[str] = field(default_factory=lambda: list(DEFAULT_COMMAND))
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # The agent's --role-threads: a profile computes as the node's roles will.
+    threads: int | None = None
 
 
 _current: Profiling | None = None

@@ -63,8 +63,10 @@ def profile_task(
     command: list[str] | None = None,
     timeout_s: float = profiles.DEFAULT_TIMEOUT_S,
     report_retry_s: float = 30.0,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """Measure a task on this node and report it; returns the body sent to the control plane.
+    """Measure a task on this node (with the roles' `threads`) and report it; returns the body
+    sent to the control plane.
 
     Fetches the bundle with the agent's own token, unpacks it into
     `state_dir/profiles/<id>/code`, runs the profiler there as a child process and POSTs
@@ -72,7 +74,7 @@ def profile_task(
     """
     work = Path(state_dir) / "profiles" / str(int(profile_id))
     try:
-        body = {"status": "done", "result": _measure(work, spec, client, cache, command, timeout_s)}
+        body = {"status": "done", "result": _measure(work, spec, client, cache, command, timeout_s, threads)}
     except ValidationError as exc:
         body = {"status": "failed", "error": f"invalid profile order: {_first_error(exc)}"}
     except AgentError as exc:
@@ -104,7 +106,7 @@ def profile_task(
 
 def _measure(
     work: Path, spec: dict[str, Any], client: ControlPlaneClient, cache: BundleCache,
-    command: list[str] | None, timeout_s: float,
+    command: list[str] | None, timeout_s: float, threads: int | None,
 ) -> dict[str, Any]:
     order = ProfileSpec.model_validate(spec)
     code = work / "code"
@@ -118,6 +120,7 @@ def _measure(
     argv = profiles.profile_argv(order, command or profiles.DEFAULT_COMMAND)
     return profiles.run_profile(
         argv, cwd=code, code_dir=code if order.bundle is not None else None, timeout_s=timeout_s,
+        threads=threads,
     )
 
 
@@ -206,7 +209,7 @@ def profile_task_task(profile_id: int, spec: dict[str, Any]) -> dict[str, Any]:
     ctx = profiles.current()
     return profile_task(
         profile_id, spec, client=ctx.client, cache=ctx.cache, state_dir=ctx.state_dir,
-        command=ctx.command, timeout_s=ctx.timeout_s,
+        command=ctx.command, timeout_s=ctx.timeout_s, threads=ctx.threads,
     )
 
 

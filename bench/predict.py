@@ -79,7 +79,7 @@ class TaskSettings:
     profile_seconds: float = 3.0
 
 
-# The paper benchmark's workload (testbed/paperbench.py FULL) at a fixed batch: 320 is what its
+# The paper benchmark's workload (testbed/paper_workloads.py FULL) at a fixed batch: 320 is what its
 # calibration chose on this machine (1.5 s of balanced compute on the paper testbed), so a `ps`
 # step is ~5 s and a run of 12 steps about a minute after ~35 s of start-up.
 WIDECNN = TaskSettings(

@@ -19,7 +19,7 @@ import psutil
 
 from hybridtrain.contract import EVENT_RESUMED, EVENT_WORKER_JOINED
 from testbed.errors import TestbedError
-from testbed.paperbench import FULL
+from testbed.paper_workloads import FULL
 from testbed.state import TestbedState
 
 if TYPE_CHECKING:

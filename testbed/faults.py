@@ -53,7 +53,8 @@ from testbed.fault_figures import (
     summarise_fault,
     throughput,
 )
-from testbed.paperbench import FULL, TERMINAL, BenchSettings, measure_ideal, run_body
+from testbed.paper_workloads import FULL, BenchSettings
+from testbed.paperbench import TERMINAL, measure_ideal, run_body
 from testbed.state import TestbedState
 from testbed.topology import load_config, plan
 

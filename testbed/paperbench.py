@@ -1,7 +1,7 @@
 """`hybridtrain bench paper`: seed 000's comparison, through the product, in one command.
 
 For each testbed of `--config` (the paper's and the intercontinental one by default), and on
-it each workload (`WORKLOADS`: widecnn and ResNet-18 on digits):
+it each workload (testbed/paper_workloads.py: widecnn and ResNet-18 on digits):
 1. Bring the testbed up (namespaces, shaping, quotas, control plane, agents).
 2. Measure the ideal: every worker's compute alone, in its own namespace and cgroup, on the
    batch `ps-bz-gc` gives it (the plan preview); the sum is `ideal_samples_per_s`.
@@ -47,133 +47,19 @@ from hybridtrain.progress import RunProgress, duration, status_text
 from testbed import lifecycle, processes, services
 from testbed.errors import TestbedError
 from testbed.paper_figures import check_targets, combine_seeds, link_prices, summarise
+from testbed.paper_workloads import (
+    BenchSettings,
+    calibrated_batch,
+    configs_of,
+    seeds_of,
+    workloads_of,
+)
 from testbed.state import TestbedState
 from testbed.topology import TestbedConfig, load_config
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    """One benchmark's hyperparameters: the same for every strategy."""
-
-    # A task reference (module:function) and its JSON args; the built-in tasks take lr,
-    # momentum, weight_decay, schedule and warmup_steps.
-    task: str
-    global_batch: int
-    max_steps: int
-    # What time to target measures, e.g. "accuracy>=0.95" (hybridtrain.contract.parse_target).
-    target: str
-    task_args: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    # Each strategy runs with seeds seed, seed + 1, ...: the results are means over them, with
-    # their spread (the testbed's figures move a few percent from run to run).
-    seeds: int = 1
-    # Applied to ps-gc and ps-bz-gc (and powersgd_rank to allreduce-powersgd).
-    compression: dict[str, Any] = field(default_factory=dict)
-    powersgd_rank: int | None = None
-    # ps-bz-gc re-splits its batch from observed compute times every N steps (None: never).
-    rebalance_every: int | None = None
-    # Evaluate every N steps (None: the trainer's default); time to accuracy is only as fine as this.
-    eval_every: int | None = None
-    # False: every run records when it reaches the target and trains on to max_steps, so final
-    # accuracies compare at the same step budget, not at whichever evaluation crossed the target.
-    stop_at_target: bool = True
-    # PS strategies (all three, so the baselines get it too): the step pipelined in this many chunks.
-    pipeline_chunks: int | None = None
-    # Seconds of compute in a balanced step: when set, the global batch is re-chosen from the
-    # measured ideal so that a step computes this long on whatever host runs the benchmark
-    # (`global_batch` is then the probe the ideal is first measured on). None: as given.
-    balanced_step_s: float | None = None
-    # The calibration never goes below this: on a slow model or host the step then computes
-    # longer than balanced_step_s (less communication-bound) rather than training on batches
-    # too small to learn from (32 over four workers left a shapes run at chance).
-    min_global_batch: int = 128
-    max_global_batch: int = 1024
-    # Steps at the start of each run left out of the steady-state throughput: the compressed
-    # strategies send dense gradients in their warm-up steps, PowerSGD starts compressing at
-    # step 10 (the trainer's --powersgd-start, which the API does not expose).
-    skip_steps: int = 10
-    standalone_seconds: float = 12.0
-    run_timeout_s: float = 900.0
-
-
-# Why these: docs/testbed.md, "Choosing the workload". A dense gradient of the model takes
-# 2.1 s per direction over the 100 Mbit/s WAN (both cloud workers share it; a `ps` step moves
-# 3.5 s of gradients and updates across it) against 1.5 s of compute in a balanced step, on any
-# host: the batch is calibrated to that compute time from the measured ideal (328 on the host
-# of 2026-11-23 18:20, 240 the probe it is measured on first).
-FULL = BenchSettings(
-    task="hybridtrain.tasks.digits:widecnn",
-    # The built-in tasks' other defaults (momentum 0.9, weight decay 5e-4, cosine schedule
-    # after 10 warm-up steps) are the trainer's former ones, so results stay comparable.
-    # 60 % of digits held out: 1,078 images, so one is 0.09 points of accuracy (at the default
-    # 20 %, 360 images, one was 0.28). Trained alone on the other 719 at batch 328 the model
-    # crosses 0.95 at step 30 and ends at 0.973.
-    task_args={"lr": 0.1, "holdout": 0.6},
-    global_batch=240,
-    max_steps=50,
-    target="accuracy>=0.95",
-    # Time to target is read this finely; the evaluations' own time is left out of it
-    # (testbed/paper_figures.py), and of the throughput.
-    eval_every=2,
-    stop_at_target=False,
-    pipeline_chunks=4,
-    balanced_step_s=1.5,
-    # Adaptive density around 5 %: the on-prem links (fast enough to sit under the trainer's
-    # 50 ms time floor) send more, the cloud workers on the shared WAN less. Server k =
-    # params/8: without momentum correction params/32 (the paper's) cost 6 points of accuracy
-    # at 30 steps on this workload and params/8 crossed 0.95 five steps later than params/4;
-    # with it (the trainer's default) params/8 and params/4 both crossed at step 25 and ended
-    # at the same accuracy, and params/8 halves the update on the WAN and the server's work.
-    # One dense warm-up step, not the trainer's 5: with momentum correction `ps-bz-gc` reached
-    # 0.95 at step 25 either way, and a dense step costs as much as a `ps` step
-    # (docs/testbed.md, "Choosing the workload").
-    compression={"density": 0.05, "density_min": 0.02, "density_max": 0.1,
-                 "server_k_fraction": 0.125, "warmup_steps": 1},
-    # FLOPs ignore that a small batch runs less efficiently per core than a large one; the
-    # measured re-split closes that gap after the warm-up (docs/testbed.md).
-    rebalance_every=5,
-    seeds=3,
-)  # fmt: skip
-
-# The second workload: ResNet-18 (11.2M parameters, 44.7 MB of dense gradient, 3.3x widecnn's)
-# at digits' reduced 8x8 input, where it computes about as fast per sample as widecnn (600
-# samples/s on one core here): a dense `ps` step moves 10 s over the WAN against the same
-# 1.5 s of balanced compute, far more communication-bound than widecnn. Trained alone at batch
-# 256 with lr 0.05 it crosses 0.93 at step 30 (0.95 at 35). Sparser than widecnn's: at 5 %
-# the compressed gradients and the server's update would still take 1.6 s a step on the WAN.
-RESNET18 = replace(
-    FULL,
-    task="hybridtrain.tasks.digits:resnet18",
-    task_args={"lr": 0.05, "holdout": 0.6},
-    max_steps=40,
-    target="accuracy>=0.93",
-    compression={"density": 0.02, "density_min": 0.01, "density_max": 0.05,
-                 "server_k_fraction": 0.0625, "warmup_steps": 1},
-    balanced_step_s=2.5,
-    max_global_batch=2048,
-)  # fmt: skip
-# `hybridtrain bench paper --workloads`: each runs every strategy on every testbed of --config.
-WORKLOADS = {"widecnn": FULL, "resnet18": RESNET18}
-
-
-def quick(full: BenchSettings) -> BenchSettings:
-    """A workload's smoke test of the whole path rather than a measurement: each run spends
-    about 34 s starting and stopping (importing torch and the trainer is 3.4 s of CPU, 22 s on
-    a V100 node's 0.157 core), which leaves four steps of half the probe batch per strategy,
-    one of them dense for the compressed ones, one seed, and a target the single evaluation
-    (the last step) passes."""
-    return BenchSettings(
-        task=full.task, task_args=full.task_args, global_batch=full.global_batch // 2, max_steps=4,
-        target="accuracy>=0.2", compression=full.compression, pipeline_chunks=full.pipeline_chunks,
-        skip_steps=1, standalone_seconds=2.0, run_timeout_s=180.0,
-    )
-
-
-QUICK = quick(FULL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,11 +196,6 @@ def fetch_metrics(api: httpx.Client, run_id: int, target_metric: str = "accuracy
     return records
 
 
-def seeds_of(s: BenchSettings) -> list[int]:
-    """The seeds each strategy runs with."""
-    return [s.seed + i for i in range(max(1, s.seeds))]
-
-
 # ---------------------------------------------------------------------------------------------
 # The ideal: each worker's compute alone.
 
@@ -370,54 +251,6 @@ def samples_per_s(output: str) -> float | None:
 
 # ---------------------------------------------------------------------------------------------
 # The whole benchmark.
-
-
-def with_overrides(settings: BenchSettings, args: argparse.Namespace) -> BenchSettings:
-    """`settings` with the workload flags that were given on the command line (a batch given
-    there is used as it is, not calibrated)."""
-    names = ("task", "task_args", "global_batch", "max_steps", "target", "pipeline_chunks",
-             "balanced_step_s", "seeds")
-    changes: dict[str, Any] = {name: getattr(args, name) for name in names
-                               if getattr(args, name, None) is not None}  # fmt: skip
-    if "global_batch" in changes:
-        changes["balanced_step_s"] = None
-    if getattr(args, "server_k_fraction", None) is not None:
-        changes["compression"] = settings.compression | {"server_k_fraction": args.server_k_fraction}
-    return replace(settings, **changes)
-
-
-def calibrated_batch(ideal_samples_per_s: float, step_s: float, workers: int, multiple: int = 8,
-                     largest: int = 1024, smallest: int = 0) -> int:
-    """The global batch, a multiple of `multiple`, whose balanced compute takes `step_s` at the
-    measured ideal speed; at least `smallest` and `multiple` samples per worker, at most `largest`."""
-    if ideal_samples_per_s <= 0 or step_s <= 0:
-        raise ValueError(f"need a positive speed and step time, got {ideal_samples_per_s} and {step_s}")
-    batch = round(ideal_samples_per_s * step_s / multiple) * multiple
-    return max(multiple * workers, smallest, min(largest, batch))
-
-
-# The testbeds of a full run: seed 000's and seed 003's intercontinental one; --quick runs the first.
-CONFIGS = ("bench/testbeds/paper.yaml", "bench/testbeds/intercontinental.yaml")
-
-
-def workloads_of(args: argparse.Namespace) -> list[tuple[str, BenchSettings]]:
-    """(name, settings) of each workload to run, command-line overrides applied to each:
-    all of WORKLOADS for a full run, the first for --quick, or those --workloads names."""
-    names = args.workloads.split(",") if getattr(args, "workloads", None) else (
-        list(WORKLOADS)[:1] if args.quick else list(WORKLOADS))
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown or not names:
-        raise TestbedError(f"--workloads: unknown workload {', '.join(unknown) or '(none)'} "
-                           f"(one or more of {', '.join(WORKLOADS)})")
-    return [(n, with_overrides(quick(WORKLOADS[n]) if args.quick else WORKLOADS[n], args)) for n in names]
-
-
-def configs_of(args: argparse.Namespace) -> list[str]:
-    """The testbed configs to run on, in order: --config's comma-separated list, else CONFIGS
-    (the first of them for --quick)."""
-    if getattr(args, "config", None):
-        return [c for c in str(args.config).split(",") if c]
-    return list(CONFIGS[:1] if args.quick else CONFIGS)
 
 
 @dataclass

@@ -347,7 +347,8 @@ class Boundary:
         """Ask `donor` for its weights and optimizer state (as of the last step); None if it is
         lost meanwhile. Its frames that come first are kept for their round. `after_bye`: the
         donor has said BYE, so the inbox no longer reads it (it answers FETCH while it waits for
-        the server's BYE): read its reply from the transport directly."""
+        the server's BYE): read its reply from the transport directly. A BYE met on the way (the
+        last step's checkpoint, taken before the goodbye round is read) switches to that too."""
         held = []
         try:
             self.transport.send(donor, pack(Fetch(self.step)))
@@ -360,6 +361,7 @@ class Boundary:
                 if isinstance(frame, Abort):
                     raise ProtocolError(frame.reason)
                 held.append(item)
+                after_bye = after_bye or isinstance(frame, Bye)
         except (ConnectionError, TimeoutError, OSError) as exc:
             held = []
             self.lose(donor, exc)

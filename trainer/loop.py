@@ -76,7 +76,7 @@ class Context:
         self.standalone = standalone
         self.fail_at_step = fail_at_step
         self.step = 0
-        self.should_stop = False
+        self._stop = False
         self.batch_sizes = initial_batch_sizes(cfg)
         self.max_steps = cfg.max_steps
         self.target = parse_target(cfg.target) if cfg.target else None
@@ -95,6 +95,16 @@ class Context:
         self.master_addr, self.master_port = "127.0.0.1", 0
 
     # -- what user code reads --------------------------------------------------------------------
+    @property
+    def should_stop(self) -> bool:
+        """True once the run should end: its target was reached, the server ended it, or its
+        --max-steps are done (so `while not ctx.should_stop:` loops end too)."""
+        return self._stop or self.step >= self.max_steps
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._stop = bool(value)
+
     @property
     def worker(self) -> int:
         """This worker's 0-based index (rank - 1 under a parameter server)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,7 +24,8 @@ AGENT_TOKEN = "hta_test-agent-token"
 STANDIN = (
     "import json, os, sys; print('warming up'); "
     "print(json.dumps({'argv': sys.argv[1:], 'cwd': os.getcwd(), "
-    "'safe_path': os.environ.get('PYTHONSAFEPATH'), 'samples_per_s': 123.5}))"
+    "'safe_path': os.environ.get('PYTHONSAFEPATH'), 'omp': os.environ.get('OMP_NUM_THREADS'), "
+    "'samples_per_s': 123.5}))"
 )
 STANDIN_COMMAND = [sys.executable, "-c", STANDIN]
 
@@ -68,6 +68,16 @@ def test_run_profile_returns_the_json_line_the_child_printed(tmp_path):
     assert result["cwd"] == str(tmp_path)
     # The working directory is not searched before the profiler's own packages.
     assert result["safe_path"] == "1"
+
+
+def test_run_profile_computes_with_the_threads_the_roles_get(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert run_profile(STANDIN_COMMAND, cwd=tmp_path, threads=1)["omp"] == "1"
+
+
+def test_profile_task_passes_the_agents_role_threads_to_the_profiler(control_plane, client, cache, tmp_path):
+    body = _run(9, _order(task="hybridtrain.tasks.digits:smallcnn"), client, cache, tmp_path, threads=3)
+    assert body["status"] == "done" and body["result"]["omp"] == "3"
 
 
 def test_run_profile_failure_carries_the_childs_last_stderr_lines(tmp_path):

@@ -11,21 +11,17 @@ import pytest
 
 from testbed.paper_figures import check_targets, combine_seeds, link_prices, summarise
 from testbed.errors import TestbedError
-from testbed.paperbench import (
+from testbed.paper_workloads import (
     FULL,
     QUICK,
     WORKLOADS,
     calibrated_batch,
     configs_of,
-    profile_argv,
-    run_body,
-    samples_per_s,
     seeds_of,
-    strategy_variant,
     with_overrides,
     workloads_of,
-    write_results,
 )
+from testbed.paperbench import profile_argv, run_body, samples_per_s, strategy_variant, write_results
 from testbed.report import SECTION, markdown_table, replace_section, section, workload
 
 

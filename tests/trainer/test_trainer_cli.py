@@ -343,6 +343,44 @@ def test_launch_runs_a_plain_loop_script_on_every_worker_to_its_target(strategy,
     assert max(series(records, "accuracy").values()) >= 0.8
 
 
+UNTIL_STOP = """
+import hybridtrain as ht
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+ctx = ht.init(global_batch=32)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 8, generator=g)
+train = TensorDataset(x, (x @ torch.randn(8, 3, generator=g)).argmax(1))
+model = ht.prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 3)))
+opt = ht.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), model)
+while not ctx.should_stop:
+    for xb, yb in ht.data_loader(train):
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+print(f"worker {ctx.worker} stopped at step {ctx.step}", flush=True)
+"""
+
+
+def test_a_loop_until_should_stop_ends_at_max_steps(tmp_path):
+    (tmp_path / "train.py").write_text(UNTIL_STOP)
+    proc = run_cli("--strategy", "ps-gc", "--workers", "2", "--max-steps", "6", "train.py", command="launch",
+                   cwd=tmp_path, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert "worker 0 stopped at step 6" in proc.stdout and "worker 1 stopped at step 6" in proc.stdout
+
+
+def test_a_checkpoint_due_at_the_last_step_of_a_script_without_evaluation_is_written(tmp_path):
+    # No evaluation between the last step and the goodbye: the donor's BYE comes before its state.
+    (tmp_path / "train.py").write_text(UNTIL_STOP)
+    proc = run_cli("--strategy", "ps-gc", "--workers", "2", "--max-steps", "6", "--checkpoint-every", "3",
+                   "--checkpoint-dir", str(tmp_path / "ck"), "train.py", command="launch", cwd=tmp_path, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["run-step-00000003.pt", "run-step-00000006.pt"]
+
+
 def test_the_same_script_run_plainly_trains_as_one_worker(tmp_path):
     import subprocess
     import sys
