@@ -826,6 +826,16 @@ def docs_section(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_doc(doc: dict[str, Any], out: Path, started: float) -> None:
+    """Stamp `doc` (date, duration, machine, counts) and write it to `out`, making its folder."""
+    doc["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="minutes")
+    doc["duration_s"] = round(time.monotonic() - started, 1)
+    doc["machine"] = {"cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
+    doc["counts"] = summary_counts(doc["cells"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when it ran (whatever the errors), 2 when it could not."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -873,16 +883,13 @@ def main(argv: list[str] | None = None) -> int:
             cells, info = bench_testbed(key, tasks, strategies, args, progress, print)
             doc["cells"] += cells
             doc["testbeds"][key] = info
+            # After each testbed: a failure or an interrupt later loses nothing already measured.
+            write_doc(doc, args.out, started)
     except (TestbedError, RuntimeError) as exc:
         print(f"bench/predict.py: {exc}", file=sys.stderr)
         if not doc["cells"]:
             return 2
-    doc["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="minutes")
-    doc["duration_s"] = round(time.monotonic() - started, 1)
-    doc["machine"] = {"cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
-    doc["counts"] = summary_counts(doc["cells"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    write_doc(doc, args.out, started)
     print(text_table(doc["cells"]))
     print(f"counts: {doc['counts']}; wrote {args.out}")
     subset = args.quick or args.testbeds or args.tasks or args.strategies

@@ -187,3 +187,11 @@ def test_merge_repeats_names_a_failed_run_in_the_status() -> None:
 def test_a_single_run_is_its_own_cell() -> None:
     cell = bp.merge_repeats([_run(95.0, 5.0)])
     assert cell["error_samples_pct"] == 5.0 and bp.run_errors(cell) == "-"
+
+
+def test_write_doc_makes_the_folder_and_stamps_the_counts(tmp_path):
+    out = tmp_path / "var" / "bench" / "predict.json"
+    doc = {"cells": [{"error_samples_pct": 3.0, "error_egress_pct": 12.0}]}
+    bp.write_doc(doc, out, started=0.0)
+    written = __import__("json").loads(out.read_text())
+    assert written["counts"] == {"goal": 1, "bar": 1, "off": 0, "-": 0} and "date" in written
