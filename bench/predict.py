@@ -814,7 +814,7 @@ def docs_section(doc: dict[str, Any]) -> str:
              "bar 15 %. \"on probe links\" is the same model (app.predict, the control plane's task profiles)",
              "on the testbed's own TCP probe of each site pair, one direction at a time: where it is close and",
              "the API's prediction is not, the links the agents measured are at fault, not the model.",
-             f"Each cell is the median of {doc.get('repeats', 1)} run(s), each profiled and predicted afresh just "
+             f"Each cell is the median of {doc.get('repeats', 1)} run(s), each profiled and predicted afresh just",
              "before it runs; its error is the median of the runs' own errors, listed in the last column.", "",
              "```sh", doc["command"], "```", "",
              f"{doc['date']}, {doc['machine']['cpus']} cores, {doc['duration_s'] / 60:.1f} minutes; "
