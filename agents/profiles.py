@@ -22,6 +22,7 @@ from typing import Any
 from agents.bundles import BundleCache
 from agents.client import ControlPlaneClient
 from agents.errors import ProfileError
+from agents.roles import role_env
 from agents.spec import ProfileSpec
 
 DEFAULT_COMMAND = [sys.executable, "-m", "trainer.profile"]
@@ -56,13 +57,10 @@ def run_profile(
     Raises ProfileError with the child's last stderr lines (or the reason) when it fails,
     times out or prints no JSON object.
     """
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    if threads is not None:
-        # As the roles compute (agents.supervisor): an agent started with --role-threads but
-        # no OMP_NUM_THREADS would otherwise profile on torch's one thread per core and predict
-        # roles that run on fewer.
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    # The user's code runs here as in a role (agents.supervisor): without the agent's own
+    # settings and credentials, and on the roles' threads (an agent started with --role-threads
+    # but no OMP_NUM_THREADS would otherwise profile on one thread per core).
+    env = role_env(os.environ, threads=threads)
     if code_dir is not None:
         # As for a role (agents.supervisor): the profiler puts the user's code first on its
         # import path once its own packages are loaded, never before them.

@@ -180,6 +180,16 @@ def role_base_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
             if not k.startswith(_AGENT_ONLY_PREFIXES) and k not in _AGENT_ONLY_NAMES}
 
 
+def role_env(environ: dict[str, str] | os._Environ[str], *, threads: int | None = None) -> dict[str, str]:
+    """What a role or a profile of the user's code starts from: `role_base_env`, output line
+    buffered (logs reach the control plane as they are written), `threads` OMP/MKL threads."""
+    env = role_base_env(environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
 def write_secret(path: Path, value: str) -> Path:
     """Write `value` to `path`, readable by this user only (created so, never widened)."""
     path.parent.mkdir(parents=True, exist_ok=True)

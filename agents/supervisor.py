@@ -49,7 +49,7 @@ from agents.roles import (
     LINK_SECRET_FILE,
     MAX_LINE_CHARS,
     TOKEN_FILE,
-    role_base_env,
+    role_env,
     write_secret,
     NOT_STARTED_EXIT_CODE,
     RoleProcess,
@@ -296,11 +296,7 @@ class Supervisor:
         return role
 
     def _role_env(self, spec: RoleSpec, code_dir: Path | None = None) -> dict[str, str]:
-        env = role_base_env(os.environ)
-        # Line-buffered output, so logs reach the control plane as they are written.
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.role_threads is not None:
-            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.role_threads)
+        env = role_env(os.environ, threads=self.role_threads)
         env.update(spec.env)
         if code_dir is not None:
             env["PYTHONSAFEPATH"] = "1"

@@ -19,7 +19,8 @@ from app.lifecycle.states import end_run
 from app.models import Run, RunStatus, RunWorker, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES
-from app.queries.runs import current_batch_sizes, get_run, launch_orders, rank_sites
+from app.lifecycle.orders import current_batch_sizes, launch_orders, rank_sites
+from app.queries.runs import get_run
 from app.run_secrets import run_link_secret, run_metrics_token
 from hybridtrain.contract import is_ps
 

@@ -1,4 +1,4 @@
-"""Queries of runs: planning, creation (idempotent), reading, and the launch orders' contents.
+"""Queries of runs: planning, creation (idempotent) and reading.
 
 Every change of a run's state after its creation lives in `app.lifecycle`.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -15,7 +15,6 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from app.dispatch import LaunchOrder
 from app.errors import ConflictError, InvalidFieldError, NotFoundError
 from app.models import Cluster, Node, NodeGpu, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
 from app.planner import GpuSpec, Plan, PlanError, PlanNode, plan_run
@@ -26,7 +25,7 @@ from app.queries.profiles import latest_profiles
 from app.schemas.runs import RunCreate
 from app.run_secrets import METRICS_TOKEN_PREFIX, run_metrics_token
 from app.security import hash_secret, new_secret
-from hybridtrain.contract import is_ps, proportional_batch_sizes
+from hybridtrain.contract import is_ps
 
 _EPOCH = datetime.fromtimestamp(0, UTC)
 
@@ -310,153 +309,6 @@ def _check_min_workers(data: RunCreate, plan: Plan) -> None:
         raise InvalidFieldError(
             "min_workers", f"min_workers {data.min_workers} is more than the run's {workers} worker(s)"
         )
-
-
-def rank_sites(session: Session, *, run: Run) -> list[str]:
-    """The site id of each rank's node, as text, in rank order (the trainer's --sites labels)."""
-    node_ids = [w.node_id for w in run.workers]
-    rows = session.execute(select(Node.id, Node.site_id).where(Node.id.in_(node_ids))).all()
-    site_of = {node_id: site_id for node_id, site_id in rows}
-    return [str(site_of.get(w.node_id, "")) for w in sorted(run.workers, key=lambda w: w.rank)]
-
-
-def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {"strategy": run.strategy}
-    if run.script is not None:
-        options["script"] = run.script
-    else:
-        options["task"] = run.task
-        options["task-args"] = json.dumps(run.task_args or {}, sort_keys=True, separators=(",", ":"))
-    options |= {
-        "global-batch": run.global_batch_size,
-        "seed": run.seed,
-        "device": run.device,
-        # Each node keeps its own copy of the metrics next to the role's log.
-        "metrics-out": "metrics.jsonl",
-    }
-    if run.max_steps is not None:
-        options["max-steps"] = run.max_steps
-    elif run.epochs is not None:
-        # The trainer counts the task's samples and reports the steps as `max_steps`.
-        options["epochs"] = run.epochs
-    if run.target is not None:
-        options["target"] = run.target
-    if run.stop_at_target is False:  # None on a run not yet flushed: the column's default, True
-        options["no-stop-at-target"] = True
-    if run.eval_every is not None:
-        options["eval-every"] = run.eval_every
-    if run.script is None:
-        # None on a run not yet flushed: the trainer's defaults (off) apply.
-        if run.checkpoint_every:
-            options["checkpoint-every"] = run.checkpoint_every
-        if run.checkpoint_every_s:
-            options["checkpoint-every-s"] = run.checkpoint_every_s
-    workers = sorted((w for w in run.workers if w.role == "worker"), key=lambda w: w.rank)
-    if is_ps(run.strategy) and workers and all(w.speed for w in workers):
-        # The speeds the plan split the batch with: a server that re-splits after a loss or a
-        # join keeps those proportions, and a joiner says its own in the same units.
-        options["speeds"] = [round(float(w.speed), 4) for w in workers]
-    if is_ps(run.strategy) and run.min_workers is not None:
-        options["min-workers"] = run.min_workers
-        options["min-workers-wait-s"] = run.min_workers_wait_s
-    if run.rebalance_every is not None:
-        # The trainer's `measured` allocation starts from --batch-sizes (the plan) and
-        # re-splits from observed compute times.
-        options["allocation"] = "measured"
-        options["rebalance-every"] = run.rebalance_every
-    across = is_ps(run.strategy) and len(set(sites)) > 1 and all(sites)
-    for key, value in (run.compression or {}).items():
-        if key == "aggregate_at_sites":
-            # Only where there are sites to aggregate at: a run within one site has none.
-            if value and across:
-                options["aggregate-at-sites"] = True
-        elif key in ("error_feedback", "momentum_correction"):
-            # The trainer's flags are --error-feedback / --no-error-feedback and the like.
-            flag = key.replace("_", "-")
-            options[flag if value else f"no-{flag}"] = True
-        else:
-            options[key.replace("_", "-")] = value
-    if across:
-        # The server's update then crosses to each remote site once (trainer/relay.py).
-        options["sites"] = ",".join(sites)
-    return options
-
-
-def checkpoint_url(run: Run, public_url: str) -> str:
-    """Where the run's trainer uploads its checkpoints and reads the latest one back."""
-    return f"{public_url.rstrip('/')}/api/v1/runs/{run.id}/checkpoint"
-
-
-def current_batch_sizes(run: Run, live: Iterable[RunWorker]) -> list[int]:
-    """Every worker rank's share of the global batch (rank order), split over the `live` ones
-    in proportion to their planned speeds; a rank that is gone keeps the minimum of 1 the
-    trainer's command line needs, which its server never hands out."""
-    alive = {w.rank for w in live}
-    workers = [w for w in run.workers if w.role == "worker"]
-    speeds = [(w.speed or 1.0) if w.rank in alive else 1e-9 for w in workers]
-    return proportional_batch_sizes(run.global_batch_size, speeds)
-
-
-def launch_orders(
-    run: Run,
-    *,
-    metrics_token: Callable[[int], str],
-    public_url: str,
-    link_secret: str | None = None,
-    sites: Sequence[str] = (),
-    ranks: Iterable[RunWorker] | None = None,
-    join: bool = False,
-    resume: bool = False,
-    batch_sizes: Sequence[int] | None = None,
-) -> list[LaunchOrder]:
-    """One launch order per rank (`ranks`, default all), carrying everything the role's command
-    line needs, with the report token `metrics_token` gives its rank; `sites` (one label per rank, `rank_sites`) lets a PS run relay its update once
-    per remote site; `link_secret` keys the ranks' TLS. `join` admits the ranks into the running run, `resume` starts them from
-    the latest checkpoint (a restart); `batch_sizes` overrides the plan's split."""
-    sizes = list(batch_sizes) if batch_sizes is not None else [
-        w.batch_size for w in run.workers if w.role == "worker" and w.batch_size
-    ]
-    # The agent fetches the code with the run's own token, from its own server URL.
-    bundle = (
-        {"sha256": run.bundle_sha256, "path": f"/api/v1/runs/{run.id}/bundle"}
-        if run.bundle_sha256 else None
-    )
-    options = _trainer_options(run, sites)
-    # A script of the user's own checkpoints itself: --resume restores a task's run only.
-    checkpoints = run.script is None and (bool(run.checkpoint_every) or bool(run.checkpoint_every_s) or resume)
-    if resume and run.script is None:
-        options["resume"] = True
-    orders = []
-    for worker in run.workers if ranks is None else ranks:
-        assert worker.node_id is not None
-        env = {}
-        if worker.gpu_index is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(worker.gpu_index)
-        spec = {
-            "run_id": run.id,
-            "rank": worker.rank,
-            "role": worker.role,
-            "world_size": len(run.workers),
-            "master_addr": run.master_addr,
-            "master_port": run.master_port,
-            # Rank 0 listens: its agent checks the port is free there, else picks one and
-            # reports it in the rank's `started` event; the other ranks are sent it after.
-            "pick_port": worker.rank == 0,
-            "batch_sizes": sizes,
-            "report_url": f"{public_url.rstrip('/')}/api/v1/runs/{run.id}/metrics",
-            "report_token": metrics_token(worker.rank),
-            # Only where set: an agent that predates encrypted links still takes a plain run.
-            **({"link_secret": link_secret} if link_secret else {}),
-            "options": options,
-            "env": env,
-            "bundle": bundle,
-            "script_args": list(run.script_args or []),
-            "checkpoint_url": checkpoint_url(run, public_url) if checkpoints else None,
-            "join": join,
-            "attempt": run.restarts or 0,
-        }
-        orders.append(LaunchOrder(node_id=worker.node_id, run_id=run.id, rank=worker.rank, spec=spec))
-    return orders
 
 
 # -- reading ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ STANDIN = (
     "import json, os, sys; print('warming up'); "
     "print(json.dumps({'argv': sys.argv[1:], 'cwd': os.getcwd(), "
     "'safe_path': os.environ.get('PYTHONSAFEPATH'), 'omp': os.environ.get('OMP_NUM_THREADS'), "
-    "'samples_per_s': 123.5}))"
+    "'token': os.environ.get('HYBRIDTRAIN_AGENT_TOKEN'), 'samples_per_s': 123.5}))"
 )
 STANDIN_COMMAND = [sys.executable, "-c", STANDIN]
 
@@ -73,6 +73,11 @@ def test_run_profile_returns_the_json_line_the_child_printed(tmp_path):
 def test_run_profile_computes_with_the_threads_the_roles_get(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert run_profile(STANDIN_COMMAND, cwd=tmp_path, threads=1)["omp"] == "1"
+
+
+def test_run_profile_keeps_the_agents_credentials_from_the_users_code(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDTRAIN_AGENT_TOKEN", AGENT_TOKEN)
+    assert run_profile(STANDIN_COMMAND, cwd=tmp_path)["token"] is None
 
 
 def test_profile_task_passes_the_agents_role_threads_to_the_profiler(control_plane, client, cache, tmp_path):

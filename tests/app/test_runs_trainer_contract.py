@@ -8,7 +8,7 @@ import pytest
 
 from agents.spec import RoleSpec, trainer_argv
 from app.models import Run, RunWorker
-from app.queries.runs import launch_orders
+from app.lifecycle.orders import launch_orders
 from app.schemas.runs import RunCreate
 from trainer import cli as trainer_cli
 

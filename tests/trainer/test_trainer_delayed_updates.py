@@ -37,7 +37,7 @@ from trainer_testing import (
 from agents.spec import RoleSpec, trainer_argv
 from hybridtrain.contract import EVENT_WORKER_JOINED, EVENT_WORKER_LEFT
 from app.models import Run, RunWorker
-from app.queries.runs import launch_orders
+from app.lifecycle.orders import launch_orders
 from app.schemas.runs import RunCreate
 from trainer import checkpoint
 from trainer.cli import UsageError, build_parser, config_from_args
