@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from bench import predict as bp
@@ -148,6 +150,16 @@ def test_progress_estimates_time_left_from_the_runs_done() -> None:
     assert p.left_s() == pytest.approx(240.0)
     p.say("paper widecnn ps", "running")
     assert "run 1/4" in lines[0] and "~4 min left" in lines[0] and "paper widecnn ps: running" in lines[0]
+
+
+def test_progress_leaves_the_set_up_before_the_first_run_out_of_the_mean_run(monkeypatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr(bp, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    p = bp.Progress(5, lambda _: None)
+    now[0] = 300.0  # the testbed's start and link probes
+    p.runs_begin()
+    now[0], p.done = 400.0, 1  # one run of 100 s
+    assert p.left_s() == pytest.approx(400.0)
 
 
 def test_docs_section_holds_command_counts_and_table() -> None:
