@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from agents import probe, profiles
+from agents import probe, profiles, task_context
 from agents import supervisor as supervision
 from agents.bundles import BundleCache
 from agents.client import ControlPlaneClient, call_with_retry, retry_conflicts
@@ -373,13 +373,15 @@ class Agent:
         self.start_probe_server()
         state = self.register()
         outbox.start()
-        supervision.install(sup)
-        profiles.install(profiles.Profiling(
-            client=self.client, cache=bundles, state_dir=self.state_dir,
-            command=self.settings.profile_command, timeout_s=self.settings.profile_timeout_s,
-            threads=self.settings.role_threads,
+        task_context.install(task_context.TaskContext(
+            supervisor=sup,
+            profiling=profiles.Profiling(
+                client=self.client, cache=bundles, state_dir=self.state_dir,
+                command=self.settings.profile_command, timeout_s=self.settings.profile_timeout_s,
+                threads=self.settings.role_threads,
+            ),
+            client=self.client, node_id=state.node_id,
         ))
-        probe.install(probe.Probing(client=self.client, node_id=state.node_id))
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
 
@@ -428,9 +430,7 @@ class Agent:
                 log.warning("%d report(s) not delivered yet; the next agent on %s delivers them",
                             outbox.pending(), self.state_dir)
             outbox.close()
-            supervision.install(None)
-            profiles.install(None)
-            probe.install(None)
+            task_context.install(None)
             if self.probe_server is not None:
                 self.probe_server.close()
             try:

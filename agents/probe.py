@@ -447,30 +447,3 @@ def _answer(reader: _LineReader, where: str) -> dict[str, Any]:
     if "error" in answer:
         raise ProbeError(f"probe of {where}: the server answered {answer['error']}")
     return answer
-
-
-# -- the agent's probe context ------------------------------------------------------------------
-
-
-@dataclass
-class Probing:
-    """What the probe task needs from the running agent: its client and its own node id."""
-
-    client: Any
-    node_id: int | None
-
-
-_current: Probing | None = None
-
-
-def install(probing: Probing | None) -> None:
-    """Make `probing` the context of this process's probe tasks (None removes it)."""
-    global _current
-    _current = probing
-
-
-def current() -> Probing:
-    """The running agent's probe context; ProbeError before the agent installed one."""
-    if _current is None:
-        raise ProbeError("this agent is not ready to probe links")
-    return _current

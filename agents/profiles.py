@@ -22,7 +22,7 @@ from typing import Any
 from agents.bundles import BundleCache
 from agents.client import ControlPlaneClient
 from agents.errors import ProfileError
-from agents.roles import role_env
+from agents.roles import role_env, signal_name
 from agents.spec import ProfileSpec
 
 DEFAULT_COMMAND = [sys.executable, "-m", "trainer.profile"]
@@ -60,11 +60,8 @@ def run_profile(
     # The user's code runs here as in a role (agents.supervisor): without the agent's own
     # settings and credentials, and on the roles' threads (an agent started with --role-threads
     # but no OMP_NUM_THREADS would otherwise profile on one thread per core).
-    env = role_env(os.environ, threads=threads)
+    env = role_env(os.environ, threads=threads, user_code=code_dir is not None)
     if code_dir is not None:
-        # As for a role (agents.supervisor): the profiler puts the user's code first on its
-        # import path once its own packages are loaded, never before them.
-        env["PYTHONSAFEPATH"] = "1"
         argv = [*argv, "--code-dir", str(Path(code_dir).resolve())]  # absolute: cwd is that directory
     guard = [sys.executable, "-I", "-m", "agents.guard", str(os.getpid()), "--", *argv]
     try:
@@ -85,7 +82,7 @@ def run_profile(
         raise ProfileError(f"the profile did not finish within {timeout_s:g} s{_tail(err, ': ')}") from None
     if proc.returncode != 0:
         how = (
-            f"was killed by {_signal_name(-proc.returncode)}" if proc.returncode < 0
+            f"was killed by {signal_name(-proc.returncode)}" if proc.returncode < 0
             else f"exited with code {proc.returncode}"
         )
         raise ProfileError(f"the profiler {how}{_tail(err, ': ')}")
@@ -107,13 +104,6 @@ def _tail(stderr: bytes, prefix: str) -> str:
     return prefix + text if text else ""
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 @dataclass
 class Profiling:
     """What the `profile_task` Celery task needs from the running agent."""
@@ -125,19 +115,3 @@ class Profiling:
     timeout_s: float = DEFAULT_TIMEOUT_S
     # The agent's --role-threads: a profile computes as the node's roles will.
     threads: int | None = None
-
-
-_current: Profiling | None = None
-
-
-def install(profiling: Profiling | None) -> None:
-    """Make `profiling` the one the Celery tasks of this process use."""
-    global _current
-    _current = profiling
-
-
-def current() -> Profiling:
-    """The profiling context installed by the running agent."""
-    if _current is None:
-        raise ProfileError("no agent in this process: hybridtrain tasks run inside `hybridtrain agent`")
-    return _current

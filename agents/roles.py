@@ -140,10 +140,7 @@ def exit_reason(role: RoleProcess) -> str | None:
     if role.cancel_reason is not None:
         return f"{who} stopped: {role.cancel_reason}"
     if role.signal is not None:
-        try:
-            name = signal.Signals(role.signal).name
-        except ValueError:
-            name = f"signal {role.signal}"
+        name = signal_name(role.signal)
         # SIGKILL from nobody we know of is, on Linux, nearly always the OOM killer.
         hint = OOM_HINT if role.signal == signal.SIGKILL else ""
         return f"{who} was killed by {name}{hint}"
@@ -180,14 +177,28 @@ def role_base_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
             if not k.startswith(_AGENT_ONLY_PREFIXES) and k not in _AGENT_ONLY_NAMES}
 
 
-def role_env(environ: dict[str, str] | os._Environ[str], *, threads: int | None = None) -> dict[str, str]:
+def role_env(environ: dict[str, str] | os._Environ[str], *, threads: int | None = None,
+             user_code: bool = False) -> dict[str, str]:
     """What a role or a profile of the user's code starts from: `role_base_env`, output line
     buffered (logs reach the control plane as they are written), `threads` OMP/MKL threads."""
     env = role_base_env(environ)
     env["PYTHONUNBUFFERED"] = "1"
     if threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    if user_code:
+        # The trainer puts the user's code (--code-dir, the working directory) first on its
+        # import path once its own packages are loaded: `python -m trainer` must not find a
+        # user's own `trainer/` there first.
+        env["PYTHONSAFEPATH"] = "1"
     return env
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL, SIGSEGV, ... or "signal N" for a number Python does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def write_secret(path: Path, value: str) -> Path:

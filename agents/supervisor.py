@@ -296,11 +296,7 @@ class Supervisor:
         return role
 
     def _role_env(self, spec: RoleSpec, code_dir: Path | None = None) -> dict[str, str]:
-        env = role_env(os.environ, threads=self.role_threads)
-        env.update(spec.env)
-        if code_dir is not None:
-            env["PYTHONSAFEPATH"] = "1"
-        return env
+        return role_env(os.environ, threads=self.role_threads, user_code=code_dir is not None) | spec.env
 
     # -- watching --------------------------------------------------------------------------
 
@@ -539,24 +535,6 @@ class Supervisor:
         if self._owns_outbox:
             self.outbox.drain(timeout_s=5.0)
             self.outbox.close()
-
-
-_current: Supervisor | None = None
-
-
-def install(supervisor: Supervisor | None) -> None:
-    """Make `supervisor` the one the Celery tasks of this process use."""
-    global _current
-    _current = supervisor
-
-
-def current() -> Supervisor:
-    """The supervisor installed by the running agent."""
-    if _current is None:
-        raise LaunchError(
-            "no supervisor in this process: hybridtrain tasks run inside `hybridtrain agent`"
-        )
-    return _current
 
 
 def with_code_dir(argv: list[str], code_dir: Path | None, *, after: int) -> list[str]:

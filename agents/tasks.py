@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from agents import probe, profiles
 from agents import supervisor as supervision
+from agents import task_context
 from agents.bundles import BundleCache, remove_tree
 from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE, app
 from agents.client import ControlPlaneClient, call_with_retry
@@ -190,7 +191,7 @@ def _first_error(exc: ValidationError) -> str:
 @app.task(name=LAUNCH_ROLE, acks_late=True)
 def launch_role_task(run_id: int, rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Celery entry point of `launch_role`."""
-    return launch_role(run_id, rank, spec, supervisor=supervision.current())
+    return launch_role(run_id, rank, spec, supervisor=task_context.current().supervisor)
 
 
 # Cancelling is idempotent (a run with nothing running is a no-op), so it acks late: an
@@ -198,7 +199,7 @@ def launch_role_task(run_id: int, rank: int, spec: dict[str, Any]) -> dict[str, 
 @app.task(name=CANCEL_RUN, acks_late=True)
 def cancel_run_task(run_id: int, reason: str = "cancelled", before_attempt: int | None = None) -> dict[str, Any]:
     """Celery entry point of `cancel_run`."""
-    return cancel_run(run_id, reason, supervisor=supervision.current(), before_attempt=before_attempt)
+    return cancel_run(run_id, reason, supervisor=task_context.current().supervisor, before_attempt=before_attempt)
 
 
 # Early ack: a profile is cheap to ask for again, and a re-delivered one would compete for
@@ -206,7 +207,7 @@ def cancel_run_task(run_id: int, reason: str = "cancelled", before_attempt: int 
 @app.task(name=PROFILE_TASK)
 def profile_task_task(profile_id: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Celery entry point of `profile_task`."""
-    ctx = profiles.current()
+    ctx = task_context.current().profiling
     return profile_task(
         profile_id, spec, client=ctx.client, cache=ctx.cache, state_dir=ctx.state_dir,
         command=ctx.command, timeout_s=ctx.timeout_s, threads=ctx.threads,
@@ -218,5 +219,5 @@ def profile_task_task(profile_id: int, spec: dict[str, Any]) -> dict[str, Any]:
 @app.task(name=PROBE_LINKS_TASK)
 def probe_links_task(spec: dict[str, Any]) -> dict[str, Any]:
     """Celery entry point of `probe_links`."""
-    ctx = probe.current()
+    ctx = task_context.current()
     return probe_links(spec, client=ctx.client, node_id=ctx.node_id)
