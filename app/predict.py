@@ -248,8 +248,8 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
         if relay and any(r["relay_for"] for r in phases[-1].step.workers):
             notes.append("the update crosses to each remote site once (relay)")
         if comp.pipeline_chunks > 1:
-            notes.append(f"{comp.pipeline_chunks} pipelined chunks save {PIPELINE_EFFICIENCY:.2g} of an "
-                         "ideal pipeline's saving (first chunk through every stage + (C-1) x the slowest)")
+            notes.append(f"{comp.pipeline_chunks} pipelined chunks save {PIPELINE_EFFICIENCY:.2g} of what "
+                         "their timeline (each chunk through every stage, in order) saves")
     steady = phases[-1].step
     global_batch = sum(n for _, n in workers)
     eval_s, evals_per_step = _evaluation(workers, task, comp, max_steps)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from app.errors import InvalidFieldError
+from hybridtrain.wiresize import kept_for
 
 # A worker on the server's own node talks to it through the loopback interface.
 LOOPBACK_MBPS = 20_000.0
@@ -24,9 +25,10 @@ def _float(profile: Mapping, key: str) -> float:
 @dataclass(frozen=True)
 class NodeSpec:
     """A node as the model sees it: the task's samples/s there, and what compression costs there
-    (the task profile's worker_compress_s, server_compress_s, aggregate_s, in seconds per step;
-    a dense frame's decode-and-add and encode cost per element; PowerSGD's work per step at
-    `powersgd_rank`)."""
+    (the task profile's worker_compress_s, server_compress_s, aggregate_s, in seconds per step
+    at the reference density and k fraction, each growing by its `*_per_kept` per element kept
+    beyond; the sum's zeroing, once a step; a dense frame's decode-and-add and encode cost per
+    element; PowerSGD's work per step at `powersgd_rank`)."""
 
     node_id: int
     name: str
@@ -39,6 +41,13 @@ class NodeSpec:
     dense_encode_s_per_element: float = 0.0
     powersgd_s: float = 0.0
     powersgd_rank: int = 0
+    worker_compress_s_per_kept: float = 0.0
+    server_compress_s_per_kept: float = 0.0
+    aggregate_s_per_kept: float = 0.0
+    aggregate_fixed_s: float = 0.0
+    # Where the three compression costs were timed (a profile without them: flat in k).
+    worker_compress_density: float = 0.0
+    server_compress_k_fraction: float = 0.0
 
     @classmethod
     def from_profile(cls, node_id: int, name: str, site_id: int, profile: Mapping) -> NodeSpec:
@@ -47,13 +56,40 @@ class NodeSpec:
                    _float(profile, "worker_compress_s"), _float(profile, "server_compress_s"),
                    _float(profile, "aggregate_s"), _float(profile, "dense_aggregate_s_per_element"),
                    _float(profile, "dense_encode_s_per_element"), _float(profile, "powersgd_s"),
-                   int(profile.get("powersgd_rank") or 0))
+                   int(profile.get("powersgd_rank") or 0), _float(profile, "worker_compress_s_per_kept"),
+                   _float(profile, "server_compress_s_per_kept"), _float(profile, "aggregate_s_per_kept"),
+                   _float(profile, "aggregate_fixed_s"), _float(profile, "worker_compress_density"),
+                   _float(profile, "server_compress_k_fraction"))
 
     def powersgd_at(self, rank: int) -> float:
         """PowerSGD's work per step at `rank`: its matrix products grow linearly with the rank."""
         if self.powersgd_rank <= 0:
             return self.powersgd_s
         return self.powersgd_s * rank / self.powersgd_rank
+
+    def worker_compress_at(self, numel: int, density: float) -> float:
+        """A worker's compression of `numel` elements at `density` (error feedback, velocity,
+        Top-k, the frame)."""
+        return _at(self.worker_compress_s, self.worker_compress_s_per_kept, numel, density,
+                   self.worker_compress_density)
+
+    def server_compress_at(self, numel: int, k_fraction: float) -> float:
+        """The server's re-sparsification of `numel` elements at `k_fraction`, and its frame."""
+        return _at(self.server_compress_s, self.server_compress_s_per_kept, numel, k_fraction,
+                   self.server_compress_k_fraction)
+
+    def aggregate_at(self, numel: int, density: float) -> float:
+        """Decoding and adding one worker's frame of `numel` elements at `density`, without the
+        sum's zeroing (`aggregate_fixed_s`, once a step)."""
+        one = _at(self.aggregate_s, self.aggregate_s_per_kept, numel, density, self.worker_compress_density)
+        return max(0.0, one - self.aggregate_fixed_s)
+
+
+def _at(cost: float, per_kept: float, numel: int, fraction: float, reference: float) -> float:
+    """`cost`, timed at `reference`, moved along its line to `fraction` (never below zero)."""
+    if reference <= 0 or per_kept <= 0:
+        return cost
+    return max(0.0, cost + per_kept * (kept_for(numel, fraction) - kept_for(numel, reference)))
 
 
 @dataclass(frozen=True)

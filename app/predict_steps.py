@@ -22,14 +22,14 @@ BACKWARD_SHARE = 2 / 3
 # - 0.45 * 1.68 s): the gradient's largest tensor fills one bucket early in backward, but the
 # ring's reductions and sends compete with the backward pass for the same cores.
 DDP_OVERLAP = 0.45
-# How much of the ideal chunk pipeline's saving (first chunk through every stage, then the
-# slowest stage per chunk) real steps get. ResNet-18 on the paper testbed (4 chunks, ranks run
-# in their namespaces and quotas, 2026-11-24 04:33-04:42): `ps` 11.41 s measured against 14.03 s
-# un-pipelined and 10.84 s ideal (0.82 of the saving); `ps-gc` 3.05 s against 3.56 s and 3.04 s.
-# Not all of it: the chunks of workers that share a pipe arrive together at its end (a FIFO
-# serves one flow's chunks before another's) and the server receives, sums and sends on one
-# CPU. Runs launched by the agents on a machine under load (02:34, load 4-6) saved 0.2-0.5.
-PIPELINE_EFFICIENCY = 0.8
+# How much of the chunk pipeline's saving (`chunk_pipeline` against the same step unpipelined)
+# real steps get. Fitted on 12 PS runs of bench/predict.py (2026-11-25 10:42, both testbeds,
+# both tasks, `ps`, `ps-gc`, `ps-bz-gc`, 4 chunks): 0.6 leaves a mean error of +0.5 % (mean
+# |error| 4.5 %), the timeline as is +7.7 %. The timeline runs every stage at its profiled
+# speed the moment its input is ready; on the testbed's CPU quotas a stage that becomes ready
+# may wait for the quota's next period, and chunks of workers that share a pipe arrive
+# together at its end (a FIFO serves one flow's chunks before another's).
+PIPELINE_EFFICIENCY = 0.6
 # Without the task's matrix shapes, PowerSGD's factors of a compressed part of n elements are
 # taken as POWERSGD_FACTOR_SCALE * rank * sqrt(n) elements: +52 % on widecnn (4 matrices),
 # -26 % on resnet18 (21 matrices); `TaskSpec.matrix_shapes` makes it exact.
@@ -106,7 +106,7 @@ def staggered(transfers: Sequence[Transfer], starts: Sequence[float],
     one joins the running group if it starts before the group's last transfer ends, and a group
     is timed as if its transfers ran at once (`concurrent`). Two workers of one site whose
     compute ends 0.5 s apart each have the site's WAN link to themselves for a 40 ms upload;
-    timed as sharing it, the density rule would see twice the time (docs/predict.md).
+    timed as sharing it, each would take twice the time (docs/predict.md).
     """
     if len(starts) != len(transfers):
         raise ValueError(f"{len(transfers)} transfers but {len(starts)} start times")
@@ -127,16 +127,52 @@ def staggered(transfers: Sequence[Transfer], starts: Sequence[float],
 # -- the parameter server ---------------------------------------------------------------------
 
 
-def _ready(workers: Sequence[tuple[NodeSpec, int]], task: TaskSpec, dense: bool) -> tuple[list[float], list[float]]:
-    """Each worker's compute and its compression (the upload starts after both)."""
+def _ready(workers: Sequence[tuple[NodeSpec, int]], task: TaskSpec,
+           densities: Sequence[float] | None) -> tuple[list[float], list[float]]:
+    """Each worker's compute and its compression at its density (the upload starts after
+    both); `densities` None is a dense step."""
     compute = [n / w.samples_per_s for w, n in workers]
     # Elements that travel as dense fp32 payloads: everything on a dense step, else the dense
-    # part. Each costs an encode on its sender. Top-k's cost is one pass over the elements
-    # whatever k (selection by threshold), so the profile's time stands at any density.
-    dense_numel = task.params if dense else task.dense_params
-    compress = [(0.0 if dense else w.worker_compress_s) + dense_numel * w.dense_encode_s_per_element
-                for w, _ in workers]
+    # part. Each costs an encode on its sender.
+    dense_numel = task.params if densities is None else task.dense_params
+    compress = [(0.0 if densities is None else w.worker_compress_at(task.sparse_params, d))
+                + dense_numel * w.dense_encode_s_per_element
+                for (w, _), d in zip(workers, densities or [None] * len(workers))]
     return compute, compress
+
+
+def chunk_pipeline(compute: Sequence[float], compress: Sequence[float], upload: Sequence[float],
+                   latency: Sequence[float], server_s: float, download: Sequence[float],
+                   decode: Sequence[float], chunks: int) -> float:
+    """Seconds of a step whose compressed part travels in `chunks` pieces, as the trainer runs
+    it (trainer/ps.py, trainer/server.py), each stage's time split evenly over the chunks.
+
+    A worker compresses chunk after chunk and posts each; its link carries them in order; the
+    server takes chunk c once every worker's has arrived and its previous chunk is done, then
+    posts the update; each worker's way back carries the updates in order; a worker applies
+    (decodes) the updates only once its own sends are done, in order. `upload` and `download`
+    include their `latency` (half a round trip), paid once per chunk but not in series.
+    """
+    m = len(compute)
+    ce = list(compute)          # each worker's compression of the chunk before ended
+    ue = [0.0] * m              # each worker's link: the chunk before's last byte left
+    arrivals: list[list[float]] = []
+    for _ in range(chunks):
+        got = []
+        for i in range(m):
+            ce[i] += compress[i] / chunks
+            ue[i] = max(ce[i], ue[i]) + (upload[i] - latency[i]) / chunks
+            got.append(ue[i] + latency[i])
+        arrivals.append(got)
+    se = 0.0
+    de = [0.0] * m
+    done = list(ue)             # a worker decodes once its own sends are done
+    for got in arrivals:
+        se = max(se, max(got)) + server_s / chunks
+        for i in range(m):
+            de[i] = max(se, de[i]) + (download[i] - latency[i]) / chunks
+            done[i] = max(done[i], de[i] + latency[i]) + decode[i] / chunks
+    return max(done)
 
 
 @dataclass
@@ -205,7 +241,7 @@ def ps_step(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
     seeded = comp.compressor == "randomk"
     ups = [Transfer(w, server, grad_bytes(task.dense_params, chunks, None if dense else densities[i],
                                           comp.value_bytes, seeded)) for i, w in enumerate(nodes)]
-    compute, compress = _ready(workers, task, dense)
+    compute, compress = _ready(workers, task, None if dense else densities)
     upload = staggered(ups, [a + b for a, b in zip(compute, compress)], links)
     cached = None if downlinks is None else downlinks.get(dense)
     if cached is None:
@@ -216,8 +252,12 @@ def ps_step(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
     # A dense payload's elements also cost a decode (and add) on their receiver.
     dense_numel = task.params if dense else task.dense_params
     decode = [dense_numel * w.dense_aggregate_s_per_element for w in nodes]
-    server_s = (m * (dense_numel * server.dense_aggregate_s_per_element + (0.0 if dense else server.aggregate_s))
-                + dense_numel * server.dense_encode_s_per_element + (0.0 if dense else server.server_compress_s))
+    server_s = m * dense_numel * server.dense_aggregate_s_per_element + dense_numel * server.dense_encode_s_per_element
+    if not dense:
+        # The sum is zeroed once a step; each frame is decoded and added at its own density.
+        s_numel = task.sparse_params
+        server_s += (server.aggregate_fixed_s + sum(server.aggregate_at(s_numel, d) for d in densities)
+                     + server.server_compress_at(s_numel, comp.server_k_fraction))
     arrive = [compute[i] + compress[i] + upload[i] for i in range(m)]
     crit = max(range(m), key=lambda i: arrive[i])
     back = [download[i] + decode[i] for i in range(m)]
@@ -226,13 +266,9 @@ def ps_step(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
     step_s = plain
     overlap = 0.0
     if c > 1:
-        # Chunk c+1 is compressed and sent while chunk c is aggregated and comes back: ideally
-        # the first chunk goes through every stage, then the slowest stage repeats C - 1 times;
-        # real steps save only PIPELINE_EFFICIENCY of that.
-        per = [max(compress) / c, max(upload) / c, server_s / c, down_s / c]
-        head = max(compute[i] + (compress[i] + upload[i]) / c for i in range(m))
-        ideal = head + per[2] + per[3] + (c - 1) * max(per)
-        overlap = PIPELINE_EFFICIENCY * (ideal - plain)
+        latency = [link(links, w, server).rtt_ms / 2000 for w in nodes]
+        timeline = chunk_pipeline(compute, compress, upload, latency, server_s, download, decode, c)
+        overlap = PIPELINE_EFFICIENCY * (timeline - plain)
         step_s = plain + overlap
     breakdown = {"compute_s": compute[crit], "compress_s": compress[crit], "upload_s": upload[crit],
                  "server_s": server_s, "download_s": down_s}
@@ -282,20 +318,23 @@ def density_path(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
 
     The first compressed step (warmup_steps + 1) and the next run at the target density: the
     server adapts from the second one's transmission times on (`trainer.server._plan`), and each
-    step's times set the next step's densities. Here the times are the predicted uploads; the
-    path stops once no density moves by DENSITY_SETTLED (the rule halves its log-distance to the
-    fixed point each step at gamma 0.5).
+    step's times set the next step's densities. The trainer's times are each upload's bytes at
+    its link's rate as TCP measured it (`trainer.linkclock`: the best of recent delivery-rate
+    samples, which sees the link's own rate even where uploads share it), so here they are the
+    bytes at the link's goodput, without sharing or latency. The path stops once no density
+    moves by DENSITY_SETTLED (the rule halves its log-distance to the fixed point each step at
+    gamma 0.5).
     """
     nodes = [w for w, _ in workers]
     chunks = _chunks(task, comp)
     seeded = comp.compressor == "randomk"
-    starts = [a + b for a, b in zip(*_ready(workers, task, False))]
+    rates = [link(links, w, server).mbps * _MBIT / 8 for w in nodes]
     d = [comp.density] * len(nodes)
     path = [d, d]
     for _ in range(200):
-        ups = [Transfer(w, server, grad_bytes(task.dense_params, chunks, di, comp.value_bytes, seeded))
-               for w, di in zip(nodes, d)]
-        new = adapt_densities(d, staggered(ups, starts, links), target=comp.density, low=comp.density_min,
+        times = [grad_bytes(task.dense_params, chunks, di, comp.value_bytes, seeded) / rate
+                 for di, rate in zip(d, rates)]
+        new = adapt_densities(d, times, target=comp.density, low=comp.density_min,
                               high=comp.density_max, gamma=comp.density_gamma, floor=comp.density_time_floor_s)
         settled = all(abs(a - b) <= DENSITY_SETTLED * b for a, b in zip(new, d))
         path.append(new)

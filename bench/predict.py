@@ -342,7 +342,7 @@ def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _run_summary(cell: Mapping[str, Any]) -> dict[str, Any]:
     keys = ("run_id", "status", "predicted_samples_per_s", "measured_samples_per_s", "error_samples_pct",
             "predicted_egress_bytes_per_step", "measured_egress_bytes_per_step", "error_egress_pct",
-            "batch_sizes", "densities")
+            "batch_sizes", "densities", "measured_step_s", "measured_profile", "inputs")
     return {k: cell.get(k) for k in keys if k in cell}
 
 
@@ -607,32 +607,81 @@ def last_json(output: str) -> dict[str, Any] | None:
     return None
 
 
+def model_prediction(strategy: str, *, profiles: Mapping[str, Mapping[str, Any]], batch_sizes: Mapping[str, int],
+                     server: str | None, links: Mapping[tuple[str, str], tuple[float, float]],
+                     site_of_name: Mapping[str, str], compression: Mapping[str, Any] | None,
+                     eval_every: int | None, max_steps: int | None) -> tuple[dict[str, Any], dict[int, str]]:
+    """`app.predict.predict` here, on nodes named as the testbed names them: the workers (in
+    rank order) with their batch shares, each node's profile, links (name pair -> (Mbit/s, RTT
+    ms)); the prediction as JSON and the site of each node id it uses."""
+    from app.predict import LinkSpec, NodeSpec, TaskSpec, predict
+    from app.queries.predictions import compression_spec
+    from app.schemas.runs import CompressionOptions
+
+    names = sorted(profiles)
+    node_id = {n: i + 1 for i, n in enumerate(names)}
+    site_id = {s: i + 1 for i, s in enumerate(sorted(set(site_of_name.values())))}
+
+    def node(n: str) -> Any:
+        return NodeSpec.from_profile(node_id[n], n, site_id[site_of_name[n]], profiles[n])
+
+    workers = [(node(n), int(b)) for n, b in batch_sizes.items()]
+    specs = {(node_id[a], node_id[b]): LinkSpec(mbps, rtt_ms, "measured")
+             for (a, b), (mbps, rtt_ms) in links.items() if a in node_id and b in node_id}  # fmt: skip
+    comp = compression_spec(CompressionOptions(**compression) if compression else None, eval_every=eval_every)
+    pred = predict(strategy, workers=workers, server=node(server) if server else None, links=specs,
+                   task=TaskSpec.from_profile(profiles[names[0]], with_eval=False), compression=comp, relay=True,
+                   max_steps=max_steps)  # fmt: skip
+    return pred.to_dict(), {node_id[n]: site_of_name[n] for n in names}
+
+
 def local_prediction(strategy: str, body: Mapping[str, Any], plan: Mapping[str, Any], *,
                      profiles: Mapping[str, Mapping[str, Any]], site_rates: Mapping[tuple[str, str], float],
                      name_of: Mapping[int, str], site_of_name: Mapping[str, str]) -> dict[str, Any]:
     """The model's prediction computed here (app.predict), from the plan's batch shares, local
     profiles and the testbed probe's rates: the fallback while the API has no "prediction"."""
-    from app.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict
+    names = [name_of[n] for n in name_of]
+    links = {(a, b): (site_rates[(site_of_name[a], site_of_name[b])], 0.3) for a in names for b in names if a != b}
+    pred, _ = model_prediction(strategy, profiles=profiles, links=links, site_of_name=site_of_name,
+                               batch_sizes={name_of[w["node_id"]]: int(w["batch_size"]) for w in plan["workers"]
+                                            if w.get("role") == "worker"},
+                               server=name_of[body["ps_node_id"]] if body.get("ps_node_id") else None,
+                               compression=body.get("compression"), eval_every=body.get("eval_every", 50),
+                               max_steps=None)  # fmt: skip
+    return pred
 
-    sites = sorted(set(site_of_name.values()))
-    site_id = {s: i + 1 for i, s in enumerate(sites)}
 
-    def node(nid: int) -> Any:
-        n = name_of[nid]
-        return NodeSpec.from_profile(nid, n, site_id[site_of_name[n]], profiles[n])
+def repredict(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` (an earlier --out JSON) with each run's prediction made again by the model as it is
+    now, from the inputs the run recorded (its profiles, batch shares and the agents' links),
+    against the same measured figures, and its cells merged again: a change of the model
+    checked without running again."""
+    cells = []
+    for cell in doc["cells"]:
+        runs = cell.get("runs") or ()
+        if len(runs) > 1 and all(r.get("inputs") for r in runs):
+            where = {k: cell[k] for k in ("testbed", "task", "strategy")}
+            cells.append(merge_repeats([_repredict_run(doc, where | r) for r in runs]))
+        else:
+            cells.append(_repredict_run(doc, cell))
+    return doc | {"cells": cells, "counts": summary_counts(cells)}
 
-    workers = [(node(w["node_id"]), int(w["batch_size"])) for w in plan["workers"] if w.get("role") == "worker"]
-    server = node(body["ps_node_id"]) if body.get("ps_node_id") else None
-    ids = list(name_of)
-    links = {(a, b): LinkSpec(site_rates[(site_of_name[name_of[a]], site_of_name[name_of[b]])], 0.3, "measured")
-             for a in ids for b in ids if a != b}  # fmt: skip
-    comp = {k: v for k, v in (body.get("compression") or {}).items() if k in CompressionSpec.__dataclass_fields__}
-    comp["eval_every"] = body.get("eval_every", 50)
-    any_profile = next(iter(profiles.values()))
-    pred = predict(strategy, workers=workers, server=server, links=links,
-                   task=TaskSpec.from_profile(any_profile, with_eval=False),
-                   compression=CompressionSpec(**comp), relay=True, max_steps=None)  # fmt: skip
-    return pred.to_dict()
+
+def _repredict_run(doc: Mapping[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
+    inputs = cell.get("inputs")
+    info = doc["testbeds"].get(cell["testbed"], {})
+    if not inputs or not info.get("links"):
+        return cell | {"prediction_source": "not repredicted (no inputs recorded)"}
+    links = {(ln["src"], ln["dst"]): (ln["mbps"], ln["rtt_ms"] or 0.0) for ln in info["links"]}
+    pred, site_of = model_prediction(cell["strategy"], profiles=inputs["profiles"], batch_sizes=inputs["batch_sizes"],
+                                     server=inputs["server"], links=links, site_of_name=inputs["sites"],
+                                     compression=inputs["compression"], eval_every=inputs["eval_every"],
+                                     max_steps=plan_body({"name": ""})["max_steps"])  # fmt: skip
+    measured = {"samples_per_s": cell["measured_samples_per_s"], "step_s": cell.get("measured_step_s"),
+                "egress_bytes_per_step": cell["measured_egress_bytes_per_step"],
+                "profile": cell.get("measured_profile")}
+    return (cell | compare(pred, measured, site_of, tuple(inputs["window"]))
+            | {"prediction_source": "repredicted (app.predict now)", "prediction": pred})
 
 
 def run_and_wait(api: httpx.Client, body: dict[str, Any], timeout_s: float, progress: Progress,
@@ -797,6 +846,14 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
                     "predicted": {w.get("name"): w.get("density") for w in pred.get("per_worker") or ()},
                     "measured": {rank_name.get(r): d for r, d in measured["densities"].items()}}
             cell["prediction"] = pred
+            # What the prediction was made from, so that a change of the model can be checked
+            # against these runs without running them again (`local_prediction`).
+            cell["inputs"] = {"profiles": local_profiles, "compression": body.get("compression"),
+                              "eval_every": body.get("eval_every"), "window": list(window),
+                              "batch_sizes": {name_of[w["node_id"]]: w["batch_size"] for w in plan["workers"]
+                                              if w.get("role") == "worker"},
+                              "server": name_of.get(body.get("ps_node_id")),
+                              "sites": {name_of[n]: site_of[n] for n in all_ids}}
             cell["measured_bytes_per_step"] = measured["bytes_per_step"]
             cost = api.get(f"/api/v1/runs/{run['id']}/cost")
             if cost.status_code == 200:
@@ -862,12 +919,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir", type=Path, default=None)
     p.add_argument("--report", type=Path, help="re-render the table and docs section of an earlier --out JSON; "
                    "runs nothing")
+    p.add_argument("--repredict", action="store_true",
+                   help="with --report: predict each run again with the model as it is now, from the inputs "
+                   "the run recorded")
     args = p.parse_args(argv)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.report:
         doc = json.loads(args.report.read_text())
+        if args.repredict:
+            doc = repredict(doc)
         print(text_table(doc["cells"]))
         if args.docs and args.docs != "-":
             path = Path(args.docs)

@@ -114,6 +114,16 @@ def worker_sparsify(
     return payload
 
 
+def correction_momentum(groups: Sequence[dict]) -> float | None:
+    """The SGD momentum that momentum correction moves into the velocity for these param groups:
+    0.0 where none has momentum, None where they disagree or use dampening or Nesterov."""
+    moms = {float(g.get("momentum", 0.0)) for g in groups}
+    if moms <= {0.0}:
+        return 0.0
+    simple = all(not g.get("nesterov") and not g.get("dampening") for g in groups)
+    return moms.pop() if len(moms) == 1 and simple else None
+
+
 def aggregate(grads: Sequence[Grad], dense_numel: int, chunk_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3, eq. 1-2: sum_m alpha_m * g~_m of one chunk, alpha_m = n_m / sum(n) (fp32)."""
     total = sum(g.samples for g in grads)

@@ -3,18 +3,23 @@ control plane needs to know of a task on this node, as one JSON line on stdout.
 
 {"params", "dense_params", "buffer_numel", "matrix_shapes", "train_samples", "eval_samples",
 "batch", "samples_per_s", "step_s", "worker_compress_s", "server_compress_s", "aggregate_s",
+"worker_compress_s_per_kept", "server_compress_s_per_kept", "aggregate_s_per_kept",
+"aggregate_fixed_s", "worker_compress_density", "server_compress_k_fraction",
 "dense_aggregate_s_per_element", "dense_encode_s_per_element", "powersgd_s", "powersgd_rank",
 "metrics"}: the parameter count, the part that travels dense (1-D and small tensors, at the
 trainer's default --dense-numel) and the (rows, cols) of every matrix-shaped parameter (which
 PowerSGD factors), the data sets' sizes (null for a stream), the node's throughput of
 forward, backward and optimizer step at batch N (the median step of about S seconds, at
 least 3 steps, after two untimed ones), and what the compression path costs on this node: a
-worker's error feedback, top-k at the default density and frame encoding of the model's
-compressed part (`worker_compress_s`), the server's top-k of it at the default k_s and encoding
-(`server_compress_s`), and decoding and adding one worker's compressed frame (`aggregate_s`),
-what a dense frame costs per element (decoding and adding one worker's,
-`dense_aggregate_s_per_element`; encoding one, `dense_encode_s_per_element`), and PowerSGD's
-work on a worker per step at the default rank (`powersgd_s`), each the median of a few repeats. The control plane's performance model
+worker's error feedback (with DGC's velocity where the task's SGD has a momentum), top-k and
+frame encoding of the model's compressed part (`worker_compress_s`), the server's top-k of it
+and encoding (`server_compress_s`), and decoding and adding one worker's compressed frame
+(`aggregate_s`, of which the sum's zeroing is `aggregate_fixed_s`), each at the trainer's
+default density and k_s (`worker_compress_density`, `server_compress_k_fraction`) and growing
+by its `*_per_kept` per element kept beyond; what a dense frame costs per element (decoding
+and adding one worker's, `dense_aggregate_s_per_element`; encoding one,
+`dense_encode_s_per_element`), and PowerSGD's work on a worker per step at the default rank
+(`powersgd_s`), each the median of a few repeats. The control plane's performance model
 (app/predict.py) reads these. A task that cannot be loaded exits 1 with the reason on stderr.
 Node agents run this in a child process, so the agent itself never imports torch.
 """
@@ -39,6 +44,15 @@ MIN_TIMED_STEPS = 3
 # 0.3-core quota, ~0.5 ns an element of a full core: what frames of this size measure, while
 # frames of 8 MB and more measured 3-10x that (fresh pages and cache misses of one-off buffers).
 DENSE_FRAME_NUMEL = 1 << 20
+
+# Compression's cost grows with what it keeps (gathering the kept values, the residual's and
+# the velocity's update, the frame's encoding) while the selection is one pass whatever k: the
+# profile times it at the trainer's defaults and at these, and reports the slope per element
+# kept. ResNet-18's worker compression on one core: 0.048 s at density 0.01, 0.090 s at 0.1.
+COMPRESSION_HIGH_DENSITY = 0.1
+COMPRESSION_HIGH_K_FRACTION = 1 / 8
+COMPRESSION_COST_FIELDS = ("worker_compress_s", "server_compress_s", "aggregate_s", "worker_compress_s_per_kept",
+                           "server_compress_s_per_kept", "aggregate_s_per_kept", "aggregate_fixed_s")
 
 
 def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, device: str = "cpu") -> dict:
@@ -85,11 +99,12 @@ def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, devic
     # The median: on a node with a CPU quota (a cloud VM's share, the testbed's cgroups) one
     # step slowed by a neighbour or a throttled period moves a mean of two or three a long way.
     step_s = statistics.median(times)
-    from trainer.algorithm import Layout
+    from trainer.algorithm import Layout, correction_momentum
     from trainer.config import TrainConfig
 
     layout = Layout.of(model, TrainConfig.dense_numel)
-    costs = compression_costs(layout.sparse_numel)
+    momentum = correction_momentum(optimizer.param_groups) if isinstance(optimizer, torch.optim.SGD) else 0.0
+    costs = compression_costs(layout.sparse_numel, momentum=momentum or 0.0)
     # PowerSGD factors each matrix-shaped gradient as DDP's hook sees it: rows x (numel / rows).
     shapes = [[p.shape[0], p.numel() // p.shape[0]] for p in model.parameters() if p.requires_grad and p.dim() > 1]
     costs |= dense_frame_costs(params)
@@ -101,41 +116,76 @@ def profile(task_ref: str, task_args: dict, *, batch: int, seconds: float, devic
             "samples_per_s": batch / step_s, "step_s": step_s, **costs, "metrics": task.metric_directions}
 
 
-def compression_costs(sparse_numel: int, repeats: int = 3) -> dict[str, float]:
+def compression_costs(sparse_numel: int, *, momentum: float = 0.0, repeats: int = 5) -> dict[str, float]:
     """Seconds of the PS strategies' compression path on this node for a compressed part of
-    `sparse_numel` elements, at the trainer's default density, k_s and selection."""
+    `sparse_numel` elements, at the trainer's defaults and per element kept beyond them."""
     import torch
 
-    from trainer.algorithm import aggregate
-    from trainer.compression import CompressionState, Payload, build_compressor
+    from trainer.algorithm import aggregate, server_sparsify, worker_sparsify
+    from trainer.compression import CompressionState, Payload, build_compressor, k_for
     from trainer.config import TrainConfig
     from trainer.frames import Grad, pack, unpack
 
-    if sparse_numel == 0:
-        return {"worker_compress_s": 0.0, "server_compress_s": 0.0, "aggregate_s": 0.0}
     cfg = TrainConfig()
+    refs = {"worker_compress_density": cfg.density, "server_compress_k_fraction": cfg.server_k_fraction}
+    if sparse_numel == 0:
+        return {k: 0.0 for k in COMPRESSION_COST_FIELDS} | refs
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(sparse_numel, generator=gen)
     codec = build_compressor(cfg.compressor, value_dtype=cfg.value_dtype, select=cfg.select)
-    worker, server, agg = [], [], []
-    for i in range(repeats + 1):
-        state = CompressionState(density=cfg.density, residual=torch.randn(sparse_numel, generator=gen))
+    no_dense = Payload(0, torch.zeros(0))
+
+    def worker(density: float) -> tuple[bytes, float]:
+        # As a worker's step 2: DGC's velocity (two passes) where the task's SGD has one, Top-k
+        # with error feedback, the velocity's masking, the frame's encoding.
+        state = CompressionState(density=density, residual=torch.randn(sparse_numel, generator=gen))
+        velocity = torch.randn(sparse_numel, generator=gen) if momentum else None
         t0 = time.perf_counter()
-        sent = codec.compress(grad, state)
-        frame = pack(Grad(1, 1, 0, 0.0, 1, 0.0, 0.0, 0.0, Payload(0, torch.zeros(0)), sent))
-        t1 = time.perf_counter()
-        dense, total = aggregate([unpack(frame)], 0, sparse_numel)
-        t2 = time.perf_counter()
-        s_state = CompressionState(density=cfg.server_k_fraction, residual=torch.zeros(sparse_numel))
-        update = codec.compress(total + grad, s_state)
-        pack(Grad(1, 0, 0, 0.0, 1, 0.0, 0.0, 0.0, Payload(0, dense), update))
-        t3 = time.perf_counter()
+        sent = worker_sparsify(grad, codec=codec, state=state, velocity=velocity, momentum=momentum,
+                               dense_step=False)
+        frame = pack(Grad(1, 1, 0, 0.0, 1, 0.0, 0.0, 0.0, no_dense, sent))
+        return frame, time.perf_counter() - t0
+
+    def aggregate_one(frame) -> float:
+        t0 = time.perf_counter()
+        aggregate([unpack(frame)], 0, sparse_numel)
+        return time.perf_counter() - t0
+
+    def server(fraction: float) -> float:
+        state = CompressionState(density=fraction, residual=torch.zeros(sparse_numel))
+        total = grad * 0.5
+        t0 = time.perf_counter()
+        update = server_sparsify(total, codec=codec, state=state, dense_step=False)
+        pack(Grad(1, 0, 0, 0.0, 1, 0.0, 0.0, 0.0, no_dense, update))
+        return time.perf_counter() - t0
+
+    def zeros() -> float:
+        t0 = time.perf_counter()
+        torch.zeros(sparse_numel)
+        return time.perf_counter() - t0
+
+    lo_d, hi_d = cfg.density, COMPRESSION_HIGH_DENSITY
+    lo_k, hi_k = cfg.server_k_fraction, COMPRESSION_HIGH_K_FRACTION
+    times: dict[str, list[float]] = {k: [] for k in ("w_lo", "w_hi", "a_lo", "a_hi", "s_lo", "s_hi", "z")}
+    for i in range(repeats + 1):
+        frame_lo, w_lo = worker(lo_d)
+        frame_hi, w_hi = worker(hi_d)
+        got = {"w_lo": w_lo, "w_hi": w_hi, "a_lo": aggregate_one(frame_lo), "a_hi": aggregate_one(frame_hi),
+               "s_lo": server(lo_k), "s_hi": server(hi_k), "z": zeros()}
         if i:  # the first round warms the allocator and the selection's workspace
-            worker.append(t1 - t0)
-            agg.append(t2 - t1)
-            server.append(t3 - t2)
-    return {"worker_compress_s": statistics.median(worker), "server_compress_s": statistics.median(server),
-            "aggregate_s": statistics.median(agg)}
+            for k, v in got.items():
+                times[k].append(v)
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    def per_kept(lo: float, hi: float, f_lo: float, f_hi: float) -> float:
+        # A slope below zero is the timer's noise, not a cost that falls with k.
+        return max(0.0, (hi - lo) / max(1, k_for(sparse_numel, f_hi) - k_for(sparse_numel, f_lo)))
+
+    return {"worker_compress_s": med["w_lo"], "server_compress_s": med["s_lo"], "aggregate_s": med["a_lo"],
+            "worker_compress_s_per_kept": per_kept(med["w_lo"], med["w_hi"], lo_d, hi_d),
+            "server_compress_s_per_kept": per_kept(med["s_lo"], med["s_hi"], lo_k, hi_k),
+            "aggregate_s_per_kept": per_kept(med["a_lo"], med["a_hi"], lo_d, hi_d),
+            "aggregate_fixed_s": min(med["z"], med["a_lo"]), **refs}
 
 
 def dense_frame_costs(numel: int, repeats: int = 5, frames: int = 4) -> dict[str, float]:

@@ -47,6 +47,7 @@ from trainer.algorithm import (
     aggregate,
     apply_payload,
     chunks,
+    correction_momentum,
     float_buffers,
     server_sparsify,
     worker_sparsify,
@@ -221,11 +222,10 @@ class PSClient(Session):
             return rules
         compressed = self._compressed_params()
         groups = [g for g in optimizer.param_groups if any(p in compressed for p in g["params"])]
-        moms = {float(g.get("momentum", 0.0)) for g in groups}
-        simple = all(not g.get("nesterov") and not g.get("dampening") for g in groups)
-        if len(moms) == 1 and moms != {0.0} and simple:
-            rules.momentum = moms.pop()
-        elif moms != {0.0}:
+        momentum = correction_momentum(groups)
+        if momentum is not None:
+            rules.momentum = momentum
+        else:
             log.warning("momentum correction needs one momentum factor, no dampening and no Nesterov "
                         "across the compressed tensors' groups; it is off for this run")
         return rules

@@ -20,6 +20,7 @@ from hybridtrain import contract
 
 _Count = Annotated[int, Field(ge=0, le=2**62, strict=True)]
 _Seconds = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
+_Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 
 # The optimizer tries every subset up to app.optimize.EXHAUSTIVE_MAX candidates (1023 subsets at
 # 10, ~10 s) and greedy removal beyond; more than this many would keep a request waiting too long.
@@ -37,6 +38,12 @@ class ProfileMeasurementFull(ProfileMeasurement):
     worker_compress_s: _Seconds | None = None
     server_compress_s: _Seconds | None = None
     aggregate_s: _Seconds | None = None
+    worker_compress_s_per_kept: _Seconds | None = None
+    server_compress_s_per_kept: _Seconds | None = None
+    aggregate_s_per_kept: _Seconds | None = None
+    aggregate_fixed_s: _Seconds | None = None
+    worker_compress_density: _Fraction | None = None
+    server_compress_k_fraction: _Fraction | None = None
     dense_aggregate_s_per_element: _Seconds | None = None
     dense_encode_s_per_element: _Seconds | None = None
     powersgd_s: _Seconds | None = None

@@ -24,6 +24,7 @@ from app.predict import (
     predict,
     predict_costs,
 )
+from app.predict_steps import chunk_pipeline
 from hybridtrain.wiresize import grad_frame_bytes, kept_for, update_frame_bytes
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -140,20 +141,75 @@ def test_powersgd_factors_follow_the_matrix_shapes():
     assert dict(((s, d), b) for s, d, b in p.bytes_per_step)[(1, 2)] == round((998 * steady + 2 * warm) / 1000)
 
 
-def test_pipelined_chunks_overlap_upload_server_and_download():
-    w, s = node(1, sps=1e9), node(2, agg=0.01)
+def test_one_chunk_is_the_plain_step():
+    assert chunk_pipeline([1.0], [0.2], [0.4], [0.0], 0.6, [0.4], [0.2], 1) == pytest.approx(2.8)
+
+
+def test_two_chunks_overlap_compression_upload_server_and_download():
+    # chunk 0: compressed by 1.1, sent by 1.3, summed by 1.6, back by 1.8, applied by 1.9;
+    # chunk 1: compressed by 1.2, sent by 1.5, summed by 1.9, back by 2.1, applied by 2.2.
+    assert chunk_pipeline([1.0], [0.2], [0.4], [0.0], 0.6, [0.4], [0.2], 2) == pytest.approx(2.2)
+
+
+def test_a_worker_applies_the_updates_only_once_its_own_sends_are_done():
+    # The first update is back at 0.5, but the worker still sends until 1.0 (trainer/ps.py
+    # waits for its sends before it reads an update): 1.0 + 0.2 + 0.2, not 1.0 + 0.2.
+    assert chunk_pipeline([0.0], [0.0], [1.0], [0.0], 0.0, [0.0], [0.4], 2) == pytest.approx(1.4)
+
+
+def test_the_server_takes_a_chunk_once_every_worker_has_sent_it():
+    # The slow worker's chunks arrive at 1.5 and 2.0: the server sums at 1.5-1.6 and 2.0-2.1.
+    step = chunk_pipeline([0.0, 1.0], [0.0, 0.0], [0.2, 1.0], [0.0, 0.0], 0.2, [0.0, 0.0], [0.0, 0.0], 2)
+    assert step == pytest.approx(2.1)
+
+
+def test_a_chunks_latency_is_paid_once_not_in_series():
+    # Up: 0.2 s of bytes + 0.1 s latency; each chunk's bytes leave 0.1 s apart and land 0.1 s
+    # later (0.2, 0.3); the updates likewise (0.4, 0.5).
+    assert chunk_pipeline([0.0], [0.0], [0.3], [0.1], 0.0, [0.3], [0.0], 2) == pytest.approx(0.5)
+
+
+def test_pipelined_ps_step_gets_its_share_of_the_chunks_timeline():
+    w, s = node(1, sps=1e9), node(2, agg=0.01, dagg=1e-7)
     links = mesh([w, s], lan=LinkSpec(100, 0.0, "measured"))
     task = TaskSpec(params=100_100, dense_params=100)
     one = predict("ps", workers=[(w, 1)], server=s, links=links, task=task)
     two = predict("ps", workers=[(w, 1)], server=s, links=links, task=task,
                   compression=CompressionSpec(pipeline_chunks=2))
     up, srv, down = (two.breakdown[k] for k in ("upload_s", "server_s", "download_s"))
-    stages = [up / 2, srv / 2, down / 2]
+    sent = [1e-9 + up / 2, 1e-9 + up]
+    summed = [sent[0] + srv / 2, max(sent[0] + srv / 2, sent[1]) + srv / 2]
+    back = [summed[0] + down / 2, max(summed[1], summed[0] + down / 2) + down / 2]
     plain = 1e-9 + up + srv + down
-    ideal = 1e-9 + up / 2 + srv / 2 + down / 2 + max(stages)
-    assert two.step_s == pytest.approx(plain - PIPELINE_EFFICIENCY * (plain - ideal))
+    assert two.step_s == pytest.approx(plain + PIPELINE_EFFICIENCY * (max(sent[1], back[1]) - plain))
     assert two.breakdown["overlap_s"] == pytest.approx(two.step_s - plain)
     assert two.step_s < one.step_s
+
+
+def test_compression_costs_move_along_their_line_with_what_is_kept():
+    n = NodeSpec(1, "n1", 1, 100.0, worker_compress_s=0.05, worker_compress_s_per_kept=1e-8,
+                 worker_compress_density=0.01)
+    # 1M elements at 0.1 keep 90,000 more than at 0.01: 0.05 s + 90,000 x 1e-8 s.
+    assert n.worker_compress_at(1_000_000, 0.1) == pytest.approx(0.05 + 0.0009)
+    assert n.worker_compress_at(1_000_000, 0.01) == pytest.approx(0.05)
+
+
+def test_a_profile_without_the_slope_keeps_compression_flat_in_k():
+    assert node(1, wc=0.05, sc=0.02).worker_compress_at(1_000_000, 0.1) == 0.05
+    assert node(1, wc=0.05, sc=0.02).server_compress_at(1_000_000, 0.5) == 0.02
+
+
+def test_compressed_server_zeroes_the_sum_once_and_decodes_each_frame_at_its_density():
+    s = NodeSpec(1, "n1", 1, 100.0, aggregate_s=0.03, aggregate_s_per_kept=1e-6, aggregate_fixed_s=0.01,
+                 server_compress_s=0.02, server_compress_s_per_kept=2e-6, worker_compress_density=0.01,
+                 server_compress_k_fraction=0.1)
+    a, b = node(2), node(3)
+    task = TaskSpec(params=10_100, dense_params=100)
+    p = predict("ps-gc", workers=[(a, 8), (b, 8)], server=s, links=mesh([s, a, b]), task=task,
+                densities=[0.02, 0.05], compression=CompressionSpec(server_k_fraction=0.2))
+    # Frames: 0.03 - 0.01 + (200 - 100) x 1e-6 and 0.03 - 0.01 + (500 - 100) x 1e-6; the zeroing
+    # once; the update at k 0.2: 0.02 + (2000 - 1000) x 2e-6.
+    assert p.breakdown["server_s"] == pytest.approx(0.01 + 0.0201 + 0.0204 + 0.022)
 
 
 def test_dense_server_decodes_every_workers_frame_and_encodes_the_update_once():
@@ -199,14 +255,14 @@ def test_densities_follow_the_rules_path_from_the_target():
     comp = CompressionSpec(warmup_steps=2, density_time_floor_s=0.0)
     p = predict("ps-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp,
                 max_steps=40)
-    # Equal bytes at equal densities: the fast upload shares the server's 200 Mbit/s link with the
-    # slow one (2b / 200), the slow one is held by its own 50 Mbit/s (b / 50): times 1 : 2, so
-    # step 5 moves the densities by (T_mean / T_m)^0.5 = sqrt(1.5), sqrt(0.75), renormalised.
+    # Equal bytes at equal densities, each timed at its own link's rate as the trainer's link
+    # clock times it (b / 200, b / 50): times 1 : 4, so step 5 moves the densities by
+    # (T_mean / T_m)^0.5, renormalised to the target: x sqrt(2) and / sqrt(2).
     dense, first, second = p.phases[:3]
     assert (dense["first_step"], dense["last_step"], dense["densities"]) == (1, 2, [1.0, 1.0])
     assert (first["first_step"], first["last_step"], first["densities"]) == (3, 4, [0.01, 0.01])
     assert (second["first_step"], second["last_step"]) == (5, 5)
-    assert second["densities"] == pytest.approx([0.01 * 2 ** 0.25, 0.01 / 2 ** 0.25])
+    assert second["densities"] == pytest.approx([0.01 * 2 ** 0.5, 0.01 / 2 ** 0.5])
     assert p.phases[-1]["last_step"] == 40
     assert p.time_to_max_steps_s == pytest.approx(
         sum((ph["last_step"] - ph["first_step"] + 1) * ph["step_s"] for ph in p.phases))
@@ -225,7 +281,7 @@ def test_a_short_run_averages_its_transient_not_just_the_fixed_point():
     # step 3 at the first adapted densities.
     slow_bytes = lambda p: dict(((a, b), n) for a, b, n in p.bytes_per_step)[(3, 1)]  # noqa: E731
     at = lambda d: grad_frame_bytes(0, 2_000_000, kept_for(2_000_000, d))  # noqa: E731
-    assert slow_bytes(short) == pytest.approx((2 * at(0.01) + at(0.01 / 2 ** 0.25)) / 3, abs=1)
+    assert slow_bytes(short) == pytest.approx((2 * at(0.01) + at(0.01 / 2 ** 0.5)) / 3, abs=1)
     assert slow_bytes(short) > slow_bytes(settled)
 
 
@@ -255,7 +311,10 @@ def test_adaptive_densities_settle_in_proportion_to_bandwidth():
     links[(3, 1)] = LinkSpec(50, 0.0, "measured")
     p = predict("ps-bz-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task)
     d_fast, d_slow = (r["density"] for r in p.per_worker)
-    assert d_fast / d_slow == pytest.approx(4.0, rel=0.05)
+    # The rule's fixed point: equal send times at each link's own rate (a frame's bytes per kept
+    # element fall as the density rises, so the densities differ by a little more than 4x).
+    up = lambda d: grad_frame_bytes(0, 20_000_000, kept_for(20_000_000, d))  # noqa: E731
+    assert up(d_fast) / 200 == pytest.approx(up(d_slow) / 50, rel=0.02)
     assert math.sqrt(d_fast * d_slow) == pytest.approx(0.01, rel=1e-6)
 
 

@@ -117,6 +117,26 @@ def test_an_agents_profile_report_keeps_the_models_inputs(client, online_node, d
     assert "new_field" not in result
 
 
+def test_an_agents_profile_report_keeps_compressions_growth_with_what_is_kept(client, online_node, dispatched, session):
+    node = online_node()
+    profile_id = client.post(f"{API}/tasks/profiles", json={"task": TASK, "node_ids": [node.id]}).json()[0]["id"]
+    slopes = {"worker_compress_s_per_kept": 2e-7, "server_compress_s_per_kept": 1e-7, "aggregate_s_per_kept": 3e-8,
+              "aggregate_fixed_s": 0.001, "worker_compress_density": 0.01, "server_compress_k_fraction": 1 / 32}
+    reported = node.agent.post(f"{API}/agent/profiles/{profile_id}", json={"status": "done", "result": RESULT | slopes})
+    assert reported.status_code == 200, reported.text
+    result = session.scalar(select(TaskProfile.result).where(TaskProfile.id == profile_id))
+    assert {k: result[k] for k in slopes} == slopes
+
+
+def test_an_agents_profile_report_with_a_density_above_one_is_refused(client, online_node, dispatched):
+    node = online_node()
+    profile_id = client.post(f"{API}/tasks/profiles", json={"task": TASK, "node_ids": [node.id]}).json()[0]["id"]
+    reported = node.agent.post(f"{API}/agent/profiles/{profile_id}",
+                               json={"status": "done", "result": RESULT | {"worker_compress_density": 1.5}})
+    assert reported.status_code == 422
+    assert reported.json()["detail"][0]["loc"][-1] == "worker_compress_density"
+
+
 def test_an_agents_profile_report_with_a_negative_compression_time_is_refused(
     client, online_node, dispatched
 ):

@@ -207,3 +207,50 @@ def test_write_doc_makes_the_folder_and_stamps_the_counts(tmp_path):
     bp.write_doc(doc, out, started=0.0)
     written = __import__("json").loads(out.read_text())
     assert written["counts"] == {"goal": 1, "bar": 1, "off": 0, "-": 0} and "date" in written
+
+
+def _recorded_run(**cell) -> dict:
+    """An --out JSON with one PS run of 16 samples on `w` (server `s`, one site each) that
+    recorded its inputs."""
+    profile = {"params": 1_000_000, "dense_params": 1000, "samples_per_s": 32.0, "worker_compress_s": 0.01,
+               "server_compress_s": 0.01, "aggregate_s": 0.01}
+    inputs = {"profiles": {"w": profile, "s": profile}, "batch_sizes": {"w": 16}, "server": "s",
+              "sites": {"w": "cloud", "s": "onprem"}, "compression": {"pipeline_chunks": 2},
+              "eval_every": 100_000, "window": [3, 12]}
+    links = [{"src": "w", "dst": "s", "mbps": 100.0, "rtt_ms": 1.0}, {"src": "s", "dst": "w", "mbps": 100.0, "rtt_ms": 1.0}]
+    base = {"testbed": "paper", "task": "widecnn", "strategy": "ps", "inputs": inputs, "prediction_source": "api",
+            "predicted_samples_per_s": 1.0, "measured_samples_per_s": 4.0, "measured_step_s": 4.0,
+            "measured_egress_bytes_per_step": 8_000_000}
+    return {"cells": [base | cell], "testbeds": {"paper": {"links": links}}}
+
+
+def test_repredict_predicts_each_recorded_run_again_with_the_model_as_it_is() -> None:
+    from app.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict
+
+    doc = bp.repredict(_recorded_run())
+    cell = doc["cells"][0]
+    profile = doc["cells"][0]["inputs"]["profiles"]["w"]
+    s, w = NodeSpec.from_profile(1, "s", 2, profile), NodeSpec.from_profile(2, "w", 1, profile)
+    link = LinkSpec(100.0, 1.0, "measured")
+    expected = predict("ps", workers=[(w, 16)], server=s, links={(1, 2): link, (2, 1): link},
+                       task=TaskSpec(1_000_000, 1000), compression=CompressionSpec(pipeline_chunks=2))
+    assert cell["prediction_source"].startswith("repredicted")
+    assert cell["predicted_samples_per_s"] == pytest.approx(16 / expected.step_s, rel=1e-3)
+    assert cell["error_samples_pct"] == bp.error_pct(cell["predicted_samples_per_s"], 4.0)
+    assert doc["counts"] == bp.summary_counts(doc["cells"])
+
+
+def test_repredict_leaves_a_run_without_recorded_inputs_as_it_was() -> None:
+    doc = bp.repredict(_recorded_run(inputs=None))
+    assert doc["cells"][0]["predicted_samples_per_s"] == 1.0
+    assert doc["cells"][0]["prediction_source"].startswith("not repredicted")
+
+
+def test_repredict_predicts_each_of_a_cells_runs_and_merges_them_again() -> None:
+    one = _recorded_run()["cells"][0]
+    runs = [dict(one, measured_samples_per_s=m) for m in (2.0, 4.0, 8.0)]
+    doc = _recorded_run() | {"cells": [bp.merge_repeats(runs)]}
+    cell = bp.repredict(doc)["cells"][0]
+    predicted = bp.repredict(_recorded_run())["cells"][0]["predicted_samples_per_s"]
+    assert [r["error_samples_pct"] for r in cell["runs"]] == [bp.error_pct(predicted, m) for m in (2.0, 4.0, 8.0)]
+    assert cell["error_samples_pct"] == round(bp.error_pct(predicted, 4.0), 1)

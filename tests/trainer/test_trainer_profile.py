@@ -12,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from trainer.config import TrainConfig
+
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"params", "dense_params", "buffer_numel", "matrix_shapes", "train_samples", "eval_samples", "batch", "samples_per_s",
         "step_s", "worker_compress_s", "server_compress_s", "aggregate_s", "dense_aggregate_s_per_element",
-        "dense_encode_s_per_element", "powersgd_s", "powersgd_rank", "metrics"}
+        "dense_encode_s_per_element", "powersgd_s", "powersgd_rank", "metrics", "worker_compress_s_per_kept",
+        "server_compress_s_per_kept", "aggregate_s_per_kept", "aggregate_fixed_s", "worker_compress_density",
+        "server_compress_k_fraction"}
 
 
 def run_profile(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
@@ -59,6 +63,14 @@ def test_profile_reports_the_dense_part_and_the_compression_costs_on_this_node(d
     assert digits_result["buffer_numel"] > 0  # BatchNorm statistics
     for key in ("worker_compress_s", "server_compress_s", "aggregate_s"):
         assert 0 < digits_result[key] < 5, key
+
+
+def test_profile_reports_where_compression_was_timed_and_its_growth_per_element_kept(digits_result):
+    assert digits_result["worker_compress_density"] == TrainConfig.density
+    assert digits_result["server_compress_k_fraction"] == TrainConfig.server_k_fraction
+    for key in ("worker_compress_s_per_kept", "server_compress_s_per_kept", "aggregate_s_per_kept"):
+        assert 0 <= digits_result[key] < 1e-3, key
+    assert 0 < digits_result["aggregate_fixed_s"] <= digits_result["aggregate_s"]
 
 
 def test_profile_reports_dense_frame_costs_per_element(digits_result):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from trainer_testing import config, global_batch, run_in_process, sgd, tiny_data, tiny_mlp
 
-from trainer.algorithm import Layout, aggregate, worker_sparsify
+from trainer.algorithm import Layout, aggregate, correction_momentum, worker_sparsify
 from trainer.compression import CompressionState, Payload, build_compressor
 from trainer.frames import Grad, ProtocolError
 from trainer.metrics import MetricsLogger
@@ -94,6 +94,17 @@ def test_a_non_sgd_optimizer_gets_no_momentum_correction_and_keeps_its_decay():
                      torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     assert client.velocity is None and client.rules.decay == []
     assert client.optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_momentum_correction_takes_the_one_plain_momentum_of_the_groups():
+    assert correction_momentum([{"momentum": 0.9}, {"momentum": 0.9, "dampening": 0}]) == 0.9
+    assert correction_momentum([{"momentum": 0.0}, {}]) == 0.0
+
+
+def test_momentum_correction_refuses_mixed_dampened_or_nesterov_momentum():
+    assert correction_momentum([{"momentum": 0.9}, {"momentum": 0.5}]) is None
+    assert correction_momentum([{"momentum": 0.9, "dampening": 0.1}]) is None
+    assert correction_momentum([{"momentum": 0.9, "nesterov": True}]) is None
 
 
 def test_weighted_aggregation_equals_the_gradient_of_the_concatenated_unequal_batch():
