@@ -60,6 +60,9 @@ QUICK_STRATEGIES = ("ps", "ps-bz-gc", "allreduce")
 # The trainer starts PowerSGD at step 10 (--powersgd-start, not exposed by the API): its runs
 # need 10 more steps before the steady state.
 POWERSGD_START = 10
+# A plan's max_steps for the steady state: far enough out that the warm-up steps, which the
+# measured window leaves out, do not dilute the predicted samples/s.
+STEADY_MAX_STEPS = 100_000
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ def plan_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The plan request for the steady state of `body`'s run: the same body with max_steps far
     out, so the prediction's samples/s is not diluted by the warm-up steps that the measured
     window leaves out."""
-    return dict(body) | {"max_steps": 100_000, "name": f"{body['name']}-plan"}
+    return dict(body) | {"max_steps": STEADY_MAX_STEPS, "name": f"{body['name']}-plan"}
 
 
 def extract_predictions(response: Any) -> dict[str, dict[str, Any]]:
@@ -640,7 +643,7 @@ def local_prediction(strategy: str, body: Mapping[str, Any], plan: Mapping[str, 
                      name_of: Mapping[int, str], site_of_name: Mapping[str, str]) -> dict[str, Any]:
     """The model's prediction computed here (app.predict), from the plan's batch shares, local
     profiles and the testbed probe's rates: the fallback while the API has no "prediction"."""
-    names = [name_of[n] for n in name_of]
+    names = list(name_of.values())
     links = {(a, b): (site_rates[(site_of_name[a], site_of_name[b])], 0.3) for a in names for b in names if a != b}
     pred, _ = model_prediction(strategy, profiles=profiles, links=links, site_of_name=site_of_name,
                                batch_sizes={name_of[w["node_id"]]: int(w["batch_size"]) for w in plan["workers"]
@@ -676,7 +679,7 @@ def _repredict_run(doc: Mapping[str, Any], cell: dict[str, Any]) -> dict[str, An
     pred, site_of = model_prediction(cell["strategy"], profiles=inputs["profiles"], batch_sizes=inputs["batch_sizes"],
                                      server=inputs["server"], links=links, site_of_name=inputs["sites"],
                                      compression=inputs["compression"], eval_every=inputs["eval_every"],
-                                     max_steps=plan_body({"name": ""})["max_steps"])  # fmt: skip
+                                     max_steps=STEADY_MAX_STEPS)  # fmt: skip
     measured = {"samples_per_s": cell["measured_samples_per_s"], "step_s": cell.get("measured_step_s"),
                 "egress_bytes_per_step": cell["measured_egress_bytes_per_step"],
                 "profile": cell.get("measured_profile")}

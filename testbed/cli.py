@@ -80,6 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--faults", default=None,
                    help="comma-separated subset of: kill-worker, spot-notice, cut-link, kill-server, "
                         "kill-control-plane, restart-redis, add-worker")  # fmt: skip
+    p.add_argument("--aggregate-at-sites", action="store_true",
+                   help="combine the cloud site's gradients at its relay (the victim is one of its workers)")
     p.add_argument("--out", type=Path, default=Path("var/bench/faults.json"))
     p.add_argument("--docs", default=None,
                    help="the Markdown file whose fault section is rewritten ('-' to skip; "

@@ -49,6 +49,8 @@ class FaultSettings:
     # Steps at each end of a run left out of the before/after throughput windows.
     window: int = 8
     standalone_seconds: float = 8.0
+    # The cloud site's gradients combined at its relay (`compression.aggregate_at_sites`).
+    aggregate_at_sites: bool = False
 
 
 QUICK = FaultSettings(max_steps=20, fault_step=8, checkpoint_every=4, eval_every=4, link_down_s=20.0,
@@ -278,7 +280,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         SECTION, "",
         f"`{doc['command'].strip()}` on {doc['date']} ({doc['machine']['cpus']} CPUs, "
-        f"{doc['duration_s'] / 60:.0f} min). Every run is `ps-bz-gc` on the paper testbed, "
+        f"{doc['duration_s'] / 60:.0f} min). Every run is `ps-bz-gc` on the paper testbed"
+        f"{' with per-site aggregation (`--aggregate-at-sites`)' if doc['settings'].get('aggregate_at_sites') else ''}, "
         f"the fault injected at step {doc['settings']['fault_step']} of {doc['settings']['max_steps']} "
         f"on `{doc['victim']}` where it hits a node; checkpoints every "
         f"{doc['settings']['checkpoint_every']} steps. \"after\" is measured over the last "

@@ -26,7 +26,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +216,8 @@ def _body(s: FaultSettings, node_ids: list[int], ps_node_id: int | None, name: s
     body = run_body(PS_BZ_GC, _bench_settings(s), node_ids, ps_node_id, name)
     body["name"] = name
     body["checkpoint_every"] = s.checkpoint_every
+    if s.aggregate_at_sites:
+        body["compression"] = {**body["compression"], "aggregate_at_sites": True}
     return body
 
 
@@ -283,7 +285,7 @@ def run_one(api: httpx.Client, state: TestbedState, state_dir: Path, fault: Faul
 
 def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
     """Everything of `hybridtrain bench faults`; returns the results document."""
-    s = QUICK if args.quick else FaultSettings()
+    s = replace(QUICK if args.quick else FaultSettings(), aggregate_at_sites=args.aggregate_at_sites)
     faults = [f for f in FAULTS if not args.faults or f.name in args.faults.split(",")]
     unknown = set(args.faults.split(",")) - set(FAULT_NAMES) if args.faults else set()
     if unknown:

@@ -39,6 +39,7 @@ from hybridtrain.contract import (
 from trainer import checkpoint
 from trainer.checkpoint_store import Uploader
 from trainer.frames import (
+    GRAD,
     SERVER,
     Abort,
     Bye,
@@ -54,6 +55,7 @@ from trainer.frames import (
     unpack,
 )
 from trainer.membership import Member
+from trainer.wire import peek_kind
 
 RESIDUAL_GONE = "its error-feedback residual (the part of its gradient not sent yet) is gone"
 
@@ -65,6 +67,9 @@ RESIDUAL_GONE = "its error-feedback residual (the part of its gradient not sent 
 # on the paper testbed's ResNet-18), and a worker admitted later is a joiner, which misses the
 # site relay plan, so its site pays one WAN copy of every update per worker.
 START_QUIET_S = 20.0
+# A worker its site's relay left out of the site's frame is read this long for a BYE it sent
+# on leaving (it says so to the server before its relay) before it counts as lost.
+LEAVE_GRACE_S = 2.0
 
 
 class Preempted(ProtocolError):
@@ -84,6 +89,12 @@ class Boundary:
         self.preempted = False
         self.last_updates: list[torch.Tensor] = []
         self._gone: set[int] = set()
+        # Per-site aggregation: the last (step, chunk) each worker's frame brought (a relay's
+        # carries its site's gradients), and, for a lost relay's site, the last (step, chunk)
+        # of each worker's gradient that reached the server through it: what such a worker sends
+        # again itself up to there is dropped, the rest is its own frames from then on.
+        self._relayed: dict[int, tuple[int, int]] = {}
+        self._covered: dict[int, tuple[int, int]] = {}
         self._ckpt_step = 0
         self._ckpt_t = time.monotonic()
         self._resume_model: State | None = None
@@ -213,12 +224,43 @@ class Boundary:
         want = list(ranks)
         while want:
             more, failed = self.inbox.collect(want, first_s=then if got else first_s, then_s=then)
-            got.update(more)
+            # Losses first: a relay's loss says which of its workers' frames came through it.
             for w, exc in failed.items():
                 self.lose(w, exc)
+            for w in [w for w in more if w in self._covered and self._came_through_relay(w, more[w][0])]:
+                del more[w]
+            got.update(more)
             want = [w for w in want if w not in got and w not in failed and w in self.roster]
         # Rank order, whatever the arrival order: sums in floating point must not vary.
         return dict(sorted(got.items()))
+
+    def _came_through_relay(self, rank: int, raw: torch.Tensor) -> bool:
+        """Whether `raw` is a gradient chunk of `rank` that its lost relay passed on already."""
+        if peek_kind(raw) != GRAD:
+            return False
+        frame = unpack(raw)
+        return (frame.step, frame.chunk) <= self._covered[rank]
+
+    def settle_site(self, relay: int, combined: tuple[int, ...]) -> None:
+        """A relay's site frame combined `combined`: a worker of its site left out was lost or
+        left on the way (the relay waits only so long), and is dropped or let go now."""
+        for m in self.roster.forwards(relay):
+            if m in combined or self.roster.members[m].joining:
+                continue
+            try:
+                raw, t = self.inbox.get(m, timeout_s=LEAVE_GRACE_S)
+            except TimeoutError:
+                self.lose(m, TimeoutError(), why=f"its site's relay {relay} went on without it")
+                continue
+            except (ConnectionError, OSError) as exc:
+                self.lose(m, exc)
+                continue
+            frame = unpack(raw)
+            if isinstance(frame, Bye) and frame.leaving:
+                self.leave(m)
+            else:
+                self.inbox.unget(m, (raw, t))
+                self.lose(m, TimeoutError(), why=f"its site's relay {relay} went on without it")
 
     def _drop_failed(self) -> None:
         for w in self.roster.ranks():
@@ -235,13 +277,13 @@ class Boundary:
                 out[w] = f
         return out
 
-    def lose(self, rank: int, exc: BaseException) -> None:
+    def lose(self, rank: int, exc: BaseException, *, why: str | None = None) -> None:
         """Drop a worker whose connection ended or that stayed silent; the others train on."""
         if rank not in self.roster:
             return
         silent = isinstance(exc, TimeoutError)
-        why = (f"silent for {self.roster.loss_deadline_s():.1f} s after its peers' frames" if silent
-               else f"its connection ended ({exc})")
+        why = why or (f"silent for {self.roster.loss_deadline_s():.1f} s after its peers' frames" if silent
+                      else f"its connection ended ({exc})")
         self._drop(rank, f"worker {rank} lost at step {self.step}: {why}")
         self.metrics.event(self.step, EVENT_WORKER_LOST, subject=rank,
                            detail=f"{why}; {RESIDUAL_GONE}; the batch is split over {len(self.roster)} workers")
@@ -260,21 +302,27 @@ class Boundary:
             pass
 
     def _drop(self, rank: int, what: str) -> None:
-        if self.cfg.site_aggregation and self.roster.relay_group(rank):
-            raise ProtocolError(f"{what}; per-site aggregation (--aggregate-at-sites) cannot re-plan a remote "
-                                "site's relay yet: the run stops and restarts from its latest checkpoint")
         relay = self.roster.source(rank)
         orphans = self.roster.remove(rank)
         self._gone.add(rank)
+        self._covered.pop(rank, None)
+        upto = self._relayed.pop(rank, (-1, -1))
         if relay != SERVER and relay in self.roster:
-            # Its relay stops forwarding to it (and trying to connect to a peer that is gone).
+            # Its relay stops forwarding to it (and trying to connect to a peer that is gone);
+            # under per-site aggregation it stops waiting for its gradients too.
             self._reroute(relay)
         self.roster.resplit()
         self.say(f"{what}; training on with {len(self.roster)} workers, batch shares "
                  f"{[n for n in self.roster.batch_sizes if n]}")
-        # Its site's workers now hear from the server: whatever of the latest step the relay
-        # may not have passed on goes to them again (they skip what they already have).
         for w in orphans:
+            if self.cfg.site_aggregation:
+                # Its gradients went up through the relay: what reached the server counts once,
+                # and it sends the rest again itself (PSClient keeps them until applied).
+                self._covered[w] = upto
+            # It hears the server from now on, without waiting out a relay that went silent.
+            self._reroute(w, source=SERVER)
+            # Whatever of the latest step the relay may not have passed on goes to it again
+            # (it skips what it already has).
             for frame in self.last_updates:
                 self.transport.send(w, frame)
 
@@ -335,11 +383,11 @@ class Boundary:
         self.say(f"worker {rank} joined after step {self.step}; batch shares "
                  f"{[n for n in self.roster.batch_sizes if n]}")
 
-    def _reroute(self, relay: int, *, peers: dict | None = None) -> None:
-        """Tell `relay` whom it forwards the update to now (a ROUTE); a relay lost meanwhile is
-        the loss detection's to notice."""
+    def _reroute(self, relay: int, *, peers: dict | None = None, source: int | None = None) -> None:
+        """Tell `relay` whom it forwards the update to now (a ROUTE; with `source`, where its own
+        updates come from); a relay lost meanwhile is the loss detection's to notice."""
         try:
-            self.transport.send(relay, pack(Route(self.step, self.roster.forwards(relay), peers or {})))
+            self.transport.send(relay, pack(Route(self.step, self.roster.forwards(relay), peers or {}, source)))
         except (ConnectionError, OSError):
             pass
 

@@ -353,21 +353,26 @@ class Abort:
 @dataclass(frozen=True)
 class Route:
     """To a relay: the workers it forwards each update to from now on, and the addresses of
-    those it has not connected to yet."""
+    those it has not connected to yet. With `source` (the server), to a worker whose relay was
+    dropped: it hears the server from now on, and stops waiting on the relay."""
 
     step: int
     forwards: tuple[int, ...]
     peers: dict[int, tuple[str, int]] = field(default_factory=dict)
+    source: int | None = None
     kind: ClassVar[int] = ROUTE
 
     def message(self) -> Message:
-        text = json.dumps({"forwards": self.forwards, "peers": {str(r): list(a) for r, a in self.peers.items()}})
-        return Message(ROUTE, self.step, SERVER, text=text)
+        d = {"forwards": self.forwards, "peers": {str(r): list(a) for r, a in self.peers.items()}}
+        if self.source is not None:
+            d["source"] = self.source
+        return Message(ROUTE, self.step, SERVER, text=json.dumps(d))
 
     @classmethod
     def parse(cls, m: Message) -> Route:
         d = json.loads(m.text)
-        return cls(m.step, tuple(d["forwards"]), {int(r): (a[0], int(a[1])) for r, a in d.get("peers", {}).items()})
+        return cls(m.step, tuple(d["forwards"]), {int(r): (a[0], int(a[1])) for r, a in d.get("peers", {}).items()},
+                   d.get("source"))
 
 
 Frame = Hello | Welcome | State | Grad | Update | Buffers | BuffersAvg | Eval | EvalResult | Bye | Abort | Fetch | Route

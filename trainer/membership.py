@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridtrain.contract import equal_batch_sizes, proportional_batch_sizes
@@ -22,6 +23,18 @@ from trainer.relay import SERVER, plan_relay
 LOSS_FLOOR_S = 5.0
 # ... and for three recent step times (the median), whichever is longer.
 LOSS_STEPS = 3.0
+# Under per-site aggregation a relay waits for its site's workers this share of the server's
+# deadline, so that it reports its site (without the silent one) before the server, which
+# hears only the relay, would call the relay itself lost.
+RELAY_SHARE = 0.5
+
+
+def loss_deadline_s(step_s: Sequence[float], timeout_s: float) -> float:
+    """How long after a round's first frame a silent worker counts as lost: LOSS_STEPS recent
+    step times (their median) with a floor, or a tenth of --timeout-s before any step."""
+    if not step_s:
+        return max(LOSS_FLOOR_S, timeout_s / 10)
+    return max(LOSS_FLOOR_S, LOSS_STEPS * statistics.median(step_s))
 
 
 @dataclass
@@ -137,10 +150,6 @@ class Roster:
         local = [r for r in direct if home is not None and self.members[r].site == home]
         return (local or direct)[0]
 
-    def relay_group(self, rank: int) -> bool:
-        """Whether `rank` relays or is relayed to (per-site aggregation cannot lose such a worker)."""
-        return bool(self.forwards(rank)) or self.source(rank) != SERVER
-
     # -- when is a worker lost ------------------------------------------------------------------------
     def note_step(self, seconds: float) -> None:
         """One step's time at the server, from waiting for its first frame to its last update."""
@@ -148,9 +157,7 @@ class Roster:
 
     def loss_deadline_s(self) -> float:
         """How long after a step's first frame a silent worker counts as lost."""
-        if not self.step_s:
-            return max(LOSS_FLOOR_S, self.cfg.timeout_s / 10)
-        return max(LOSS_FLOOR_S, LOSS_STEPS * statistics.median(self.step_s))
+        return loss_deadline_s(self.step_s, self.cfg.timeout_s)
 
     # -- the batch split ----------------------------------------------------------------------------
     def note_rates(self, rows: list[tuple[int, int, float]]) -> None:

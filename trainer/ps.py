@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,6 +74,7 @@ from trainer.frames import (
     unpack,
 )
 from trainer.linkclock import LinkClock
+from trainer.membership import RELAY_SHARE, loss_deadline_s
 from trainer.metrics import MetricsLogger
 from trainer.relay import SERVER
 from trainer.session import Session
@@ -194,8 +197,14 @@ class PSClient(Session):
         # with an error-feedback residual per chunk of its own, into one frame for the server.
         self.up = SERVER
         self.site: tuple[int, ...] = ()
+        self.relays_site = False
         self.site_codec = _codec(cfg, "topk")
         self.site_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
+        # A relay waits for its members as long as a share of the server's loss deadline, which
+        # follows the step time; a member keeps the frames it sent up until their step's update
+        # is applied, to send them to the server itself if its relay is lost.
+        self._step_times: deque[float] = deque(maxlen=20)
+        self.unacked: list[tuple[int, torch.Tensor]] = []
         # The server may pause below --min-workers: a worker waits that long on top.
         wait = cfg.timeout_s + (cfg.min_workers_wait_s if cfg.min_workers > 1 else 0.0)
         self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=_LAST, on_frame=self._forward)
@@ -344,6 +353,20 @@ class PSClient(Session):
             if hasattr(self.transport, "peer_addresses"):
                 self.transport.peer_addresses.update(route.peers)
             self.forwards = route.forwards
+            if self.relays_site:
+                # Members the server dropped (or let go): the relay stops waiting for their chunks.
+                for m in set(self.site) - set(route.forwards):
+                    self.inbox.fail(m, ConnectionError(f"worker {m} is out of the run (the server's word)"))
+                self.site = tuple(m for m in self.site if m in route.forwards)
+            old = self._update_source
+            if route.source is not None and old != route.source:
+                # The server dropped this worker's relay, which may be silent rather than closed:
+                # stop sending to it and waiting on it (Session._relay_lost takes over).
+                if hasattr(self.transport, "peer_addresses"):
+                    self.transport.peer_addresses.pop(old, None)
+                if hasattr(self.transport, "forget"):
+                    self.transport.forget(old)
+                self.inbox.fail(old, ConnectionError(f"relay {old} was dropped by the server"))
             return True
         forwards = self.forwards
         # A leaving relay's BYE is its own: its peers hear from the server from then on.
@@ -437,11 +460,13 @@ class PSClient(Session):
         sending.topk_s += te - tc
         grad = Grad(sending.step, self.rank, c, loss, sending.samples, compute_s, self.last_tx_s,
                     sending.topk_s, dense, sparse)
-        if self.site:
+        if self.relays_site:
             grad = self._combine_site(grad)
             te = time.perf_counter()
             sending.topk_s = grad.topk_s
         frame = pack(grad)
+        if self.up != SERVER:
+            self.unacked.append((grad.step, frame))
         ts = time.perf_counter()
         sending.encode_s += ts - te
         sending.waits.append(self.transport.post_many([self.up], frame))
@@ -455,11 +480,7 @@ class PSClient(Session):
         error feedback at its density; it counts the site's samples, and the last chunk's
         carries every member's own figures for the server's plan."""
         t0 = time.perf_counter()
-        members = [expect(self.inbox.get(m)[0], Grad, own.step, peer=m) for m in self.site]
-        for m in members:
-            if m.chunk != own.chunk:
-                raise ProtocolError(f"relay {self.rank}: expected chunk {own.chunk} of step {own.step} from "
-                                    f"rank {m.sender}, got chunk {m.chunk}")
+        members = self._site_chunks(own.step, own.chunk)
         group = [own, *members]
         a, b = self.bounds[own.chunk]
         dense, sparse = aggregate(group, own.dense.numel, b - a)
@@ -474,6 +495,32 @@ class PSClient(Session):
                     own.last_tx_s, spent, Payload(dense.numel(), dense),
                     Payload(combined.numel, combined.values, combined.indices, combined.seed),
                     (mine, *(m.own() for m in members)) if last else ())
+
+    def _site_chunks(self, step: int, chunk: int) -> list[Grad]:
+        """The site members' frames of `chunk`. A member whose connection ends, that leaves (its
+        BYE) or that sends nothing within the relay's deadline is left out from now on; the
+        server, finding it missing from the site's frame, drops or lets it go (docs/elastic.md)."""
+        wait = RELAY_SHARE * loss_deadline_s(self._step_times, self.cfg.timeout_s)
+        deadline = time.monotonic() + wait
+        out = []
+        for m in self.site:
+            try:
+                raw = self.inbox.get(m, timeout_s=max(0.0, deadline - time.monotonic()))[0]
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                why = f"silent for {wait:.1f} s after this relay's own chunk" if isinstance(exc, TimeoutError) else exc
+                print(f"[worker rank {self.rank}] site member {m} lost in step {step} ({why}); the site's "
+                      "frames go on without it", file=sys.stderr, flush=True)
+                self.site = tuple(r for r in self.site if r != m)
+                continue
+            if peek_kind(raw) == BYE:  # leaving the run (a spot notice)
+                self.site = tuple(r for r in self.site if r != m)
+                continue
+            grad = expect(raw, Grad, step, peer=m)
+            if grad.chunk != chunk:
+                raise ProtocolError(f"relay {self.rank}: expected chunk {chunk} of step {step} from "
+                                    f"rank {m}, got chunk {grad.chunk}")
+            out.append(grad)
+        return out
 
     def push_pull(self, step: int, *, loss: float, samples: int, compute_s: float) -> None:
         """Steps 2-5 of one synchronous step; the gradients are in the parameters' .grad.
@@ -522,6 +569,7 @@ class PSClient(Session):
         if self._pending is None:
             self.step = step
         total = step_s + time.perf_counter() - t0
+        self._step_times.append(total)
         mlog = self.metrics.log
         if math.isfinite(loss):
             mlog(step, "loss", loss)
@@ -616,7 +664,7 @@ class PSClient(Session):
             "batch_sizes": self.batch_sizes,
             "last_tx_s": self.last_tx_s,
             "velocity": self.velocity,
-            "site_residual": _join_residuals(self.site_states) if self.site else None,
+            "site_residual": _join_residuals(self.site_states) if self.relays_site else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -634,6 +682,6 @@ class PSClient(Session):
         self.last_tx_s = state["last_tx_s"]
         if self.velocity is not None:
             self.velocity.copy_(state["velocity"])
-        if self.site:
+        if self.relays_site:
             _split_residual(self.site_states, state.get("site_residual"), self.bounds)
         self._bind_grads()

@@ -146,7 +146,9 @@ class ParameterServer(Boundary):
         if frames and not all(isinstance(f, Grad) for f in frames.values()):
             # Not a step: every worker takes part (an evaluation, the goodbye).
             rest = [w for w in self.roster.active() if w not in first and w not in self._gone]
-            more = self._collect(rest, first_s=self.cfg.timeout_s, then_s=self.cfg.timeout_s)
+            # The round is under way (its first frames are in): the rest (under per-site
+            # aggregation, the relays' site workers) are held to the loss deadline too.
+            more = self._collect(rest, first_s=self.roster.loss_deadline_s())
             first.update(more)
             frames.update(self._let_leavers_go({w: unpack(raw) for w, (raw, _) in more.items()}))
             # A worker admitted just before an evaluation starts at the step after it: its
@@ -212,20 +214,38 @@ class ParameterServer(Boundary):
         arrival = dict(wire)
         frames = first
         self.last_updates = []
+        last = len(self.bounds) - 1
         for chunk in range(len(self.bounds)):
             if chunk:
                 got = self._collect([w for w in frames if w in self.roster], first_s=self.cfg.timeout_s)
                 frames = {w: expect(raw, Grad, step, peer=w) for w, (raw, _) in got.items()}
                 for w, (_, t) in got.items():
                     arrival[w] += t
-                if not frames:
-                    raise ProtocolError(f"every worker of step {step} was lost mid-step")
+            # Per-site aggregation: the workers of a relay lost this step send this chunk
+            # themselves unless the relay passed it on first.
+            late = [w for w, upto in self._covered.items()
+                    if w in self.roster and w not in frames and upto < (step, chunk)]
+            if late:
+                got = self._collect(late, first_s=self.cfg.timeout_s)
+                frames = dict(sorted({**frames, **{w: expect(raw, Grad, step, peer=w)
+                                                   for w, (raw, _) in got.items()}}.items()))
+                for w, (_, t) in got.items():
+                    arrival[w] = arrival.get(w, 0.0) + t
+            if not frames:
+                raise ProtocolError(f"every worker of step {step} was lost mid-step")
             t1 = time.perf_counter()
             wait_s += t1 - before
             grads = list(frames.values())
             if any(g.chunk != chunk for g in grads):
                 raise ProtocolError(f"server: expected chunk {chunk} of step {step}, got "
                                     f"{[(g.sender, g.chunk) for g in grads]}")
+            if self.cfg.site_aggregation:
+                for w in frames:
+                    self._relayed[w] = (step, chunk)
+                if chunk == last:
+                    for g in grads:
+                        if g.members:
+                            self.settle_site(g.sender, tuple(int(r[0]) for r in g.members))
             update = self.aggregate(step, grads, chunk, arrival)
             sent += update.sparse.count
             frame = pack(update)

@@ -65,6 +65,7 @@ class Session:
         if self.cfg.site_aggregation:
             self.up = welcome.source
             self.site = welcome.forwards
+            self.relays_site = bool(welcome.forwards)
         for peer in sorted({welcome.source, *self.site} - {SERVER}):
             self.inbox.add(peer)
 
@@ -122,12 +123,11 @@ class Session:
             try:
                 raw, _ = self.inbox.get(source)
             except (ConnectionError, TimeoutError) as exc:
-                # A silent relay outlasts the server's loss deadline: the server has taken over.
+                # The relay's connection ended, or the server dropped it (its ROUTE): the server
+                # has taken over.
                 if source == SERVER:
                     raise
-                print(f"[worker rank {self.rank}] relay {source} lost ({exc}); the server sends to this "
-                      "worker directly now", file=sys.stderr, flush=True)
-                self._update_source = SERVER
+                self._relay_lost(source, exc)
                 continue
             frame = unpack(raw)
             if isinstance(frame, Fetch):
@@ -145,6 +145,22 @@ class Session:
                 raise ProtocolError(f"rank {self.rank}: expected chunk {c} of step {step}, got {update.chunk}")
             self.apply(update)
             c += 1
+        self.unacked = [(s, f) for s, f in self.unacked if s > step]
+
+    def _relay_lost(self, relay: int, exc: BaseException) -> None:
+        """Hear the server directly from now on; under per-site aggregation, also send to it
+        directly, starting with the chunks sent up that no update has answered yet (the server
+        keeps those the relay passed on already and drops their copies)."""
+        self._update_source = SERVER
+        again = ""
+        if self.up == relay:
+            self.up = SERVER
+            for _, frame in self.unacked:
+                self.transport.send(SERVER, frame)
+            steps = sorted({s for s, _ in self.unacked})
+            again = f"; its gradient chunks of step(s) {steps} go to the server again" if steps else ""
+        print(f"[worker rank {self.rank}] relay {relay} lost ({exc}); the server sends to this worker directly "
+              f"now{again}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """BYE to the server; returns once the server has said BYE too."""
@@ -171,6 +187,8 @@ class Session:
             return
         self.left = True
         self.transport.send(SERVER, pack(Bye(self.step, self.rank, leaving=True)))
+        if self.up != SERVER:  # its relay stops waiting for this worker's chunks at once
+            self.transport.send(self.up, pack(Bye(self.step, self.rank, leaving=True)))
         self._from_server(Bye)
         self.flush_bytes()
 

@@ -257,6 +257,15 @@ class Inbox:
             self._queues[peer].appendleft(item)
             self._cond.notify_all()
 
+    def fail(self, peer: int, exc: BaseException) -> None:
+        """Mark `peer` lost from outside (the server said so): a wait on it ends with `exc` once
+        the frames already received from it are read."""
+        with self._cond:
+            q = self._queues.get(peer)
+            if q is not None and not (q and isinstance(q[-1], BaseException)):
+                q.append(exc)
+                self._cond.notify_all()
+
     def failed(self, peer: int) -> BaseException | None:
         """The error that ended `peer`'s receiving thread, if it has ended with one."""
         with self._cond:

@@ -103,3 +103,13 @@ def test_a_clean_fault_run_meets_every_target():
     events = [{"t": 101.0, "kind": "worker_lost"}]
     row = _row(KILL_WORKER, events, [(k, float(k) * 2.0) for k in range(1, 11)])
     assert check_targets(row, step_s=1.0) == []
+
+
+def test_the_aggregated_variant_asks_for_per_site_aggregation_in_every_runs_compression():
+    from dataclasses import replace
+
+    from testbed.faults import _body
+
+    plain, aggregated = (_body(replace(S, aggregate_at_sites=flag), [1, 2, 3], None, "f") for flag in (False, True))
+    assert "aggregate_at_sites" not in plain["compression"]
+    assert aggregated["compression"] == {**plain["compression"], "aggregate_at_sites": True}

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import time
 
+import pytest
 from shaped_link import shaped_link
 from trainer_testing import (
     DIGITS,
@@ -316,14 +317,71 @@ def test_a_preempted_server_checkpoints_and_exits_saying_so(tmp_path):
     assert len(saved) == 1 and (ckpt / saved[0]["detail"]).is_file()
 
 
-def test_a_loss_under_per_site_aggregation_stops_the_run_saying_why(tmp_path):
-    args = [*run_args(3, 400), "--sites", "home,home,away,away", "--aggregate-at-sites"]
-    server, workers, _ = start_ps_run(tmp_path, 3, args)
+# Per-site aggregation: rank 1 is in the server's site; rank 2 relays for site "away", whose
+# rank 3 sends its chunks to it (pipelined in two, so a loss can fall between a step's chunks).
+AGGREGATED = ["--sites", "home,home,away,away", "--aggregate-at-sites", "--pipeline-chunks", "2"]
+
+
+def aggregated_run(tmp_path, hit, *, survivors: tuple[int, ...], steps: int = 60) -> list[dict]:
+    """A three-worker run under per-site aggregation; `hit(workers)` once it trains. Every
+    survivor and the server must exit 0; returns the server's records."""
+    server, workers, _ = start_ps_run(tmp_path, 3, [*run_args(3, steps), *AGGREGATED])
     try:
         server.wait_for("[ps] step 1/")
-        time.sleep(1.0)
-        os.kill(workers[3].proc.pid, signal.SIGKILL)  # a member of the relayed site
-        assert server.wait(timeout=90) == 1
+        time.sleep(2.0)
+        hit(workers)
+        assert server.wait(timeout=120) == 0, server.output[-3000:]
+        for r in survivors:
+            assert workers[r].wait() == 0, server.output[-3000:] + workers[r].output[-3000:]
     finally:
+        for role in workers.values():
+            if role.proc.poll() is None:
+                os.kill(role.proc.pid, signal.SIGCONT)
         stop_all(server, *workers.values())
-    assert "per-site aggregation (--aggregate-at-sites) cannot re-plan" in server.output.strip().splitlines()[-1]
+    return server.records()
+
+
+def counted_once(records: list[dict], *, lost_step: int) -> None:
+    """Each step's aggregate counts every sample once: never more than the global batch (a
+    chunk counted twice), and the whole batch again after the step of the loss."""
+    samples = series(records, "batch_size")
+    assert max(samples.values()) == 48
+    assert all(n == 48 for s, n in samples.items() if s > lost_step + 1)
+
+
+def test_a_killed_member_of_an_aggregating_site_is_dropped_and_its_relay_trains_on(tmp_path):
+    records = aggregated_run(tmp_path, lambda w: os.kill(w[3].proc.pid, signal.SIGKILL), survivors=(1, 2))
+    lost = events(records, EVENT_WORKER_LOST)
+    assert [e["subject"] for e in lost] == [3] and "residual" in lost[0]["detail"]
+    counted_once(records, lost_step=lost[0]["step"])
+
+
+def test_a_silent_member_of_an_aggregating_site_is_left_out_by_its_relay_within_the_loss_deadline(tmp_path):
+    stopped = []
+
+    def freeze(workers):
+        stopped.append(time.time())
+        os.kill(workers[3].proc.pid, signal.SIGSTOP)
+
+    records = aggregated_run(tmp_path, freeze, survivors=(1, 2))
+    lost = events(records, EVENT_WORKER_LOST)
+    assert [e["subject"] for e in lost] == [3]
+    assert "relay 2 went on without it" in lost[0]["detail"]
+    assert lost[0]["t"] - stopped[0] < 10  # the relay's half of the 5 s floor, plus a step
+    counted_once(records, lost_step=lost[0]["step"])
+
+
+def test_a_member_leaving_an_aggregating_site_is_let_go_cleanly(tmp_path):
+    records = aggregated_run(tmp_path, lambda w: w[3].proc.send_signal(signal.SIGTERM), survivors=(1, 2, 3))
+    assert [e["subject"] for e in events(records, EVENT_WORKER_LEFT)] == [3]
+    assert not events(records, EVENT_WORKER_LOST)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "silent"])
+def test_a_lost_relay_of_an_aggregating_site_leaves_its_member_sending_to_the_server(tmp_path, sig):
+    records = aggregated_run(tmp_path, lambda w: os.kill(w[2].proc.pid, sig), survivors=(1, 3))
+    lost = events(records, EVENT_WORKER_LOST)
+    assert [e["subject"] for e in lost] == [2]
+    # The relay's site residual is gone with it; its member's chunks count once, whichever
+    # the relay passed on before it went.
+    counted_once(records, lost_step=lost[0]["step"])

@@ -74,6 +74,11 @@ def test_route_round_trips_forwards_and_peer_addresses():
     assert unpack(pack(route)) == route
 
 
+def test_route_round_trips_a_new_update_source():
+    route = Route(7, (), source=0)
+    assert unpack(pack(route)).source == 0 and unpack(pack(Route(7, ()))).source is None
+
+
 def test_state_round_trips_parameters_and_buffers():
     params, buffers = torch.randn(720), torch.randn(16)
     out = roundtrip(State(1, params, buffers))

@@ -3,16 +3,20 @@ gradient travels in chunks): neither changes what is learned."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from trainer_testing import run_in_process, sgd, tiny_mlp
+from trainer_testing import RankLost, run_in_process, sgd, tiny_mlp
 
 from trainer.algorithm import Layout, chunks
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.metrics import MetricsLogger
 from trainer.ps import PSClient
 from trainer.relay import SERVER, RelayPlan, direct_plan, plan_relay
-from trainer.transport import InMemoryHub
+from trainer.frames import Eval, Grad, unpack
+from trainer.server import ParameterServer
+from trainer.transport import InMemoryHub, InMemoryTransport
 
 PAPER_SITES = ("onprem", "onprem", "onprem", "cloud", "cloud")
 
@@ -194,4 +198,63 @@ def test_a_site_aggregated_compressed_run_keeps_the_replicas_identical():
                        density_max=0.2)
     for other in models[1:]:
         for pa, pb in zip(models[0].parameters(), other.parameters()):
+            assert torch.equal(pa, pb)
+
+
+class _DiesAfterSending(InMemoryTransport):
+    """A rank that is lost right after it has sent the server chunk `chunk` of step `step`, or
+    (chunk None) just before it sends its evaluation of `step`."""
+
+    def __init__(self, rank: int, hub: InMemoryHub, *, step: int, chunk: int | None) -> None:
+        super().__init__(rank, hub)
+        self.at, self.dead = (step, chunk), False
+
+    def send(self, peer: int, frame: torch.Tensor) -> None:
+        f = unpack(frame)
+        if self.dead or (self.at[1] is None and isinstance(f, Eval) and f.step == self.at[0]):
+            raise RankLost
+        super().send(peer, frame)
+        if peer == SERVER and isinstance(f, Grad) and (f.step, f.chunk) == self.at:
+            self.dead = True
+
+
+def test_a_relay_lost_between_its_sites_chunks_leaves_each_chunk_of_its_member_counted_once(monkeypatch):
+    # Rank 3 relays for rank 4 (cloud) and is lost after passing on chunk 0 of step 3: rank 4's
+    # chunk 0 of that step reached the server through it, its chunk 1 comes from rank 4 itself.
+    seen: list[tuple[int, int, int]] = []
+    aggregate = ParameterServer.aggregate
+
+    def spy(self, step, grads, chunk, arrival=None):
+        seen.append((step, chunk, sum(g.samples for g in grads)))
+        return aggregate(self, step, grads, chunk, arrival)
+
+    monkeypatch.setattr(ParameterServer, "aggregate", spy)
+    cfg = TrainConfig(strategy="ps-bz-gc", workers=4, global_batch=32, max_steps=6, warmup_steps=2, dense_numel=16,
+                      sites=PAPER_SITES, allocation="flops", site_aggregation=True, pipeline_chunks=2, **EXACT)
+    run = run_in_process(cfg, 6, transport=lambda hub, rank: (_DiesAfterSending(rank, hub, step=3, chunk=0)
+                                                              if rank == 3 else hub.transport(rank)))
+    share = dict(zip((1, 2, 3, 4), initial_batch_sizes(cfg)))
+    by = {(s, c): n for s, c, n in seen}
+    assert by[(3, 0)] == 32  # the relay's frame: its own and rank 4's samples
+    assert by[(3, 1)] == 32 - share[3]  # rank 4's own frame, the relay's samples gone
+    assert all(by[(s, c)] == 32 for s in (4, 5, 6) for c in (0, 1))  # the batch split over 1, 2, 4
+    survivors = [run.models[r - 1] for r in (1, 2, 4)]
+    for other in survivors[1:]:
+        for pa, pb in zip(survivors[0].parameters(), other.parameters()):
+            assert torch.equal(pa, pb)
+
+
+def test_a_site_worker_lost_before_an_evaluation_is_dropped_at_the_loss_deadline_not_the_timeout():
+    # Rank 4 is behind its relay (rank 3): the server hears it directly only in an evaluation's
+    # round, where it must be held to the loss deadline like everyone, not to --timeout-s.
+    cfg = TrainConfig(strategy="ps-bz-gc", workers=4, global_batch=32, max_steps=6, warmup_steps=2, dense_numel=16,
+                      sites=PAPER_SITES, allocation="flops", site_aggregation=True, timeout_s=120)
+    t0 = time.monotonic()
+    run = run_in_process(cfg, 6, eval_at=(3, 6), transport=lambda hub, rank: (
+        _DiesAfterSending(rank, hub, step=3, chunk=None) if rank == 4 else hub.transport(rank)))
+    assert time.monotonic() - t0 < 30
+    assert 4 not in run.server.roster
+    survivors = [run.models[r - 1] for r in (1, 2, 3)]
+    for other in survivors[1:]:
+        for pa, pb in zip(survivors[0].parameters(), other.parameters()):
             assert torch.equal(pa, pb)

@@ -10,11 +10,12 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from trainer.launch import free_port
 from trainer.sockets import PeerLost, ServerSocketTransport, WorkerSocketTransport
-from trainer.transport import Inbox
+from trainer.transport import InMemoryHub, Inbox
 
 LATE_S = 1.5
 # A frame whose kind byte (offset 3) reads LAST is a peer's final one: its inbox thread stops.
@@ -85,6 +86,20 @@ def test_an_inbox_delivers_each_peers_frames_in_order_counting_their_bytes_when_
     assert got == [{1: 10 + r, 2: 20 + r} for r in range(rounds - 1)] + [{1: LAST, 2: LAST}]
     assert server.take_counts()[1] == {1: rounds * (8 + 1000), 2: rounds * (8 + 2000)}
     server.close()
+
+
+def test_a_peer_marked_lost_ends_a_wait_on_it_once_its_frames_are_read():
+    # A silent relay the server has dropped: its frames received so far are still read, then
+    # the wait ends at once instead of at the timeout.
+    hub = InMemoryHub(timeout_s=30)
+    hub.transport(1).send(0, torch.full((4,), 7, dtype=torch.uint8))
+    inbox = Inbox(hub.transport(0), [1], timeout_s=30, last_kinds=frozenset({LAST}))
+    assert int(inbox.get(1)[0][0]) == 7
+    inbox.fail(1, ConnectionError("dropped by the server"))
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="dropped by the server"):
+        inbox.get(1)
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_a_worker_may_start_before_the_server_listens():

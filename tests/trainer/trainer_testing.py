@@ -23,7 +23,7 @@ from trainer.loader import batch_indices
 from trainer.metrics import MetricsLogger
 from trainer.ps import PSClient
 from trainer.server import ParameterServer, serve_in_thread
-from trainer.transport import InMemoryHub
+from trainer.transport import InMemoryHub, Transport
 
 ROOT = Path(__file__).resolve().parents[2]
 # The built-in task the CLI tests train: quick on a CPU, and learnable to > 90 %.
@@ -93,6 +93,10 @@ class Run:
     losses: dict[int, list[float]] = field(default_factory=dict)
 
 
+class RankLost(BaseException):
+    """Raised inside a worker's thread to end it as a lost process would end (no goodbye)."""
+
+
 def run_in_process(
     cfg: TrainConfig,
     steps: int,
@@ -102,8 +106,10 @@ def run_in_process(
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] = sgd,
     eval_at: tuple[int, ...] = (),
     after_step: Callable[[int, int, Run], None] | None = None,
+    transport: Callable[[InMemoryHub, int], Transport] = lambda hub, rank: hub.transport(rank),
 ) -> Run:
-    """Train `steps` steps of `cfg` with a server and cfg.workers workers on threads."""
+    """Train `steps` steps of `cfg` with a server and cfg.workers workers on threads; a worker
+    whose `transport` raises RankLost is lost to the run (its thread ends quietly)."""
     data = data if data is not None else tiny_data()
     hub = InMemoryHub(timeout_s=30)
     server = ParameterServer(cfg, hub.transport(0), MetricsLogger(0, "ps"))
@@ -117,7 +123,7 @@ def run_in_process(
     def work(rank: int) -> None:
         try:
             m, opt = models[rank - 1], optimizers[rank - 1]
-            client = PSClient(cfg, rank, hub.transport(rank), m, opt, MetricsLogger(rank, "worker"),
+            client = PSClient(cfg, rank, transport(hub, rank), m, opt, MetricsLogger(rank, "worker"),
                               train_samples=len(data))
             clients[rank - 1] = client
             client.start()
@@ -134,6 +140,8 @@ def run_in_process(
                     client.average_buffers(step)
                     client.combine_eval(step, {"accuracy": 0.0}, 1)
             client.close()
+        except RankLost:
+            pass
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 
