@@ -111,13 +111,30 @@ def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, 
     return body
 
 
-def strategy_variant(entry: str) -> tuple[str, bool]:
-    """`ps-bz-gc+plain` -> (ps-bz-gc, True): the strategy with its links unencrypted, to
-    measure what TLS costs side by side (runs encrypt by default)."""
+# A strategy's variants, measured side by side with it: `+plain`, its links unencrypted (what
+# TLS costs; runs encrypt by default); `+sites`, a PS strategy with each remote site's gradients
+# combined at its relay (`compression.aggregate_at_sites`, what per-site aggregation gains).
+VARIANTS = ("plain", "sites")
+
+
+def strategy_variant(entry: str) -> tuple[str, str]:
+    """`ps-bz-gc+sites` -> (ps-bz-gc, "sites"); a plain strategy's variant is ""."""
     strategy, _, variant = entry.partition("+")
-    if variant not in ("", "plain"):
-        raise TestbedError(f"--strategies: {entry!r}: the only variant is +plain")
-    return strategy, variant == "plain"
+    if variant and variant not in VARIANTS:
+        raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
+    if variant == "sites" and strategy not in PS_STRATEGIES:
+        raise TestbedError(f"--strategies: {entry!r}: per-site aggregation (+sites) is for the PS strategies")
+    return strategy, variant
+
+
+def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
+    """The run body of `variant` (see VARIANTS) from the strategy's own."""
+    if variant == "plain":
+        return body | {"name": f"{body['name']}-plain", "encrypt_links": False}
+    if variant == "sites":
+        return body | {"name": f"{body['name']}-sites",
+                       "compression": body.get("compression", {}) | {"aggregate_at_sites": True}}
+    return body
 
 
 # A run's progress line is printed at most this often (and only when it changed).
@@ -277,10 +294,10 @@ def run_bench(args: argparse.Namespace, log: Log = print,
     configs = [load_config(p) for p in paths]
     strategies = tuple(args.strategies.split(",")) if args.strategies else STRATEGIES
     for entry in strategies:
-        strategy, plain = strategy_variant(entry)
+        strategy, _ = strategy_variant(entry)
         if strategy not in STRATEGIES:
             raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
-                               "each optionally +plain)")
+                               "each optionally +plain, a PS one +sites)")
     started = time.monotonic()
     command = "hybridtrain " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else (
         f"hybridtrain bench paper --config {','.join(paths)}{' --quick' if args.quick else ''} --out {args.out}")
@@ -365,7 +382,7 @@ def _bench_on(
     results: dict[str, dict[str, Any]] = {}
     tally = tally or Tally(total=len(strategies) * s.seeds)
     for number, entry in enumerate(strategies, 1):
-        strategy, plain = strategy_variant(entry)
+        strategy, variant = strategy_variant(entry)
         per_seed: list[dict[str, Any]] = []
         for seed in seeds_of(s):
             t0 = time.monotonic()
@@ -373,9 +390,7 @@ def _bench_on(
             left = tally.left_text()
             if left:
                 log(f"  {label}: {left}, this one included")
-            body = run_body(strategy, replace(s, seed=seed), node_ids, ps_node_id, tag)
-            if plain:
-                body |= {"name": f"{body['name']}-plain", "encrypt_links": False}
+            body = variant_body(run_body(strategy, replace(s, seed=seed), node_ids, ps_node_id, tag), variant)
             run = run_strategy(api, body, s.run_timeout_s, label=label)
             records = fetch_metrics(api, run["id"], target_metric)
             rank_node = {w["rank"]: name_of[w["node_id"]] for w in run["workers"] if w["node_id"] in name_of}

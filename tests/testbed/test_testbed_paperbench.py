@@ -21,7 +21,14 @@ from testbed.paper_workloads import (
     with_overrides,
     workloads_of,
 )
-from testbed.paperbench import profile_argv, run_body, samples_per_s, strategy_variant, write_results
+from testbed.paperbench import (
+    profile_argv,
+    run_body,
+    samples_per_s,
+    strategy_variant,
+    variant_body,
+    write_results,
+)
 from testbed.report import SECTION, markdown_table, replace_section, section, workload
 
 
@@ -259,13 +266,26 @@ def test_a_measurement_without_a_json_line_has_no_rate() -> None:
     assert samples_per_s("Traceback (most recent call last):\nValueError: bad task\n") is None
 
 
-def test_a_strategy_with_plus_plain_runs_over_unencrypted_links_and_no_other_variant_exists() -> None:
+def test_a_strategy_with_plus_plain_runs_over_unencrypted_links() -> None:
+    assert strategy_variant("ps-bz-gc") == ("ps-bz-gc", "")
+    assert strategy_variant("ps-bz-gc+plain") == ("ps-bz-gc", "plain")
+    body = variant_body({"name": "bench-ps-bz-gc", "encrypt_links": True}, "plain")
+    assert body == {"name": "bench-ps-bz-gc-plain", "encrypt_links": False}
+
+
+def test_a_ps_strategy_with_plus_sites_combines_each_remote_sites_gradients_at_its_relay() -> None:
+    assert strategy_variant("ps-gc+sites") == ("ps-gc", "sites")
+    body = variant_body({"name": "bench-ps-gc", "compression": {"density": 0.05}}, "sites")
+    assert body == {"name": "bench-ps-gc-sites", "compression": {"density": 0.05, "aggregate_at_sites": True}}
+
+
+def test_an_unknown_variant_and_sites_for_all_reduce_are_refused() -> None:
     from testbed.errors import TestbedError
 
-    assert strategy_variant("ps-bz-gc") == ("ps-bz-gc", False)
-    assert strategy_variant("ps-bz-gc+plain") == ("ps-bz-gc", True)
-    with pytest.raises(TestbedError, match="only variant"):
+    with pytest.raises(TestbedError, match="the variants are"):
         strategy_variant("ps+fast")
+    with pytest.raises(TestbedError, match="for the PS strategies"):
+        strategy_variant("allreduce+sites")
 
 
 # -- seeds -----------------------------------------------------------------------------------------
