@@ -480,7 +480,7 @@ class PSClient(Session):
         error feedback at its density; it counts the site's samples, and the last chunk's
         carries every member's own figures for the server's plan."""
         t0 = time.perf_counter()
-        members = self._site_chunks(own.step, own.chunk)
+        members, waited = self._site_chunks(own.step, own.chunk)
         group = [own, *members]
         a, b = self.bounds[own.chunk]
         dense, sparse = aggregate(group, own.dense.numel, b - a)
@@ -489,19 +489,23 @@ class PSClient(Session):
         state.step = own.step
         combined = server_sparsify(sparse, codec=self.site_codec, state=state, dense_step=self.dense_step(own.step))
         last = own.chunk == len(self.bounds) - 1
-        spent = own.topk_s + time.perf_counter() - t0
+        # The wait for the members' chunks is communication, not compression: re-balancing
+        # reads compression as this worker's fixed cost a step.
+        spent = own.topk_s + time.perf_counter() - t0 - waited
         mine = (own.sender, own.loss, own.samples, own.compute_s, own.last_tx_s, spent)
         return Grad(own.step, self.rank, own.chunk, own.loss, sum(g.samples for g in group), own.compute_s,
                     own.last_tx_s, spent, Payload(dense.numel(), dense),
                     Payload(combined.numel, combined.values, combined.indices, combined.seed),
                     (mine, *(m.own() for m in members)) if last else ())
 
-    def _site_chunks(self, step: int, chunk: int) -> list[Grad]:
-        """The site members' frames of `chunk`. A member whose connection ends, that leaves (its
-        BYE) or that sends nothing within the relay's deadline is left out from now on; the
-        server, finding it missing from the site's frame, drops or lets it go (docs/elastic.md)."""
+    def _site_chunks(self, step: int, chunk: int) -> tuple[list[Grad], float]:
+        """The site members' frames of `chunk`, and the seconds spent waiting for them. A member
+        whose connection ends, that leaves (its BYE) or that sends nothing within the relay's
+        deadline is left out from now on; the server, finding it missing from the site's frame,
+        drops or lets it go (docs/elastic.md)."""
         wait = RELAY_SHARE * loss_deadline_s(self._step_times, self.cfg.timeout_s)
-        deadline = time.monotonic() + wait
+        t0 = time.monotonic()
+        deadline = t0 + wait
         out = []
         for m in self.site:
             try:
@@ -520,7 +524,7 @@ class PSClient(Session):
                 raise ProtocolError(f"relay {self.rank}: expected chunk {chunk} of step {step} from "
                                     f"rank {m}, got chunk {grad.chunk}")
             out.append(grad)
-        return out
+        return out, time.monotonic() - t0
 
     def push_pull(self, step: int, *, loss: float, samples: int, compute_s: float) -> None:
         """Steps 2-5 of one synchronous step; the gradients are in the parameters' .grad.

@@ -258,3 +258,28 @@ def test_a_site_worker_lost_before_an_evaluation_is_dropped_at_the_loss_deadline
     for other in survivors[1:]:
         for pa, pb in zip(survivors[0].parameters(), other.parameters()):
             assert torch.equal(pa, pb)
+
+
+class _LateToItsRelay(InMemoryTransport):
+    """A site worker whose chunks reach its relay `late_s` after it is ready to send them."""
+
+    def __init__(self, rank: int, hub: InMemoryHub, *, relay: int, late_s: float) -> None:
+        super().__init__(rank, hub)
+        self.relay, self.late_s = relay, late_s
+
+    def send(self, peer: int, frame: torch.Tensor) -> None:
+        if peer == self.relay and isinstance(unpack(frame), Grad):
+            time.sleep(self.late_s)
+        super().send(peer, frame)
+
+
+def test_a_relays_wait_for_its_sites_chunks_counts_as_communication_not_compression():
+    # Re-balancing reads compression as a worker's fixed cost a step: a relay charged with its
+    # member's lateness would be given a smaller batch than its speed warrants.
+    cfg = TrainConfig(strategy="ps-bz-gc", workers=4, global_batch=32, max_steps=4, warmup_steps=1, dense_numel=16,
+                      sites=PAPER_SITES, allocation="flops", site_aggregation=True)
+    run = run_in_process(cfg, 4, transport=lambda hub, rank: (
+        _LateToItsRelay(rank, hub, relay=3, late_s=0.4) if rank == 4 else hub.transport(rank)))
+    relay = run.clients[2]
+    assert relay.metrics.last["compress_s"] < 0.2
+    assert relay.metrics.last["comm_s"] >= 0.4
