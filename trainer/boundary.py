@@ -248,19 +248,19 @@ class Boundary:
             if m in combined or self.roster.members[m].joining:
                 continue
             try:
-                raw, t = self.inbox.get(m, timeout_s=LEAVE_GRACE_S)
+                item = self.inbox.get(m, timeout_s=LEAVE_GRACE_S)
             except TimeoutError:
-                self.lose(m, TimeoutError(), why=f"its site's relay {relay} went on without it")
-                continue
+                item = None
             except (ConnectionError, OSError) as exc:
                 self.lose(m, exc)
                 continue
-            frame = unpack(raw)
-            if isinstance(frame, Bye) and frame.leaving:
-                self.leave(m)
-            else:
-                self.inbox.unget(m, (raw, t))
-                self.lose(m, TimeoutError(), why=f"its site's relay {relay} went on without it")
+            if item is not None:
+                frame = unpack(item[0])
+                if isinstance(frame, Bye) and frame.leaving:
+                    self.leave(m)
+                    continue
+                self.inbox.unget(m, item)
+            self.lose(m, TimeoutError(), why=f"its site's relay {relay} went on without it")
 
     def _drop_failed(self) -> None:
         for w in self.roster.ranks():
