@@ -49,6 +49,10 @@ class FaultSettings:
     # Steps at each end of a run left out of the before/after throughput windows.
     window: int = 8
     standalone_seconds: float = 8.0
+    # `ps-bz-gc` as the paper benchmark runs it: the batch re-split every N steps from measured
+    # compute and compression times, so that a survivor whose compression is slow on its
+    # quota'd CPU is not the one every step waits for (None: the split of the given speeds).
+    rebalance_every: int | None = FULL.rebalance_every
     # The cloud site's gradients combined at its relay (`compression.aggregate_at_sites`).
     aggregate_at_sites: bool = False
 
@@ -202,8 +206,11 @@ def summarise_fault(
     settings: FaultSettings,
     lost_or_doubled: tuple[int, int],
     left_behind: list[int],
+    records: list[dict[str, Any]] | None = None,
+    rank_node: dict[int, str] | None = None,
 ) -> dict[str, Any]:
-    """The benchmark's row for one fault run (pure: everything read back is an argument)."""
+    """The benchmark's row for one fault run (pure: everything read back is an argument);
+    with the run's metric `records` and `rank_node`, also where its "after" step went."""
     after = [e for e in events if _timestamp(e["t"]) >= injection.t - 1.0]
     detection = next((e for e in after if any(k in e["kind"] for k in fault.detected_by)), None)
     resumed = any(e["kind"] == EVENT_RESUMED for e in after)
@@ -214,6 +221,8 @@ def summarise_fault(
     lo, hi, members = after_window(injection, after, settings, last_step)
     after_tp = throughput(steps, settings.global_batch, lo, hi, eval_steps)
     ideal_after = round(sum(standalone[n] for n in members if n in standalone), 2)
+    profile = after_profile(records, lo=lo, hi=hi, skip=eval_steps, rank_node=rank_node or {}, members=members,
+                            standalone=standalone, global_batch=settings.global_batch) if records else None  # fmt: skip
     lost, doubled = lost_or_doubled
     return {
         "fault": fault.name,
@@ -230,6 +239,7 @@ def summarise_fault(
         "after_members": members,
         "survivors_ideal": ideal_after,
         "after_of_ideal": round(after_tp / ideal_after, 3) if after_tp and ideal_after else None,
+        "after_profile": profile,
         "final_accuracy": accuracy,
         "accuracy_delta_points": (round(100 * (accuracy - reference_accuracy), 2)
                                   if accuracy is not None and reference_accuracy is not None else None),
@@ -239,6 +249,78 @@ def summarise_fault(
         "events": [{"kind": e["kind"], "subject": e.get("subject"), "step": e.get("step"),
                     "detail": e.get("detail")} for e in after],  # fmt: skip
     }  # fmt: skip
+
+
+def after_profile(
+    records: list[dict[str, Any]],
+    *,
+    lo: int,
+    hi: int,
+    skip: set[int],
+    rank_node: dict[int, str],
+    members: list[str],
+    standalone: dict[str, float],
+    global_batch: int,
+) -> dict[str, Any] | None:
+    """Where a step of the "after" window (steps (lo, hi]) goes, against the survivors' ideal.
+
+    The survivors' ideal step is the global batch at the sum of their standalone rates. The
+    share of it a run reaches is the product of `compute_share` (that ideal step over the
+    slowest survivor's compute: how evenly the batch was split and how fast each node computed
+    against its standalone rate) and `overhead_share` (that compute over the whole step: the
+    compression, the communication and the server's update it did not hide). `records` are
+    {rank, name, step, t, value} dicts (a resumed run's repeated steps: the last one counts).
+    """
+    last: dict[tuple[int, str, int], tuple[float, float]] = {}
+    for r in records:
+        if r["value"] is None or r.get("peer") is not None:
+            continue
+        key = (int(r["rank"]), r["name"], int(r["step"]))
+        if key not in last or r["t"] >= last[key][0]:
+            last[key] = (float(r["t"]), float(r["value"]))
+    loss_t = {k: t for (rank, name, k), (t, _) in last.items() if rank == 0 and name == "loss"}
+    window = [k for k in range(lo + 1, hi + 1) if k in loss_t and k - 1 in loss_t and k - 1 not in skip
+              and loss_t[k] > loss_t[k - 1]]  # fmt: skip
+    ranks = sorted({rank for (rank, name, k) in last if rank != 0 and name == "compute_s" and k in window
+                    and rank_node.get(rank) in members})  # fmt: skip
+    ideal = sum(standalone[m] for m in members if m in standalone)
+    if not window or not ranks or not ideal:
+        return None
+
+    def value(rank: int, name: str, k: int) -> float | None:
+        hit = last.get((rank, name, k))
+        return hit[1] if hit else None
+
+    def mean(values: Iterable[float | None]) -> float | None:
+        vals = [v for v in values if v is not None]
+        return round(statistics.mean(vals), 4) if vals else None
+
+    step_s = statistics.mean(loss_t[k] - loss_t[k - 1] for k in window)
+    slowest = statistics.mean(max(value(r, "compute_s", k) or 0.0 for r in ranks) for k in window)
+    ideal_step = global_batch / ideal
+    nodes = {}
+    for r in ranks:
+        compute = mean(value(r, "compute_s", k) for k in window)
+        batch = mean(value(r, "batch_size", k) for k in window)
+        node = rank_node[r]
+        rate = batch / compute if batch and compute else None
+        nodes[node] = {
+            "rank": r, "batch_size": batch, "compute_s": compute,
+            "rate_vs_standalone": round(rate / standalone[node], 3) if rate and standalone.get(node) else None,
+        }  # fmt: skip
+    return {
+        "step_s": round(step_s, 4),
+        "ideal_step_s": round(ideal_step, 4),
+        "slowest_compute_s": round(slowest, 4),
+        "compute_share": round(ideal_step / slowest, 3) if slowest else None,
+        "overhead_s": round(step_s - slowest, 4),
+        "overhead_share": round(slowest / step_s, 3),
+        "worker_compress_s": mean(value(r, "compress_s", k) for r in ranks for k in window),
+        "worker_comm_s": mean(value(r, "comm_s", k) for r in ranks for k in window),
+        "worker_wait_s": mean(value(r, "wait_s", k) for r in ranks for k in window),
+        "server_compress_s": mean(value(0, "compress_s", k) for k in window),
+        "nodes": nodes,
+    }
 
 
 def check_targets(row: dict[str, Any], step_s: float | None) -> list[str]:
@@ -254,7 +336,10 @@ def check_targets(row: dict[str, Any], step_s: float | None) -> list[str]:
         misses.append(f"accuracy {row['accuracy_delta_points']:+.2f} points")
     if row["fault"] in ("kill-worker", "spot-notice", "cut-link"):
         if row["after_of_ideal"] is not None and row["after_of_ideal"] < 0.9:
-            misses.append(f"after the loss {row['after_of_ideal']:.0%} of the survivors' ideal")
+            why = row.get("after_profile")
+            cause = (f" (compute {why['compute_share']:.2f} x overhead {why['overhead_share']:.2f})"
+                     if why and why["compute_share"] is not None else "")  # fmt: skip
+            misses.append(f"after the loss {row['after_of_ideal']:.0%} of the survivors' ideal{cause}")
         if row["fault"] == "kill-worker" and step_s and (
             row["detected_after_s"] is None or row["detected_after_s"] > 3 * step_s
         ):
@@ -302,6 +387,30 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{_fmt(r['accuracy_delta_points'])} | {r['metric_points_lost']} / {r['metric_points_doubled']} | "
             f"{r['processes_left']} | {'met' if not r['misses'] else '; '.join(r['misses'])} |"
         )  # fmt: skip
+    profiled = [r for r in doc["rows"] if r.get("after_profile")]
+    if profiled:
+        lines += [
+            "",
+            "Where a step of the \"after\" window goes, against the survivors' ideal step (the global "
+            "batch at the sum of their standalone rates). The share of the ideal is the product of "
+            "*compute* (the ideal step over the slowest survivor's compute: the split and each node's "
+            "speed against its standalone one) and *overhead* (that compute over the whole step: "
+            "compression, communication and the server's update left exposed). Means over the window, "
+            "seconds:",
+            "",
+            "| fault | step | ideal step | slowest compute | compute share | overhead | overhead share | "
+            "worker compress | worker comm | worker wait | server compress | survivors' speed vs standalone |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]  # fmt: skip
+        for r in profiled:
+            p = r["after_profile"]
+            speeds = ", ".join(f"{n} {_fmt(v['rate_vs_standalone'])}" for n, v in sorted(p["nodes"].items()))
+            lines.append(
+                f"| {r['fault']} | {_fmt(p['step_s'])} | {_fmt(p['ideal_step_s'])} | {_fmt(p['slowest_compute_s'])} | "
+                f"{_fmt(p['compute_share'])} | {_fmt(p['overhead_s'])} | {_fmt(p['overhead_share'])} | "
+                f"{_fmt(p['worker_compress_s'])} | {_fmt(p['worker_comm_s'])} | {_fmt(p['worker_wait_s'])} | "
+                f"{_fmt(p['server_compress_s'])} | {speeds} |"
+            )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -54,7 +54,7 @@ from testbed.fault_figures import (
     throughput,
 )
 from testbed.paper_workloads import FULL, BenchSettings
-from testbed.paperbench import TERMINAL, measure_ideal, run_body
+from testbed.paperbench import TERMINAL, fetch_metrics, measure_ideal, run_body
 from testbed.state import TestbedState
 from testbed.topology import load_config, plan
 
@@ -208,7 +208,7 @@ def _bench_settings(s: FaultSettings) -> BenchSettings:
     measurement (the survivors' ideal) read the same task, batch and compression."""
     return BenchSettings(task=s.task, task_args=dict(s.task_args), global_batch=s.global_batch,
                          max_steps=s.max_steps, target=s.target, seed=s.seed, eval_every=s.eval_every,
-                         stop_at_target=False, compression=dict(FULL.compression),
+                         stop_at_target=False, compression=dict(FULL.compression), rebalance_every=s.rebalance_every,
                          pipeline_chunks=FULL.pipeline_chunks, standalone_seconds=s.standalone_seconds)  # fmt: skip
 
 
@@ -322,6 +322,9 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                     time.sleep(10.0)  # let the agents reap and report what they stopped
                     events = get_json(api, f"/api/v1/runs/{run['id']}/events")
                     events = events["events"]
+                    name_of = {i: n for n, i in state.services["node_ids"].items()}
+                    rank_node = {w["rank"]: name_of[w["node_id"]] for w in run.get("workers", [])
+                                 if w.get("node_id") in name_of}  # fmt: skip
                     stored = stored_points(api, run["id"])
                     logged = logged_points(metric_files(state, args.state_dir, run["id"]))
                     lost = sum((logged - stored).values())
@@ -332,6 +335,7 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                         reference_accuracy=ref_acc, standalone=standalone, settings=s,
                         lost_or_doubled=(lost, doubled),
                         left_behind=leftover_processes(state, args.state_dir, run["id"]),
+                        records=fetch_metrics(api, run["id"]), rank_node=rank_node,
                     )  # fmt: skip
                     row["misses"] = check_targets(row, step_s)
                     row["wall_s"] = round(time.monotonic() - t0, 1)

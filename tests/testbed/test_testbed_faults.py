@@ -5,7 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from testbed.fault_figures import FaultSettings, Injection, check_targets, logged_points, steps_lost, summarise_fault, throughput
+from testbed.fault_figures import (
+    FaultSettings,
+    Injection,
+    after_profile,
+    check_targets,
+    logged_points,
+    markdown,
+    steps_lost,
+    summarise_fault,
+    throughput,
+)
 from testbed.faults import FAULTS
 
 S = FaultSettings(max_steps=10, fault_step=4, eval_every=100, window=3, global_batch=60)
@@ -113,3 +123,52 @@ def test_the_aggregated_variant_asks_for_per_site_aggregation_in_every_runs_comp
     plain, aggregated = (_body(replace(S, aggregate_at_sites=flag), [1, 2, 3], None, "f") for flag in (False, True))
     assert "aggregate_at_sites" not in plain["compression"]
     assert aggregated["compression"] == {**plain["compression"], "aggregate_at_sites": True}
+
+
+def _records(steps: range, step_s: float, workers: dict[int, tuple[int, float]]) -> list[dict]:
+    """The server's loss every `step_s` and each worker rank's (batch, compute) at every step."""
+    out = [{"rank": 0, "peer": None, "name": "loss", "step": k, "t": k * step_s, "value": 1.0} for k in steps]
+    for rank, (batch, compute) in workers.items():
+        for k in steps:
+            out += [{"rank": rank, "peer": None, "name": "batch_size", "step": k, "t": k * step_s, "value": batch},
+                    {"rank": rank, "peer": None, "name": "compute_s", "step": k, "t": k * step_s, "value": compute}]
+    return out
+
+
+def test_the_after_profile_splits_the_share_of_the_ideal_into_compute_and_overhead():
+    # Survivors a (standalone 40/s) and c (20/s): 60 samples a step is 1 s at the ideal. a gets
+    # 40 and computes them in 1.25 s (0.8 of its speed), c 20 in 1.0 s; steps take 2 s.
+    records = _records(range(1, 11), 2.0, {1: (40, 1.25), 3: (20, 1.0)})
+    p = after_profile(records, lo=4, hi=10, skip=set(), rank_node={1: "a", 2: "b", 3: "c"}, members=["a", "c"],
+                      standalone={"a": 40.0, "b": 30.0, "c": 20.0}, global_batch=60)
+    assert (p["step_s"], p["ideal_step_s"], p["slowest_compute_s"]) == (2.0, 1.0, 1.25)
+    assert (p["compute_share"], p["overhead_share"], p["overhead_s"]) == (0.8, 0.625, 0.75)
+    assert p["compute_share"] * p["overhead_share"] == 0.5  # the row's after / survivors' ideal
+    assert {n: v["rate_vs_standalone"] for n, v in p["nodes"].items()} == {"a": 0.8, "c": 1.0}
+
+
+def test_the_after_profile_reads_a_resumed_steps_last_records():
+    first = _records(range(1, 6), 1.0, {1: (60, 0.5)})
+    again = [dict(r, t=r["t"] + 100.0, value=(1.5 if r["name"] == "compute_s" else r["value"]))
+             for r in _records(range(3, 6), 1.0, {1: (60, 0.5)})]
+    p = after_profile(first + again, lo=3, hi=5, skip=set(), rank_node={1: "a"}, members=["a"],
+                      standalone={"a": 60.0}, global_batch=60)
+    assert p["slowest_compute_s"] == 1.5
+
+
+def test_a_missed_share_after_a_loss_names_its_compute_and_overhead_parts():
+    steps = [(k, float(k) * 4.0) for k in range(1, 11)]  # 15 samples/s of a 30 ideal
+    records = _records(range(1, 11), 4.0, {1: (60, 2.5)})
+    row = _row(KILL_WORKER, [{"t": 101.0, "kind": "worker_lost"}], steps, records=records, rank_node={1: "a", 2: "b"})
+    assert check_targets(row, step_s=1.0) == ["after the loss 50% of the survivors' ideal (compute 0.80 x overhead 0.62)"]
+    doc = {"reference": {"samples_per_s": 20.0, "final_accuracy": 0.9}, "rows": [row | {"misses": []}],
+           "command": "hybridtrain bench faults", "date": "d", "machine": {"cpus": 2}, "duration_s": 60.0,
+           "settings": {"fault_step": 4, "max_steps": 10, "checkpoint_every": 5, "window": 3}, "victim": "b"}
+    assert "| kill-worker | 4 | 2 | 2.5 | 0.8 | 1.5 | 0.625 |" in markdown(doc)
+
+
+def test_every_fault_run_re_balances_from_measured_times_as_the_paper_benchmarks_ps_bz_gc_does():
+    from testbed.faults import _body
+    from testbed.paper_workloads import FULL
+
+    assert _body(S, [1, 2, 3], None, "f")["rebalance_every"] == FULL.rebalance_every == 5
