@@ -23,7 +23,7 @@ worker's HELLO (a different one aborts the run at once, naming the difference) a
 worker 1's weights to the others, so the replicas start equal whatever the model factory did.
 With `--overlap` a chunk leaves as soon as the backward pass has produced its gradients; with
 `--aggregate-at-sites` a remote site's relay combines its site's chunks into one frame (the
-mirror of the update's relay). With `--delayed-updates` step t's update is applied at step
+mirror of the update's relay: `trainer.site_combine`). With `--delayed-updates` step t's update is applied at step
 t+1's push_pull, after step t+1's gradient has left, so the server's work and the reply's way
 back overlap the next forward and backward passes (one step of staleness); whatever needs the
 current model drains it first (`PSClient.drain`). docs/trainer.md, steps 7-10, says why and
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -46,12 +45,10 @@ from torch import nn
 
 from trainer.algorithm import (
     Layout,
-    aggregate,
     apply_payload,
     chunks,
     correction_momentum,
     float_buffers,
-    server_sparsify,
     worker_sparsify,
 )
 from trainer.compression import CompressionState, Compressor, Identity, Payload, build_compressor
@@ -66,10 +63,8 @@ from trainer.frames import (
     Eval,
     EvalResult,
     Grad,
-    ProtocolError,
     Route,
     Update,
-    expect,
     pack,
     unpack,
 )
@@ -78,6 +73,7 @@ from trainer.membership import RELAY_SHARE, loss_deadline_s
 from trainer.metrics import MetricsLogger
 from trainer.relay import SERVER
 from trainer.session import Session
+from trainer.site_combine import SiteCombiner
 from trainer.transport import Inbox, Transport
 from trainer.wire import peek_kind
 
@@ -193,13 +189,9 @@ class PSClient(Session):
         self._update_source = SERVER
         self.forwards: tuple[int, ...] = ()
         # Per-site aggregation: a remote site's workers send their chunks to the site's relay
-        # (`up`), which combines its `site` members' with its own and re-sparsifies the sum,
-        # with an error-feedback residual per chunk of its own, into one frame for the server.
+        # (`up`), whose `combiner` makes one frame of them for the server (trainer.site_combine).
         self.up = SERVER
-        self.site: tuple[int, ...] = ()
-        self.relays_site = False
-        self.site_codec = _codec(cfg, "topk")
-        self.site_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
+        self.combiner: SiteCombiner | None = None
         # A relay waits for its members as long as a share of the server's loss deadline, which
         # follows the step time; a member keeps the frames it sent up until their step's update
         # is applied, to send them to the server itself if its relay is lost.
@@ -217,6 +209,16 @@ class PSClient(Session):
         self._pending: int | None = None
         self._pending_hyper: list[dict] | None = None
         self._applying_hyper: list[dict] | None = None
+
+    @property
+    def site(self) -> tuple[int, ...]:
+        """The site members whose chunks this worker combines (empty unless it is their relay)."""
+        return self.combiner.members if self.combiner is not None else ()
+
+    def _relay_site(self, members: tuple[int, ...]) -> None:
+        """Combine `members`' chunks with this worker's own from now on (none: stop)."""
+        self.combiner = (SiteCombiner(self.rank, members, self.bounds, _codec(self.cfg, "topk"),
+                                      density=self.cfg.density, seed=self.cfg.seed) if members else None)  # fmt: skip
 
     # -- the optimizer --------------------------------------------------------------------------
     def _adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> _SgdRules:
@@ -353,11 +355,10 @@ class PSClient(Session):
             if hasattr(self.transport, "peer_addresses"):
                 self.transport.peer_addresses.update(route.peers)
             self.forwards = route.forwards
-            if self.relays_site:
+            if self.combiner is not None:
                 # Members the server dropped (or let go): the relay stops waiting for their chunks.
-                for m in set(self.site) - set(route.forwards):
+                for m in self.combiner.keep(route.forwards):
                     self.inbox.fail(m, ConnectionError(f"worker {m} is out of the run (the server's word)"))
-                self.site = tuple(m for m in self.site if m in route.forwards)
             old = self._update_source
             if route.source is not None and old != route.source:
                 # The server dropped this worker's relay, which may be silent rather than closed:
@@ -460,8 +461,10 @@ class PSClient(Session):
         sending.topk_s += te - tc
         grad = Grad(sending.step, self.rank, c, loss, sending.samples, compute_s, self.last_tx_s,
                     sending.topk_s, dense, sparse)
-        if self.relays_site:
-            grad = self._combine_site(grad)
+        if self.combiner is not None:
+            wait_s = RELAY_SHARE * loss_deadline_s(self._step_times, self.cfg.timeout_s)
+            grad = self.combiner.combine(grad, self.inbox, density=self.densities[self.index],
+                                         dense_step=self.dense_step(sending.step), wait_s=wait_s)  # fmt: skip
             te = time.perf_counter()
             sending.topk_s = grad.topk_s
         frame = pack(grad)
@@ -473,58 +476,6 @@ class PSClient(Session):
         sending.nbytes += frame.numel()
         sending.tx_s += time.perf_counter() - ts
         sending.next_chunk = c + 1
-
-    def _combine_site(self, own: Grad) -> Grad:
-        """The relay's frame of one chunk for its whole site: its own and its members' chunks
-        weighted by batch share (eq. 1-2 within the site), re-sparsified with the relay's own
-        error feedback at its density; it counts the site's samples, and the last chunk's
-        carries every member's own figures for the server's plan."""
-        t0 = time.perf_counter()
-        members, waited = self._site_chunks(own.step, own.chunk)
-        group = [own, *members]
-        a, b = self.bounds[own.chunk]
-        dense, sparse = aggregate(group, own.dense.numel, b - a)
-        state = self.site_states[own.chunk]
-        state.density = self.densities[self.index]
-        state.step = own.step
-        combined = server_sparsify(sparse, codec=self.site_codec, state=state, dense_step=self.dense_step(own.step))
-        last = own.chunk == len(self.bounds) - 1
-        # The wait for the members' chunks is communication, not compression: re-balancing
-        # reads compression as this worker's fixed cost a step.
-        spent = own.topk_s + time.perf_counter() - t0 - waited
-        mine = (own.sender, own.loss, own.samples, own.compute_s, own.last_tx_s, spent)
-        return Grad(own.step, self.rank, own.chunk, own.loss, sum(g.samples for g in group), own.compute_s,
-                    own.last_tx_s, spent, Payload(dense.numel(), dense),
-                    Payload(combined.numel, combined.values, combined.indices, combined.seed),
-                    (mine, *(m.own() for m in members)) if last else ())
-
-    def _site_chunks(self, step: int, chunk: int) -> tuple[list[Grad], float]:
-        """The site members' frames of `chunk`, and the seconds spent waiting for them. A member
-        whose connection ends, that leaves (its BYE) or that sends nothing within the relay's
-        deadline is left out from now on; the server, finding it missing from the site's frame,
-        drops or lets it go (docs/elastic.md)."""
-        wait = RELAY_SHARE * loss_deadline_s(self._step_times, self.cfg.timeout_s)
-        t0 = time.monotonic()
-        deadline = t0 + wait
-        out = []
-        for m in self.site:
-            try:
-                raw = self.inbox.get(m, timeout_s=max(0.0, deadline - time.monotonic()))[0]
-            except (ConnectionError, TimeoutError, OSError) as exc:
-                why = f"silent for {wait:.1f} s after this relay's own chunk" if isinstance(exc, TimeoutError) else exc
-                print(f"[worker rank {self.rank}] site member {m} lost in step {step} ({why}); the site's "
-                      "frames go on without it", file=sys.stderr, flush=True)
-                self.site = tuple(r for r in self.site if r != m)
-                continue
-            if peek_kind(raw) == BYE:  # leaving the run (a spot notice)
-                self.site = tuple(r for r in self.site if r != m)
-                continue
-            grad = expect(raw, Grad, step, peer=m)
-            if grad.chunk != chunk:
-                raise ProtocolError(f"relay {self.rank}: expected chunk {chunk} of step {step} from "
-                                    f"rank {m}, got chunk {grad.chunk}")
-            out.append(grad)
-        return out, time.monotonic() - t0
 
     def push_pull(self, step: int, *, loss: float, samples: int, compute_s: float) -> None:
         """Steps 2-5 of one synchronous step; the gradients are in the parameters' .grad.
@@ -668,7 +619,7 @@ class PSClient(Session):
             "batch_sizes": self.batch_sizes,
             "last_tx_s": self.last_tx_s,
             "velocity": self.velocity,
-            "site_residual": _join_residuals(self.site_states) if self.relays_site else None,
+            "site_residual": _join_residuals(self.combiner.states) if self.combiner is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -686,6 +637,6 @@ class PSClient(Session):
         self.last_tx_s = state["last_tx_s"]
         if self.velocity is not None:
             self.velocity.copy_(state["velocity"])
-        if self.relays_site:
-            _split_residual(self.site_states, state.get("site_residual"), self.bounds)
+        if self.combiner is not None:
+            _split_residual(self.combiner.states, state.get("site_residual"), self.bounds)
         self._bind_grads()

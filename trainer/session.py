@@ -64,8 +64,7 @@ class Session:
         self.forwards = welcome.forwards
         if self.cfg.site_aggregation:
             self.up = welcome.source
-            self.site = welcome.forwards
-            self.relays_site = bool(welcome.forwards)
+            self._relay_site(welcome.forwards)
         for peer in sorted({welcome.source, *self.site} - {SERVER}):
             self.inbox.add(peer)
 
