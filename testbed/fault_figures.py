@@ -9,7 +9,7 @@ import json
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,12 @@ class FaultSettings:
     link_down_s: float = 60.0
     control_plane_down_s: float = 30.0
     run_timeout_s: float = 900.0
+    # How long after a run's end (and 10 s) its processes may take to go before they count as
+    # left behind: the control plane has a succeeded run's stragglers stopped after its
+    # `finish_grace_s` (60 s), at the node's next heartbeat (5 s apart), SIGKILL 10 s after
+    # SIGTERM. (A joiner started as the run ended gives up reaching its server sooner,
+    # trainer.sockets.JOIN_CONNECT_S.)
+    reap_timeout_s: float = 80.0
     # Steps at each end of a run left out of the before/after throughput windows.
     window: int = 8
     standalone_seconds: float = 8.0
@@ -153,6 +159,31 @@ def leftover_processes(state: TestbedState, state_dir: Path, run_id: int) -> lis
         if cwd.startswith(root) and (cwd.endswith(marker) or marker + "/" in cwd):
             left.append(proc.info["pid"])
     return left
+
+
+def describe_processes(pids: Iterable[int]) -> list[str]:
+    """Each process as `pid: command line` (for the row of a run that left some behind)."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:300]}")
+        except psutil.Error:
+            out.append(f"{pid}: (gone)")
+    return out
+
+
+def wait_until_none_left(find: Callable[[], list[int]], timeout_s: float,
+                         poll_s: float = 1.0) -> tuple[list[int], float]:  # fmt: skip
+    """Poll `find` until it finds no process or `timeout_s` has passed: what it found last,
+    and the seconds that took. A node cut off from the control plane stops its roles only once
+    it is reachable again (its next heartbeat is answered with the run's end)."""
+    t0 = time.monotonic()
+    while True:
+        left = find()
+        waited = time.monotonic() - t0
+        if not left or waited >= timeout_s:
+            return left, round(waited, 1)
+        time.sleep(poll_s)
 
 
 def throughput(steps: list[tuple[int, float]], global_batch: int, lo: int, hi: int,

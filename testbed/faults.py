@@ -43,6 +43,7 @@ from testbed.fault_figures import (
     Injection,
     check_response,
     check_targets,
+    describe_processes,
     get_json,
     leftover_processes,
     logged_points,
@@ -52,6 +53,7 @@ from testbed.fault_figures import (
     stored_points,
     summarise_fault,
     throughput,
+    wait_until_none_left,
 )
 from testbed.paper_workloads import FULL, BenchSettings
 from testbed.paperbench import TERMINAL, fetch_metrics, measure_ideal, run_body
@@ -320,6 +322,8 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                     run, injection = run_one(api, state, args.state_dir, fault, s, nodes, victim, log)
                     assert injection is not None
                     time.sleep(10.0)  # let the agents reap and report what they stopped
+                    left, reaped_s = wait_until_none_left(
+                        lambda run_id=run["id"]: leftover_processes(state, args.state_dir, run_id), s.reap_timeout_s)
                     events = get_json(api, f"/api/v1/runs/{run['id']}/events")
                     events = events["events"]
                     name_of = {i: n for n, i in state.services["node_ids"].items()}
@@ -334,9 +338,11 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                         steps=server_steps(api, run["id"]), accuracy=_last_accuracy(api, run["id"]),
                         reference_accuracy=ref_acc, standalone=standalone, settings=s,
                         lost_or_doubled=(lost, doubled),
-                        left_behind=leftover_processes(state, args.state_dir, run["id"]),
+                        left_behind=left,
                         records=fetch_metrics(api, run["id"]), rank_node=rank_node,
                     )  # fmt: skip
+                    row["reaped_after_s"] = round(10.0 + reaped_s, 1)
+                    row["left_behind"] = describe_processes(left)
                     row["misses"] = check_targets(row, step_s)
                     row["wall_s"] = round(time.monotonic() - t0, 1)
                     rows.append(row)

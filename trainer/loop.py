@@ -278,12 +278,13 @@ class DistributedOptimizer:
         if ctx.cfg.is_ps and not ctx.standalone:
             from trainer.linktls import LinkTls
             from trainer.ps import PSClient
-            from trainer.sockets import WorkerSocketTransport
+            from trainer.sockets import JOIN_CONNECT_S, WorkerSocketTransport
             from trainer.transport import ThrottledTransport
 
             transport = WorkerSocketTransport(ctx.rank, ctx.master_addr, ctx.master_port,
                                               timeout_s=ctx.cfg.timeout_s, listen=bool(ctx.cfg.sites),
-                                              tls=LinkTls.given(ctx.cfg.link_secret), sites=ctx.cfg.sites)
+                                              tls=LinkTls.given(ctx.cfg.link_secret), sites=ctx.cfg.sites,
+                                              connect_s=JOIN_CONNECT_S if ctx.cfg.join else None)
             if ctx.worker < len(ctx.cfg.link_mbps):
                 transport = ThrottledTransport(transport, ctx.cfg.link_mbps[ctx.worker], peer=0)
             client = PSClient(ctx.cfg, ctx.rank, transport, module, optimizer, ctx.metrics,

@@ -45,6 +45,11 @@ _MAX_FRAME = 1 << 34
 _MAX_HELLO = 64 << 20
 
 
+# A joiner's connect retries: its run's server is up already, so this covers a slow accept
+# or a short network blip, not a server that is still importing torch.
+JOIN_CONNECT_S = 30.0
+
+
 class PeerLost(ConnectionError):
     """A peer's connection ended: its process exited or was killed, or its link broke."""
 
@@ -338,8 +343,12 @@ class WorkerSocketTransport(SocketTransport):
     to be reachable); with `listen`, also a port for its site's relay traffic."""
 
     def __init__(self, rank: int, host: str, port: int, *, timeout_s: float, listen: bool = False,
-                 tls: LinkTls | None = None, sites: Sequence[str] = ()) -> None:
+                 tls: LinkTls | None = None, sites: Sequence[str] = (), connect_s: float | None = None) -> None:
         super().__init__(rank, timeout_s=timeout_s, tls=tls, sites=sites)
+        # How long to retry reaching the server: a starting run's server may start after its
+        # workers (the timeout); a joiner's is up already, and one that is gone (the run ended
+        # as the joiner started) must not keep the joiner waiting out the timeout.
+        self.connect_s = timeout_s if connect_s is None else min(connect_s, timeout_s)
         self.peer_addresses: dict[int, tuple[str, int]] = {}
         self.listen_port: int | None = None
         if listen:
@@ -353,8 +362,8 @@ class WorkerSocketTransport(SocketTransport):
         self._recv_socks[SERVER] = sock
 
     def _connect(self, address: tuple[str, int], *, what: str) -> socket.socket:
-        # The server may still be starting (or restarting): retry until the timeout.
-        deadline = time.monotonic() + self.timeout_s
+        # The server may still be starting (or restarting): retry until `connect_s`.
+        deadline = time.monotonic() + self.connect_s
         delay = 0.05
         while True:
             try:
@@ -370,7 +379,7 @@ class WorkerSocketTransport(SocketTransport):
             except OSError as exc:
                 if time.monotonic() + delay > deadline:
                     raise PeerLost(f"rank {self.rank}: cannot reach {what} at {address[0]}:{address[1]} "
-                                   f"within {self.timeout_s:.0f} s: {exc}") from exc
+                                   f"within {self.connect_s:.0f} s: {exc}") from exc
                 time.sleep(delay)
                 delay = min(1.0, delay * 2)
 

@@ -172,3 +172,18 @@ def test_every_fault_run_re_balances_from_measured_times_as_the_paper_benchmarks
     from testbed.paper_workloads import FULL
 
     assert _body(S, [1, 2, 3], None, "f")["rebalance_every"] == FULL.rebalance_every == 5
+
+
+def test_processes_are_counted_once_they_have_had_the_time_to_go():
+    from testbed.fault_figures import wait_until_none_left
+
+    found = iter([[11, 12], [12], []])
+    left, waited = wait_until_none_left(lambda: next(found), timeout_s=5.0, poll_s=0.01)
+    assert left == [] and waited < 1.0
+
+
+def test_a_process_still_there_after_the_bound_is_left_behind():
+    from testbed.fault_figures import wait_until_none_left
+
+    left, waited = wait_until_none_left(lambda: [11], timeout_s=0.05, poll_s=0.01)
+    assert left == [11] and waited >= 0.05

@@ -116,6 +116,14 @@ def test_a_worker_may_start_before_the_server_listens():
     server.close()
 
 
+def test_a_worker_gives_up_on_a_server_that_is_gone_after_its_connect_time_not_the_timeout():
+    # A joiner (its run's server is up already, or gone): trainer.loop passes JOIN_CONNECT_S.
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match="cannot reach the parameter server .* within 1 s"):
+        _worker(5, free_port(), connect_s=1.0)
+    assert time.monotonic() - t0 < 5.0
+
+
 def test_a_killed_peer_is_noticed_at_once_as_lost(tmp_path):
     server = ServerSocketTransport("127.0.0.1", 0, timeout_s=30)
     code = ("import sys, time, torch; sys.path.insert(0, sys.argv[2]);"
