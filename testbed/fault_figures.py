@@ -186,13 +186,18 @@ def wait_until_none_left(find: Callable[[], list[int]], timeout_s: float,
         time.sleep(poll_s)
 
 
+def steady_steps(times: dict[int, float], lo: int, hi: int, skip: set[int]) -> list[int]:
+    """The steps k in (lo, hi] timed against their predecessor (`times`: step -> when it was
+    last logged), leaving out those whose predecessor is an evaluation step (in `skip`)."""
+    return [k for k in range(lo + 1, hi + 1)
+            if k in times and k - 1 in times and k - 1 not in skip and times[k] > times[k - 1]]  # fmt: skip
+
+
 def throughput(steps: list[tuple[int, float]], global_batch: int, lo: int, hi: int,
                skip: set[int]) -> float | None:  # fmt: skip
-    """Samples/s over the steps in (lo, hi] whose predecessor is not an evaluation step,
-    from the last time each step was logged."""
+    """Samples/s over the `steady_steps` in (lo, hi], from the last time each step was logged."""
     last = {s: t for s, t in steps}
-    gaps = [last[k] - last[k - 1] for k in range(lo + 1, hi + 1)
-            if k in last and k - 1 in last and k - 1 not in skip and last[k] > last[k - 1]]  # fmt: skip
+    gaps = [last[k] - last[k - 1] for k in steady_steps(last, lo, hi, skip)]
     return round(global_batch / statistics.mean(gaps), 2) if gaps else None
 
 
@@ -310,8 +315,7 @@ def after_profile(
         if key not in last or r["t"] >= last[key][0]:
             last[key] = (float(r["t"]), float(r["value"]))
     loss_t = {k: t for (rank, name, k), (t, _) in last.items() if rank == 0 and name == "loss"}
-    window = [k for k in range(lo + 1, hi + 1) if k in loss_t and k - 1 in loss_t and k - 1 not in skip
-              and loss_t[k] > loss_t[k - 1]]  # fmt: skip
+    window = steady_steps(loss_t, lo, hi, skip)
     ranks = sorted({rank for (rank, name, k) in last if rank != 0 and name == "compute_s" and k in window
                     and rank_node.get(rank) in members})  # fmt: skip
     ideal = sum(standalone[m] for m in members if m in standalone)

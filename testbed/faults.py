@@ -56,7 +56,7 @@ from testbed.fault_figures import (
     wait_until_none_left,
 )
 from testbed.paper_workloads import FULL, BenchSettings
-from testbed.paperbench import TERMINAL, fetch_metrics, measure_ideal, run_body
+from testbed.paperbench import TERMINAL, fetch_metrics, measure_ideal, rank_nodes, run_body
 from testbed.state import TestbedState
 from testbed.topology import load_config, plan
 
@@ -190,6 +190,8 @@ class Fault:
 
 
 RESTART_KINDS = ("restart", "restarting")
+# After a fault run ends: the agents reap and report what they stopped before it is read back.
+SETTLE_S = 10.0
 FAULTS = (
     Fault("kill-worker", kill_worker, (EVENT_WORKER_LOST,)),
     Fault("spot-notice", spot_notice, (EVENT_WORKER_LEFT, EVENT_WORKER_LOST)),
@@ -321,14 +323,11 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                     log(f"  {fault.name}")
                     run, injection = run_one(api, state, args.state_dir, fault, s, nodes, victim, log)
                     assert injection is not None
-                    time.sleep(10.0)  # let the agents reap and report what they stopped
+                    time.sleep(SETTLE_S)  # let the agents reap and report what they stopped
                     left, reaped_s = wait_until_none_left(
                         lambda run_id=run["id"]: leftover_processes(state, args.state_dir, run_id), s.reap_timeout_s)
                     events = get_json(api, f"/api/v1/runs/{run['id']}/events")
                     events = events["events"]
-                    name_of = {i: n for n, i in state.services["node_ids"].items()}
-                    rank_node = {w["rank"]: name_of[w["node_id"]] for w in run.get("workers", [])
-                                 if w.get("node_id") in name_of}  # fmt: skip
                     stored = stored_points(api, run["id"])
                     logged = logged_points(metric_files(state, args.state_dir, run["id"]))
                     lost = sum((logged - stored).values())
@@ -339,9 +338,9 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                         reference_accuracy=ref_acc, standalone=standalone, settings=s,
                         lost_or_doubled=(lost, doubled),
                         left_behind=left,
-                        records=fetch_metrics(api, run["id"]), rank_node=rank_node,
+                        records=fetch_metrics(api, run["id"]), rank_node=rank_nodes(run, state.services["node_ids"]),
                     )  # fmt: skip
-                    row["reaped_after_s"] = round(10.0 + reaped_s, 1)
+                    row["reaped_after_s"] = round(SETTLE_S + reaped_s, 1)
                     row["left_behind"] = describe_processes(left)
                     row["misses"] = check_targets(row, step_s)
                     row["wall_s"] = round(time.monotonic() - t0, 1)

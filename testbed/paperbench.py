@@ -196,6 +196,12 @@ METRIC_NAMES = ("loss", "accuracy", VAL_LOSS, "time_to_target_s", LEGACY_TIME_TO
                 "compute_s", "compress_s", "comm_s", "wait_s", "bytes_sent", "batch_size")  # fmt: skip
 
 
+def rank_nodes(run: dict[str, Any], node_ids: dict[str, int]) -> dict[int, str]:
+    """Each rank of `run` (as GET /runs/{id} has it) -> the testbed node it ran on."""
+    name_of = {i: n for n, i in node_ids.items()}
+    return {w["rank"]: name_of[w["node_id"]] for w in run.get("workers", []) if w.get("node_id") in name_of}
+
+
 def fetch_metrics(api: httpx.Client, run_id: int, target_metric: str = "accuracy") -> list[dict[str, Any]]:
     """Every stored record of the run that the benchmark reads (and of the target's metric),
     as {rank, peer, name, step, t, value} dicts."""
@@ -393,7 +399,7 @@ def _bench_on(
             body = variant_body(run_body(strategy, replace(s, seed=seed), node_ids, ps_node_id, tag), variant)
             run = run_strategy(api, body, s.run_timeout_s, label=label)
             records = fetch_metrics(api, run["id"], target_metric)
-            rank_node = {w["rank"]: name_of[w["node_id"]] for w in run["workers"] if w["node_id"] in name_of}
+            rank_node = rank_nodes(run, ids)
             cost = api.get(f"/api/v1/runs/{run['id']}/cost")
             bill = cost.json() if cost.status_code == 200 else None
             summary = summarise(records, strategy=strategy, global_batch=s.global_batch,

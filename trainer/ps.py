@@ -217,8 +217,8 @@ class PSClient(Session):
 
     def _relay_site(self, members: tuple[int, ...]) -> None:
         """Combine `members`' chunks with this worker's own from now on (none: stop)."""
-        self.combiner = (SiteCombiner(self.rank, members, self.bounds, _codec(self.cfg, "topk"),
-                                      density=self.cfg.density, seed=self.cfg.seed) if members else None)  # fmt: skip
+        self.combiner = (SiteCombiner(self.rank, members, self.bounds, _codec(self.cfg, "topk"), seed=self.cfg.seed)
+                         if members else None)  # fmt: skip
 
     # -- the optimizer --------------------------------------------------------------------------
     def _adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> _SgdRules:

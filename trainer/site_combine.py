@@ -31,12 +31,13 @@ class SiteCombiner:
     the residual of the re-sparsified sum (one state per chunk)."""
 
     def __init__(self, rank: int, members: tuple[int, ...], bounds: list[tuple[int, int]], codec: Compressor,
-                 *, density: float, seed: int) -> None:  # fmt: skip
+                 *, seed: int) -> None:  # fmt: skip
         self.rank = rank
         self.members = members
         self.bounds = bounds
         self.codec = codec
-        self.states = [CompressionState(density=density, seed=seed) for _ in bounds]
+        # Each state's density and step are the frame's own, set at every combine.
+        self.states = [CompressionState(seed=seed) for _ in bounds]
 
     def keep(self, ranks: Iterable[int]) -> list[int]:
         """Keep only the members among `ranks` (the server's word on who is in); the ones left out."""

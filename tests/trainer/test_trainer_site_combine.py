@@ -24,7 +24,7 @@ def _grad(sender: int, samples: int, value: float, *, step: int = 3, chunk: int 
 def _site(members: tuple[int, ...], codec=None) -> tuple[InMemoryHub, Inbox, SiteCombiner]:
     hub = InMemoryHub(timeout_s=5.0)
     inbox = Inbox(hub.transport(RELAY), members, timeout_s=5.0, last_kinds=frozenset({BYE}))
-    combiner = SiteCombiner(RELAY, members, BOUNDS, codec or Identity(), density=0.25, seed=0)
+    combiner = SiteCombiner(RELAY, members, BOUNDS, codec or Identity(), seed=0)
     return hub, inbox, combiner
 
 
