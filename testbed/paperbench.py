@@ -113,8 +113,9 @@ def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, 
 
 # A strategy's variants, measured side by side with it: `+plain`, its links unencrypted (what
 # TLS costs; runs encrypt by default); `+sites`, a PS strategy with each remote site's gradients
-# combined at its relay (`compression.aggregate_at_sites`, what per-site aggregation gains).
-VARIANTS = ("plain", "sites")
+# combined at its relay (`compression.aggregate_at_sites`, what per-site aggregation gains);
+# `+overlap`, a PS strategy whose chunks leave during the backward pass (`compression.overlap`).
+VARIANTS = ("plain", "sites", "overlap")
 
 
 def strategy_variant(entry: str) -> tuple[str, str]:
@@ -122,8 +123,8 @@ def strategy_variant(entry: str) -> tuple[str, str]:
     strategy, _, variant = entry.partition("+")
     if variant and variant not in VARIANTS:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
-    if variant == "sites" and strategy not in PS_STRATEGIES:
-        raise TestbedError(f"--strategies: {entry!r}: per-site aggregation (+sites) is for the PS strategies")
+    if variant in ("sites", "overlap") and strategy not in PS_STRATEGIES:
+        raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
     return strategy, variant
 
 
@@ -134,6 +135,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "sites":
         return body | {"name": f"{body['name']}-sites",
                        "compression": body.get("compression", {}) | {"aggregate_at_sites": True}}
+    if variant == "overlap":
+        return body | {"name": f"{body['name']}-overlap",
+                       "compression": body.get("compression", {}) | {"overlap": True}}
     return body
 
 
@@ -303,7 +307,7 @@ def run_bench(args: argparse.Namespace, log: Log = print,
         strategy, _ = strategy_variant(entry)
         if strategy not in STRATEGIES:
             raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
-                               "each optionally +plain, a PS one +sites)")
+                               "each optionally +plain, a PS one +sites or +overlap)")
     started = time.monotonic()
     command = "hybridtrain " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else (
         f"hybridtrain bench paper --config {','.join(paths)}{' --quick' if args.quick else ''} --out {args.out}")

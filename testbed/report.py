@@ -16,6 +16,18 @@ from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
 
+
+# What a variant (testbed.paperbench.VARIANTS) adds to its strategy's label.
+_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "overlap": "overlap"}
+
+
+def strategy_label(entry: str) -> str:
+    """A table's name for a `--strategies` entry: `ps-bz-gc+overlap` -> `PS-bz-gc + overlap`."""
+    strategy, _, variant = entry.partition("+")
+    label = STRATEGY_LABELS.get(strategy, strategy)
+    return f"{label} + {_VARIANT_LABELS.get(variant, variant)}" if variant else label
+
+
 def _fmt(value: Any, spec: str = "") -> str:
     if value is None:
         return "n/a"
@@ -62,7 +74,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
         speedup = f"{bz / sps:.2f}" if bz and sps else "n/a"
         mb = r["bytes_per_step"] / 1e6 if r.get("bytes_per_step") is not None else None
         lines.append(
-            f"| {STRATEGY_LABELS.get(strategy, strategy)} | {_with_spread(r, 'samples_per_s', '.1f')} | {speedup} "
+            f"| {strategy_label(strategy)} | {_with_spread(r, 'samples_per_s', '.1f')} | {speedup} "
             f"| {_with_spread(r, 'tta_s', '.1f')} | {_with_spread(r, 'final_accuracy', '.4f')} "
             f"| {_fmt(mb, '.2f')} | {_with_spread(r, 'granularity', '.2f')} "
             f"| {_fmt(r.get('egress_usd'), '.4f')} | {r.get('steps')} | {r.get('status')} |"
@@ -89,7 +101,7 @@ def profile_table(doc: dict[str, Any]) -> str:
     for strategy, r in doc["results"].items():
         prof = r.get("profile", {})
         cells = " | ".join(_fmt(prof.get(c), ".3f") for c in cols)
-        lines.append(f"| {STRATEGY_LABELS.get(strategy, strategy)} | {_fmt(r.get('step_s'), '.3f')} | {cells} |")
+        lines.append(f"| {strategy_label(strategy)} | {_fmt(r.get('step_s'), '.3f')} | {cells} |")
     return "\n".join(lines)
 
 
@@ -106,7 +118,7 @@ def figures(doc: dict[str, Any]) -> list[Any]:
 def _part_figures(doc: dict[str, Any], go: Any) -> list[Any]:
     results = doc["results"]
     where = part_title(doc)
-    names = [STRATEGY_LABELS.get(s, s) for s in results]
+    names = [strategy_label(s) for s in results]
     tta = go.Figure(go.Bar(x=names, y=[r.get("tta_s") for r in results.values()]))
     tta.update_layout(title=f"{where}: time to {workload(doc['settings'])[2]} (s, evaluations left out, "
                       "lower is better)", yaxis_title="seconds")
@@ -120,7 +132,7 @@ def _part_figures(doc: dict[str, Any], go: Any) -> list[Any]:
         if curve:
             t0 = curve[0][0]
             loss.add_trace(go.Scatter(x=[t - t0 for t, _ in curve], y=[v for _, v in curve],
-                                      mode="lines", name=STRATEGY_LABELS.get(strategy, strategy)))  # fmt: skip
+                                      mode="lines", name=strategy_label(strategy)))  # fmt: skip
     loss.update_layout(title=f"{where}: training loss against time", xaxis_title="seconds since the first step",
                        yaxis_title="loss", yaxis_type="log")  # fmt: skip
     return [tta, thr, loss]

@@ -29,7 +29,7 @@ from testbed.paperbench import (
     variant_body,
     write_results,
 )
-from testbed.report import SECTION, markdown_table, replace_section, section, workload
+from testbed.report import SECTION, markdown_table, replace_section, section, strategy_label, workload
 
 
 def _records(
@@ -279,13 +279,27 @@ def test_a_ps_strategy_with_plus_sites_combines_each_remote_sites_gradients_at_i
     assert body == {"name": "bench-ps-gc-sites", "compression": {"density": 0.05, "aggregate_at_sites": True}}
 
 
-def test_an_unknown_variant_and_sites_for_all_reduce_are_refused() -> None:
+def test_a_ps_strategy_with_plus_overlap_sends_its_chunks_during_the_backward_pass() -> None:
+    assert strategy_variant("ps-bz-gc+overlap") == ("ps-bz-gc", "overlap")
+    body = variant_body({"name": "bench-ps-bz-gc", "compression": {"density": 0.05}}, "overlap")
+    assert body == {"name": "bench-ps-bz-gc-overlap", "compression": {"density": 0.05, "overlap": True}}
+
+
+def test_a_variant_is_named_after_its_strategy_in_the_tables() -> None:
+    assert strategy_label("ps-bz-gc") == "PS-bz-gc"
+    assert strategy_label("ps-bz-gc+overlap") == "PS-bz-gc + overlap"
+    assert strategy_label("allreduce+plain") == "All-Reduce + unencrypted"
+
+
+def test_an_unknown_variant_and_sites_or_overlap_for_all_reduce_are_refused() -> None:
     from testbed.errors import TestbedError
 
     with pytest.raises(TestbedError, match="the variants are"):
         strategy_variant("ps+fast")
     with pytest.raises(TestbedError, match="for the PS strategies"):
         strategy_variant("allreduce+sites")
+    with pytest.raises(TestbedError, match="for the PS strategies"):
+        strategy_variant("allreduce-powersgd+overlap")
 
 
 # -- seeds -----------------------------------------------------------------------------------------
