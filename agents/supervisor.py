@@ -11,12 +11,12 @@ directory first on its import path once its own packages are loaded, and PYTHONS
 `python -m trainer` from finding a user's own `trainer/` in the working directory first. A
 bundle that cannot be fetched or unpacked ends the role before it starts, reported as an exit.
 
-Per role, one reader thread copies output to `runs/<run>/rank<R>.log` and a bounded buffer;
-one watcher thread reports "started", waits for the guard to exit (without reaping it, so
+Per role, one reader thread copies output to `runs/<run>/rank<R>.log` and a bounded buffer
+(agents.log_shipping); one watcher thread reports "started", waits for the guard to exit (without reaping it, so
 its pid cannot be reused while the group is swept), SIGKILLs what is left of the group,
 reaps, flushes the logs and reports "exited" after what the trainer did not deliver (its
 spool; after a crash or a kill, its metrics file too: agents.reports). One shipper thread
-moves buffered lines to the outbox every `log_flush_interval_s`.
+moves buffered lines to the outbox every `log_flush_interval_s` (agents.log_shipping).
 
 Nothing is sent from here: every report goes into the durable outbox (agents.outbox), whose
 one sender delivers in order once the control plane answers. A role's record in the ledger
@@ -39,7 +39,8 @@ from typing import Any
 from agents.bundles import BundleCache
 from agents.errors import BundleError, LaunchError
 from agents.groups import Spawner, create_time, killpg, wait_group_empty
-from agents.outbox import EVENT, LOGS, Entry, Message, Outbox, Transport
+from agents.log_shipping import LogShipper
+from agents.outbox import EVENT, Entry, Message, Outbox, Transport
 from agents.records import EXITED, RoleRecords
 from agents.restart import report_lost_roles
 from agents.reports import (
@@ -47,7 +48,6 @@ from agents.reports import (
 )
 from agents.roles import (
     LINK_SECRET_FILE,
-    MAX_LINE_CHARS,
     TOKEN_FILE,
     role_env,
     write_secret,
@@ -62,7 +62,6 @@ from hybridtrain.contract import CAUSE_AGENT_STOPPING, CAUSE_CANCEL
 
 log = logging.getLogger(__name__)
 
-LOG_BATCH_LINES = 500
 # Exited roles stay in heartbeats this long, so an exit whose event was lost still arrives.
 EXITED_RETENTION_S = 600.0
 
@@ -90,9 +89,6 @@ class Supervisor:
         self.trainer_command = list(trainer_command)
         self.kill_grace_s = kill_grace_s
         self.stop_grace_s = stop_grace_s
-        self.log_buffer_lines = log_buffer_lines
-        self.outbox_log_lines = outbox_log_lines
-        self.log_flush_interval_s = log_flush_interval_s
         self.role_threads = role_threads
         self.bundles = bundles
         self.server_url = server_url
@@ -110,8 +106,9 @@ class Supervisor:
         self.outbox.on_delivered = self._on_delivered
         if self._owns_outbox:
             self.outbox.start()
-        self._shipper = threading.Thread(target=self._ship_loop, name="log-shipper", daemon=True)
-        self._shipper.start()
+        self.logs = LogShipper(self.outbox, self.roles, self._closing, buffer_lines=log_buffer_lines,
+                               outbox_lines=outbox_log_lines, interval_s=log_flush_interval_s)
+        self.logs.start()
 
     # -- launching -------------------------------------------------------------------------
 
@@ -205,7 +202,7 @@ class Supervisor:
             spec.run_id, spec.rank, spec.role, proc.pid, " ".join(redact(argv)),
         )
         role.reader = threading.Thread(
-            target=self._read_output, args=(role,), name=f"out-{spec.run_id}-{spec.rank}",
+            target=self.logs.read, args=(role,), name=f"out-{spec.run_id}-{spec.rank}",
             daemon=True,
         )
         role.reader.start()
@@ -300,21 +297,6 @@ class Supervisor:
 
     # -- watching --------------------------------------------------------------------------
 
-    def _read_output(self, role: RoleProcess) -> None:
-        assert role.proc is not None and role.proc.stdout is not None
-        with open(role.log_path, "ab", buffering=0) as sink:
-            for raw in iter(role.proc.stdout.readline, b""):
-                sink.write(raw)
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")[:MAX_LINE_CHARS]
-                with role.lock:
-                    role.tail.append(line)
-                    if len(role.pending) >= self.log_buffer_lines:
-                        role.pending.popleft()
-                        role.dropped += 1
-                    role.pending.append({"seq": role.next_seq, "t": time.time(), "line": line})
-                    role.next_seq += 1
-        role.proc.stdout.close()
-
     def _watch(self, role: RoleProcess) -> None:
         spec = role.spec
         assert role.proc is not None and role.pid is not None
@@ -352,7 +334,7 @@ class Supervisor:
         role.state = "exited"
         log.info("run %s rank %s exited: %s", *role.key, role.reason or "success")
 
-        self._flush_logs(role, final=True)
+        self.logs.flush(role, final=True)
         self._report_exit(role)
 
     def _report_exit(self, role: RoleProcess) -> None:
@@ -412,36 +394,6 @@ class Supervisor:
             target=self.cancel, args=(entry.run_id,),
             kwargs={"reason": reason, "rank": entry.body.get("rank")}, daemon=True,
         ).start()
-
-    # -- logs ------------------------------------------------------------------------------
-
-    def _ship_loop(self) -> None:
-        while not self._closing.wait(self.log_flush_interval_s):
-            for role in self.roles():
-                if role.state == "running":
-                    self._flush_logs(role)
-
-    def _flush_logs(self, role: RoleProcess, *, final: bool = False) -> None:
-        """Move the role's buffered lines to the outbox in batches of 500.
-
-        While the outbox already holds `outbox_log_lines` lines (the control plane is long
-        gone) lines stay in the bounded memory buffer, which drops the oldest and counts
-        them; the final flush of an ended role always goes.
-        """
-        with role.ship_lock:
-            messages = []
-            with role.lock:
-                if not role.pending:
-                    return
-                if not final and self.outbox.pending_log_lines() + len(role.pending) > self.outbox_log_lines:
-                    return
-                dropped, role.dropped = role.dropped, 0
-                while role.pending:
-                    batch = [role.pending.popleft() for _ in range(min(LOG_BATCH_LINES, len(role.pending)))]
-                    messages.append(Message(LOGS, role.spec.run_id,
-                                            {"rank": role.spec.rank, "lines": batch, "dropped": dropped}))
-                    dropped = 0
-            self.outbox.put_many(messages)
 
     # -- stopping --------------------------------------------------------------------------
 

@@ -15,8 +15,8 @@ rounds themselves; this mixin changes who takes part in them, only at a step bou
    have had it: one WAN copy per site, not one per worker (`Roster.relay_for`).
 4. Below --min-workers the server waits for joiners up to --min-workers-wait-s, then fails.
 5. Checkpoints: at a boundary every --checkpoint-every steps or --checkpoint-every-s seconds,
-   one file from the server's state and a live worker's (trainer.checkpoint), uploaded in the
-   background when the run has a store (trainer.checkpoint_store).
+   one file from the server's state and a live worker's, asked for here and written by
+   `trainer.checkpointing.Checkpointer`; on SIGTERM one last checkpoint, then the run stops.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from hybridtrain.contract import (
     EVENT_WORKER_LOST,
     steps_for_epochs,
 )
-from trainer import checkpoint
-from trainer.checkpoint_store import Uploader
+from trainer.checkpointing import Checkpointer
 from trainer.frames import (
     GRAD,
     SERVER,
@@ -95,11 +94,9 @@ class Boundary:
         # again itself up to there is dropped, the rest is its own frames from then on.
         self._relayed: dict[int, tuple[int, int]] = {}
         self._covered: dict[int, tuple[int, int]] = {}
-        self._ckpt_step = 0
-        self._ckpt_t = time.monotonic()
+        self.checkpoints = Checkpointer(self.cfg)
         self._resume_model: State | None = None
         self._resume_layout: LayoutSpec | None = None
-        self.uploader = Uploader(self.cfg.checkpoint_url, self.cfg.report_token) if self.cfg.checkpoint_url else None
 
     def say(self, text: str) -> None:
         """One line on stderr (the run's log)."""
@@ -109,7 +106,7 @@ class Boundary:
     def resume(self, state: dict) -> None:
         """Continue from a checkpoint (trainer.checkpoint): the workers get its model."""
         self.load_state_dict({**state["server"], "step": state["step"]})
-        self._ckpt_step = state["step"]
+        self.checkpoints.step = state["step"]
         lay = state["layout"]
         self._resume_layout = LayoutSpec(tuple(lay["names"]), tuple(lay["numels"]), lay["dense_numel"],
                                          lay["buffer_numel"])
@@ -212,7 +209,7 @@ class Boundary:
             self._admit_arrivals()
         if len(self.roster) < max(1, self.cfg.min_workers):
             self._wait_for_workers()
-        if self._checkpoint_due():
+        if self.checkpoints.due(self.step):
             self.checkpoint()
         if self.preempted:
             self._preempt()
@@ -446,13 +443,6 @@ class Boundary:
             self._arrive(conn, raw, host)
 
     # -- checkpoints and the end --------------------------------------------------------------------------
-    def _checkpoint_due(self) -> bool:
-        if self.step <= self._ckpt_step:
-            return False
-        if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
-            return True
-        return bool(self.cfg.checkpoint_every_s) and time.monotonic() - self._ckpt_t >= self.cfg.checkpoint_every_s
-
     def checkpoint(self, *, after_bye: bool = False) -> bool:
         """Write the run's checkpoint of this step (and upload it); False without a live worker."""
         state = None
@@ -461,38 +451,26 @@ class Boundary:
             if donor is None:
                 return False
             state = self.fetch_state(donor, after_bye=after_bye)
-        lay = self.layout
-        path = checkpoint.save(self.cfg.checkpoint_dir, self.step, {
-            "server": self.state_dict(),
-            "layout": {"names": lay.names, "numels": lay.numels, "dense_numel": lay.dense_numel,
-                       "buffer_numel": lay.buffer_numel},
-            "params": state.params, "buffers": state.buffers, "optimizer": state.optimizer,
-        }, self.cfg)
-        self._ckpt_step, self._ckpt_t = self.step, time.monotonic()
-        self.metrics.event(self.step, EVENT_CHECKPOINT,
-                           detail=f"{path.name}" + (", uploading to the run's store" if self.uploader else ""))
-        if self.uploader is not None:
-            self.uploader.submit(self.step, path)
+        detail = self.checkpoints.write(self.step, self.state_dict(), self.layout, state)
+        self.metrics.event(self.step, EVENT_CHECKPOINT, detail=detail)
         return True
 
     def _preempt(self) -> None:
-        saved = self.checkpoint() if self.step > self._ckpt_step else self._ckpt_step > 0
-        uploaded = self.uploader.close(60.0) if self.uploader is not None else False
-        self.uploader = None
+        ckpts = self.checkpoints
+        saved = self.checkpoint() if self.step > ckpts.step else ckpts.step > 0
+        uploaded = ckpts.close(60.0)
         where = "written and uploaded" if uploaded else "written"
         raise Preempted(f"the parameter server was preempted (SIGTERM) after step {self.step}; "
-                        + (f"checkpoint of step {self._ckpt_step} {where}: the run resumes from it" if saved
+                        + (f"checkpoint of step {ckpts.step} {where}: the run resumes from it" if saved
                            else "no checkpoint could be written"))
 
     def finish(self) -> None:
         """Every worker said BYE: the last checkpoint, then BYE to all."""
-        if (self.cfg.checkpoint_every or self.cfg.checkpoint_every_s) and self.step > self._ckpt_step:
+        if self.checkpoints.scheduled and self.step > self.checkpoints.step:
             self.checkpoint(after_bye=True)
         self.transport.send_many(self.roster.ranks(), pack(Bye(self.step, SERVER)))
         self.flush_bytes()
 
     def close_store(self) -> None:
         """Wait (bounded) for the last checkpoint's upload."""
-        if self.uploader is not None:
-            self.uploader.close(60.0)
-            self.uploader = None
+        self.checkpoints.close(60.0)

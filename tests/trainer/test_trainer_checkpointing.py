@@ -1,0 +1,59 @@
+"""The parameter server's checkpoint schedule and what one checkpoint holds
+(trainer.checkpointing.Checkpointer), without a run."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer import checkpoint, checkpointing
+from trainer.checkpointing import Checkpointer
+from trainer.config import TrainConfig
+from trainer.frames import LayoutSpec, State
+
+LAYOUT = LayoutSpec(names=("fc.weight", "fc.bias"), numels=(6, 2), dense_numel=2, buffer_numel=0)
+
+
+def _worker_state(step: int) -> State:
+    return State(sender=1, params=torch.arange(8, dtype=torch.float32), buffers=torch.zeros(0), step=step,
+                 optimizer=checkpoint.to_bytes({"momentum": [1.0]}))
+
+
+def test_a_checkpoint_is_due_every_n_steps_and_once_a_step(tmp_path) -> None:
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=5, checkpoint_dir=str(tmp_path)))
+    assert [s for s in range(1, 11) if ckpts.due(s)] == [5, 10]
+    ckpts.write(5, {"step": 5}, LAYOUT, _worker_state(5))
+    assert not ckpts.due(5)
+    assert ckpts.due(10)
+
+
+def test_a_checkpoint_is_due_once_its_seconds_have_passed_since_the_last(tmp_path, monkeypatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(checkpointing.time, "monotonic", lambda: now[0])
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=0, checkpoint_every_s=60.0, checkpoint_dir=str(tmp_path)))
+    now[0] = 159.0
+    assert not ckpts.due(3)
+    now[0] = 160.0
+    assert ckpts.due(3)
+    ckpts.write(3, {"step": 3}, LAYOUT, _worker_state(3))
+    now[0] = 219.0
+    assert not ckpts.due(4)
+
+
+def test_a_run_without_a_schedule_takes_no_checkpoint(tmp_path) -> None:
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=0, checkpoint_every_s=0, checkpoint_dir=str(tmp_path)))
+    assert not ckpts.scheduled
+    assert not any(ckpts.due(s) for s in range(1, 50))
+
+
+def test_a_written_checkpoint_holds_the_servers_state_the_workers_model_and_the_layout(tmp_path) -> None:
+    cfg = TrainConfig(checkpoint_every=5, checkpoint_dir=str(tmp_path))
+    ckpts = Checkpointer(cfg)
+    detail = ckpts.write(5, {"step": 5, "residual": [0.5]}, LAYOUT, _worker_state(5))
+    state = checkpoint.read(checkpoint.latest(tmp_path), cfg)
+    assert detail == "run-step-00000005.pt"  # no store: nothing is uploaded
+    assert (state["step"], state["server"]["residual"]) == (5, [0.5])
+    assert state["layout"] == {"names": ("fc.weight", "fc.bias"), "numels": (6, 2), "dense_numel": 2, "buffer_numel": 0}
+    assert torch.equal(state["params"], torch.arange(8, dtype=torch.float32))
+    assert checkpoint.from_bytes(state["optimizer"]) == {"momentum": [1.0]}
+    assert ckpts.step == 5
+    assert ckpts.close() is False  # there was no store to upload to
