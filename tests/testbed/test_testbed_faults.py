@@ -21,6 +21,7 @@ from testbed.faults import FAULTS
 S = FaultSettings(max_steps=10, fault_step=4, eval_every=100, window=3, global_batch=60)
 KILL_WORKER = next(f for f in FAULTS if f.name == "kill-worker")
 KILL_SERVER = next(f for f in FAULTS if f.name == "kill-server")
+CUT_LINK = next(f for f in FAULTS if f.name == "cut-link")
 
 
 def test_throughput_is_the_batch_over_the_mean_step_gap_in_the_window():
@@ -107,6 +108,14 @@ def test_targets_flag_a_late_detection_and_doubled_points():
     misses = check_targets(row, step_s=1.0)
     assert any("detected after 10.0 s" in m for m in misses)
     assert any("3 doubled" in m for m in misses)
+
+
+def test_a_silent_worker_noticed_after_more_than_three_step_times_misses_its_target():
+    # A cut link is a worker loss too, not only a killed process.
+    events = [{"t": 106.42, "kind": "worker_lost"}]
+    row = _row(CUT_LINK, events, [(k, float(k) * 2.0) for k in range(1, 11)])
+    assert check_targets(row, step_s=2.11) == ["detected after 6.42 s (3 steps: 6.3 s)"]
+    assert check_targets(row, step_s=2.2) == []
 
 
 def test_a_clean_fault_run_meets_every_target():

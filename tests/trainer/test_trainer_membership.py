@@ -113,7 +113,7 @@ def test_the_loss_deadline_follows_the_step_time_with_a_floor():
     assert roster.loss_deadline_s() == LOSS_FLOOR_S
     for _ in range(20):
         roster.note_step(4.0)
-    assert roster.loss_deadline_s() == 12.0
+    assert roster.loss_deadline_s() == 8.0  # two step times: a loss is noticed within three of the fault
 
 
 def test_the_donor_is_a_worker_in_the_servers_site():
