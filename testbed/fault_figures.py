@@ -61,10 +61,16 @@ class FaultSettings:
     rebalance_every: int | None = FULL.rebalance_every
     # The cloud site's gradients combined at its relay (`compression.aggregate_at_sites`).
     aggregate_at_sites: bool = False
+    # The global batch re-chosen from the measured ideal for this many seconds of balanced
+    # compute, as the paper benchmark does (`global_batch` is then the probe): with a fixed
+    # batch, a host twice as fast halves the compute behind the same WAN and compression
+    # overhead, and the share of the ideal after a loss measures the host (0.87 of the ideal
+    # fault-free on one, 0.79 on one 1.6x faster the same day). None: `global_batch` as given.
+    balanced_step_s: float | None = FULL.balanced_step_s
 
 
 QUICK = FaultSettings(max_steps=20, fault_step=8, checkpoint_every=4, eval_every=4, link_down_s=20.0,
-                      control_plane_down_s=10.0, window=4, standalone_seconds=3.0)  # fmt: skip
+                      control_plane_down_s=10.0, window=4, standalone_seconds=3.0, balanced_step_s=None)  # fmt: skip
 
 
 @dataclass
@@ -393,6 +399,13 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _calibrated(calibration: dict[str, Any] | None) -> str:
+    if not calibration:
+        return ""
+    return (f" (calibrated for {calibration['balanced_step_s']} s of balanced compute from "
+            f"{calibration['probe_ideal_samples_per_s']} samples/s at batch {calibration['probe_batch']})")
+
+
 def _steps(span: list[int] | None) -> str:
     return f"{span[0]}-{span[1]}" if span else "n/a"
 
@@ -406,7 +419,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['duration_s'] / 60:.0f} min). Every run is `ps-bz-gc` on the paper testbed"
         f"{' with per-site aggregation (`--aggregate-at-sites`)' if doc['settings'].get('aggregate_at_sites') else ''}, "
         f"the fault injected at step {doc['settings']['fault_step']} of {doc['settings']['max_steps']} "
-        f"on `{doc['victim']}` where it hits a node; checkpoints every "
+        f"on `{doc['victim']}` where it hits a node; global batch {doc['settings']['global_batch']}"
+        f"{_calibrated(doc.get('calibration'))}; checkpoints every "
         f"{doc['settings']['checkpoint_every']} steps. \"after\" is measured over the last "
         f"{doc['settings']['window']} steps with the nodes then training, or, where a lost node "
         "joins again inside them, over the survivors' steps before it does. Reference run (no fault): "

@@ -55,7 +55,7 @@ from testbed.fault_figures import (
     throughput,
     wait_until_none_left,
 )
-from testbed.paper_workloads import FULL, BenchSettings
+from testbed.paper_workloads import FULL, BenchSettings, calibrated_batch
 from testbed.paperbench import TERMINAL, fetch_metrics, measure_ideal, rank_nodes, run_body
 from testbed.state import TestbedState
 from testbed.topology import load_config, plan
@@ -304,12 +304,27 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
         state = lifecycle.up(args.config, state_dir=args.state_dir, services=True, log=log)
         try:
             with services.admin_client(state) as api:
-                plan_body = _body(s, [state.services["node_ids"][n] for n in nodes],
-                                  state.services["node_ids"].get(config.server.name) if config.server else None,
-                                  "faults-plan")  # fmt: skip
-                preview = check_response(api.post("/api/v1/runs/plan", json=plan_body), "plan preview")
-                batches = {w["node_name"]: w["batch_size"] for w in preview["workers"] if w["role"] == "worker"}
-                standalone = measure_ideal(state, args.state_dir, batches, _bench_settings(s), log)
+                ps_node_id = state.services["node_ids"].get(config.server.name) if config.server else None
+
+                def ideal_at(s: FaultSettings) -> dict[str, float]:
+                    plan_body = _body(s, [state.services["node_ids"][n] for n in nodes], ps_node_id, "faults-plan")
+                    preview = check_response(api.post("/api/v1/runs/plan", json=plan_body), "plan preview")
+                    batches = {w["node_name"]: w["batch_size"] for w in preview["workers"] if w["role"] == "worker"}
+                    return measure_ideal(state, args.state_dir, batches, _bench_settings(s), log)
+
+                standalone = ideal_at(s)
+                calibration = None
+                if s.balanced_step_s:
+                    probe = round(sum(standalone.values()), 2)
+                    batch = calibrated_batch(probe, s.balanced_step_s, len(nodes), smallest=FULL.min_global_batch,
+                                             largest=FULL.max_global_batch)  # fmt: skip
+                    calibration = {"probe_batch": s.global_batch, "probe_ideal_samples_per_s": probe,
+                                   "balanced_step_s": s.balanced_step_s, "global_batch": batch}  # fmt: skip
+                    log(f"  calibrated: {probe} samples/s at batch {s.global_batch} -> global batch {batch} "
+                        f"for {s.balanced_step_s} s of compute a step")
+                    if batch != s.global_batch:
+                        s = replace(s, global_batch=batch)
+                        standalone = ideal_at(s)
                 log("  reference run (no fault)")
                 ref_run, _ = run_one(api, state, args.state_dir, None, s, nodes, victim, log)
                 ref_steps = server_steps(api, ref_run["id"])
@@ -359,6 +374,7 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
         "reference": {"run_id": ref_run["id"], "status": ref_run["status"], "samples_per_s": ref_tp,
                       "final_accuracy": ref_acc, "step_s": round(step_s, 3) if step_s else None},
         "standalone": standalone,
+        "calibration": calibration,
         "settings": asdict(s),
         "victim": victim,
         "command": "hybridtrain bench faults " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "faults"] else []),

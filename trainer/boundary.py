@@ -323,11 +323,6 @@ class Boundary:
             for frame in self.last_updates:
                 self.transport.send(w, frame)
 
-    def caught_up(self) -> None:
-        """Joiners have received a whole step's update: they compute from the next step."""
-        for m in self.roster.members.values():
-            m.joining = False
-
     # -- joins ---------------------------------------------------------------------------------------------
     def _admit_arrivals(self) -> None:
         while True:

@@ -261,7 +261,7 @@ class ParameterServer(Boundary):
         comm_s += t3 - before
         self.step = step
         self.roster.note_step(t3 - t0)
-        self.caught_up()
+        self.roster.caught_up()
         mlog = self.metrics.log
         if math.isfinite(update.loss):
             mlog(step, "loss", update.loss)

@@ -172,8 +172,24 @@ def test_a_missed_share_after_a_loss_names_its_compute_and_overhead_parts():
     assert check_targets(row, step_s=1.0) == ["after the loss 50% of the survivors' ideal (compute 0.80 x overhead 0.62)"]
     doc = {"reference": {"samples_per_s": 20.0, "final_accuracy": 0.9}, "rows": [row | {"misses": []}],
            "command": "hybridtrain bench faults", "date": "d", "machine": {"cpus": 2}, "duration_s": 60.0,
-           "settings": {"fault_step": 4, "max_steps": 10, "checkpoint_every": 5, "window": 3}, "victim": "b"}
+           "settings": {"fault_step": 4, "max_steps": 10, "checkpoint_every": 5, "window": 3, "global_batch": 60},
+           "victim": "b"}
     assert "| kill-worker | 4 | 2 | 2.5 | 0.8 | 1.5 | 0.625 |" in markdown(doc)
+
+
+def test_the_fault_runs_batch_is_calibrated_to_the_paper_benchmarks_compute_time_and_says_so():
+    from testbed.fault_figures import QUICK
+    from testbed.paper_workloads import FULL
+
+    assert FaultSettings().balanced_step_s == FULL.balanced_step_s
+    assert QUICK.balanced_step_s is None  # the smoke run keeps its batch
+    doc = {"reference": {"samples_per_s": 20.0, "final_accuracy": 0.9}, "rows": [], "command": "hybridtrain bench faults",
+           "date": "d", "machine": {"cpus": 2}, "duration_s": 60.0, "victim": "b",
+           "settings": {"fault_step": 4, "max_steps": 10, "checkpoint_every": 5, "window": 3, "global_batch": 360},
+           "calibration": {"probe_batch": 240, "probe_ideal_samples_per_s": 239.0, "balanced_step_s": 1.5,
+                           "global_batch": 360}}
+    assert ("global batch 360 (calibrated for 1.5 s of balanced compute from 239.0 samples/s at batch 240)"
+            in markdown(doc))
 
 
 def test_every_fault_run_re_balances_from_measured_times_as_the_paper_benchmarks_ps_bz_gc_does():

@@ -113,7 +113,20 @@ def test_the_loss_deadline_follows_the_step_time_with_a_floor():
     assert roster.loss_deadline_s() == LOSS_FLOOR_S
     for _ in range(20):
         roster.note_step(4.0)
-    assert roster.loss_deadline_s() == 8.0  # two step times: a loss is noticed within three of the fault
+    assert roster.loss_deadline_s() == 6.0  # 1.5 step times: a loss is noticed within three of the fault
+
+
+def test_a_joiners_first_step_is_held_to_the_starts_deadline_then_to_the_step_time():
+    roster = _roster()
+    for _ in range(5):
+        roster.note_step(4.0)
+    roster.add(Member(4, joining=True))
+    assert roster.loss_deadline_s() == 6.0  # still catching up: it sends no gradient this step
+    roster.caught_up()
+    assert 4 in roster.senders()
+    assert roster.loss_deadline_s() == roster.cfg.timeout_s / 10
+    roster.note_step(4.0)
+    assert roster.loss_deadline_s() == 6.0
 
 
 def test_the_donor_is_a_worker_in_the_servers_site():
