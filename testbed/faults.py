@@ -55,7 +55,7 @@ from testbed.fault_figures import (
     throughput,
     wait_until_none_left,
 )
-from testbed.paper_workloads import FULL, BenchSettings, calibrated_batch
+from testbed.paper_workloads import FULL, BenchSettings, calibrate
 from testbed.paperbench import TERMINAL, fetch_metrics, measure_ideal, rank_nodes, run_body
 from testbed.state import TestbedState
 from testbed.topology import load_config, plan
@@ -315,15 +315,12 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                 standalone = ideal_at(s)
                 calibration = None
                 if s.balanced_step_s:
-                    probe = round(sum(standalone.values()), 2)
-                    batch = calibrated_batch(probe, s.balanced_step_s, len(nodes), smallest=FULL.min_global_batch,
-                                             largest=FULL.max_global_batch)  # fmt: skip
-                    calibration = {"probe_batch": s.global_batch, "probe_ideal_samples_per_s": probe,
-                                   "balanced_step_s": s.balanced_step_s, "global_batch": batch}  # fmt: skip
-                    log(f"  calibrated: {probe} samples/s at batch {s.global_batch} -> global batch {batch} "
-                        f"for {s.balanced_step_s} s of compute a step")
-                    if batch != s.global_batch:
-                        s = replace(s, global_batch=batch)
+                    calibration, lines = calibrate(standalone, s.balanced_step_s, s.global_batch, len(nodes),
+                                                   smallest=FULL.min_global_batch, largest=FULL.max_global_batch)  # fmt: skip
+                    for line in lines:
+                        log(line)
+                    if calibration["global_batch"] != s.global_batch:
+                        s = replace(s, global_batch=calibration["global_batch"])
                         standalone = ideal_at(s)
                 log("  reference run (no fault)")
                 ref_run, _ = run_one(api, state, args.state_dir, None, s, nodes, victim, log)

@@ -160,6 +160,23 @@ def calibrated_batch(ideal_samples_per_s: float, step_s: float, workers: int, mu
     return max(multiple * workers, smallest, min(largest, batch))
 
 
+def calibrate(standalone: dict[str, float], balanced_step_s: float, probe_batch: int, workers: int, *,
+              smallest: int, largest: int) -> tuple[dict[str, Any], list[str]]:
+    """The global batch whose balanced compute takes `balanced_step_s` at the standalone rates
+    measured at `probe_batch`, as the results' calibration record, and the lines to log."""
+    probe = round(sum(standalone.values()), 2)
+    batch = calibrated_batch(probe, balanced_step_s, workers, smallest=smallest, largest=largest)
+    lines = []
+    if batch == smallest and probe * balanced_step_s < batch:
+        lines.append(f"  calibration: {probe} samples/s would give a batch under {smallest}; "
+                     f"a step computes about {batch / probe:.1f} s instead of {balanced_step_s} s")
+    lines.append(f"  calibrated: {probe} samples/s at batch {probe_batch} -> global batch {batch} "
+                 f"for {balanced_step_s} s of compute a step")
+    record = {"probe_batch": probe_batch, "probe_ideal_samples_per_s": probe, "balanced_step_s": balanced_step_s,
+              "global_batch": batch}
+    return record, lines
+
+
 # The testbeds of a full run: seed 000's and seed 003's intercontinental one; --quick runs the first.
 CONFIGS = ("bench/testbeds/paper.yaml", "bench/testbeds/intercontinental.yaml")
 

@@ -49,7 +49,7 @@ from testbed.errors import TestbedError
 from testbed.paper_figures import check_targets, combine_seeds, link_prices, summarise
 from testbed.paper_workloads import (
     BenchSettings,
-    calibrated_batch,
+    calibrate,
     configs_of,
     seeds_of,
     workloads_of,
@@ -373,18 +373,12 @@ def _bench_on(
     if s.balanced_step_s:
         # Hosts differ by 2x in compute while the links keep the paper's bandwidths: a fixed
         # batch would make the run more or less communication-bound from one host to the next.
-        probe = round(sum(standalone.values()), 2)
-        batch = calibrated_batch(probe, s.balanced_step_s, len(node_ids), smallest=s.min_global_batch,
-                                 largest=s.max_global_batch)
-        if batch == s.min_global_batch and probe * s.balanced_step_s < batch:
-            log(f"  calibration: {probe} samples/s would give a batch under {s.min_global_batch}; "
-                f"a step computes about {batch / probe:.1f} s instead of {s.balanced_step_s} s")
-        calibration = {"probe_batch": s.global_batch, "probe_ideal_samples_per_s": probe,
-                       "balanced_step_s": s.balanced_step_s, "global_batch": batch}  # fmt: skip
-        log(f"  calibrated: {probe} samples/s at batch {s.global_batch} -> global batch {batch} "
-            f"for {s.balanced_step_s} s of compute a step")
-        if batch != s.global_batch:
-            s = replace(s, global_batch=batch)
+        calibration, lines = calibrate(standalone, s.balanced_step_s, s.global_batch, len(node_ids),
+                                       smallest=s.min_global_batch, largest=s.max_global_batch)  # fmt: skip
+        for line in lines:
+            log(line)
+        if calibration["global_batch"] != s.global_batch:
+            s = replace(s, global_batch=calibration["global_batch"])
             standalone = ideal_at(s)
     ideal = round(sum(standalone.values()), 2)
     target_metric = parse_target(s.target).metric

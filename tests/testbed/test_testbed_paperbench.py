@@ -15,6 +15,7 @@ from testbed.paper_workloads import (
     FULL,
     QUICK,
     WORKLOADS,
+    calibrate,
     calibrated_batch,
     configs_of,
     seeds_of,
@@ -175,6 +176,15 @@ def test_the_calibrated_batch_stays_within_its_bounds() -> None:
 def test_a_slow_workload_is_calibrated_to_a_batch_it_can_learn_from_not_to_the_step_time() -> None:
     # 16 samples/s for 1.5 s would be 24 samples over four workers (the shapes run at chance).
     assert calibrated_batch(16.0, 1.5, workers=4, smallest=FULL.min_global_batch) == 128
+
+
+def test_calibration_records_the_probe_and_says_when_the_floor_lengthens_the_step() -> None:
+    record, lines = calibrate({"a": 150.0, "b": 84.23}, 1.5, 240, 4, smallest=128, largest=1024)
+    assert record == {"probe_batch": 240, "probe_ideal_samples_per_s": 234.23, "balanced_step_s": 1.5,
+                      "global_batch": 352}
+    assert lines == ["  calibrated: 234.23 samples/s at batch 240 -> global batch 352 for 1.5 s of compute a step"]
+    record, lines = calibrate({"a": 16.0}, 1.5, 240, 4, smallest=128, largest=1024)
+    assert record["global_batch"] == 128 and "would give a batch under 128" in lines[0]
 
 
 def test_a_batch_given_on_the_command_line_is_not_calibrated() -> None:
