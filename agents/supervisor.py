@@ -12,11 +12,12 @@ directory first on its import path once its own packages are loaded, and PYTHONS
 bundle that cannot be fetched or unpacked ends the role before it starts, reported as an exit.
 
 Per role, one reader thread copies output to `runs/<run>/rank<R>.log` and a bounded buffer
-(agents.log_shipping); one watcher thread reports "started", waits for the guard to exit (without reaping it, so
-its pid cannot be reused while the group is swept), SIGKILLs what is left of the group,
-reaps, flushes the logs and reports "exited" after what the trainer did not deliver (its
-spool; after a crash or a kill, its metrics file too: agents.reports). One shipper thread
-moves buffered lines to the outbox every `log_flush_interval_s` (agents.log_shipping).
+(agents.log_shipping); one watcher thread reports "started", waits for the guard to exit
+(without reaping it, so its pid cannot be reused while the group is swept), SIGKILLs what is
+left of the group, reaps, flushes the logs and reports "exited" after what the trainer did
+not deliver (its spool; after a crash or a kill, its metrics file too: agents.reports). One
+shipper thread moves buffered lines to the outbox every `log_flush_interval_s`
+(agents.log_shipping).
 
 Nothing is sent from here: every report goes into the durable outbox (agents.outbox), whose
 one sender delivers in order once the control plane answers. A role's record in the ledger
