@@ -55,8 +55,8 @@ from testbed.fault_figures import (
     throughput,
     wait_until_none_left,
 )
-from testbed.paper_workloads import FULL, BenchSettings, calibrate
-from testbed.paperbench import TERMINAL, fetch_metrics, measure_ideal, rank_nodes, run_body
+from testbed.paper_workloads import FULL, BenchSettings
+from testbed.paperbench import TERMINAL, fetch_metrics, measure_calibrated, measure_ideal, rank_nodes, run_body
 from testbed.state import TestbedState
 from testbed.topology import load_config, plan
 
@@ -312,16 +312,9 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
                     batches = {w["node_name"]: w["batch_size"] for w in preview["workers"] if w["role"] == "worker"}
                     return measure_ideal(state, args.state_dir, batches, _bench_settings(s), log)
 
-                standalone = ideal_at(s)
-                calibration = None
-                if s.balanced_step_s:
-                    calibration, lines = calibrate(standalone, s.balanced_step_s, s.global_batch, len(nodes),
-                                                   smallest=FULL.min_global_batch, largest=FULL.max_global_batch)  # fmt: skip
-                    for line in lines:
-                        log(line)
-                    if calibration["global_batch"] != s.global_batch:
-                        s = replace(s, global_batch=calibration["global_batch"])
-                        standalone = ideal_at(s)
+                s, standalone, calibration = measure_calibrated(s, ideal_at, len(nodes), log,
+                                                                smallest=FULL.min_global_batch,
+                                                                largest=FULL.max_global_batch)  # fmt: skip
                 log("  reference run (no fault)")
                 ref_run, _ = run_one(api, state, args.state_dir, None, s, nodes, victim, log)
                 ref_steps = server_steps(api, ref_run["id"])

@@ -261,6 +261,26 @@ def measure_ideal(
     return rates
 
 
+def measure_calibrated(s: Any, ideal_at: Callable[[Any], dict[str, float]], workers: int, log: Log, *,
+                       smallest: int, largest: int) -> tuple[Any, dict[str, float], dict[str, Any] | None]:
+    """The standalone rates at the batch of settings `s` (`ideal_at`); with `s.balanced_step_s`,
+    the batch re-chosen from them (paper_workloads.calibrate) and the rates measured again at it.
+    Returns the settings run with, their rates and the calibration record (None: not calibrated)."""
+    standalone = ideal_at(s)
+    if not s.balanced_step_s:
+        return s, standalone, None
+    # Hosts differ by 2x in compute while the links keep the paper's bandwidths: a fixed batch
+    # would make the run more or less communication-bound from one host to the next.
+    calibration, lines = calibrate(standalone, s.balanced_step_s, s.global_batch, workers,
+                                   smallest=smallest, largest=largest)
+    for line in lines:
+        log(line)
+    if calibration["global_batch"] != s.global_batch:
+        s = replace(s, global_batch=calibration["global_batch"])
+        standalone = ideal_at(s)
+    return s, standalone, calibration
+
+
 def samples_per_s(output: str) -> float | None:
     """The samples_per_s of the last JSON line in a measurement's output, None without one.
 
@@ -368,18 +388,8 @@ def _bench_on(
         log(f"  ps-bz-gc plan at global batch {s.global_batch}: {batch_by_node}")
         return measure_ideal(state, state_dir, batch_by_node, s, log)
 
-    standalone = ideal_at(s)
-    calibration = None
-    if s.balanced_step_s:
-        # Hosts differ by 2x in compute while the links keep the paper's bandwidths: a fixed
-        # batch would make the run more or less communication-bound from one host to the next.
-        calibration, lines = calibrate(standalone, s.balanced_step_s, s.global_batch, len(node_ids),
-                                       smallest=s.min_global_batch, largest=s.max_global_batch)  # fmt: skip
-        for line in lines:
-            log(line)
-        if calibration["global_batch"] != s.global_batch:
-            s = replace(s, global_batch=calibration["global_batch"])
-            standalone = ideal_at(s)
+    s, standalone, calibration = measure_calibrated(s, ideal_at, len(node_ids), log, smallest=s.min_global_batch,
+                                                    largest=s.max_global_batch)  # fmt: skip
     ideal = round(sum(standalone.values()), 2)
     target_metric = parse_target(s.target).metric
 

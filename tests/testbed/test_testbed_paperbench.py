@@ -23,6 +23,7 @@ from testbed.paper_workloads import (
     workloads_of,
 )
 from testbed.paperbench import (
+    measure_calibrated,
     profile_argv,
     run_body,
     samples_per_s,
@@ -185,6 +186,26 @@ def test_calibration_records_the_probe_and_says_when_the_floor_lengthens_the_ste
     assert lines == ["  calibrated: 234.23 samples/s at batch 240 -> global batch 352 for 1.5 s of compute a step"]
     record, lines = calibrate({"a": 16.0}, 1.5, 240, 4, smallest=128, largest=1024)
     assert record["global_batch"] == 128 and "would give a batch under 128" in lines[0]
+
+
+def test_a_calibrated_benchmark_measures_its_ideal_again_at_the_batch_it_chose() -> None:
+    measured_at = []
+
+    def ideal_at(s):  # 100 samples/s at batch 240, a little faster per sample at larger batches
+        measured_at.append(s.global_batch)
+        return {"a": 100.0 + (s.global_batch - 240) / 10}
+
+    s, standalone, record = measure_calibrated(replace(FULL, global_batch=240, balanced_step_s=2.0), ideal_at, 2,
+                                               lambda line: None, smallest=128, largest=1024)  # fmt: skip
+    assert measured_at == [240, 200] and s.global_batch == 200
+    assert standalone == {"a": 96.0} and record["probe_ideal_samples_per_s"] == 100.0
+
+
+def test_an_uncalibrated_benchmark_measures_its_ideal_once_at_its_batch() -> None:
+    measured_at = []
+    s, _, record = measure_calibrated(replace(FULL, balanced_step_s=None), lambda s: measured_at.append(1) or {"a": 1.0},
+                                      2, print, smallest=128, largest=1024)  # fmt: skip
+    assert (measured_at, record, s.global_batch) == ([1], None, FULL.global_batch)
 
 
 def test_a_batch_given_on_the_command_line_is_not_calibrated() -> None:
