@@ -26,7 +26,9 @@ STRATEGY_LABELS = {ALLREDUCE: "All-Reduce", ALLREDUCE_POWERSGD: "All-Reduce + Po
                    PS_GC: "PS-gc", PS_BZ_GC: "PS-bz-gc"}
 ALLOCATIONS = ("equal", "flops", "measured")
 COMPRESSORS = ("none", "topk", "randomk")
-VALUE_DTYPES = ("fp32", "fp16")
+VALUE_DTYPES = ("fp32", "fp16", "fp8")
+# Bytes a compressed value takes on the wire (fp8 values share one 4-byte scale a payload).
+VALUE_BYTES = {"fp32": 4, "fp16": 2, "fp8": 1}
 SELECT_METHODS = ("estimate", "threshold", "topk", "sort")
 DEVICES = ("cpu", "cuda", "auto")
 

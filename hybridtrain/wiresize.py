@@ -21,6 +21,8 @@ MESSAGE_HEADER_BYTES = 23
 PAYLOAD_HEADER_BYTES = 10
 SCALAR_BYTES = 8
 SEED_BYTES = 8
+# trainer.wire: fp8 values (the only one-byte kind) travel behind their payload's fp32 scale.
+SCALE_BYTES = 4
 # trainer.transport: every frame travels behind its length as an int64.
 LENGTH_PREFIX_BYTES = 8
 
@@ -94,8 +96,10 @@ def choose_encoding(numel: int, kept: int | None, value_bytes: int, *, seeded: b
 
 
 def payload_bytes(numel: int, kept: int | None, value_bytes: int, *, seeded: bool = False) -> float:
-    """One payload on the wire, its header included (`trainer.wire.payload_nbytes`)."""
-    return PAYLOAD_HEADER_BYTES + choose_encoding(numel, kept, value_bytes, seeded=seeded)[1]
+    """One payload on the wire, its header (and an fp8 payload's scale) included
+    (`trainer.wire.payload_nbytes`)."""
+    scale = SCALE_BYTES if value_bytes == 1 else 0
+    return PAYLOAD_HEADER_BYTES + scale + choose_encoding(numel, kept, value_bytes, seeded=seeded)[1]
 
 
 def frame_bytes(scalars: int, payloads: float = 0.0, text_bytes: int = 0) -> float:

@@ -3,7 +3,8 @@
 A compressor turns a flat fp32 tensor into a `Payload` and back. State that outlives a step (the
 density, the step and seed a random codec draws from, the error-feedback residual) lives in an
 explicit `CompressionState` that the caller owns and checkpoints. Behaviours compose by wrapping:
-`ErrorFeedback(FP16Values(TopK()))` is the paper's worker codec with fp16 values on the wire.
+`ErrorFeedback(FP16Values(TopK()))` is the paper's worker codec with fp16 values on the wire;
+`ErrorFeedback(FP8Values(TopK()))` ships one byte a value instead.
 """
 
 from __future__ import annotations
@@ -13,9 +14,24 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 
+from hybridtrain.contract import VALUE_DTYPES
+
 FP16_MAX = 65504.0
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Every fp8 value as fp32: a table look-up widens fp8 six times faster than torch's own
+# conversion does on a CPU (0.18 against 1.16 ms for 419k values on one core).
+_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+
+
+def widen(values: torch.Tensor) -> torch.Tensor:
+    """`values` as fp32 (a new tensor unless they are fp32 already)."""
+    if values.dtype == FP8 and values.device.type == "cpu":
+        return _FP8_TABLE.index_select(0, values.view(torch.uint8).int())
+    return values.float()
 SELECT_METHODS = ("estimate", "threshold", "topk", "sort")
 # How far an estimated top-k may miss k before the exact selection replaces it.
 ESTIMATE_TOLERANCE = 0.1
@@ -27,17 +43,25 @@ class Payload:
 
     `indices` is None for a dense payload. `seed` is set when the indices can be regenerated from
     it (random-k), so the wire carries the seed instead of the indices. Indices are sorted.
+    `scale` multiplies every value: fp8 values travel scaled to fp8's range (`FP8Values`), so
+    whatever reads them as numbers goes through `decoded` or folds `scale` into its own factor.
     """
 
     numel: int
     values: torch.Tensor
     indices: torch.Tensor | None = None
     seed: int | None = None
+    scale: float = 1.0
 
     @property
     def count(self) -> int:
         """How many values the payload carries."""
         return int(self.values.numel())
+
+    def decoded(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The values as the fp32 numbers they stand for (scale applied)."""
+        values = widen(self.values).to(device or self.values.device)
+        return values if self.scale == 1.0 else values * self.scale
 
 
 @dataclass
@@ -55,6 +79,14 @@ def k_for(numel: int, density: float) -> int:
     return max(1, min(numel, int(round(density * numel))))
 
 
+def _where(mask: torch.Tensor) -> torch.Tensor:
+    """Sorted positions of a flat mask's true elements (int64). On a CPU numpy's flatnonzero
+    is 2.4x torch's nonzero (0.28 against 0.68 ms for 838k elements)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(1)
+
+
 def _sorted_topk(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(magnitude, k, sorted=False).indices.sort().values
 
@@ -64,14 +96,14 @@ def _threshold_topk(magnitude: torch.Tensor, k: int) -> torch.Tensor:
 
     1. Estimate the threshold from a strided 1/stride sample, aiming 25% above k so that one pass
        nearly always yields enough candidates.
-    2. Keep every element at or above it (`nonzero` returns them already sorted).
+    2. Keep every element at or above it (`_where` returns them already sorted).
     3. Correct to exactly k: the k-th largest candidate via `kthvalue` (linear time) and a
        cumulative count that breaks ties by position. Every element outside the candidate set
        is below the threshold, so the result equals a full top-k.
     """
     n = magnitude.numel()
     threshold = _sample_threshold(magnitude, 1.25 * k + n / 65536)
-    candidates = (magnitude >= threshold).nonzero().squeeze(1)
+    candidates = _where(magnitude >= threshold)
     if candidates.numel() < k:
         return _sorted_topk(magnitude, k)
     if candidates.numel() == k:
@@ -104,12 +136,12 @@ def _sample_threshold(magnitude: torch.Tensor, want: float) -> torch.Tensor:
 def _estimated_topk(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """About k largest elements: everything at or above a threshold estimated from a sample.
 
-    One comparison and one `nonzero` (already sorted), no correction pass: at a quarter of the
+    One comparison and one `_where` (already sorted), no correction pass: at a quarter of the
     elements this costs half of the exact selection. The count is within ESTIMATE_TOLERANCE of
     k or the exact selection runs instead; error feedback keeps whatever is not sent, so a
     count of k(1 +- 0.1) changes the bytes on the wire, never what the model receives overall.
     """
-    candidates = (magnitude >= _sample_threshold(magnitude, k)).nonzero().squeeze(1)
+    candidates = _where(magnitude >= _sample_threshold(magnitude, k))
     if abs(candidates.numel() - k) <= ESTIMATE_TOLERANCE * k:
         return candidates
     return _threshold_topk(magnitude, k)
@@ -154,11 +186,11 @@ class Compressor(ABC):
 
     def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
         """A dense fp32 tensor shaped like `like` holding the payload's values."""
-        values = payload.values.to(device=like.device, dtype=torch.float32)
         if payload.indices is None:
-            return values.reshape(like.shape).clone()
+            return payload.decoded(like.device).reshape(like.shape).clone()
+        values = widen(payload.values).to(like.device)
         out = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
-        out.index_add_(0, payload.indices.to(like.device), values)
+        out.index_add_(0, payload.indices.to(like.device), values, alpha=payload.scale)
         return out.reshape(like.shape)
 
     @staticmethod
@@ -239,6 +271,39 @@ class FP16Values(Compressor):
         return self.inner.decompress(payload, like)
 
 
+class FP8Values(Compressor):
+    """Wraps a codec and ships its values as fp8 (e4m3), scaled so that the largest magnitude
+    is fp8's largest: one byte a value, each within 1/16 of its own magnitude.
+
+    Choice (the paper sends fp32): top-k keeps the largest values, whose magnitudes span a few
+    decades at most, so one scale a payload loses nothing to fp8's range, and under error
+    feedback (which decodes what was sent) the rounding is not lost but sent later.
+    """
+
+    def __init__(self, inner: Compressor) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def compress(self, tensor: torch.Tensor, state: CompressionState) -> Payload:
+        """The inner payload with its values scaled into fp8's range and rounded to fp8."""
+        payload = self.inner.compress(tensor, state)
+        values = payload.values.float()
+        low, high = torch.aminmax(values) if values.numel() else (values.new_zeros(()), values.new_zeros(()))
+        amax = max(-float(low), float(high))
+        if not math.isfinite(amax):
+            # An inf saturates (as FP16Values does) and is left out of the scale, which stays finite.
+            amax = float(values.abs().nan_to_num_(0.0, posinf=0.0).max())
+        # The scale travels as fp32: rounded here, so what error feedback decodes is what arrives.
+        scale = float(torch.tensor(amax / FP8_MAX, dtype=torch.float32)) if amax > 0 else 1.0
+        if scale == 0.0:  # magnitudes below fp32's smallest step: they round to zero either way
+            scale = 1.0
+        return replace(payload, values=(values / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale=scale)
+
+    def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
+        """Decoded by the inner codec, the scale applied."""
+        return self.inner.decompress(payload, like)
+
+
 class ErrorFeedback(Compressor):
     """Wraps a codec with error feedback: compress(g + r), keep r <- (g + r) - sent.
 
@@ -255,16 +320,29 @@ class ErrorFeedback(Compressor):
         flat = tensor.reshape(-1).float()
         if state.residual is not None and state.residual.shape == flat.shape:
             # In place: the residual buffer becomes the accumulator, no gradient-sized allocation.
-            acc = state.residual.add_(flat)
+            state.residual.add_(flat)
         else:
-            acc = flat.clone()
+            state.residual = flat.clone()
+        return self.compress_accumulated(state)
+
+    @staticmethod
+    def accumulator(state: CompressionState, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The residual (zeros at first), for a caller that adds this step's tensor into it in
+        place and then calls `compress_accumulated`: a sum built there needs no buffer of its own."""
+        if state.residual is None or state.residual.numel() != numel:
+            state.residual = torch.zeros(numel, device=device)
+        return state.residual
+
+    def compress_accumulated(self, state: CompressionState) -> Payload:
+        """Compress the residual as the caller left it (gradient added); the rest stays in it."""
+        acc = state.residual
+        if acc is None:
+            raise ValueError("compress_accumulated: no residual to compress (see accumulator)")
         payload = self.inner.compress(acc, state)
-        sent = payload.values.to(torch.float32)
         if payload.indices is None:
-            acc.sub_(sent)
+            acc.sub_(payload.decoded(acc.device))
         else:
-            acc.index_add_(0, payload.indices, sent, alpha=-1.0)
-        state.residual = acc
+            acc.index_add_(0, payload.indices, widen(payload.values).to(acc.device), alpha=-payload.scale)
         return payload
 
     def decompress(self, payload: Payload, like: torch.Tensor) -> torch.Tensor:
@@ -273,13 +351,12 @@ class ErrorFeedback(Compressor):
 
 
 COMPRESSORS: dict[str, type[Compressor]] = {c.name: c for c in (Identity, TopK, RandomK)}
-VALUE_DTYPES = ("fp32", "fp16")
 
 
 def build_compressor(
     name: str, *, value_dtype: str = "fp16", error_feedback: bool = True, select: str = "threshold"
 ) -> Compressor:
-    """Compose a codec from CLI names: error feedback around fp16 values around the selector."""
+    """Compose a codec from CLI names: error feedback around fp16 (or fp8) values around the selector."""
     try:
         cls = COMPRESSORS[name]
     except KeyError as exc:
@@ -289,6 +366,8 @@ def build_compressor(
         raise ValueError(f"value dtype {value_dtype!r}: expected one of {VALUE_DTYPES}")
     if value_dtype == "fp16" and cls is not Identity:
         codec = FP16Values(codec)
+    elif value_dtype == "fp8" and cls is not Identity:
+        codec = FP8Values(codec)
     if error_feedback and cls is not Identity:
         codec = ErrorFeedback(codec)
     return codec

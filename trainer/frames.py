@@ -401,7 +401,12 @@ def unpack(raw: torch.Tensor) -> Frame:
 def expect(raw: torch.Tensor, cls: type, step: int | None = None, *, peer: int | None = None) -> Frame:
     """Unpack `raw` as a `cls` (of `step`); an ABORT raises its reason, anything else says what
     came instead."""
-    frame = unpack(raw)
+    return check(unpack(raw), cls, step, peer=peer)
+
+
+def check(frame: Frame, cls: type, step: int | None = None, *, peer: int | None = None) -> Frame:
+    """`frame` if it is a `cls` (of `step`), as `expect` says otherwise; for a frame unpacked
+    already (decoding a server update twice cost a 0.157-core worker 11 ms a chunk)."""
     if isinstance(frame, Abort):
         raise ProtocolError(frame.reason)
     who = f"rank {peer}" if peer is not None else "the peer"
@@ -416,5 +421,5 @@ def expect(raw: torch.Tensor, cls: type, step: int | None = None, *, peer: int |
 
 
 __all__ = ["Abort", "Buffers", "BuffersAvg", "Bye", "Eval", "EvalResult", "Fetch", "Frame", "Grad", "Hello",
-           "LayoutSpec", "ProtocolError", "ROUTE", "Route", "SERVER", "State", "Update", "Welcome", "expect",
+           "LayoutSpec", "ProtocolError", "ROUTE", "Route", "SERVER", "State", "Update", "Welcome", "check", "expect",
            "pack", "unpack"]

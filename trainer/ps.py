@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -396,8 +396,8 @@ class PSClient(Session):
             grad, codec=self.codec, state=state,
             velocity=None if self.velocity is None else self.velocity[a:b],
             momentum=self.rules.momentum, dense_step=self.dense_step(step))
-        return dense, Payload(sparse.numel, sparse.values.cpu(),
-                              None if sparse.indices is None else sparse.indices.cpu(), sparse.seed)
+        return dense, replace(sparse, values=sparse.values.cpu(),
+                              indices=None if sparse.indices is None else sparse.indices.cpu())
 
     def dense_step(self, step: int) -> bool:
         """Warm-up steps and uncompressed strategies send the whole gradient."""

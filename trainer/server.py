@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from hybridtrain.contract import EVAL_S, parse_target
-from trainer.algorithm import adapt_densities, aggregate, chunks, server_sparsify
+from trainer.algorithm import adapt_densities, aggregate_sparsified, chunks
 from trainer.allocation import aggregation_weights, rebalance
 from trainer.compression import CompressionState, Payload
 from trainer.boundary import Boundary
@@ -277,11 +277,11 @@ class ParameterServer(Boundary):
         """Steps 3 and 5 for one chunk: the weighted sum (eq. 1-2) and server compression; with
         the last chunk, the step's loss and next step's plan."""
         a, b = self.bounds[chunk]
-        dense, sparse = aggregate(grads, self.layout.dense_numel if chunk == dense_chunk(self.cfg) else 0, b - a)
         state = self.codec_states[chunk]
         state.step = step
         dense_step = step <= self.cfg.warmup_steps or not self.cfg.compresses
-        payload = server_sparsify(sparse, codec=self.codec, state=state, dense_step=dense_step)
+        dense, payload = aggregate_sparsified(grads, self.layout.dense_numel if chunk == dense_chunk(self.cfg) else 0,
+                                              b - a, codec=self.codec, state=state, dense_step=dense_step)
         if chunk < len(self.bounds) - 1:
             return Update(step, chunk, Payload(dense.numel(), dense), payload)
         # The last chunk's frames carry the step's full timings (compression summed); a site's

@@ -19,6 +19,7 @@ from trainer.frames import (
     State,
     Update,
     Welcome,
+    check,
     expect,
     pack,
     unpack,
@@ -139,7 +140,7 @@ class Session:
                 return
             if isinstance(frame, Update) and (frame.step, frame.chunk) < (step, c):
                 continue  # a lost relay's step, sent again by the server
-            update = expect(raw, Update, step, peer=source)
+            update = check(frame, Update, step, peer=source)
             if update.chunk != c:
                 raise ProtocolError(f"rank {self.rank}: expected chunk {c} of step {step}, got {update.chunk}")
             self.apply(update)

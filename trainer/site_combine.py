@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterable
 
-from trainer.algorithm import aggregate, server_sparsify
+from trainer.algorithm import aggregate_sparsified
 from trainer.compression import CompressionState, Compressor, Payload
 from trainer.frames import BYE, Grad, ProtocolError, expect
 from trainer.transport import Inbox
@@ -56,17 +56,17 @@ class SiteCombiner:
         members, waited = self._chunks(own.step, own.chunk, inbox, wait_s)
         group = [own, *members]
         a, b = self.bounds[own.chunk]
-        dense, sparse = aggregate(group, own.dense.numel, b - a)
         state = self.states[own.chunk]
         state.density = density
         state.step = own.step
-        combined = server_sparsify(sparse, codec=self.codec, state=state, dense_step=dense_step)
+        dense, combined = aggregate_sparsified(group, own.dense.numel, b - a, codec=self.codec, state=state,
+                                               dense_step=dense_step)
         last = own.chunk == len(self.bounds) - 1
         spent = own.topk_s + time.perf_counter() - t0 - waited
         mine = (own.sender, own.loss, own.samples, own.compute_s, own.last_tx_s, spent)
         return Grad(own.step, self.rank, own.chunk, own.loss, sum(g.samples for g in group), own.compute_s,
                     own.last_tx_s, spent, Payload(dense.numel(), dense),
-                    Payload(combined.numel, combined.values, combined.indices, combined.seed),
+                    combined,
                     (mine, *(m.own() for m in members)) if last else ())
 
     def _chunks(self, step: int, chunk: int, inbox: Inbox, wait_s: float) -> tuple[list[Grad], float]:

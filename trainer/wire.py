@@ -3,7 +3,7 @@
 Each payload picks the cheapest index encoding for its own sparsity, so a sent element costs
 at most 6 bytes (int32 index + fp16 value) and usually less:
 
-| code | encoding | bytes for k of n elements (v = 2 for fp16, 4 for fp32) |
+| code | encoding | bytes for k of n elements (v = 1 for fp8, 2 for fp16, 4 for fp32) |
 | ---- | -------- | ------------------------------------------------------- |
 | 0 | dense    | n*v |
 | 1 | int32    | k*(4+v) |
@@ -13,6 +13,7 @@ at most 6 bytes (int32 index + fp16 value) and usually less:
 | 5 | seed     | 8 + k*v (random-k: indices regenerated from the seed) |
 
 A delta filler is a zero value at an intermediate position, so decoding by summation is exact.
+fp8 values (e4m3) carry their payload's scale as an fp32 right after the payload header.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trainer.compression import Payload, random_indices
+from trainer.compression import FP8, Payload, random_indices
 
 MAGIC = 0x4854
 # Version 3 adds a UTF-8 text section (names of evaluation metrics, a model's layout, a reason
@@ -36,11 +37,18 @@ KIND_OFFSET = 3  # the kind byte, after the magic (2) and the version (1)
 _PAYLOAD = struct.Struct("<BBII")
 _MAX_NUMEL = 2**32 - 1
 _SEED = struct.Struct("<q")
+_SCALE = struct.Struct("<f")
 
 DENSE, INT32, BITMAP, DELTA8, DELTA16, SEED = range(6)
-_VALUE_DTYPES = {0: torch.float32, 1: torch.float16}
+_VALUE_DTYPES = {0: torch.float32, 1: torch.float16, 2: FP8}
 _VALUE_CODES = {v: k for k, v in _VALUE_DTYPES.items()}
-_NP = {torch.float32: np.float32, torch.float16: np.float16}
+# numpy has no fp8: its bytes travel as uint8 and are viewed as fp8 again on arrival.
+_NP = {torch.float32: np.float32, torch.float16: np.float16, FP8: np.uint8}
+
+
+def _scaled(dtype: torch.dtype) -> bool:
+    """Whether values of `dtype` travel with a scale (fp8: `trainer.compression.FP8Values`)."""
+    return dtype == FP8
 
 
 @dataclass
@@ -99,8 +107,8 @@ def _encoding(p: Payload) -> tuple[int, int]:
 
 
 def payload_nbytes(p: Payload) -> int:
-    """Exact encoded size of a payload, header included."""
-    return _PAYLOAD.size + _encoding(p)[1]
+    """Exact encoded size of a payload, header (and an fp8 payload's scale) included."""
+    return _PAYLOAD.size + (_SCALE.size if _scaled(p.values.dtype) else 0) + _encoding(p)[1]
 
 
 def _delta(indices: torch.Tensor, values: torch.Tensor, max_gap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,14 +132,19 @@ def _encode_payload(p: Payload, out: list[bytes]) -> None:
     if values.dtype not in _VALUE_CODES:
         values = values.float()
     vcode = _VALUE_CODES[values.dtype]
+    scale = [_SCALE.pack(p.scale)] if _scaled(values.dtype) else []
+    if values.dtype == FP8:
+        values = values.view(torch.uint8)  # fp8 zero is the byte 0: delta fillers stay zeros
     count = values.numel()
     if enc in (DELTA8, DELTA16):
         gaps, values = _delta(p.indices.cpu(), values, 255 if enc == DELTA8 else 65535)
         count = values.numel()
         out.append(_PAYLOAD.pack(enc, vcode, p.numel, count))
+        out.extend(scale)
         out.append(gaps.numpy().astype(np.uint8 if enc == DELTA8 else np.uint16).tobytes())
     else:
         out.append(_PAYLOAD.pack(enc, vcode, p.numel, count))
+        out.extend(scale)
         if enc == INT32:
             out.append(p.indices.cpu().numpy().astype(np.int32).tobytes())
         elif enc == BITMAP:
@@ -155,12 +168,17 @@ def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
     vdtype = _VALUE_DTYPES[vcode]
     indices: torch.Tensor | None = None
     seed = None
+    scale = 1.0
+    if _scaled(vdtype):
+        (scale,) = _SCALE.unpack_from(buf, offset)
+        offset += _SCALE.size
     if enc == INT32:
         arr, offset = _take(buf, offset, np.int32, count)
         indices = torch.from_numpy(arr).long()
     elif enc == BITMAP:
         arr, offset = _take(buf, offset, np.uint8, (numel + 7) // 8)
-        indices = torch.from_numpy(np.flatnonzero(np.unpackbits(arr, count=numel, bitorder="little")))
+        # flatnonzero over bools is six times faster than over the bytes unpackbits returns.
+        indices = torch.from_numpy(np.flatnonzero(np.unpackbits(arr, count=numel, bitorder="little").view(bool)))
     elif enc in (DELTA8, DELTA16):
         arr, offset = _take(buf, offset, np.uint8 if enc == DELTA8 else np.uint16, count)
         gaps = torch.from_numpy(arr.astype(np.int64))
@@ -179,7 +197,9 @@ def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
         if not bool(real.all()):
             indices, values = indices[real], values[real]
             count = values.numel()
-    return Payload(numel=numel, values=values, indices=indices, seed=seed), offset
+    if vdtype == FP8:
+        values = values.view(FP8)
+    return Payload(numel=numel, values=values, indices=indices, seed=seed, scale=scale), offset
 
 
 def encode(msg: Message) -> torch.Tensor:

@@ -27,7 +27,7 @@ from app.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict, 
 from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
 from app.queries.profiles import latest_profiles, task_key
 from app.schemas.runs import CompressionOptions
-from hybridtrain.contract import is_ps
+from hybridtrain.contract import VALUE_BYTES, is_ps
 
 # The profile fields without which the model cannot size a step.
 _REQUIRED = ("params", "dense_params", "samples_per_s")
@@ -63,7 +63,7 @@ def compression_spec(options: CompressionOptions | None, *, eval_every: int | No
             if value is not None:
                 changes[name] = value
         if options.value_dtype is not None:
-            changes["value_bytes"] = 4 if options.value_dtype == "fp32" else 2
+            changes["value_bytes"] = VALUE_BYTES[options.value_dtype]
     return replace(spec, **changes)
 
 

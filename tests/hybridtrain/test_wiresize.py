@@ -17,19 +17,21 @@ from trainer.wire import _encoding
 WIRE = 8  # the transport's length prefix
 
 
-def _sparse(numel: int, kept: int | None, fp16: bool, seed: int, *, seeded: bool = False) -> Payload:
+VALUE_DTYPES = {4: torch.float32, 2: torch.float16, 1: torch.float8_e4m3fn}
+
+
+def _sparse(numel: int, kept: int | None, vbytes: int, seed: int, *, seeded: bool = False) -> Payload:
     gen = torch.Generator().manual_seed(seed)
     if kept is None:
         return Payload(numel, torch.randn(numel, generator=gen))
-    values = torch.randn(kept, generator=gen)
-    values = values.half() if fp16 else values
+    values = torch.randn(kept, generator=gen).to(VALUE_DTYPES[vbytes])
     if seeded:
         return Payload(numel, values, random_indices(numel, kept, seed), seed)
     indices = torch.randperm(numel, generator=gen)[:kept].sort().values
     return Payload(numel, values, indices)
 
 
-def _cases(count: int) -> list[tuple[int, int, int | None, bool]]:
+def _cases(count: int) -> list[tuple[int, int, int | None, int]]:
     rng = random.Random(16)
     cases = []
     for _ in range(count):
@@ -37,30 +39,30 @@ def _cases(count: int) -> list[tuple[int, int, int | None, bool]]:
         dense = rng.choice([0, 10, 1024, 5000])
         density = rng.choice([None, 0.0005, 0.002, 0.01, 0.03, 1 / 32, 0.05, 0.125, 0.4])
         kept = None if density is None else wiresize.kept_for(numel, density)
-        cases.append((dense, numel, kept, rng.random() < 0.7))
+        cases.append((dense, numel, kept, rng.choice([2, 2, 4, 1])))
     return cases
 
 
-@pytest.mark.parametrize(("dense", "numel", "kept", "fp16"), _cases(40))
-def test_grad_frame_bytes_match_packed_frame(dense, numel, kept, fp16):
-    sparse = _sparse(numel, kept, fp16, seed=numel + dense)
+@pytest.mark.parametrize(("dense", "numel", "kept", "vbytes"), _cases(40))
+def test_grad_frame_bytes_match_packed_frame(dense, numel, kept, vbytes):
+    sparse = _sparse(numel, kept, vbytes, seed=numel + dense)
     frame = Grad(3, 1, 0, 0.5, 32, 0.1, 0.2, 0.01, Payload(dense, torch.randn(dense)), sparse)
     real = pack(frame).numel() + WIRE
-    predicted = wiresize.grad_frame_bytes(dense, numel, kept, 2 if fp16 else 4)
+    predicted = wiresize.grad_frame_bytes(dense, numel, kept, vbytes)
     if kept is None or _encoding(sparse)[0] not in (3, 4):
         assert predicted == real
     else:
         assert predicted == pytest.approx(real, rel=0.02)
 
 
-@pytest.mark.parametrize(("dense", "numel", "kept", "fp16"), _cases(30))
-def test_update_frame_bytes_match_packed_last_chunk(dense, numel, kept, fp16):
-    sparse = _sparse(numel, kept, fp16, seed=7 * numel + dense)
+@pytest.mark.parametrize(("dense", "numel", "kept", "vbytes"), _cases(30))
+def test_update_frame_bytes_match_packed_last_chunk(dense, numel, kept, vbytes):
+    sparse = _sparse(numel, kept, vbytes, seed=7 * numel + dense)
     workers = 1 + numel % 5
     frame = Update(3, 0, Payload(dense, torch.randn(dense)), sparse, 0.25, tuple([0.01] * workers),
                    tuple([16] * workers))
     real = pack(frame).numel() + WIRE
-    predicted = wiresize.update_frame_bytes(dense, numel, kept, 2 if fp16 else 4, workers=workers)
+    predicted = wiresize.update_frame_bytes(dense, numel, kept, vbytes, workers=workers)
     if kept is None or _encoding(sparse)[0] not in (3, 4):
         assert predicted == real
     else:
@@ -68,14 +70,14 @@ def test_update_frame_bytes_match_packed_last_chunk(dense, numel, kept, fp16):
 
 
 def test_update_frame_bytes_of_a_middle_chunk_carry_no_plan():
-    sparse = _sparse(50_000, 500, True, seed=1)
+    sparse = _sparse(50_000, 500, 2, seed=1)
     frame = Update(4, 0, Payload(0, torch.zeros(0)), sparse)
     predicted = wiresize.update_frame_bytes(0, 50_000, 500, 2, workers=0)
     assert predicted == pytest.approx(pack(frame).numel() + WIRE, rel=0.02)
 
 
 def test_seeded_payload_counts_one_seed_instead_of_indices():
-    sparse = _sparse(100_000, 1000, True, seed=5, seeded=True)
+    sparse = _sparse(100_000, 1000, 2, seed=5, seeded=True)
     frame = Grad(9, 2, 0, 0.5, 32, 0.1, 0.2, 0.01, Payload(0, torch.zeros(0)), sparse)
     assert wiresize.grad_frame_bytes(0, 100_000, 1000, 2, seeded=True) == pack(frame).numel() + WIRE
 

@@ -9,6 +9,7 @@ from trainer.compression import (
     COMPRESSORS,
     CompressionState,
     ErrorFeedback,
+    FP8Values,
     FP16Values,
     Identity,
     Payload,
@@ -16,6 +17,7 @@ from trainer.compression import (
     TopK,
     build_compressor,
     select_topk,
+    widen,
 )
 from trainer.wire import (
     _MSG,
@@ -32,6 +34,7 @@ from trainer.wire import (
 )
 
 FP16_REL = 2.0**-11  # fp16 has an 11-bit significand: round-to-nearest error <= 2^-11 relative
+FP8_REL = 2.0**-4  # e4m3 has a 4-bit significand; scaled, no kept value falls below its normal range
 
 
 @pytest.mark.parametrize("method", ["threshold", "topk", "sort"])
@@ -131,6 +134,9 @@ CODECS = {
     "randomk-fp16": lambda: FP16Values(RandomK()),
     "ef-topk-fp16": lambda: ErrorFeedback(FP16Values(TopK())),
     "ef-randomk-fp16": lambda: ErrorFeedback(FP16Values(RandomK())),
+    "topk-fp8": lambda: FP8Values(TopK()),
+    "ef-topk-fp8": lambda: ErrorFeedback(FP8Values(TopK())),
+    "ef-randomk-fp8": lambda: ErrorFeedback(FP8Values(RandomK())),
 }
 
 
@@ -143,7 +149,7 @@ def test_round_trip_keeps_sent_values_within_dtype_error_and_zeros_elsewhere(nam
     y = codec.decompress(wire, x)
     mask = torch.zeros_like(x, dtype=torch.bool)
     mask[wire.indices if wire.indices is not None else slice(None)] = True
-    rel = FP16_REL if "fp16" in name else 0.0
+    rel = FP16_REL if "fp16" in name else FP8_REL if "fp8" in name else 0.0
     assert torch.all((y[mask] - x[mask]).abs() <= rel * x[mask].abs() + 1e-12)
     assert torch.all(y[~mask] == 0)
     if name.startswith(("topk", "ef-topk")):
@@ -166,6 +172,41 @@ def test_fp16_values_saturate_instead_of_overflowing():
     codec = FP16Values(TopK())
     p = codec.compress(torch.tensor([1e6, -1e6, 1.0]), CompressionState(density=1.0))
     assert torch.isfinite(p.values.float()).all() and p.values.float().abs().max() == 65504
+
+
+def test_fp8_values_take_one_byte_each_and_the_largest_maps_to_fp8s_largest():
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(4)) * 1e-3
+    p = FP8Values(TopK()).compress(x, CompressionState(density=0.01))
+    assert p.values.element_size() == 1
+    assert p.values.float().abs().max() == 448
+    assert p.decoded().abs().max() == pytest.approx(float(x.abs().max()), rel=1e-6)
+    # delta8: an index byte and a value byte against fp16's three, and a 4-byte scale.
+    fp16 = FP16Values(TopK()).compress(x, CompressionState(density=0.01))
+    assert payload_nbytes(p) - 4 - 10 == (payload_nbytes(fp16) - 10) * 2 // 3
+
+
+def test_fp8_values_saturate_an_infinity_and_keep_a_finite_scale():
+    p = FP8Values(TopK()).compress(torch.tensor([float("inf"), -2.0, 1.0]), CompressionState(density=1.0))
+    assert p.scale == pytest.approx(2.0 / 448)
+    assert p.decoded().tolist()[1:] == pytest.approx([-2.0, 1.0], rel=FP8_REL)
+    assert p.decoded()[0] == pytest.approx(2.0)
+
+
+def test_error_feedback_around_fp8_keeps_the_rounding_for_later_steps():
+    codec = ErrorFeedback(FP8Values(TopK()))
+    state = CompressionState(density=0.05)
+    g = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
+    p = codec.compress(g, state)
+    wire = decode(encode(Message(1, 1, 1, [], [p]))).payloads[0]
+    sent = codec.decompress(wire, g)
+    # What arrives plus what is kept is exactly what was fed in: the rounding is in the residual.
+    torch.testing.assert_close(sent + state.residual, g, rtol=0, atol=1e-6)
+    assert state.residual[p.indices].abs().max() > 0
+
+
+def test_fp8_values_widen_to_the_numbers_torch_decodes():
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    torch.testing.assert_close(widen(every), every.float(), equal_nan=True, rtol=0, atol=0)
 
 
 def test_random_k_draws_the_same_indices_on_every_replica():

@@ -10,6 +10,7 @@ import torch
 
 from trainer.compression import Payload, random_indices
 from trainer.frames import (
+    check,
     Abort,
     Buffers,
     BuffersAvg,
@@ -121,6 +122,16 @@ def test_grad_round_trips_fp16_values():
     assert_payload_equal(out.sparse, payload)
 
 
+def test_grad_round_trips_fp8_values_and_their_scale():
+    values = torch.tensor([448.0, -0.5, 2.0]).to(torch.float8_e4m3fn)
+    payload = Payload(100, values, torch.tensor([3, 40, 99]), scale=2.0**-18)  # scales travel as fp32
+    out = roundtrip(Grad(2, 1, 0, 1.0, 8, 0.0, 0.0, 0.0, dense([1.0]), payload))
+    assert out.sparse.values.dtype == torch.float8_e4m3fn
+    assert out.sparse.scale == payload.scale
+    assert_payload_equal(out.sparse, payload)
+    assert out.sparse.decoded()[0] == 448 * 2.0**-18
+
+
 def test_update_round_trips_loss_densities_and_batch_sizes():
     d, s = dense([0.1, 0.2]), sparse(64, [0, 63], [1.0, -1.0])
     out = roundtrip(Update(9, 3, d, s, loss=1.25, densities=(0.1, 0.05, 0.2), batch_sizes=(8, 4, 20)))
@@ -199,6 +210,13 @@ def test_expect_names_the_wanted_and_the_actual_step():
 def test_expect_raises_an_aborts_reason():
     with pytest.raises(ProtocolError, match=r"^worker 3 ran out of memory$"):
         expect(pack(Abort(3, "worker 3 ran out of memory")), Update, 4)
+
+
+def test_check_takes_a_frame_unpacked_already_as_expect_takes_raw_bytes():
+    frame = unpack(pack(Bye(5, 2)))
+    assert check(frame, Bye, 5, peer=2) is frame
+    with pytest.raises(ProtocolError, match=r"expected GRAD from rank 2, got BYE"):
+        check(frame, Grad, peer=2)
 
 
 def test_layout_difference_is_none_for_equal_layouts():

@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 from trainer_testing import config, global_batch, run_in_process, sgd, tiny_data, tiny_mlp
 
-from trainer.algorithm import Layout, aggregate, correction_momentum, worker_sparsify
+from trainer.algorithm import (
+    Layout,
+    aggregate,
+    aggregate_sparsified,
+    correction_momentum,
+    server_sparsify,
+    worker_sparsify,
+)
 from trainer.compression import CompressionState, Payload, build_compressor
 from trainer.frames import Grad, ProtocolError
 from trainer.metrics import MetricsLogger
@@ -130,6 +137,38 @@ def test_weighted_aggregation_equals_the_gradient_of_the_concatenated_unequal_ba
     torch.testing.assert_close(torch.cat([dense, sparse]), expected, rtol=1e-5, atol=1e-7)
     # A plain mean of the three gradients would be a different (biased) update.
     assert not torch.allclose(sum(flats) / 3, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("value_dtype", ["fp32", "fp16", "fp8"])
+def test_aggregating_into_the_servers_residual_equals_summing_then_compressing(value_dtype):
+    n, gen = 20_000, torch.Generator().manual_seed(3)
+    worker = build_compressor("topk", value_dtype=value_dtype)
+    steps = [[Grad(s, m, 0, 0.0, 10 * m, 0.0, 0.0, 0.0, Payload(4, torch.randn(4, generator=gen)),
+                   worker.compress(torch.randn(n, generator=gen), CompressionState(density=0.05)))
+              for m in (1, 2, 3)] for s in (1, 2, 3)]
+    fused, plain = CompressionState(density=0.1), CompressionState(density=0.1)
+    codec = build_compressor("topk", value_dtype=value_dtype)
+    # The sums differ only in the order of fp32 additions, which may tip a value's rounding to
+    # the wire's dtype by one step; what is sent plus what is kept is the same either way.
+    rel = {"fp32": 1e-5, "fp16": 2.0**-10, "fp8": 2.0**-3}[value_dtype]
+    for grads in steps:
+        dense, got = aggregate_sparsified(grads, 4, n, codec=codec, state=fused, dense_step=False)
+        want_dense, total = aggregate(grads, 4, n)
+        want = server_sparsify(total, codec=codec, state=plain, dense_step=False)
+        torch.testing.assert_close(dense, want_dense, rtol=0, atol=0)
+        assert torch.equal(got.indices, want.indices)
+        torch.testing.assert_close(got.decoded(), want.decoded(), rtol=rel, atol=1e-7)
+        torch.testing.assert_close(codec.decompress(got, total) + fused.residual,
+                                   codec.decompress(want, total) + plain.residual, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dense_step_aggregates_without_touching_the_servers_residual():
+    grads = [Grad(1, m, 0, 0.0, m, 0.0, 0.0, 0.0, Payload(0, torch.zeros(0)), Payload(6, torch.full((6,), float(m))))
+             for m in (1, 3)]
+    state = CompressionState(density=0.5)
+    _, update = aggregate_sparsified(grads, 0, 6, codec=build_compressor("topk"), state=state, dense_step=True)
+    assert update.indices is None and torch.equal(update.values, torch.full((6,), 2.5))
+    assert state.residual is None
 
 
 def test_compressed_steps_keep_server_k_and_the_replicas_identical():
