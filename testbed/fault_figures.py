@@ -410,6 +410,11 @@ def _steps(span: list[int] | None) -> str:
     return f"{span[0]}-{span[1]}" if span else "n/a"
 
 
+def _of_ideal(ref: dict[str, Any]) -> str:
+    tp, ideal = ref.get("samples_per_s"), ref.get("ideal_samples_per_s")
+    return f" ({tp / ideal:.3f} of the {_fmt(ideal)} ideal measured after it)" if tp and ideal else ""
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The docs section: the command, the reference, one row per fault."""
     ref = doc["reference"]
@@ -423,8 +428,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{_calibrated(doc.get('calibration'))}; checkpoints every "
         f"{doc['settings']['checkpoint_every']} steps. \"after\" is measured over the last "
         f"{doc['settings']['window']} steps with the nodes then training, or, where a lost node "
-        "joins again inside them, over the survivors' steps before it does. Reference run (no fault): "
-        f"{_fmt(ref['samples_per_s'])} samples/s, final accuracy {_fmt(ref['final_accuracy'])}.",
+        "joins again inside them, over the survivors' steps before it does. The survivors' ideal "
+        "is the sum of their standalone speeds measured right after the run (the host's speed "
+        "drifts by several percent within minutes). Reference run (no fault): "
+        f"{_fmt(ref['samples_per_s'])} samples/s{_of_ideal(ref)}, final accuracy {_fmt(ref['final_accuracy'])}.",
         "",
         "| fault | status | detected after (s) | continued or resumed | steps lost | samples/s before | "
         "after | after: steps | after / survivors' ideal | accuracy vs reference (points) | "

@@ -167,6 +167,14 @@ def combine_seeds(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def ideal_of_the_runs(results: dict[str, dict[str, Any]], at_start: float | None) -> float | None:
+    """The ideal ps-bz-gc's share is read against: the mean of those measured right after each
+    of its runs (`ideal_after_samples_per_s`), else the one measured at the start."""
+    after = [r["ideal_after_samples_per_s"] for r in results.get(PS_BZ_GC, {}).get("per_seed", [])
+             if r.get("ideal_after_samples_per_s")]
+    return round(statistics.mean(after), 2) if after else at_start
+
+
 def check_targets(results: dict[str, dict[str, Any]], ideal: float | None,
                   testbed: str = "paper") -> dict[str, dict[str, Any]]:
     """Issue 18's targets (on the means over seeds), each with its measured value and whether it

@@ -80,7 +80,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"| {_fmt(r.get('egress_usd'), '.4f')} | {r.get('steps')} | {r.get('status')} |"
         )
     ideal = doc.get("ideal_samples_per_s")
-    lines.append(f"| ideal (sum of standalone workers) | {_fmt(ideal, '.1f')} | | | | | | | | |")
+    when = " after the ps-bz-gc runs" if doc.get("ideal_at_start_samples_per_s") not in (None, ideal) else ""
+    lines.append(f"| ideal (sum of standalone workers{when}) | {_fmt(ideal, '.1f')} | | | | | | | | |")
     return "\n".join(lines)
 
 

@@ -192,6 +192,16 @@ def test_the_fault_runs_batch_is_calibrated_to_the_paper_benchmarks_compute_time
             in markdown(doc))
 
 
+def test_the_reference_run_is_shown_against_the_ideal_measured_right_after_it():
+    doc = {"reference": {"samples_per_s": 270.0, "ideal_samples_per_s": 300.0, "final_accuracy": 0.9},
+           "rows": [], "command": "hybridtrain bench faults", "date": "d", "machine": {"cpus": 2},
+           "duration_s": 60.0, "victim": "b",
+           "settings": {"fault_step": 4, "max_steps": 10, "checkpoint_every": 5, "window": 3, "global_batch": 360}}
+    text = markdown(doc)
+    assert "270 samples/s (0.900 of the 300 ideal measured after it)" in text
+    assert "standalone speeds measured right after the run" in text
+
+
 def test_every_fault_run_re_balances_from_measured_times_as_the_paper_benchmarks_ps_bz_gc_does():
     from testbed.faults import _body
     from testbed.paper_workloads import FULL

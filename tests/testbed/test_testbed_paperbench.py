@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from testbed.paper_figures import check_targets, combine_seeds, link_prices, summarise
+from testbed.paper_figures import check_targets, combine_seeds, ideal_of_the_runs, link_prices, summarise
 from testbed.errors import TestbedError
 from testbed.paper_workloads import (
     FULL,
@@ -152,6 +152,15 @@ def test_docs_section_is_replaced_and_the_rest_kept() -> None:
     out = replace_section(doc, f"{SECTION}\nnew\n")
     assert "old" not in out and "new" in out and "keep me" in out and "keep too" in out
     assert replace_section("# Benchmarks\n", f"{SECTION}\nnew\n").endswith(f"{SECTION}\nnew\n")
+
+
+def test_the_share_of_the_ideal_is_read_against_the_ideals_measured_after_the_ps_bz_gc_runs() -> None:
+    results = {"ps-bz-gc": {"per_seed": [{"ideal_after_samples_per_s": 300.0}, {"ideal_after_samples_per_s": 320.0}]},
+               "ps": {"per_seed": [{}]}}
+    assert ideal_of_the_runs(results, at_start=350.0) == 310.0
+    assert ideal_of_the_runs({"ps": {"per_seed": [{}]}}, at_start=350.0) == 350.0
+    table = markdown_table({"results": {}, "ideal_samples_per_s": 310.0, "ideal_at_start_samples_per_s": 350.0})
+    assert "| ideal (sum of standalone workers after the ps-bz-gc runs) | 310.0 |" in table
 
 
 def test_markdown_table_has_a_row_per_strategy_and_the_ideal() -> None:
