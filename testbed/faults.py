@@ -313,11 +313,17 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
             with services.admin_client(state) as api:
                 ps_node_id = state.services["node_ids"].get(config.server.name) if config.server else None
 
+                plans: dict[int, dict[str, int]] = {}
+
                 def ideal_at(s: FaultSettings) -> dict[str, float]:
-                    plan_body = _body(s, [state.services["node_ids"][n] for n in nodes], ps_node_id, "faults-plan")
-                    preview = check_response(api.post("/api/v1/runs/plan", json=plan_body), "plan preview")
-                    batches = {w["node_name"]: w["batch_size"] for w in preview["workers"] if w["role"] == "worker"}
-                    return measure_ideal(state, args.state_dir, batches, _bench_settings(s), log)
+                    # Planned once per batch: after a fault its victim's node may be offline (a
+                    # spot notice stops its agent), and the plan preview needs every node online.
+                    if s.global_batch not in plans:
+                        plan_body = _body(s, [state.services["node_ids"][n] for n in nodes], ps_node_id, "faults-plan")
+                        preview = check_response(api.post("/api/v1/runs/plan", json=plan_body), "plan preview")
+                        plans[s.global_batch] = {w["node_name"]: w["batch_size"] for w in preview["workers"]
+                                                 if w["role"] == "worker"}
+                    return measure_ideal(state, args.state_dir, plans[s.global_batch], _bench_settings(s), log)
 
                 s, standalone, calibration = measure_calibrated(s, ideal_at, len(nodes), log,
                                                                 smallest=FULL.min_global_batch,
