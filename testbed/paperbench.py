@@ -117,8 +117,9 @@ def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, 
 # A strategy's variants, measured side by side with it: `+plain`, its links unencrypted (what
 # TLS costs; runs encrypt by default); `+sites`, a PS strategy with each remote site's gradients
 # combined at its relay (`compression.aggregate_at_sites`, what per-site aggregation gains);
-# `+overlap`, a PS strategy whose chunks leave during the backward pass (`compression.overlap`).
-VARIANTS = ("plain", "sites", "overlap")
+# `+overlap`, a PS strategy whose chunks leave during the backward pass (`compression.overlap`);
+# `+fp8`, a compressing PS strategy whose values travel as fp8 (`compression.value_dtype`).
+VARIANTS = ("plain", "sites", "overlap", "fp8")
 
 
 def strategy_variant(entry: str) -> tuple[str, str]:
@@ -128,6 +129,9 @@ def strategy_variant(entry: str) -> tuple[str, str]:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if variant in ("sites", "overlap") and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
+    if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
+        raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
+                           f"({', '.join(COMPRESSING_STRATEGIES)})")
     return strategy, variant
 
 
@@ -141,6 +145,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "overlap":
         return body | {"name": f"{body['name']}-overlap",
                        "compression": body.get("compression", {}) | {"overlap": True}}
+    if variant == "fp8":
+        return body | {"name": f"{body['name']}-fp8",
+                       "compression": body.get("compression", {}) | {"value_dtype": "fp8"}}
     return body
 
 
@@ -330,7 +337,7 @@ def run_bench(args: argparse.Namespace, log: Log = print,
         strategy, _ = strategy_variant(entry)
         if strategy not in STRATEGIES:
             raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
-                               "each optionally +plain, a PS one +sites or +overlap)")
+                               "each optionally +plain, a PS one +sites or +overlap, a compressing one +fp8)")
     started = time.monotonic()
     command = "hybridtrain " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else (
         f"hybridtrain bench paper --config {','.join(paths)}{' --quick' if args.quick else ''} --out {args.out}")

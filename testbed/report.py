@@ -18,7 +18,7 @@ CHART_FILE = "paper-bench.html"
 
 
 # What a variant (testbed.paperbench.VARIANTS) adds to its strategy's label.
-_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "overlap": "overlap"}
+_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "overlap": "overlap", "fp8": "fp8 values"}
 
 
 def strategy_label(entry: str) -> str:

@@ -52,7 +52,9 @@ class Orders:
             try:
                 while True:
                     try:
-                        message = queue.get(timeout=0.2)
+                        # Published before the API answered; a blocking get would wait out kombu's
+                        # Redis poll (a whole second) on every empty queue.
+                        message = queue.get(block=False)
                     except queue.Empty:
                         break
                     args, kwargs, _embed = message.decode()

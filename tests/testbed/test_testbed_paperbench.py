@@ -325,6 +325,20 @@ def test_a_ps_strategy_with_plus_overlap_sends_its_chunks_during_the_backward_pa
     assert body == {"name": "bench-ps-bz-gc-overlap", "compression": {"density": 0.05, "overlap": True}}
 
 
+def test_a_compressing_ps_strategy_with_plus_fp8_sends_its_values_as_fp8() -> None:
+    assert strategy_variant("ps-bz-gc+fp8") == ("ps-bz-gc", "fp8")
+    body = variant_body({"name": "bench-ps-bz-gc", "compression": {"density": 0.05}}, "fp8")
+    assert body == {"name": "bench-ps-bz-gc-fp8", "compression": {"density": 0.05, "value_dtype": "fp8"}}
+    assert strategy_label("ps-bz-gc+fp8") == "PS-bz-gc + fp8 values"
+
+
+def test_fp8_for_a_strategy_that_sends_dense_gradients_is_refused() -> None:
+    from testbed.errors import TestbedError
+
+    with pytest.raises(TestbedError, match="PS strategies that compress"):
+        strategy_variant("ps+fp8")
+
+
 def test_a_variant_is_named_after_its_strategy_in_the_tables() -> None:
     assert strategy_label("ps-bz-gc") == "PS-bz-gc"
     assert strategy_label("ps-bz-gc+overlap") == "PS-bz-gc + overlap"

@@ -185,7 +185,7 @@ print(f"RESULT rank {ctx.rank} step {ctx.step} hash {hashlib.sha256(flat).hexdig
 
 def test_a_joiner_gets_the_runs_weights_and_optimizer_state_and_a_batch_share(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
-    args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "300", "--timeout-s", "60",
+    args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "200", "--timeout-s", "60",
             "--code-dir", str(tmp_path), "--script", "train.py"]
     server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=3, cwd=tmp_path)
     joined = events(server.records(), EVENT_WORKER_JOINED)
@@ -193,10 +193,10 @@ def test_a_joiner_gets_the_runs_weights_and_optimizer_state_and_a_batch_share(tm
     results = {r: role.wait_for("RESULT") for r, role in roles.items()}
     hashes = {line.split(" hash ")[1].split()[0] for line in results.values()}
     assert len(hashes) == 1, results
-    assert all(" step 300 " in line for line in results.values())
+    assert all(" step 200 " in line for line in results.values())
     # The joiner computed its share of every step after the one it caught up with.
     steps = series(roles[3].records(), "batch_size", rank=3)
-    assert min(steps) == joined[0]["step"] + 2 and max(steps) == 300
+    assert min(steps) == joined[0]["step"] + 2 and max(steps) == 200
     assert all(0 < n < 48 for n in steps.values())
 
 
@@ -213,15 +213,15 @@ def test_a_joiner_of_a_task_run_catches_up_with_its_learning_rate_schedule(tmp_p
 def test_a_fresh_run_waits_for_a_worker_that_starts_late_and_plans_it_from_the_first_step(tmp_path):
     # The notice comes when no worker has said HELLO for min(20 s, --start-wait-s / 2): where a
     # resumed run would have started without rank 2.
-    args = [*run_args(2, 6), "--start-wait-s", "30"]
-    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="waiting up to 30 s from the start for rank(s) 2",
+    args = [*run_args(2, 6), "--start-wait-s", "20"]
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="waiting up to 20 s from the start for rank(s) 2",
                                            rank=2, join=False)
     assert events(server.records(), EVENT_WORKER_JOINED) == []
     assert min(series(roles[2].records(), "batch_size", rank=2)) == 1
 
 
 def test_a_fresh_run_starts_without_a_worker_missing_past_the_start_wait_and_admits_it_later(tmp_path):
-    args = [*run_args(2, 300), "--start-wait-s", "2"]
+    args = [*run_args(2, 150), "--start-wait-s", "2"]
     server, _ = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=2, join=False)
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [2]
 
@@ -275,11 +275,11 @@ def test_a_lost_relay_leaves_its_site_training_through_the_server(tmp_path):
 def test_a_joiner_in_a_remote_site_hears_the_update_from_its_sites_relay(tmp_path):
     # Workers 2 and 3 are "away" (2 relays to 3); worker 4 joins there mid-run. The server
     # sends it the run's state, then nothing per step: worker 2 forwards it each update.
-    args = [*run_args(3, 300), "--sites", "home,home,away,away"]
+    args = [*run_args(3, 150), "--sites", "home,home,away,away"]
     server, workers, port = start_ps_run(tmp_path, 3, args)
     try:
         server.wait_for("[ps] step 1/")
-        joiner_args = [*run_args(4, 300), "--sites", "home,home,away,away,away", "--join"]
+        joiner_args = [*run_args(4, 150), "--sites", "home,home,away,away,away", "--join"]
         workers[4] = Role("worker", 4, 5, port, joiner_args, metrics=tmp_path / "rank4.jsonl")
         assert server.wait() == 0, server.output[-3000:]
         for r, role in workers.items():
@@ -289,8 +289,8 @@ def test_a_joiner_in_a_remote_site_hears_the_update_from_its_sites_relay(tmp_pat
     joined = events(server.records(), EVENT_WORKER_JOINED)
     assert [e["subject"] for e in joined] == [4]
     computed = series(workers[4].records(), "batch_size", rank=4)
-    assert computed and max(computed) == 300
-    later = range(joined[0]["step"] + 2, 300)
+    assert computed and max(computed) == 150
+    later = range(joined[0]["step"] + 2, 150)
     assert len(later) >= 20, joined
     server_to_4 = bytes_per_step(server.records(), rank=0, peer=4)
     relay_to_4 = bytes_per_step(workers[2].records(), rank=2, peer=4)
