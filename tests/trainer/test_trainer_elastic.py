@@ -203,7 +203,7 @@ def test_a_joiner_gets_the_runs_weights_and_optimizer_state_and_a_batch_share(tm
 def test_a_joiner_of_a_task_run_catches_up_with_its_learning_rate_schedule(tmp_path):
     # The digits task has a cosine schedule: a joiner whose schedule restarted would apply
     # another learning rate, and its weights would differ from the others' at the end.
-    args = [*run_args(2, 120), "--eval-every", "60", *with_replica_script(tmp_path)]
+    args = [*run_args(2, 90), "--eval-every", "45", *with_replica_script(tmp_path)]
     server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=3, cwd=tmp_path)
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [3]
     hashes = replica_hashes("\n".join(role.output for role in roles.values()))
