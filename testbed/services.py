@@ -95,11 +95,14 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
                        state.endpoints[name]["cgroup"], "--", sys.executable, "-m", "trainer"]
             # Task profiles measure the node's compute, so they too run on the node's quota.
             profiler = [*trainer[:-1], "trainer.profile"]
+            # No reference benchmark at start: the agent would measure its host group's 0.25
+            # core, not the node's quota (the nodes declare their GPUs, so plans use FLOPs), and
+            # four agents importing torch on those quotas took most of the testbed's start.
             _spawn_service(
                 state, state_dir, name=f"agent-{name}", argv=[*_hybridtrain(), "agent",
                 "--server", internal_url, "--token", token,
                 "--state-dir", str(work / "agents" / name),
-                "--advertise-address", ep.address, "--role-threads", "1",
+                "--advertise-address", ep.address, "--role-threads", "1", "--benchmark-seconds", "0",
                 "--trainer-command", json.dumps(trainer), "--profile-command", json.dumps(profiler),
                 "--log-level", "WARNING"],
                 netns_name=ep.netns, cgroup=Path(state.endpoints[name]["host_cgroup"]),

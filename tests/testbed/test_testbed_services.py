@@ -31,6 +31,8 @@ def test_agents_in_namespaces_run_a_ps_bz_gc_run_through_the_api(
             assert {n["status"] for n in nodes.values()} == {"online"}
             assert nodes["cloud-a"]["gpus"] == [{"model": "V100 SXM2", "count": 1}]
             assert nodes["lab-a"]["labels"]["netns"] == f"{name_prefix(name)}lab-a"
+            # An agent's reference benchmark would time its host group, not the node's quota.
+            assert {n["measured_samples_per_s"] for n in nodes.values()} == {None}
             # No task named: the default one (hybridtrain.contract.DEFAULT_TASK) trains.
             run = api.post("/api/v1/runs", json={
                 "name": "tiny", "node_ids": [ids["lab-a"], ids["lab-b"], ids["cloud-a"]],
