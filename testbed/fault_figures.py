@@ -20,6 +20,7 @@ import psutil
 from hybridtrain.contract import EVENT_RESUMED, EVENT_WORKER_JOINED
 from testbed.errors import TestbedError
 from testbed.paper_workloads import FULL
+from testbed.services import check_response
 from testbed.state import TestbedState
 
 if TYPE_CHECKING:
@@ -85,12 +86,6 @@ class Injection:
 
 
 # -- reading a run back ----------------------------------------------------------------------------
-
-
-def check_response(resp: httpx.Response, what: str) -> Any:
-    if resp.status_code >= 400:
-        raise TestbedError(f"{what}: HTTP {resp.status_code}: {resp.text[:800]}")
-    return resp.json()
 
 
 def get_json(api: httpx.Client, path: str, **params: Any) -> Any:

@@ -44,7 +44,6 @@ from testbed.fault_figures import (
     SECTION,
     FaultSettings,
     Injection,
-    check_response,
     check_targets,
     describe_processes,
     get_json,
@@ -60,6 +59,7 @@ from testbed.fault_figures import (
 )
 from testbed.paper_workloads import FULL, BenchSettings
 from testbed.paperbench import TERMINAL, fetch_metrics, measure_calibrated, measure_ideal, rank_nodes, run_body
+from testbed.services import check_response
 from testbed.state import TestbedState
 from testbed.topology import load_config, plan
 

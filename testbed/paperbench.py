@@ -69,12 +69,6 @@ Log = Callable[[str], None]
 # Running strategies through the API.
 
 
-def _check(resp: httpx.Response, what: str) -> Any:
-    if resp.status_code >= 400:
-        raise TestbedError(f"{what}: HTTP {resp.status_code}: {resp.text[:800]}")
-    return resp.json()
-
-
 def run_body(
     strategy: str, s: BenchSettings, node_ids: list[int], ps_node_id: int | None, tag: str
 ) -> dict[str, Any]:
@@ -162,7 +156,8 @@ def _metrics_reader(api: httpx.Client) -> Callable[..., dict[str, Any]]:
         params: list[tuple[str, Any]] = [("rank", rank), ("max_points", max_points)]
         if since is not None:
             params.append(("since", since))
-        return _check(api.get(f"/api/v1/runs/{run_id}/metrics", params=params), f"metrics of {run_id}")
+        answer = api.get(f"/api/v1/runs/{run_id}/metrics", params=params)
+        return services.check_response(answer, f"metrics of {run_id}")
 
     return fetch
 
@@ -170,7 +165,7 @@ def _metrics_reader(api: httpx.Client) -> Callable[..., dict[str, Any]]:
 def run_strategy(api: httpx.Client, body: dict[str, Any], timeout_s: float, *, label: str | None = None) -> dict[str, Any]:
     """Create a run, wait for its end (cancelling it past `timeout_s`) showing its progress on
     stdout under `label` (a bar on a terminal), return the run."""
-    created = _check(
+    created = services.check_response(
         api.post("/api/v1/runs", json=body, headers={"Idempotency-Key": body["name"]}),
         f"create run {body['name']}",
     )
@@ -182,7 +177,7 @@ def run_strategy(api: httpx.Client, body: dict[str, Any], timeout_s: float, *, l
     status = ""
     try:
         while True:
-            run = _check(api.get(f"/api/v1/runs/{run_id}"), f"read run {run_id}")
+            run = services.check_response(api.get(f"/api/v1/runs/{run_id}"), f"read run {run_id}")
             if run["status"] in TERMINAL:
                 return run
             if run["status"] != status:
@@ -222,7 +217,7 @@ def fetch_metrics(api: httpx.Client, run_id: int, target_metric: str = "accuracy
     names = dict.fromkeys((*METRIC_NAMES, target_metric))
     params: list[tuple[str, str | int]] = [("name", n) for n in names]
     params.append(("max_points", 20_000))
-    data = _check(api.get(f"/api/v1/runs/{run_id}/metrics", params=params), f"metrics of {run_id}")
+    data = services.check_response(api.get(f"/api/v1/runs/{run_id}/metrics", params=params), f"metrics of {run_id}")
     records = []
     for series in data["series"]:
         if series.get("downsampled"):
@@ -392,8 +387,8 @@ def _bench_on(
     tag = uuid.uuid4().hex[:6]
 
     def ideal_at(s: BenchSettings) -> dict[str, float]:
-        plan = _check(api.post("/api/v1/runs/plan", json=run_body(PS_BZ_GC, s, node_ids, ps_node_id, tag)),
-                      "plan preview")  # fmt: skip
+        plan = services.check_response(
+            api.post("/api/v1/runs/plan", json=run_body(PS_BZ_GC, s, node_ids, ps_node_id, tag)), "plan preview")
         batch_by_node = {w["node_name"]: w["batch_size"] for w in plan["workers"] if w["role"] == "worker"}
         log(f"  ps-bz-gc plan at global batch {s.global_batch}: {batch_by_node}")
         return measure_ideal(state, state_dir, batch_by_node, s, log)

@@ -15,6 +15,7 @@ Order (each process is recorded in the state file before `up` goes on):
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import shutil
@@ -27,7 +28,7 @@ from typing import Any
 import httpx
 
 from testbed import forward, processes
-from testbed.errors import ServiceError
+from testbed.errors import ServiceError, TestbedError
 from testbed.state import TestbedState, save
 from testbed.topology import Plan
 
@@ -219,10 +220,15 @@ def _wait_healthy(api: httpx.Client, state: TestbedState) -> None:
     raise ServiceError(f"the control plane did not answer /healthz within {READY_TIMEOUT_S:.0f} s")
 
 
-def _check(resp: httpx.Response, what: str) -> Any:
+def check_response(resp: httpx.Response, what: str, error: type[TestbedError] = TestbedError) -> Any:
+    """The JSON of a control-plane answer; `error` naming `what` on an HTTP error status."""
     if resp.status_code >= 400:
-        raise ServiceError(f"{what}: {resp.status_code} {resp.text[:500]}")
+        raise error(f"{what}: HTTP {resp.status_code}: {resp.text[:800]}")
     return resp.json()
+
+
+# A registration the control plane refuses is the testbed's services not coming up.
+_check = functools.partial(check_response, error=ServiceError)
 
 
 def _ensure_gpu_models(api: httpx.Client, the_plan: Plan, log: Log) -> None:
