@@ -228,12 +228,14 @@ def test_a_fresh_run_starts_without_a_worker_missing_past_the_start_wait_and_adm
 
 def test_a_joiner_admitted_just_before_an_evaluation_starts_after_it_without_failing_the_run(tmp_path):
     # An evaluation after every step: whenever the joiner is admitted, the others evaluate the
-    # step it did not train before its first gradient.
-    args = [*DIGITS, "--strategy", "ps", "--eval-every", "1", "--timeout-s", "60", "--max-steps", "40",
+    # step it did not train before its first gradient. 100 steps: on a slow 2-core host a
+    # joiner took longer to import torch and connect than 38 steps took to train.
+    steps = 100
+    args = [*DIGITS, "--strategy", "ps", "--eval-every", "1", "--timeout-s", "60", "--max-steps", str(steps),
             "--link-mbps", "10,10"]
     server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 2/", rank=3)
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [3]
-    assert max(series(roles[3].records(), "batch_size", rank=3)) == 40
+    assert max(series(roles[3].records(), "batch_size", rank=3)) == steps
 
 
 def test_a_run_below_min_workers_waits_then_fails_saying_why(tmp_path):
