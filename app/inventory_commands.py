@@ -7,10 +7,8 @@ import argparse
 import sys
 from typing import Any
 
-from app.run_commands import (
-    EXIT_USAGE, UsageError, _bundle_flag, _client, _connection_args, _guard, _ints, _print_json,
-    _task_args_flag, _task_flag, prediction_table,
-)
+from app.run_commands import EXIT_USAGE, _client, _connection_args, _guard, _print_json, prediction_table
+from app.run_flags import UsageError, bundle_flag, ids, task_args_flag, task_flag
 
 
 def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,7 +18,7 @@ def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     opt = plans_sub.add_parser("optimize", help="the cheapest (or fastest) plan over candidate nodes, explained")
     _connection_args(opt)
     where = opt.add_mutually_exclusive_group(required=True)
-    where.add_argument("--nodes", type=_ints, help="candidate node ids, e.g. 1,2,3")
+    where.add_argument("--nodes", type=ids, help="candidate node ids, e.g. 1,2,3")
     where.add_argument("--cluster", type=int, help="a cluster id")
     opt.add_argument("--task", default=None, metavar="MOD:FN")
     opt.add_argument("--task-args", default=None, metavar="JSON")
@@ -127,7 +125,7 @@ def _bundles_list(args: argparse.Namespace) -> int:
 @_guard
 def _bundles_delete(args: argparse.Namespace) -> int:
     try:
-        sha256 = _bundle_flag(args.sha256)
+        sha256 = bundle_flag(args.sha256)
     except UsageError as exc:
         print(f"hybridtrain: {str(exc).replace('--bundle', 'SHA256')}", file=sys.stderr)
         return EXIT_USAGE
@@ -145,8 +143,8 @@ def _plans_optimize(args: argparse.Namespace) -> int:
             body["node_ids"] = args.nodes
         else:
             body["cluster_id"] = args.cluster
-        for key, value in [("task", _task_flag(args.task)), ("task_args", _task_args_flag(args.task_args)),
-                           ("bundle_sha256", _bundle_flag(args.bundle)),
+        for key, value in [("task", task_flag(args.task)), ("task_args", task_args_flag(args.task_args)),
+                           ("bundle_sha256", bundle_flag(args.bundle)),
                            ("global_batch_size", args.global_batch), ("budget_usd_per_h", args.budget_usd_per_h),
                            ("deadline_s", args.deadline_s), ("max_steps", args.max_steps)]:
             if value is not None:

@@ -1,5 +1,6 @@
 """`hybridtrain runs ...`, `hybridtrain bundles ...`, `hybridtrain nodes list` and
-`hybridtrain local`: the commands a CI pipeline or a laptop user runs against a control plane.
+`hybridtrain local`: the commands a CI pipeline or a laptop user runs against a control plane
+(their flags become request fields in app/run_flags.py).
 
 Exit status: 0 success; 1 the run failed or was cancelled (`runs create --wait`), or the
 control plane refused the request; 2 bad usage; 3 `--wait` timed out; 4 unreachable (for
@@ -11,23 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path, PurePosixPath
 from typing import Any
 
-from hybridtrain.contract import (
-    ALLOCATIONS, COMPRESSORS, DEVICES, SHA256, STRATEGIES, VALUE_DTYPES, check_task_ref, parse_target,
-)
+from app.run_flags import UsageError, ids, pack, run_body, upload
+from hybridtrain.contract import ALLOCATIONS, COMPRESSORS, DEVICES, STRATEGIES, VALUE_DTYPES
 
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 EXIT_UNREACHABLE = 4
 EXIT_INTERRUPTED = 130
-MIB = 1024 * 1024
-
-
-class UsageError(Exception):
-    """A command line that cannot become a request; the message is one line naming the flag."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -46,13 +40,6 @@ def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", help="API token (default $HYBRIDTRAIN_TOKEN)")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ids, got {text!r}") from exc
-
-
 def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     runs = sub.add_parser("runs", help="launch, watch and cancel training runs")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True)
@@ -61,7 +48,7 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     _connection_args(create)
     create.add_argument("--name", required=True)
     where = create.add_mutually_exclusive_group(required=True)
-    where.add_argument("--nodes", type=_ints, help="node ids, e.g. 1,2,3")
+    where.add_argument("--nodes", type=ids, help="node ids, e.g. 1,2,3")
     where.add_argument("--cluster", type=int, help="a cluster id")
     create.add_argument("--strategy", choices=STRATEGIES, default=None, help="default ps-bz-gc")
     code = create.add_mutually_exclusive_group()
@@ -135,7 +122,7 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     add = runs_sub.add_parser("add-nodes", help="add workers on these nodes to a running PS run")
     _connection_args(add)
     add.add_argument("run_id", type=int)
-    add.add_argument("--nodes", type=_ints, required=True, help="node ids, e.g. 4,5")
+    add.add_argument("--nodes", type=ids, required=True, help="node ids, e.g. 4,5")
     add.set_defaults(func=_runs_add_nodes)
 
     ls = runs_sub.add_parser("list", help="list runs, newest first")
@@ -211,129 +198,6 @@ def _guard(fn: Any) -> Any:
     return run
 
 
-def _run_body(args: argparse.Namespace) -> dict[str, Any]:
-    """The POST /runs body of a `runs create` command line; UsageError naming a bad flag."""
-    body: dict[str, Any] = {"name": args.name}
-    if args.nodes is not None:
-        body["node_ids"] = args.nodes
-    else:
-        body["cluster_id"] = args.cluster
-    bundle_sha256 = _bundle_flag(args.bundle)  # --workdir's is known once uploaded
-    for key, value in [
-        ("strategy", args.strategy), ("task", _task_flag(args.task)),
-        ("task_args", _task_args_flag(args.task_args)), ("bundle_sha256", bundle_sha256),
-        ("script", _script_flag(args, bundle_sha256)), ("script_args", args.script_args or None),
-        ("global_batch_size", args.global_batch), ("max_steps", args.max_steps),
-        ("epochs", args.epochs), ("target", _target_flag(args.target)), ("seed", args.seed),
-        ("allocation", args.allocation), ("device", args.device), ("ps_node_id", args.ps_node),
-        ("rebalance_every", args.rebalance_every), ("eval_every", args.eval_every),
-        ("stop_at_target", args.stop_at_target), ("checkpoint_every", args.checkpoint_every),
-        ("checkpoint_every_s", args.checkpoint_every_s), ("max_restarts", args.max_restarts),
-        ("min_workers", args.min_workers), ("min_workers_wait_s", args.min_workers_wait_s),
-        ("priority", args.priority), ("share_gpus", args.share_gpus), ("encrypt_links", args.encrypt_links),
-    ]:
-        if value is not None:
-            body[key] = value
-    compression = {
-        k: v for k, v in [("compressor", args.compressor), ("density", args.density),
-                          ("value_dtype", args.value_dtype)] if v is not None
-    }
-    if compression:
-        body["compression"] = compression
-    return body
-
-
-def _task_flag(text: str | None) -> str | None:
-    if text is None:
-        return None
-    try:
-        return check_task_ref(text)
-    except ValueError as exc:
-        raise UsageError(f"--task: {exc}") from None
-
-
-def _task_args_flag(text: str | None) -> dict[str, Any] | None:
-    if text is None:
-        return None
-    def no_constants(name: str) -> Any:
-        raise UsageError(f"--task-args: {name} is not a JSON number: {text!r}")
-
-    try:
-        value = json.loads(text, parse_constant=no_constants)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--task-args: not JSON ({exc.msg} at character {exc.pos}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise UsageError(f'--task-args: expected a JSON object such as \'{{"lr": 0.05}}\', got {text!r}')
-    return value
-
-
-def _target_flag(text: str | None) -> str | None:
-    if text is None:
-        return None
-    try:
-        return str(parse_target(text))
-    except ValueError as exc:
-        raise UsageError(f"--target: {exc}") from None
-
-
-def _bundle_flag(text: str | None) -> str | None:
-    if text is None:
-        return None
-    if not SHA256.match(text.lower()):
-        raise UsageError(f"--bundle: expected the 64 hex digits of a bundle's sha256, got {text!r}")
-    return text.lower()
-
-
-def _script_flag(args: argparse.Namespace, bundle_sha256: str | None) -> str | None:
-    if args.script is None:
-        if args.script_args:
-            raise UsageError(f"arguments after -- ({' '.join(args.script_args)}) need --script")
-        return None
-    script = args.script.replace("\\", "/")
-    path = PurePosixPath(script)
-    if path.is_absolute() or ".." in path.parts or not path.parts:
-        raise UsageError(f"--script {args.script}: a path relative to the work dir, without '..'")
-    if bundle_sha256 is None and args.workdir is None:
-        raise UsageError("--script needs --workdir (or --bundle): the code the script is in")
-    return str(path)
-
-
-def _pack(args: argparse.Namespace) -> Any:
-    """Pack --workdir; the script, when given, must be one of the packed files."""
-    from app.packing import PackError, pack_workdir
-
-    try:
-        packed = pack_workdir(args.workdir, max_bytes=int(args.max_bundle_mb * MIB))
-    except PackError as exc:
-        raise UsageError(f"--workdir: {exc}") from None
-    for warning in packed.warnings:
-        print(f"hybridtrain: warning: {warning}", file=sys.stderr)
-    if args.script is not None:
-        script = str(PurePosixPath(args.script.replace("\\", "/")))
-        if script not in packed.members:
-            where = "is ignored by its ignore file" if (Path(args.workdir) / script).is_file() else "does not exist"
-            raise UsageError(f"--script {args.script}: {where} in the work dir {args.workdir}")
-    return packed
-
-
-def _upload(client: Any, packed: Any, workdir: str) -> str:
-    """Upload a packed work dir unless the server has it already; its sha256."""
-    from app.client import ApiError
-
-    try:
-        client.get_bundle(packed.sha256)
-        where = "already on the server"
-    except ApiError as exc:
-        if exc.status_code != 404:
-            raise
-        filename = f"{Path(workdir).resolve().name or 'workdir'}.tar.gz"
-        client.upload_bundle(packed.data, packed.sha256, filename)
-        where = "uploaded"
-    print(f"hybridtrain: packed {packed.files} files, {packed.size_bytes / 1e6:.1f} MB, "
-          f"sha256 {packed.sha256[:12]}\u2026 ({where})", file=sys.stderr)
-    return packed.sha256
-
-
 def prediction_table(plans: list[dict[str, Any]]) -> str:
     """Each strategy's predicted throughput, step, granularity and cost, as a Markdown table."""
     rows = ["| strategy | samples/s | step s | granularity | egress $/h | compute $/h | $/1M samples | egress share |",
@@ -371,14 +235,14 @@ def _runs_create(args: argparse.Namespace) -> int:
     from app.client import RunTimeout
 
     try:
-        body = _run_body(args)  # every flag checked before anything is packed or sent
-        packed = _pack(args) if args.workdir is not None else None
+        body = run_body(args)  # every flag checked before anything is packed or sent
+        packed = pack(args) if args.workdir is not None else None
     except UsageError as exc:
         print(f"hybridtrain: {exc}", file=sys.stderr)
         return EXIT_USAGE
     with _client(args) as client:
         if packed is not None:
-            body["bundle_sha256"] = _upload(client, packed, args.workdir)
+            body["bundle_sha256"] = upload(client, packed, args.workdir)
         if args.plan_only:
             if args.all_strategies:
                 print(prediction_table(client.plan_run({**body, "strategies": "all"})["plans"]))

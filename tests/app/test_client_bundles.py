@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.client import ApiError, HybridtrainClient
 from app.packing import PackedBundle, pack_workdir
-from app.run_commands import _upload
+from app.run_flags import upload
 from tests.app.conftest import ADMIN_TOKEN
 
 
@@ -39,8 +39,8 @@ def test_an_uploaded_work_dir_reads_back_as_the_same_bundle(api, packed):
 
 
 def test_an_unchanged_work_dir_is_not_uploaded_twice(api, packed, tmp_path, capsys):
-    _upload(api, packed, str(tmp_path))
-    _upload(api, packed, str(tmp_path))
+    upload(api, packed, str(tmp_path))
+    upload(api, packed, str(tmp_path))
     err = capsys.readouterr().err.splitlines()
     assert err[0].endswith("(uploaded)") and err[1].endswith("(already on the server)")
     assert err[1].startswith(f"hybridtrain: packed 2 files, 0.0 MB, sha256 {packed.sha256[:12]}")

@@ -67,12 +67,13 @@ def test_a_run_that_opts_out_gets_no_link_secret(online_node, client, dispatched
 def test_plain_links_on_the_command_line_reach_the_request_and_are_left_out_otherwise():
     import argparse
 
-    from app.run_commands import _run_body, register
+    from app.run_commands import register
+    from app import run_flags
 
     def body(*argv: str) -> dict:
         parser = argparse.ArgumentParser()
         register(parser.add_subparsers(dest="command"))
-        return _run_body(parser.parse_args(["runs", "create", "--name", "r", "--nodes", "1", *argv]))
+        return run_flags.run_body(parser.parse_args(["runs", "create", "--name", "r", "--nodes", "1", *argv]))
 
     assert body("--plain-links")["encrypt_links"] is False
     assert "encrypt_links" not in body()

@@ -10,8 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from runs_testing import run_body, dispatched_fixture, online_node_fixture, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
+from app import run_flags
 from app.client import HybridtrainClient
-from app.run_commands import _run_body, register
+from app.run_commands import register
 from app.run_progress import describe_run
 from hybridtrain.progress import status_text
 from tests.app.conftest import ADMIN_TOKEN
@@ -26,7 +27,7 @@ def api(make_client: Callable[[str | None], TestClient]) -> Iterator[Hybridtrain
 def _body(*argv: str) -> dict:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
-    return _run_body(parser.parse_args(["runs", "create", "--name", "r", "--nodes", "1", *argv]))
+    return run_flags.run_body(parser.parse_args(["runs", "create", "--name", "r", "--nodes", "1", *argv]))
 
 
 def test_the_recovery_flags_reach_the_request():

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from app.run_commands import _describe, _run_body, register
+from app.run_commands import _describe, register
+from app.run_flags import run_body
 
 
 def _body(*argv: str) -> dict:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
-    return _run_body(parser.parse_args(["runs", "create", "--name", "r", "--nodes", "1", *argv]))
+    return run_body(parser.parse_args(["runs", "create", "--name", "r", "--nodes", "1", *argv]))
 
 
 def test_the_queue_flags_reach_the_request():

@@ -1,0 +1,157 @@
+"""Command-line flags into request fields: the `POST /runs` body of `hybridtrain runs create` and
+the checks of each flag that can be wrong (a task reference, JSON task args, a target, a bundle's
+sha256, a script inside the work dir), and the work dir packed and uploaded as a bundle. A bad
+flag raises `UsageError` naming it; the commands (app/run_commands.py,
+app/inventory_commands.py) turn that into exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from hybridtrain.contract import SHA256, check_task_ref, parse_target
+
+MIB = 1024 * 1024
+
+
+class UsageError(Exception):
+    """A command line that cannot become a request; the message is one line naming the flag."""
+
+
+def ids(text: str) -> list[int]:
+    """`--nodes 1,2,3` as a list of ids (argparse's `type`)."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ids, got {text!r}") from exc
+
+
+def run_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The POST /runs body of a `runs create` command line; UsageError naming a bad flag."""
+    body: dict[str, Any] = {"name": args.name}
+    if args.nodes is not None:
+        body["node_ids"] = args.nodes
+    else:
+        body["cluster_id"] = args.cluster
+    bundle_sha256 = bundle_flag(args.bundle)  # --workdir's is known once uploaded
+    for key, value in [
+        ("strategy", args.strategy), ("task", task_flag(args.task)),
+        ("task_args", task_args_flag(args.task_args)), ("bundle_sha256", bundle_sha256),
+        ("script", script_flag(args, bundle_sha256)), ("script_args", args.script_args or None),
+        ("global_batch_size", args.global_batch), ("max_steps", args.max_steps),
+        ("epochs", args.epochs), ("target", target_flag(args.target)), ("seed", args.seed),
+        ("allocation", args.allocation), ("device", args.device), ("ps_node_id", args.ps_node),
+        ("rebalance_every", args.rebalance_every), ("eval_every", args.eval_every),
+        ("stop_at_target", args.stop_at_target), ("checkpoint_every", args.checkpoint_every),
+        ("checkpoint_every_s", args.checkpoint_every_s), ("max_restarts", args.max_restarts),
+        ("min_workers", args.min_workers), ("min_workers_wait_s", args.min_workers_wait_s),
+        ("priority", args.priority), ("share_gpus", args.share_gpus), ("encrypt_links", args.encrypt_links),
+    ]:
+        if value is not None:
+            body[key] = value
+    compression = {
+        k: v for k, v in [("compressor", args.compressor), ("density", args.density),
+                          ("value_dtype", args.value_dtype)] if v is not None
+    }
+    if compression:
+        body["compression"] = compression
+    return body
+
+
+def task_flag(text: str | None) -> str | None:
+    """`--task`: a `module:function` reference, checked."""
+    if text is None:
+        return None
+    try:
+        return check_task_ref(text)
+    except ValueError as exc:
+        raise UsageError(f"--task: {exc}") from None
+
+
+def task_args_flag(text: str | None) -> dict[str, Any] | None:
+    """`--task-args`: a JSON object (no NaN or Infinity)."""
+    if text is None:
+        return None
+    def no_constants(name: str) -> Any:
+        raise UsageError(f"--task-args: {name} is not a JSON number: {text!r}")
+
+    try:
+        value = json.loads(text, parse_constant=no_constants)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--task-args: not JSON ({exc.msg} at character {exc.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f'--task-args: expected a JSON object such as \'{{"lr": 0.05}}\', got {text!r}')
+    return value
+
+
+def target_flag(text: str | None) -> str | None:
+    """`--target`: `metric>=value`, normalised."""
+    if text is None:
+        return None
+    try:
+        return str(parse_target(text))
+    except ValueError as exc:
+        raise UsageError(f"--target: {exc}") from None
+
+
+def bundle_flag(text: str | None) -> str | None:
+    """`--bundle`: a bundle's sha256, lower case."""
+    if text is None:
+        return None
+    if not SHA256.match(text.lower()):
+        raise UsageError(f"--bundle: expected the 64 hex digits of a bundle's sha256, got {text!r}")
+    return text.lower()
+
+
+def script_flag(args: argparse.Namespace, bundle_sha256: str | None) -> str | None:
+    """`--script`: a path relative to the work dir (which --workdir or --bundle must give)."""
+    if args.script is None:
+        if args.script_args:
+            raise UsageError(f"arguments after -- ({' '.join(args.script_args)}) need --script")
+        return None
+    script = args.script.replace("\\", "/")
+    path = PurePosixPath(script)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        raise UsageError(f"--script {args.script}: a path relative to the work dir, without '..'")
+    if bundle_sha256 is None and args.workdir is None:
+        raise UsageError("--script needs --workdir (or --bundle): the code the script is in")
+    return str(path)
+
+
+def pack(args: argparse.Namespace) -> Any:
+    """Pack --workdir; the script, when given, must be one of the packed files."""
+    from app.packing import PackError, pack_workdir
+
+    try:
+        packed = pack_workdir(args.workdir, max_bytes=int(args.max_bundle_mb * MIB))
+    except PackError as exc:
+        raise UsageError(f"--workdir: {exc}") from None
+    for warning in packed.warnings:
+        print(f"hybridtrain: warning: {warning}", file=sys.stderr)
+    if args.script is not None:
+        script = str(PurePosixPath(args.script.replace("\\", "/")))
+        if script not in packed.members:
+            where = "is ignored by its ignore file" if (Path(args.workdir) / script).is_file() else "does not exist"
+            raise UsageError(f"--script {args.script}: {where} in the work dir {args.workdir}")
+    return packed
+
+
+def upload(client: Any, packed: Any, workdir: str) -> str:
+    """Upload a packed work dir unless the server has it already; its sha256."""
+    from app.client import ApiError
+
+    try:
+        client.get_bundle(packed.sha256)
+        where = "already on the server"
+    except ApiError as exc:
+        if exc.status_code != 404:
+            raise
+        filename = f"{Path(workdir).resolve().name or 'workdir'}.tar.gz"
+        client.upload_bundle(packed.data, packed.sha256, filename)
+        where = "uploaded"
+    print(f"hybridtrain: packed {packed.files} files, {packed.size_bytes / 1e6:.1f} MB, "
+          f"sha256 {packed.sha256[:12]}\u2026 ({where})", file=sys.stderr)
+    return packed.sha256
