@@ -49,7 +49,7 @@ import httpx  # noqa: E402
 
 from hybridtrain.contract import PS_STRATEGIES, STRATEGIES  # noqa: E402
 from testbed.paper_workloads import FULL  # noqa: E402
-from testbed.paperbench import strategy_fields  # noqa: E402
+from testbed.api_runs import cancel_quietly, strategy_fields  # noqa: E402
 
 Log = Callable[[str], None]
 SECTION = "## Prediction accuracy (bench/predict.py)"
@@ -148,7 +148,7 @@ def steps_for(settings: TaskSettings, strategy: str) -> tuple[int, int]:
 
 def run_body(strategy: str, s: TaskSettings, node_ids: list[int], ps_node_id: int | None,
              name: str) -> dict[str, Any]:
-    """The POST /api/v1/runs body of one strategy (paperbench's, without a target, evaluation
+    """The POST /api/v1/runs body of one strategy (testbed.api_runs's, without a target, evaluation
     off: an evaluation interval is not a training step, and the model times training)."""
     max_steps, _ = steps_for(s, strategy)
     body: dict[str, Any] = {
@@ -711,10 +711,7 @@ def run_and_wait(api: httpx.Client, body: dict[str, Any], timeout_s: float, prog
                 progress.say(where, f"run {run_id} {run['status']}, step {step} of {body['max_steps']}")
             time.sleep(1.0)
     except BaseException:
-        try:
-            api.post(f"/api/v1/runs/{run_id}/cancel", json={"reason": "bench interrupted"})
-        except httpx.HTTPError:
-            pass
+        cancel_quietly(api, run_id, "bench interrupted")
         raise
 
 
@@ -734,7 +731,7 @@ def bench_testbed(key: str, tasks: list[TaskSettings], strategies: tuple[str, ..
     """Up, every task and strategy, down (always); the cells and what was learnt of the testbed."""
     from testbed import lifecycle, services
     from testbed.topology import load_config
-    from testbed.paperbench import fetch_metrics
+    from testbed.api_runs import fetch_metrics
 
     config_path = TESTBEDS[key]
     config = load_config(config_path)
@@ -823,7 +820,7 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
                          f"predicted {pred.get('samples_per_s', 0):.1f} samples/s ({source}); running {body['max_steps']} steps")
             t0 = time.monotonic()
             run = run_and_wait(api, body, s.run_timeout_s, progress, where + f" {strategy}")
-            # paperbench's reader takes one extra metric name: the densities the workers used.
+            # testbed.api_runs' reader takes one extra metric name: the densities the workers used.
             records = fetch_metrics(api, run["id"], "density")
             rank_site = {w["rank"]: site_of[w["node_id"]] for w in run["workers"] if w["node_id"] in site_of}
             _, skip = steps_for(s, strategy)

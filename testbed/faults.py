@@ -38,10 +38,10 @@ import psutil
 
 from hybridtrain.contract import EVENT_RESUMED, EVENT_WORKER_JOINED, EVENT_WORKER_LEFT, EVENT_WORKER_LOST, PS_BZ_GC
 from testbed import lifecycle, services
+from testbed.api_runs import TERMINAL, cancel_quietly, fetch_metrics, rank_nodes, run_body
 from testbed.errors import TestbedError
 from testbed.fault_figures import (
     QUICK,
-    SECTION,
     FaultSettings,
     Injection,
     check_targets,
@@ -49,7 +49,6 @@ from testbed.fault_figures import (
     get_json,
     leftover_processes,
     logged_points,
-    markdown,
     metric_files,
     server_steps,
     stored_points,
@@ -57,8 +56,9 @@ from testbed.fault_figures import (
     throughput,
     wait_until_none_left,
 )
+from testbed.fault_report import SECTION, markdown
+from testbed.ideal import measure_calibrated, measure_ideal
 from testbed.paper_workloads import FULL, BenchSettings
-from testbed.paperbench import TERMINAL, fetch_metrics, measure_calibrated, measure_ideal, rank_nodes, run_body
 from testbed.services import check_response
 from testbed.state import TestbedState
 from testbed.topology import load_config, plan
@@ -286,10 +286,7 @@ def run_one(api: httpx.Client, state: TestbedState, state_dir: Path, fault: Faul
             injection = fault.inject(ctx)
         run = _wait_end(api, run_id, s.run_timeout_s, log)
     except BaseException:
-        try:
-            api.post(f"/api/v1/runs/{run_id}/cancel", json={"reason": "bench interrupted"})
-        except httpx.HTTPError:
-            pass
+        cancel_quietly(api, run_id, "bench interrupted")
         raise
     return run, injection
 

@@ -35,77 +35,22 @@ from typing import Any
 
 import httpx
 
-from hybridtrain.contract import (
-    ALLREDUCE_POWERSGD,
-    COMPRESSING_STRATEGIES,
-    EVAL_S,
-    LEGACY_TIME_TO_TARGET,
-    PS_BZ_GC,
-    PS_STRATEGIES,
-    STRATEGIES,
-    VAL_LOSS,
-    parse_target,
-)
-from hybridtrain.progress import RunProgress, duration, status_text
-from testbed import lifecycle, processes, services
+from hybridtrain.contract import COMPRESSING_STRATEGIES, PS_BZ_GC, PS_STRATEGIES, STRATEGIES, parse_target
+from hybridtrain.progress import duration
+from testbed import lifecycle, services
+from testbed.api_runs import fetch_metrics, rank_nodes, run_body, run_strategy
 from testbed.errors import TestbedError
+from testbed.ideal import Log, measure_calibrated, measure_ideal
 from testbed.paper_figures import check_targets, combine_seeds, ideal_of_the_runs, link_prices, summarise
-from testbed.paper_workloads import (
-    BenchSettings,
-    calibrate,
-    configs_of,
-    seeds_of,
-    workloads_of,
-)
+from testbed.paper_workloads import BenchSettings, configs_of, seeds_of, workloads_of
 from testbed.state import TestbedState
 from testbed.topology import TestbedConfig, load_config
 
-TERMINAL = ("succeeded", "failed", "cancelled")
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
-Log = Callable[[str], None]
 
 
 # ---------------------------------------------------------------------------------------------
-# Running strategies through the API.
-
-
-def run_body(
-    strategy: str, s: BenchSettings, node_ids: list[int], ps_node_id: int | None, tag: str
-) -> dict[str, Any]:
-    """The POST /api/v1/runs body of one strategy."""
-    body: dict[str, Any] = {
-        "name": f"paper-{strategy}-{tag}-seed{s.seed}",
-        "node_ids": node_ids,
-        "strategy": strategy,
-        "task": s.task,
-        "task_args": dict(s.task_args),
-        "global_batch_size": s.global_batch,
-        "max_steps": s.max_steps,
-        "target": s.target,
-        "stop_at_target": s.stop_at_target,
-        "seed": s.seed,
-        "device": "cpu",
-    }
-    if s.eval_every:
-        body["eval_every"] = s.eval_every
-    return body | strategy_fields(strategy, s, ps_node_id)
-
-
-def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, Any]:
-    """The run-body fields one strategy takes from benchmark settings `s` (its server, its
-    compression and pipelining, re-balancing, PowerSGD's rank); bench/predict.py shares it."""
-    body: dict[str, Any] = {}
-    if strategy in PS_STRATEGIES:
-        body["ps_node_id"] = ps_node_id
-    if strategy in COMPRESSING_STRATEGIES and s.compression:
-        body["compression"] = dict(s.compression)
-    if strategy in PS_STRATEGIES and s.pipeline_chunks:
-        body["compression"] = body.get("compression", {}) | {"pipeline_chunks": s.pipeline_chunks}
-    if strategy == PS_BZ_GC and s.rebalance_every:
-        body["rebalance_every"] = s.rebalance_every
-    if strategy == ALLREDUCE_POWERSGD and getattr(s, "powersgd_rank", None):
-        body["compression"] = {"powersgd_rank": s.powersgd_rank}
-    return body
+# Variants.
 
 
 # A strategy's variants, measured side by side with it: `+plain`, its links unencrypted (what
@@ -143,162 +88,6 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
         return body | {"name": f"{body['name']}-fp8",
                        "compression": body.get("compression", {}) | {"value_dtype": "fp8"}}
     return body
-
-
-# A run's progress line is printed at most this often (and only when it changed).
-PROGRESS_EVERY_S = 15.0
-
-
-def _metrics_reader(api: httpx.Client) -> Callable[..., dict[str, Any]]:
-    """GET /runs/{id}/metrics as RunProgress reads it."""
-
-    def fetch(run_id: int, *, rank: int, since: float | None, max_points: int) -> dict[str, Any]:
-        params: list[tuple[str, Any]] = [("rank", rank), ("max_points", max_points)]
-        if since is not None:
-            params.append(("since", since))
-        answer = api.get(f"/api/v1/runs/{run_id}/metrics", params=params)
-        return services.check_response(answer, f"metrics of {run_id}")
-
-    return fetch
-
-
-def run_strategy(api: httpx.Client, body: dict[str, Any], timeout_s: float, *, label: str | None = None) -> dict[str, Any]:
-    """Create a run, wait for its end (cancelling it past `timeout_s`) showing its progress on
-    stdout under `label` (a bar on a terminal), return the run."""
-    created = services.check_response(
-        api.post("/api/v1/runs", json=body, headers={"Idempotency-Key": body["name"]}),
-        f"create run {body['name']}",
-    )
-    run_id = created["id"]
-    deadline = time.monotonic() + timeout_s
-    label = label or f"run {run_id} ({body['strategy']})"
-    progress = RunProgress(_metrics_reader(api), sys.stdout, missed=(httpx.HTTPError, TestbedError),
-                           label=f"  {label}", every_s=PROGRESS_EVERY_S)
-    status = ""
-    try:
-        while True:
-            run = services.check_response(api.get(f"/api/v1/runs/{run_id}"), f"read run {run_id}")
-            if run["status"] in TERMINAL:
-                return run
-            if run["status"] != status:
-                status = run["status"]
-                progress.note(f"  {label}: {status_text(run)}")
-            if time.monotonic() > deadline:
-                progress.note(f"  run {run_id} over its {timeout_s:.0f} s budget: cancelling")
-                api.post(f"/api/v1/runs/{run_id}/cancel", json={"reason": "bench time budget"})
-                deadline = float("inf")
-            progress.poll(run)
-            time.sleep(0.5)
-    except BaseException:
-        # Interrupted: stop the run first, the teardown then removes what is left.
-        try:
-            api.post(f"/api/v1/runs/{run_id}/cancel", json={"reason": "bench interrupted"})
-        except httpx.HTTPError:
-            pass
-        raise
-    finally:
-        progress.close()
-
-
-# Runs recorded before task metrics name their time to target LEGACY_TIME_TO_TARGET.
-METRIC_NAMES = ("loss", "accuracy", VAL_LOSS, "time_to_target_s", LEGACY_TIME_TO_TARGET, EVAL_S,
-                "compute_s", "compress_s", "comm_s", "wait_s", "bytes_sent", "batch_size")  # fmt: skip
-
-
-def rank_nodes(run: dict[str, Any], node_ids: dict[str, int]) -> dict[int, str]:
-    """Each rank of `run` (as GET /runs/{id} has it) -> the testbed node it ran on."""
-    name_of = {i: n for n, i in node_ids.items()}
-    return {w["rank"]: name_of[w["node_id"]] for w in run.get("workers", []) if w.get("node_id") in name_of}
-
-
-def fetch_metrics(api: httpx.Client, run_id: int, target_metric: str = "accuracy") -> list[dict[str, Any]]:
-    """Every stored record of the run that the benchmark reads (and of the target's metric),
-    as {rank, peer, name, step, t, value} dicts."""
-    names = dict.fromkeys((*METRIC_NAMES, target_metric))
-    params: list[tuple[str, str | int]] = [("name", n) for n in names]
-    params.append(("max_points", 20_000))
-    data = services.check_response(api.get(f"/api/v1/runs/{run_id}/metrics", params=params), f"metrics of {run_id}")
-    records = []
-    for series in data["series"]:
-        if series.get("downsampled"):
-            raise TestbedError(f"run {run_id}: series {series['name']} came back downsampled")
-        for step, t, value in series["points"]:
-            records.append({"rank": series["rank"], "peer": series["peer"], "name": series["name"],
-                            "step": step, "t": t, "value": value})  # fmt: skip
-    return records
-
-
-# ---------------------------------------------------------------------------------------------
-# The ideal: each worker's compute alone.
-
-
-def profile_argv(s: BenchSettings, batch: int) -> list[str]:
-    """The trainer's profiler measuring one worker's compute alone (forward, backward and
-    optimizer step of the task) on `batch` samples; it prints one JSON line with samples_per_s."""
-    return [sys.executable, "-m", "trainer.profile", "--task", s.task,
-            "--task-args", json.dumps(s.task_args), "--batch", str(batch), "--device", "cpu",
-            "--seconds", str(s.standalone_seconds)]  # fmt: skip
-
-
-def measure_ideal(
-    state: TestbedState, state_dir: Path, batch_by_node: dict[str, int], s: BenchSettings, log: Log
-) -> dict[str, float]:
-    """samples/s of each worker node computing alone (all at once: the quotas keep them apart)."""
-    records = {}
-    for node, batch in batch_by_node.items():
-        ep = state.endpoints[node]
-        records[node] = processes.spawn(
-            state, state_dir, name=f"standalone-{node}",
-            argv=profile_argv(s, batch), netns_name=ep["netns"], cgroup=Path(ep["cgroup"]),
-        )  # fmt: skip
-    deadline = time.monotonic() + s.standalone_seconds * 10 + 120
-    while any(processes.is_alive(r) for r in records.values()):
-        if time.monotonic() > deadline:
-            raise TestbedError("the standalone measurement did not finish")
-        time.sleep(0.5)
-    rates = {}
-    for node, record in records.items():
-        rate = samples_per_s(Path(record.log).read_text())
-        if rate is None:
-            raise TestbedError(f"standalone run on {node} failed; see {record.log}")
-        rates[node] = round(rate, 2)
-    log(f"  standalone: {rates} -> ideal {sum(rates.values()):.1f} samples/s")
-    return rates
-
-
-def measure_calibrated(s: Any, ideal_at: Callable[[Any], dict[str, float]], workers: int, log: Log, *,
-                       smallest: int, largest: int) -> tuple[Any, dict[str, float], dict[str, Any] | None]:
-    """The standalone rates at the batch of settings `s` (`ideal_at`); with `s.balanced_step_s`,
-    the batch re-chosen from them (paper_workloads.calibrate) and the rates measured again at it.
-    Returns the settings run with, their rates and the calibration record (None: not calibrated)."""
-    standalone = ideal_at(s)
-    if not s.balanced_step_s:
-        return s, standalone, None
-    # Hosts differ by 2x in compute while the links keep the paper's bandwidths: a fixed batch
-    # would make the run more or less communication-bound from one host to the next.
-    calibration, lines = calibrate(standalone, s.balanced_step_s, s.global_batch, workers,
-                                   smallest=smallest, largest=largest)
-    for line in lines:
-        log(line)
-    if calibration["global_batch"] != s.global_batch:
-        s = replace(s, global_batch=calibration["global_batch"])
-        standalone = ideal_at(s)
-    return s, standalone, calibration
-
-
-def samples_per_s(output: str) -> float | None:
-    """The samples_per_s of the last JSON line in a measurement's output, None without one.
-
-    The log holds stderr too, so a warning may follow the profiler's one JSON line.
-    """
-    for line in reversed(output.splitlines()):
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict) and isinstance(value.get("samples_per_s"), int | float):
-            return float(value["samples_per_s"])
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from agents.celery_app import LAUNCH_ROLE
 from app.client import HybridtrainClient
 from app.run_progress import run_progress
 from hybridtrain.progress import RunProgress
-from testbed.paperbench import _metrics_reader
+from testbed.api_runs import metrics_reader
 from tests.app.conftest import ADMIN_TOKEN
 
 T0 = 1_800_000_000.0
@@ -80,7 +80,7 @@ def test_the_benchmark_reads_the_same_progress_through_its_own_client(api, runni
     run_id, trainer, _ = running
     _report(trainer, run_id, 30, loss=0.8, samples_per_s=42.5, accuracy=0.75)
     stream = io.StringIO()
-    progress = RunProgress(_metrics_reader(make_client(ADMIN_TOKEN)), stream, tty=False,
+    progress = RunProgress(metrics_reader(make_client(ADMIN_TOKEN)), stream, tty=False,
                            label="  [1/1] allreduce, seed 0", clock=lambda: T0 + 30)
     progress.poll(api.get_run(run_id))
     assert stream.getvalue().startswith("  [1/1] allreduce, seed 0: step 30/100 (30%) 42.5 samples/s accuracy 0.750")

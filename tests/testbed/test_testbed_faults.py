@@ -11,11 +11,11 @@ from testbed.fault_figures import (
     after_profile,
     check_targets,
     logged_points,
-    markdown,
     steps_lost,
     summarise_fault,
     throughput,
 )
+from testbed.fault_report import markdown
 from testbed.faults import FAULTS
 
 S = FaultSettings(max_steps=10, fault_step=4, eval_every=100, window=3, global_batch=60)

@@ -22,15 +22,9 @@ from testbed.paper_workloads import (
     with_overrides,
     workloads_of,
 )
-from testbed.paperbench import (
-    measure_calibrated,
-    profile_argv,
-    run_body,
-    samples_per_s,
-    strategy_variant,
-    variant_body,
-    write_results,
-)
+from testbed.api_runs import run_body
+from testbed.ideal import measure_calibrated, profile_argv, samples_per_s
+from testbed.paperbench import strategy_variant, variant_body, write_results
 from testbed.report import SECTION, markdown_table, replace_section, section, strategy_label, workload
 
 
