@@ -28,7 +28,6 @@ from testbed.paper_workloads import BenchSettings
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
-
 def run_body(
     strategy: str, s: BenchSettings, node_ids: list[int], ps_node_id: int | None, tag: str
 ) -> dict[str, Any]:

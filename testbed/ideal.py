@@ -20,7 +20,6 @@ from testbed.state import TestbedState
 Log = Callable[[str], None]
 
 
-
 def profile_argv(s: BenchSettings, batch: int) -> list[str]:
     """The trainer's profiler measuring one worker's compute alone (forward, backward and
     optimizer step of the task) on `batch` samples; it prints one JSON line with samples_per_s."""
