@@ -78,13 +78,23 @@ def _gaps(indices: torch.Tensor) -> torch.Tensor:
     return indices - prev
 
 
+def _filler_count(gaps: torch.Tensor, widest: int, max_gap: int) -> int:
+    """How many filler entries a delta encoding of `gaps` needs (`widest`: their largest)."""
+    if widest <= max_gap:
+        # The usual case at the densities top-k sends: no gap needs a filler, and the scan for
+        # them (an integer division over every gap, slow on a CPU) is skipped.
+        return 0
+    return int(_fillers(gaps[gaps > max_gap], max_gap).sum())
+
+
 def _index_costs(p: Payload, vbytes: int) -> dict[int, int]:
     k = p.count
     if p.seed is not None:
         return {SEED: 8 + k * vbytes}
     gaps = _gaps(p.indices)
-    f8 = int(_fillers(gaps, 255).sum())
-    f16 = int(_fillers(gaps, 65535).sum())
+    widest = int(gaps.max()) if k else 0
+    f8 = _filler_count(gaps, widest, 255)
+    f16 = _filler_count(gaps, widest, 65535)
     return {
         INT32: k * (4 + vbytes),
         BITMAP: (p.numel + 7) // 8 + k * vbytes,
@@ -113,6 +123,8 @@ def payload_nbytes(p: Payload) -> int:
 
 def _delta(indices: torch.Tensor, values: torch.Tensor, max_gap: int) -> tuple[torch.Tensor, torch.Tensor]:
     gaps = _gaps(indices)
+    if not gaps.numel() or int(gaps.max()) <= max_gap:
+        return gaps, values  # no fillers
     fill = _fillers(gaps, max_gap)
     reps = fill + 1
     total = int(reps.sum())
@@ -180,8 +192,8 @@ def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
         # flatnonzero over bools is six times faster than over the bytes unpackbits returns.
         indices = torch.from_numpy(np.flatnonzero(np.unpackbits(arr, count=numel, bitorder="little").view(bool)))
     elif enc in (DELTA8, DELTA16):
-        arr, offset = _take(buf, offset, np.uint8 if enc == DELTA8 else np.uint16, count)
-        gaps = torch.from_numpy(arr.astype(np.int64))
+        gap_arr, offset = _take(buf, offset, np.uint8 if enc == DELTA8 else np.uint16, count)
+        gaps = torch.from_numpy(gap_arr.astype(np.int64))
         indices = gaps.cumsum(0) - 1
     elif enc == SEED:
         (seed,) = _SEED.unpack_from(buf, offset)
@@ -193,8 +205,9 @@ def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
     values = torch.from_numpy(arr)
     if enc in (DELTA8, DELTA16):
         # Drop the fillers (zero values at a full-width gap); a real zero there adds nothing.
-        real = (gaps != (255 if enc == DELTA8 else 65535)) | (values != 0)
-        if not bool(real.all()):
+        full = 255 if enc == DELTA8 else 65535
+        real = None if not count or int(gap_arr.max()) < full else (gaps != full) | (values != 0)
+        if real is not None and not bool(real.all()):
             indices, values = indices[real], values[real]
             count = values.numel()
     if vdtype == FP8:
