@@ -240,6 +240,19 @@ def test_wire_round_trips_every_index_encoding(payload, encoding):
     assert torch.equal(got.values, payload.values)
 
 
+def test_delta_coding_round_trips_the_few_gaps_wider_than_its_width():
+    # Short gaps throughout and a few that need fillers: exactly one width, one over it, two and
+    # many widths (a filler stands for 255 positions in delta8).
+    gaps = [1] * 500 + [255] + [3] * 100 + [256] + [2] * 50 + [510, 511, 2000] + [1] * 300
+    payload = _sparse(10**6, torch.tensor(gaps).cumsum(0) - 1)
+    assert _encoding(payload)[0] == DELTA8
+    frame = encode(Message(2, 9, 0, [], [payload]))
+    assert frame.numel() == payload_nbytes(payload) + _MSG.size
+    got = decode(frame).payloads[0]
+    assert torch.equal(got.indices, payload.indices)
+    assert torch.equal(got.values, payload.values)
+
+
 def test_wire_costs_at_most_six_bytes_per_sent_element():
     gen = torch.Generator().manual_seed(0)
     for density in (1e-4, 1e-3, 1e-2, 1 / 32, 0.2):
