@@ -89,13 +89,18 @@ def _where(mask: torch.Tensor) -> torch.Tensor:
 
 # On a CPU, numpy's comparison and selection are the faster kernels for what top-k does on one
 # core: `>=` into a mask 0.17 against torch's 0.70 ms (838k elements), the k-th value of a
-# 70k sample 0.08-0.2 against torch.kthvalue's 1.1-1.2 ms (a 2026 Xeon with AVX-512, torch
-# 2.14; bench/compression.py). Both give the same elements and the same value.
+# 70k sample 0.08-0.2 against torch.kthvalue's 1.1-1.2 ms (a Xeon with AVX-512, torch 2.14,
+# 2026-11-28; docs/trainer.md, "Top-k selection"). Both give the same elements and value.
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
+def _numpy_can(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS
 
 
 def _at_least(magnitude: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """Sorted positions (int64) of the elements of a flat tensor at or above `threshold`."""
-    if magnitude.device.type == "cpu":
+    if _numpy_can(magnitude):
         # A Python float compares in float32 against a float32 array (NEP 50), as torch does.
         return torch.from_numpy(np.flatnonzero(magnitude.detach().numpy() >= float(threshold)))
     return _where(magnitude >= threshold)
@@ -103,7 +108,7 @@ def _at_least(magnitude: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
 
 def _kth_smallest(values: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th smallest (1-based) element of a flat tensor, as a 0-d tensor of its dtype."""
-    if values.device.type == "cpu":
+    if _numpy_can(values):
         return torch.from_numpy(np.partition(values.detach().numpy(), k - 1)[k - 1 : k]).reshape(())
     return torch.kthvalue(values, k).values
 
