@@ -50,6 +50,7 @@ import httpx  # noqa: E402
 from hybridtrain.contract import PS_STRATEGIES, STRATEGIES  # noqa: E402
 from testbed.paper_workloads import FULL  # noqa: E402
 from testbed.api_runs import cancel_quietly, strategy_fields  # noqa: E402
+from testbed.services import check_response  # noqa: E402
 
 Log = Callable[[str], None]
 SECTION = "## Prediction accuracy (bench/predict.py)"
@@ -449,12 +450,7 @@ class Progress:
 # Talking to the testbed's control plane.
 
 
-def _check(resp: httpx.Response, what: str) -> Any:
-    from testbed.errors import TestbedError
-
-    if resp.status_code >= 400:
-        raise TestbedError(f"{what}: HTTP {resp.status_code}: {resp.text[:800]}")
-    return resp.json()
+_check = check_response  # the JSON of an answer; TestbedError naming `what` on an HTTP error
 
 
 def _items(data: Any) -> list[dict[str, Any]]:
