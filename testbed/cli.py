@@ -59,8 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--strategies", default=None,
                    help="comma-separated subset; STRATEGY+plain runs it over unencrypted links, "
                         "a PS STRATEGY+sites with per-site aggregation, a PS STRATEGY+overlap "
-                        "with its chunks sent during the backward pass, a compressing one "
-                        "STRATEGY+fp8 with its values sent as fp8")
+                        "with its chunks sent during the backward pass, a PS STRATEGY+inforward "
+                        "applying its update's later chunks during the next forward pass, "
+                        "a compressing one STRATEGY+fp8 with its values sent as fp8")
     over = p.add_argument_group("workload overrides (default: the settings in docs/testbed.md)")
     over.add_argument("--task", type=_task, help="module:function, e.g. hybridtrain.tasks.digits:widecnn")
     over.add_argument("--task-args", type=_task_args, help='the task\'s JSON args, e.g. \'{"lr": 0.05}\'')

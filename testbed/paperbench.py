@@ -57,8 +57,10 @@ SECTION = "## Paper benchmark (hybridtrain bench paper)"
 # TLS costs; runs encrypt by default); `+sites`, a PS strategy with each remote site's gradients
 # combined at its relay (`compression.aggregate_at_sites`, what per-site aggregation gains);
 # `+overlap`, a PS strategy whose chunks leave during the backward pass (`compression.overlap`);
-# `+fp8`, a compressing PS strategy whose values travel as fp8 (`compression.value_dtype`).
-VARIANTS = ("plain", "sites", "overlap", "fp8")
+# `+fp8`, a compressing PS strategy whose values travel as fp8 (`compression.value_dtype`);
+# `+inforward`, a PS strategy applying its update's later chunks during the next forward pass
+# (`compression.apply_in_forward`).
+VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward")
 
 
 def strategy_variant(entry: str) -> tuple[str, str]:
@@ -66,7 +68,7 @@ def strategy_variant(entry: str) -> tuple[str, str]:
     strategy, _, variant = entry.partition("+")
     if variant and variant not in VARIANTS:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
-    if variant in ("sites", "overlap") and strategy not in PS_STRATEGIES:
+    if variant in ("sites", "overlap", "inforward") and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
@@ -87,6 +89,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "fp8":
         return body | {"name": f"{body['name']}-fp8",
                        "compression": body.get("compression", {}) | {"value_dtype": "fp8"}}
+    if variant == "inforward":
+        return body | {"name": f"{body['name']}-inforward",
+                       "compression": body.get("compression", {}) | {"apply_in_forward": True}}
     return body
 
 
@@ -121,7 +126,8 @@ def run_bench(args: argparse.Namespace, log: Log = print,
         strategy, _ = strategy_variant(entry)
         if strategy not in STRATEGIES:
             raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
-                               "each optionally +plain, a PS one +sites or +overlap, a compressing one +fp8)")
+                               "each optionally +plain, a PS one +sites, +overlap or +inforward, a compressing "
+                               "one +fp8)")
     started = time.monotonic()
     command = "hybridtrain " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else (
         f"hybridtrain bench paper --config {','.join(paths)}{' --quick' if args.quick else ''} --out {args.out}")

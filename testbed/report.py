@@ -18,7 +18,8 @@ CHART_FILE = "paper-bench.html"
 
 
 # What a variant (testbed.paperbench.VARIANTS) adds to its strategy's label.
-_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "overlap": "overlap", "fp8": "fp8 values"}
+_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "overlap": "overlap", "fp8": "fp8 values",
+                   "inforward": "apply-in-forward"}
 
 
 def strategy_label(entry: str) -> str:

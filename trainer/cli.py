@@ -22,6 +22,7 @@ from hybridtrain.contract import (
     STRATEGIES,
     VALUE_DTYPES,
     check_task_ref,
+    compresses,
     default_allocation,
     is_ps,
     parse_target,
@@ -114,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="PS strategies: apply each step's update at the next step, after that step's "
                          "gradient has left, so the server's reply hides behind its compute (gradients "
                          "one step stale)")
+    gc.add_argument("--apply-in-forward", action="store_true",
+                    help="PS strategies with --pipeline-chunks N > 1: apply the update's later chunks "
+                         "during the next forward pass, each just before the first layer that needs it")
     gc.add_argument("--dense-numel", type=int, default=d.dense_numel,
                     help="tensors with fewer elements (and all 1-D ones) travel dense")
     gc.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
@@ -232,6 +236,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.delayed_updates and not ps:
         raise UsageError(f"--delayed-updates delays a parameter server's update; {args.strategy} has none "
                          "(its all-reduce is the update)")
+    if args.apply_in_forward:
+        clash = [flag for flag, on in (("--overlap", args.overlap), ("--delayed-updates", args.delayed_updates),
+                                       ("--aggregate-at-sites", args.aggregate_at_sites)) if on]
+        if not ps or not compresses(args.strategy, args.compressor):
+            raise UsageError(f"--apply-in-forward applies a compressing parameter server's update in chunks; "
+                             f"{args.strategy} has none")
+        if args.pipeline_chunks < 2:
+            raise UsageError("--apply-in-forward needs the update in chunks: give --pipeline-chunks N > 1")
+        if not args.momentum_correction:
+            raise UsageError("--apply-in-forward applies each chunk as plain SGD, which needs "
+                             "--momentum-correction (the momentum is then in the compressed gradient)")
+        if clash:
+            raise UsageError(f"--apply-in-forward does not go with {clash[0]}: "
+                             + ("its chunks follow the backward pass, not the forward pass" if clash[0] == "--overlap"
+                                else "its updates arrive a step late" if clash[0] == "--delayed-updates"
+                                else "a relay combines its site's chunks"))
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
     target = _target(args)
@@ -269,7 +289,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         server_k_fraction=args.server_k_fraction, error_feedback=args.error_feedback,
         warmup_steps=args.warmup_steps, momentum_correction=args.momentum_correction,
         pipeline_chunks=args.pipeline_chunks, overlap=args.overlap, site_aggregation=args.aggregate_at_sites,
-        delayed_updates=args.delayed_updates,
+        delayed_updates=args.delayed_updates, apply_in_forward=args.apply_in_forward,
         dense_numel=args.dense_numel, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, checkpoint_every_s=args.checkpoint_every_s,
         checkpoint_dir=args.checkpoint_dir, checkpoint_url=args.checkpoint_url, resume=args.resume,

@@ -94,6 +94,12 @@ class TrainConfig:
     # (computed without it) has left, so the server's work and the reply's way back hide behind
     # the next step's compute; gradients are one step stale (trainer.ps.PSClient.drain).
     delayed_updates: bool = False
+    # PS strategies: a worker's step() applies the update's first chunk (the dense part and the
+    # next step's batch split ride with it) and returns; each later chunk is applied by a
+    # forward pre-hook just before the first module holding its parameters runs, so the rest
+    # of the reply's way back hides behind the next forward pass with nothing stale
+    # (trainer.ps.PSClient).
+    apply_in_forward: bool = False
     dense_numel: int = 1024
     eval_every: int = 50
     checkpoint_every: int = 0
@@ -145,6 +151,15 @@ class TrainConfig:
     def compresses(self) -> bool:
         """Whether gradients are sparsified (`ps-gc`, `ps-bz-gc` unless --compressor none)."""
         return compresses(self.strategy, self.compressor)
+
+    @property
+    def applies_in_forward(self) -> bool:
+        """Whether the update's chunks after the first are applied during the next forward pass:
+        asked for, compressed, several chunks, and none of the modes whose chunks follow the
+        backward pass or whose updates come late or through a site's relay."""
+        return (self.apply_in_forward and self.is_ps and self.compresses and self.momentum_correction
+                and self.pipeline_chunks > 1
+                and not (self.overlap or self.delayed_updates or self.site_aggregation))
 
     @property
     def world_size(self) -> int:

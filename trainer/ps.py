@@ -26,8 +26,10 @@ With `--overlap` a chunk leaves as soon as the backward pass has produced its gr
 mirror of the update's relay: `trainer.site_combine`). With `--delayed-updates` step t's update is applied at step
 t+1's push_pull, after step t+1's gradient has left, so the server's work and the reply's way
 back overlap the next forward and backward passes (one step of staleness); whatever needs the
-current model drains it first (`PSClient.drain`). docs/trainer.md, steps 7-10, says why and
-what each costs.
+current model drains it first (`PSClient.drain`). With `--apply-in-forward` step() applies the update's first chunk and returns; each later
+chunk is applied by a forward pre-hook just before the first layer holding it runs, so the rest
+of the reply's way back overlaps the next forward pass with nothing stale. docs/trainer.md,
+steps 7-11, says why and what each costs.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -154,7 +157,7 @@ class PSClient(Session):
         self.cfg, self.rank, self.index = cfg, rank, rank - 1
         self.transport, self.model, self.optimizer, self.metrics = transport, model, optimizer, metrics
         self.device = device
-        self.layout = Layout.of(model, cfg.dense_numel)
+        self.layout = Layout.of(model, cfg.dense_numel, forward=cfg.applies_in_forward)
         self.batch_sizes = initial_batch_sizes(cfg)
         self.densities = [cfg.density] * cfg.workers
         self.max_steps = cfg.max_steps
@@ -209,6 +212,17 @@ class PSClient(Session):
         self._pending: int | None = None
         self._pending_hyper: list[dict] | None = None
         self._applying_hyper: list[dict] | None = None
+        # Apply-in-forward: step() applies the update's first chunk and leaves the rest pending
+        # (`_pending`, from `_pending_chunk` on) for forward pre-hooks, each applying the chunks
+        # up to the last one its module's parameters lie in; `_blocked_s` is how long they
+        # waited for chunks still on the way (communication, not compute, for re-balancing).
+        self._pending_chunk = 0
+        self._blocked_s = 0.0
+        self._in_forward = self._applies_in_forward()
+        if self._in_forward:
+            self._pieces = self._chunk_pieces()
+            self._scratch = torch.empty(max(b - a for a, b in self.bounds), device=device)
+            self._hook_modules()
 
     @property
     def site(self) -> tuple[int, ...]:
@@ -325,6 +339,109 @@ class PSClient(Session):
         while sending.next_chunk < last and self._chunk_params[sending.next_chunk] <= sending.ready:
             self._send_chunk(sending, sending.next_chunk, math.nan, 0.0)
 
+    # -- apply-in-forward -----------------------------------------------------------------------------
+    def _applies_in_forward(self) -> bool:
+        """The run asks for it and this worker can: its compressed tensors take plain SGD (their
+        momentum is in the velocity) and are contiguous, so each chunk's share of one is applied
+        on its own."""
+        if not self.cfg.applies_in_forward:
+            return False
+        if self.velocity is None:
+            log.warning("apply-in-forward needs an SGD optimizer with momentum under momentum correction; "
+                        "this worker applies each update whole at step()")
+            return False
+        if not all(p.is_contiguous() for p in self._compressed_params()):
+            log.warning("apply-in-forward needs contiguous parameters (not channels_last); this worker applies "
+                        "each update whole at step()")
+            return False
+        return True
+
+    def _chunk_pieces(self) -> list[list[tuple[nn.Parameter, int, int, int, int, int]]]:
+        """For each chunk, the compressed parameters it holds a part of: (the parameter, the
+        part's first and end element in it, the same in the chunk, its optimizer group)."""
+        group_of = {p: g for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
+        nd = self.layout.dense_numel
+        out: list[list[tuple[nn.Parameter, int, int, int, int, int]]] = [[] for _ in self.bounds]
+        for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
+            p = self._params[name]
+            if off < nd or p not in group_of:  # outside the optimizer, a parameter never moves
+                continue
+            lo, hi = off - nd, off - nd + n
+            for c, (a, b) in enumerate(self.bounds):
+                first, end = max(lo, a), min(hi, b)
+                if first < end:
+                    out[c].append((p, first - lo, end - lo, first - a, end - a, group_of[p]))
+        return out
+
+    def _hook_modules(self) -> None:
+        """A forward pre-hook on every module holding compressed parameters directly applies the
+        pending chunks up to the last one they lie in; the model's own forward hook applies the
+        rest when it ends (parameters the pass did not read, before the loss or anything after)."""
+        last: dict[nn.Parameter, int] = {}
+        for c, pieces in enumerate(self._pieces):
+            for piece in pieces:
+                last[piece[0]] = c
+        for module in self.model.modules():
+            need = [last[p] for p in module.parameters(recurse=False) if p in last]
+            if need:
+                module.register_forward_pre_hook(partial(self._before_forward, max(need)))
+        self.model.register_forward_hook(self._after_forward, always_call=True)
+
+    def _before_forward(self, need: int, module: nn.Module, args: tuple) -> None:
+        if self._pending is not None and self._pending_chunk <= need and not self.ended_by_server:
+            self._blocked_s += self._pull_through(need)
+
+    def _after_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._pending is not None and not self.ended_by_server:
+            self._blocked_s += self._pull_through(len(self.bounds) - 1)
+
+    def _pull_through(self, upto: int) -> float:
+        """Apply the pending update's chunks through `upto` as they arrive, with the optimizer's
+        hyperparameters of the update's own step (a schedule may have stepped since); returns
+        the seconds it took."""
+        t0 = time.perf_counter()
+        self._applying_hyper = self._pending_hyper
+        try:
+            self._read_updates(self._pending, start=self._pending_chunk, stop=upto + 1)
+        finally:
+            self._applying_hyper = None
+        return time.perf_counter() - t0
+
+    def _apply_in_place(self, update: Update) -> None:
+        """One chunk of the pending update straight into the parameters it holds, as plain SGD
+        (momentum correction's rule for the compressed tensors, the same arithmetic as `apply`);
+        the first chunk also brings the dense tensors' optimizer step and the next batch split,
+        the last the next densities."""
+        c = update.chunk
+        a, b = self.bounds[c]
+        lrs = [g["lr"] for g in (self._applying_hyper or self._hyperparameter_values())]
+        grad = self._scratch[: b - a]
+        apply_payload(grad, update.sparse)
+        with torch.no_grad():
+            for p, first, end, s, e, g in self._pieces[c]:
+                p.view(-1)[first:end].add_(grad[s:e], alpha=-lrs[g])
+        if c == self.dense_chunk:
+            nd = self.layout.dense_numel
+            # After zero_grad() the buffer holds the next gradient (zeros before backward).
+            held = self.flat_grad[:nd].clone() if self._sending is not None else None
+            self.flat_grad[:nd].copy_(update.dense.values.to(self.device, torch.float32))
+            compressed = self._compressed_params()
+            for p in compressed:
+                p.grad = None  # SGD skips a parameter without a gradient
+            try:
+                with self._hyperparameters(self._applying_hyper):
+                    self.optimizer.step()
+            finally:
+                self._bind_grads()
+                if held is not None:
+                    self.flat_grad[:nd].copy_(held)
+        if update.batch_sizes:
+            self.batch_sizes = list(update.batch_sizes)
+        self._pending_chunk = c + 1
+        if self._pending_chunk == len(self.bounds):
+            self.densities = list(update.densities)
+            self.step, self._pending, self._pending_hyper = update.step, None, None
+
     # -- start and end: trainer.session ------------------------------------------------------------
     def _flat_params(self) -> torch.Tensor:
         return torch.cat([self._params[n].detach().reshape(-1).float() for n in self.layout.names])
@@ -405,7 +522,11 @@ class PSClient(Session):
 
     def apply(self, update: Update) -> None:
         """Step 4 for one chunk: the server's update into `flat_grad`; after the last chunk, one
-        optimizer step and the next step's plan."""
+        optimizer step and the next step's plan. (A pending update under apply-in-forward goes
+        straight into the parameters, chunk by chunk: `_apply_in_place`.)"""
+        if self._in_forward and self._pending is not None:
+            self._apply_in_place(update)
+            return
         nd = self.layout.dense_numel
         if update.chunk == self.dense_chunk:
             self.flat_grad[:nd].copy_(update.dense.values.to(self.device, torch.float32))
@@ -495,7 +616,10 @@ class PSClient(Session):
         # Chunks sent from the backward pass spent that time compressing and posting, not
         # computing: re-balancing reads compute_s as per-sample work.
         step_s = compute_s
-        compute_s = max(0.0, compute_s - sending.topk_s - sending.encode_s - sending.tx_s)
+        # Apply-in-forward: the forward pass's waits for the last update's chunks are
+        # communication exposed in this step, not per-sample work.
+        blocked, self._blocked_s = self._blocked_s, 0.0
+        compute_s = max(0.0, compute_s - blocked - sending.topk_s - sending.encode_s - sending.tx_s)
         while sending.next_chunk < len(self.bounds):
             self._send_chunk(sending, sending.next_chunk, loss, compute_s)
         ts = time.perf_counter()
@@ -511,6 +635,11 @@ class PSClient(Session):
             return
         if self.cfg.delayed_updates and step < self.max_steps:
             self._pending, self._pending_hyper = step, self._hyperparameter_values()
+        elif self._in_forward and step < self.max_steps:
+            # The first chunk brings the dense part and the next step's batch split; the rest
+            # is applied during the next forward pass (the run's last step takes all at once).
+            self._pending, self._pending_hyper, self._pending_chunk = step, self._hyperparameter_values(), 0
+            self._pull_through(0)
         else:
             self._read_updates(step)
         if self.ended_by_server:
@@ -537,13 +666,17 @@ class PSClient(Session):
         # compute_s / comm_s). The send alone, at the link's rate (trainer.linkclock), is what
         # the density rule reads.
         mlog(step, "comm_s", max(0.0, total - compute_s - topk_s - encode_s))
-        mlog(step, "wait_s", max(0.0, last_arrival - sent))
+        mlog(step, "wait_s", max(0.0, last_arrival - sent) + blocked)
         mlog(step, "density", density)
 
     def drain(self) -> None:
-        """Apply the update still pending under --delayed-updates (a no-op otherwise), so that
-        the model is the run's current one: before an evaluation, a checkpoint, leaving, the end."""
+        """Apply the update still pending (under --delayed-updates; under apply-in-forward, the
+        chunks not applied yet; a no-op otherwise), so that the model is the run's current one:
+        before an evaluation, a checkpoint, leaving, the end."""
         if self._pending is None or self.ended_by_server:
+            return
+        if self._in_forward:
+            self._pull_through(len(self.bounds) - 1)
             return
         step, hyper = self._pending, self._pending_hyper
         self._pending = self._pending_hyper = None

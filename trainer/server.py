@@ -11,7 +11,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridtrain.contract import EVAL_S, parse_target
 from trainer.algorithm import adapt_densities, aggregate_sparsified, chunks
@@ -77,6 +77,9 @@ class ParameterServer(Boundary):
         self.compute_window: list[list[float]] = []
         self.overhead_window: list[list[float]] = []
         self._window_ranks: list[int] = []
+        # Apply-in-forward: each worker's compression time of its last whole step, the fixed cost
+        # the next split counts when it is planned at the first chunk.
+        self._compress_s: dict[int, float] = {}
         self.max_steps = cfg.max_steps
         self.elapsed_s = 0.0
         self.reached_at: float | None = None
@@ -282,27 +285,42 @@ class ParameterServer(Boundary):
         dense_step = step <= self.cfg.warmup_steps or not self.cfg.compresses
         dense, payload = aggregate_sparsified(grads, self.layout.dense_numel if chunk == dense_chunk(self.cfg) else 0,
                                               b - a, codec=self.codec, state=state, dense_step=dense_step)
-        if chunk < len(self.bounds) - 1:
+        last = len(self.bounds) - 1
+        ahead = self.cfg.applies_in_forward
+        if chunk == 0 and ahead and last:
+            # Apply-in-forward: the workers take the next batch split from the first chunk, before
+            # the rest arrives, so it is planned here: from this step's compute times (every
+            # chunk's frame carries them) and each worker's compression of its last whole step.
+            rows = [replace(r, topk_s=self._compress_s.get(r.rank, r.topk_s * len(self.bounds)))
+                    for r in worker_rows(grads)]
+            self._plan(step, rows, {}, densities=False)
+            return Update(step, chunk, Payload(dense.numel(), dense), payload,
+                          densities=tuple(self.densities), batch_sizes=tuple(self.batch_sizes))
+        if chunk < last:
             return Update(step, chunk, Payload(dense.numel(), dense), payload)
         # The last chunk's frames carry the step's full timings (compression summed); a site's
         # combined frame carries each of its workers' own.
         rows = worker_rows(grads)
-        self._plan(step, rows, arrival or {})
+        if ahead:
+            self._compress_s.update({r.rank: r.topk_s for r in rows})
+        self._plan(step, rows, arrival or {}, batches=not ahead)
         alphas = aggregation_weights([r.samples for r in rows])
         losses = [r.loss for r in rows]
         loss = sum(w * x for w, x in zip(alphas, losses)) if all(map(math.isfinite, losses)) else math.nan
         return Update(step, chunk, Payload(dense.numel(), dense), payload, loss,
                       tuple(self.densities), tuple(self.batch_sizes))
 
-    def _plan(self, step: int, rows: list[_Row], arrival: dict[int, float]) -> None:
+    def _plan(self, step: int, rows: list[_Row], arrival: dict[int, float], *, densities: bool = True,
+              batches: bool = True) -> None:
         """Densities from last transmission times (step 5); batch sizes from compute and
         compression times. Only the workers still in the run are planned for."""
         rows = [r for r in rows if r.rank in self.roster]
         if not rows:
             return
         ranks = [r.rank for r in rows]
-        self.roster.note_rates([(r.rank, r.samples, r.compute_s) for r in rows])
-        if self.cfg.compresses and step > self.cfg.warmup_steps + 1:
+        if batches:
+            self.roster.note_rates([(r.rank, r.samples, r.compute_s) for r in rows])
+        if densities and self.cfg.compresses and step > self.cfg.warmup_steps + 1:
             # A link's time is the longer of the worker's own send time (previous step, its bytes
             # at the rate TCP measured: trainer.linkclock) and the frame's arrival time seen here
             # (this step): each clock can read short where the other does not.
@@ -316,7 +334,7 @@ class ParameterServer(Boundary):
                 self.roster.densities[k - 1] = d
         # `measured` refines whatever split the run started from; compression time counts as a
         # fixed per-step cost (trainer.allocation.rebalance).
-        if self.cfg.allocation == "measured" and len(self.roster) > 1:
+        if batches and self.cfg.allocation == "measured" and len(self.roster) > 1:
             if ranks != self._window_ranks or ranks != self.roster.ranks():
                 # Membership changed: a window over other workers says nothing about these.
                 self.compute_window, self.overhead_window, self._window_ranks = [], [], ranks

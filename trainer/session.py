@@ -110,15 +110,16 @@ class Session:
                 return frame
             return expect(raw, cls, step, peer=SERVER)
 
-    def _read_updates(self, step: int) -> None:
-        """Apply every chunk of `step`'s update, from the server or this worker's relay.
+    def _read_updates(self, step: int, *, start: int = 0, stop: int | None = None) -> None:
+        """Apply every chunk of `step`'s update (from chunk `start`, before chunk `stop`), from the
+        server or this worker's relay.
 
         If the relay is lost, the server sends to this worker itself, starting again with the
         latest step it sent: chunks already applied are skipped. A FETCH from the server (this
         worker's state for a joiner or a checkpoint) is answered on the way.
         """
-        c = 0
-        while c < len(self.bounds):
+        c, stop = start, len(self.bounds) if stop is None else stop
+        while c < stop:
             source = self._update_source
             try:
                 raw, _ = self.inbox.get(source)
@@ -145,7 +146,8 @@ class Session:
                 raise ProtocolError(f"rank {self.rank}: expected chunk {c} of step {step}, got {update.chunk}")
             self.apply(update)
             c += 1
-        self.unacked = [(s, f) for s, f in self.unacked if s > step]
+        if c == len(self.bounds):
+            self.unacked = [(s, f) for s, f in self.unacked if s > step]
 
     def _relay_lost(self, relay: int, exc: BaseException) -> None:
         """Hear the server directly from now on; under per-site aggregation, also send to it

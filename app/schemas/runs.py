@@ -75,6 +75,14 @@ class CompressionOptions(Schema):
         "gradient has left, so the server's reply hides behind its compute (gradients one step "
         "stale); default off",
     )
+    apply_in_forward: Flag | None = Field(
+        default=None,
+        description="PS strategies with pipeline_chunks > 1: step() applies the update's first chunk "
+        "and returns; each later chunk is applied during the next forward pass, just before the "
+        "first layer that holds it, so the reply's way back hides behind compute with nothing "
+        "stale (a parameter must be read in the forward pass of a module holding it, not between "
+        "step() and the next forward); default off",
+    )
 
     @model_validator(mode="after")
     def _ordered_densities(self) -> CompressionOptions:
@@ -222,11 +230,17 @@ class RunCreate(Schema):
         chunks = self.compression.pipeline_chunks if self.compression else None
         if chunks not in (None, 1) and not contract.is_ps(self.strategy):
             raise ValueError(f"compression.pipeline_chunks: only PS strategies pipeline, not {self.strategy}")
-        for flag in ("overlap", "aggregate_at_sites", "delayed_updates"):
+        for flag in ("overlap", "aggregate_at_sites", "delayed_updates", "apply_in_forward"):
             if self.compression and getattr(self.compression, flag) and not contract.is_ps(self.strategy):
                 raise ValueError(f"compression.{flag}: only PS strategies have it, not {self.strategy}")
         if self.compression and self.compression.overlap and self.compression.aggregate_at_sites:
             raise ValueError("compression.overlap and compression.aggregate_at_sites do not go together yet")
+        if self.compression and self.compression.apply_in_forward:
+            clash = [f for f in ("overlap", "delayed_updates", "aggregate_at_sites") if getattr(self.compression, f)]
+            if clash:
+                raise ValueError(f"compression.apply_in_forward and compression.{clash[0]} do not go together")
+            if (self.compression.pipeline_chunks or 1) < 2:
+                raise ValueError("compression.apply_in_forward needs the update in chunks: pipeline_chunks > 1")
         return self
 
     @property

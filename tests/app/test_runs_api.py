@@ -453,7 +453,24 @@ def test_overlap_is_sent_to_the_trainers(online_node, client, dispatched):
     assert all(o.get("overlap") is True for o in _options_by_rank(dispatched, [a, b]).values())
 
 
-@pytest.mark.parametrize("flag", ["overlap", "aggregate_at_sites"])
+def test_apply_in_forward_is_sent_to_the_trainers(online_node, client, dispatched):
+    a, b = online_node(), online_node()
+
+    _create(client, run_body([a, b], compression={"apply_in_forward": True, "pipeline_chunks": 4}))
+
+    assert all(o.get("apply-in-forward") is True for o in _options_by_rank(dispatched, [a, b]).values())
+
+
+@pytest.mark.parametrize("compression, says", [
+    ({"apply_in_forward": True, "pipeline_chunks": 4, "overlap": True}, "compression.overlap do not go together"),
+    ({"apply_in_forward": True}, "pipeline_chunks > 1"),
+])
+def test_apply_in_forward_where_it_cannot_work_is_refused(online_node, client, compression, says):
+    response = client.post(f"{API}/runs", json=run_body([online_node()], compression=compression))
+    assert response.status_code == 422 and says in response.text
+
+
+@pytest.mark.parametrize("flag", ["overlap", "aggregate_at_sites", "apply_in_forward"])
 def test_overlap_and_site_aggregation_are_for_parameter_server_runs_only(online_node, client, flag):
     response = client.post(f"{API}/runs", json=run_body([online_node()], strategy="allreduce",
                                                         compression={flag: True}))

@@ -339,6 +339,13 @@ def test_a_variant_is_named_after_its_strategy_in_the_tables() -> None:
     assert strategy_label("allreduce+plain") == "All-Reduce + unencrypted"
 
 
+def test_a_ps_strategy_with_plus_inforward_applies_its_update_during_the_next_forward_pass() -> None:
+    assert strategy_variant("ps-bz-gc+inforward") == ("ps-bz-gc", "inforward")
+    body = variant_body({"name": "bench-ps-bz-gc", "compression": {"density": 0.05}}, "inforward")
+    assert body == {"name": "bench-ps-bz-gc-inforward", "compression": {"density": 0.05, "apply_in_forward": True}}
+    assert strategy_label("ps-bz-gc+inforward") == "PS-bz-gc + apply-in-forward"
+
+
 def test_an_unknown_variant_and_sites_or_overlap_for_all_reduce_are_refused() -> None:
     from testbed.errors import TestbedError
 

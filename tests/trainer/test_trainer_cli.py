@@ -148,6 +148,18 @@ def test_an_overlapped_pipelined_run_keeps_the_replicas_identical_and_learns(tmp
     assert sent == recv
 
 
+def test_a_run_applying_its_updates_in_the_forward_pass_keeps_the_replicas_identical_and_learns(tmp_path):
+    # Relayed (the cloud site's second worker hears its relay), evaluated every 10 steps.
+    proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30", "--eval-every", "10",
+                   "--pipeline-chunks", "3", "--apply-in-forward", "--dense-numel", "256",
+                   "--sites", "onprem,onprem,cloud,cloud", *with_replica_script(tmp_path),
+                   "--metrics-out", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    hashes = replica_hashes(proc.stdout)
+    assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
+    assert series(read_metrics(tmp_path / "m.jsonl"), "accuracy")[30] > 0.5
+
+
 def test_a_site_aggregated_run_sends_each_cloud_step_across_once_and_learns(tmp_path):
     proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30",
                    "--eval-every", "30", "--sites", "onprem,onprem,cloud,cloud", "--aggregate-at-sites",

@@ -117,7 +117,8 @@ def run_in_process(
     models = [model(r) for r in range(1, cfg.workers + 1)]
     optimizers = [optimizer(m) for m in models]
     clients: list[PSClient | None] = [None] * cfg.workers
-    run = Run(models, optimizers, [], server, hub)
+    # A callback reads `run.clients[rank - 1]` during the run; at the end the lost ones drop out.
+    run = Run(models, optimizers, clients, server, hub)  # type: ignore[arg-type]
     errors: list[BaseException] = []
 
     def work(rank: int) -> None:
