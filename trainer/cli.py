@@ -237,8 +237,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--delayed-updates delays a parameter server's update; {args.strategy} has none "
                          "(its all-reduce is the update)")
     if args.apply_in_forward:
-        clash = [flag for flag, on in (("--overlap", args.overlap), ("--delayed-updates", args.delayed_updates),
-                                       ("--aggregate-at-sites", args.aggregate_at_sites)) if on]
+        clashes = {"--overlap": (args.overlap, "its chunks follow the backward pass, not the forward pass"),
+                   "--delayed-updates": (args.delayed_updates, "its updates arrive a step late"),
+                   "--aggregate-at-sites": (args.aggregate_at_sites, "a relay combines its site's chunks")}
+        clash = [(flag, why) for flag, (on, why) in clashes.items() if on]
         if not ps or not compresses(args.strategy, args.compressor):
             raise UsageError(f"--apply-in-forward applies a compressing parameter server's update in chunks; "
                              f"{args.strategy} has none")
@@ -248,10 +250,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise UsageError("--apply-in-forward applies each chunk as plain SGD, which needs "
                              "--momentum-correction (the momentum is then in the compressed gradient)")
         if clash:
-            raise UsageError(f"--apply-in-forward does not go with {clash[0]}: "
-                             + ("its chunks follow the backward pass, not the forward pass" if clash[0] == "--overlap"
-                                else "its updates arrive a step late" if clash[0] == "--delayed-updates"
-                                else "a relay combines its site's chunks"))
+            raise UsageError(f"--apply-in-forward does not go with {clash[0][0]}: {clash[0][1]}")
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
     target = _target(args)

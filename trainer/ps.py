@@ -26,10 +26,10 @@ With `--overlap` a chunk leaves as soon as the backward pass has produced its gr
 mirror of the update's relay: `trainer.site_combine`). With `--delayed-updates` step t's update is applied at step
 t+1's push_pull, after step t+1's gradient has left, so the server's work and the reply's way
 back overlap the next forward and backward passes (one step of staleness); whatever needs the
-current model drains it first (`PSClient.drain`). With `--apply-in-forward` step() applies the update's first chunk and returns; each later
-chunk is applied by a forward pre-hook just before the first layer holding it runs, so the rest
-of the reply's way back overlaps the next forward pass with nothing stale. docs/trainer.md,
-steps 7-11, says why and what each costs.
+current model drains it first (`PSClient.drain`). With `--apply-in-forward` step() applies the
+update's first chunk and returns; each later chunk is applied by a forward pre-hook just before
+the first layer holding it runs, so the rest of the reply's way back overlaps the next forward
+pass with nothing stale. docs/trainer.md, steps 7-11, says why and what each costs.
 """
 
 from __future__ import annotations
