@@ -212,20 +212,21 @@ def after_window(injection: Injection, events: list[dict[str, Any]], settings: F
     """The steps (lo, hi] that "after" is measured over, and the nodes training in them.
 
     The last `window` steps, with the survivors; but a node that lost its worker and kept its
-    agent joins again (the control plane launches a new process): if it is back before the
-    window, it is one of the members; if it comes back inside the window, the window ends
-    where it joins, so that "after" measures the survivors alone, as the target means it.
+    agent joins again (the control plane launches a new process). "After" measures the
+    survivors alone, as the target means it: the window ends where the node joins, and takes
+    the `window` steps before that. Only a node back too soon for that (fewer steady steps
+    between the loss and its return) leaves the last `window` steps, with it as a member.
     """
     lo, members = last_step - settings.window, list(injection.members_after)
     rejoin = next((e.get("step") for e in events if e["kind"] == EVENT_WORKER_JOINED
                    and e.get("step") is not None), None) if injection.victim not in members else None
     if rejoin is None or injection.victim is None:
         return lo, last_step, members
+    first = settings.fault_step + 1  # the step that noticed the loss is not a steady one
     # Admitted after step `rejoin`: it computes from two steps on, and the step after its
     # admission carries the state transfer.
-    if rejoin + 1 <= lo:
+    if rejoin - settings.window < first and rejoin + 1 <= lo:
         return lo, last_step, [*members, injection.victim]
-    first = settings.fault_step + 1  # the step that noticed the loss is not a steady one
     return max(first, rejoin - settings.window), rejoin, members
 
 

@@ -46,7 +46,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{_calibrated(doc.get('calibration'))}; checkpoints every "
         f"{doc['settings']['checkpoint_every']} steps. \"after\" is measured over the last "
         f"{doc['settings']['window']} steps with the nodes then training, or, where a lost node "
-        "joins again inside them, over the survivors' steps before it does. The survivors' ideal "
+        "joins again, over the survivors' steps before it does (the last steps, with it, only "
+        "where it came back too soon for that). The survivors' ideal "
         "is the sum of their standalone speeds measured right after the run (the host's speed "
         "drifts by several percent within minutes). Reference run (no fault): "
         f"{_fmt(ref['samples_per_s'])} samples/s{_of_ideal(ref)}, final accuracy {_fmt(ref['final_accuracy'])}.",

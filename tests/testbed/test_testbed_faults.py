@@ -88,11 +88,18 @@ def test_after_throughput_is_measured_against_the_survivors_ideal():
     assert (row["survivors_ideal"], row["after_of_ideal"]) == (30.0, 1.0)
 
 
-def test_a_lost_node_back_before_the_after_window_counts_in_the_ideal():
+def test_a_lost_node_back_too_soon_for_a_window_of_survivors_counts_in_the_ideal_of_the_last_steps():
     steps = [(k, float(k) * 2.0) for k in range(1, 41)]
-    events = [{"t": 101.0, "kind": "worker_lost"}, {"t": 110.0, "kind": "worker_joined", "step": 25}]
+    events = [{"t": 101.0, "kind": "worker_lost"}, {"t": 110.0, "kind": "worker_joined", "step": 20}]
     row = _row(KILL_WORKER, events, steps, settings=FaultSettings())
     assert (row["after_steps"], row["after_members"], row["survivors_ideal"]) == ([33, 40], ["a", "b"], 60.0)
+
+
+def test_a_lost_node_back_before_the_last_steps_leaves_the_window_of_survivors_before_its_return():
+    steps = [(k, float(k) * 2.0) for k in range(1, 41)]
+    events = [{"t": 101.0, "kind": "worker_lost"}, {"t": 110.0, "kind": "worker_joined", "step": 30}]
+    row = _row(KILL_WORKER, events, steps, settings=FaultSettings())
+    assert (row["after_steps"], row["after_members"], row["survivors_ideal"]) == ([23, 30], ["a"], 30.0)
 
 
 def test_a_lost_node_back_inside_the_after_window_ends_it_where_it_joins():
