@@ -447,10 +447,7 @@ class Progress:
 
 
 # ---------------------------------------------------------------------------------------------
-# Talking to the testbed's control plane.
-
-
-_check = check_response  # the JSON of an answer; TestbedError naming `what` on an HTTP error
+# Talking to the testbed's control plane (answers through testbed.services.check_response).
 
 
 def _items(data: Any) -> list[dict[str, Any]]:
@@ -481,7 +478,7 @@ def probe_links_api(api: httpx.Client, node_ids: list[int], seconds: float, log:
         if resp.status_code in (404, 405):
             log("  links: POST /api/v1/links/probe not served: falling back to the testbed's probe")
             return None
-        _check(resp, "probe links")
+        check_response(resp, "probe links")
         deadline = time.monotonic() + pair_timeout_s
         while time.monotonic() < deadline:
             for nid in (a, b):
@@ -546,13 +543,13 @@ def profile_api(api: httpx.Client, s: TaskSettings, node_ids: list[int], batch: 
                 timeout_s: float = 300.0) -> dict[int, dict[str, Any]]:
     """Profile the task on every node through POST /api/v1/tasks/profiles; node id -> the
     profile (with "result", the trainer's whole JSON, where the control plane stores it)."""
-    created = _check(api.post("/api/v1/tasks/profiles", json={
+    created = check_response(api.post("/api/v1/tasks/profiles", json={
         "task": s.task, "task_args": s.task_args, "node_ids": node_ids, "batch_size": batch, "device": "cpu"}),
         "create profiles")  # fmt: skip
     ids = [p["id"] for p in _items(created)]
     deadline = time.monotonic() + timeout_s
     while True:
-        profiles = [_check(api.get(f"/api/v1/tasks/profiles/{i}"), f"profile {i}") for i in ids]
+        profiles = [check_response(api.get(f"/api/v1/tasks/profiles/{i}"), f"profile {i}") for i in ids]
         states = [p["status"] for p in profiles]
         if all(st in ("done", "failed") for st in states):
             break
@@ -687,14 +684,14 @@ def run_and_wait(api: httpx.Client, body: dict[str, Any], timeout_s: float, prog
                  where: str) -> dict[str, Any]:
     """Create the run, show its step of steps until it ends (cancelled past `timeout_s`)."""
     progress.runs_begin()
-    created = _check(api.post("/api/v1/runs", json=body, headers={"Idempotency-Key": body["name"]}),
+    created = check_response(api.post("/api/v1/runs", json=body, headers={"Idempotency-Key": body["name"]}),
                      f"create run {body['name']}")
     run_id = created["id"]
     deadline = time.monotonic() + timeout_s
     last = 0.0
     try:
         while True:
-            run = _check(api.get(f"/api/v1/runs/{run_id}"), f"read run {run_id}")
+            run = check_response(api.get(f"/api/v1/runs/{run_id}"), f"read run {run_id}")
             if run["status"] in ("succeeded", "failed", "cancelled"):
                 return run
             if time.monotonic() > deadline:
@@ -791,7 +788,7 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
         tag = uuid.uuid4().hex[:6]
         for strategy in strategies:
             body = run_body(strategy, s, workers, server, f"predict-{key}-{s.key}-{strategy}-{tag}")
-            plan = _check(api.post("/api/v1/runs/plan", json=plan_body(body)), f"plan {strategy}")
+            plan = check_response(api.post("/api/v1/runs/plan", json=plan_body(body)), f"plan {strategy}")
             pred = extract_predictions(plan).get(strategy)
             source = "api"
             if local_profiles is None:

@@ -93,6 +93,22 @@ def chunks(sparse_numel: int, count: int) -> tuple[tuple[int, int], ...]:
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
+def chunk_pieces(layout: Layout, bounds: Sequence[tuple[int, int]]) -> list[list[tuple[str, int, int, int, int]]]:
+    """For each chunk of the compressed part, the tensors it holds a part of: (the tensor's
+    name, the part's first and end element in the tensor, the same in the chunk)."""
+    nd = layout.dense_numel
+    out: list[list[tuple[str, int, int, int, int]]] = [[] for _ in bounds]
+    for name, off, n in zip(layout.names, layout.offsets, layout.numels):
+        if off < nd:
+            continue
+        lo, hi = off - nd, off - nd + n
+        for c, (a, b) in enumerate(bounds):
+            first, end = max(lo, a), min(hi, b)
+            if first < end:
+                out[c].append((name, first - lo, end - lo, first - a, end - a))
+    return out
+
+
 def worker_sparsify(
     grad: torch.Tensor,
     *,

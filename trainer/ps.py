@@ -49,6 +49,7 @@ from torch import nn
 from trainer.algorithm import (
     Layout,
     apply_payload,
+    chunk_pieces,
     chunks,
     correction_momentum,
     float_buffers,
@@ -301,16 +302,7 @@ class PSClient(Session):
     # -- overlap ----------------------------------------------------------------------------------
     def _params_by_chunk(self) -> list[set[nn.Parameter]]:
         """For each chunk of the compressed part, the parameters whose elements it holds."""
-        nd = self.layout.dense_numel
-        out: list[set[nn.Parameter]] = [set() for _ in self.bounds]
-        for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
-            if off < nd:
-                continue
-            lo, hi = off - nd, off - nd + n
-            for c, (a, b) in enumerate(self.bounds):
-                if a < hi and lo < b:
-                    out[c].add(self._params[name])
-        return out
+        return [{self._params[name] for name, *_ in pieces} for pieces in chunk_pieces(self.layout, self.bounds)]
 
     def _chunk_params_names(self) -> list[str]:
         nd = self.layout.dense_numel
@@ -357,21 +349,11 @@ class PSClient(Session):
         return True
 
     def _chunk_pieces(self) -> list[list[tuple[nn.Parameter, int, int, int, int, int]]]:
-        """For each chunk, the compressed parameters it holds a part of: (the parameter, the
-        part's first and end element in it, the same in the chunk, its optimizer group)."""
+        """`algorithm.chunk_pieces` with each parameter and its optimizer group (a parameter
+        outside the optimizer never moves, so it has no piece)."""
         group_of = {p: g for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
-        nd = self.layout.dense_numel
-        out: list[list[tuple[nn.Parameter, int, int, int, int, int]]] = [[] for _ in self.bounds]
-        for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
-            p = self._params[name]
-            if off < nd or p not in group_of:  # outside the optimizer, a parameter never moves
-                continue
-            lo, hi = off - nd, off - nd + n
-            for c, (a, b) in enumerate(self.bounds):
-                first, end = max(lo, a), min(hi, b)
-                if first < end:
-                    out[c].append((p, first - lo, end - lo, first - a, end - a, group_of[p]))
-        return out
+        return [[(self._params[name], *span, group_of[self._params[name]]) for name, *span in pieces
+                 if self._params[name] in group_of] for pieces in chunk_pieces(self.layout, self.bounds)]
 
     def _hook_modules(self) -> None:
         """A forward pre-hook on every module holding compressed parameters directly applies the
@@ -425,14 +407,10 @@ class PSClient(Session):
             # After zero_grad() the buffer holds the next gradient (zeros before backward).
             held = self.flat_grad[:nd].clone() if self._sending is not None else None
             self.flat_grad[:nd].copy_(update.dense.values.to(self.device, torch.float32))
-            compressed = self._compressed_params()
-            for p in compressed:
-                p.grad = None  # SGD skips a parameter without a gradient
             try:
                 with self._hyperparameters(self._applying_hyper):
-                    self.optimizer.step()
+                    self._step_dense()
             finally:
-                self._bind_grads()
                 if held is not None:
                     self.flat_grad[:nd].copy_(held)
         if update.batch_sizes:
@@ -567,8 +545,13 @@ class PSClient(Session):
                 for p in group["params"]:
                     if p in compressed:
                         p.add_(p.grad, alpha=-group["lr"])
-        for p in compressed:
-            p.grad = None  # SGD skips a parameter without a gradient
+        self._step_dense(compressed)
+
+    def _step_dense(self, compressed: set[nn.Parameter] | None = None) -> None:
+        """The optimizer's step on the dense tensors alone: the compressed ones have had theirs
+        (plain SGD under momentum correction), so they go without a gradient, which SGD skips."""
+        for p in compressed if compressed is not None else self._compressed_params():
+            p.grad = None
         try:
             self.optimizer.step()
         finally:

@@ -155,6 +155,7 @@ def test_a_run_applying_its_updates_in_the_forward_pass_keeps_the_replicas_ident
                    "--sites", "onprem,onprem,cloud,cloud", *with_replica_script(tmp_path),
                    "--metrics-out", str(tmp_path / "m.jsonl"))
     assert proc.returncode == 0, proc.stderr
+    assert "apply-in-forward needs" not in proc.stderr  # no worker fell back to applying at step()
     hashes = replica_hashes(proc.stdout)
     assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
     assert series(read_metrics(tmp_path / "m.jsonl"), "accuracy")[30] > 0.5
