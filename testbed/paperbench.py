@@ -37,7 +37,7 @@ import httpx
 
 from hybridtrain.contract import COMPRESSING_STRATEGIES, PS_BZ_GC, PS_STRATEGIES, STRATEGIES, parse_target
 from hybridtrain.progress import duration
-from testbed import lifecycle, services
+from testbed import lifecycle, services, thread_placer
 from testbed.api_runs import fetch_metrics, rank_nodes, run_body, run_strategy
 from testbed.errors import TestbedError
 from testbed.ideal import Log, measure_calibrated, measure_ideal
@@ -59,8 +59,10 @@ SECTION = "## Paper benchmark (hybridtrain bench paper)"
 # `+overlap`, a PS strategy whose chunks leave during the backward pass (`compression.overlap`);
 # `+fp8`, a compressing PS strategy whose values travel as fp8 (`compression.value_dtype`);
 # `+inforward`, a PS strategy applying its update's later chunks during the next forward pass
-# (`compression.apply_in_forward`).
-VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward")
+# (`compression.apply_in_forward`); `+quotaio`, any strategy with each node's communication
+# threads left on its GPU quota (the testbed's thread placer paused for the run: the emulation
+# before 2026-12-01, testbed/thread_placer.py).
+VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward", "quotaio")
 
 
 def strategy_variant(entry: str) -> tuple[str, str]:
@@ -92,7 +94,20 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "inforward":
         return body | {"name": f"{body['name']}-inforward",
                        "compression": body.get("compression", {}) | {"apply_in_forward": True}}
+    if variant == "quotaio":
+        return body | {"name": f"{body['name']}-quotaio"}
     return body
+
+
+def placer_pause_file(state: TestbedState, variant: str) -> Path | None:
+    """The file that pauses the thread placer for `variant`'s run (None: leave it running)."""
+    if variant != "quotaio":
+        return None
+    pause = state.services.get("threads_on_quota_file")
+    if pause is None:
+        raise TestbedError("+quotaio: this testbed runs without the thread placer "
+                           "(cpu.threads_on_host: false): its threads are on the quotas already")
+    return Path(pause)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,8 +141,8 @@ def run_bench(args: argparse.Namespace, log: Log = print,
         strategy, _ = strategy_variant(entry)
         if strategy not in STRATEGIES:
             raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
-                               "each optionally +plain, a PS one +sites, +overlap or +inforward, a compressing "
-                               "one +fp8)")
+                               "each optionally +plain or +quotaio, a PS one +sites, +overlap or +inforward, a "
+                               "compressing one +fp8)")
     started = time.monotonic()
     command = "hybridtrain " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else (
         f"hybridtrain bench paper --config {','.join(paths)}{' --quick' if args.quick else ''} --out {args.out}")
@@ -205,7 +220,8 @@ def _bench_on(
             if left:
                 log(f"  {label}: {left}, this one included")
             body = variant_body(run_body(strategy, replace(s, seed=seed), node_ids, ps_node_id, tag), variant)
-            run = run_strategy(api, body, s.run_timeout_s, label=label)
+            with thread_placer.paused(placer_pause_file(state, variant)):
+                run = run_strategy(api, body, s.run_timeout_s, label=label)
             records = fetch_metrics(api, run["id"], target_metric)
             rank_node = rank_nodes(run, ids)
             cost = api.get(f"/api/v1/runs/{run['id']}/cost")

@@ -19,7 +19,7 @@ CHART_FILE = "paper-bench.html"
 
 # What a variant (testbed.paperbench.VARIANTS) adds to its strategy's label.
 _VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "overlap": "overlap", "fp8": "fp8 values",
-                   "inforward": "apply-in-forward"}
+                   "inforward": "apply-in-forward", "quotaio": "threads on the quota"}
 
 
 def strategy_label(entry: str) -> str:

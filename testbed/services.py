@@ -10,6 +10,8 @@ Order (each process is recorded in the state file before `up` goes on):
 5. `hybridtrain agent` inside each node's namespace, in the node's host cgroup, with its node's
    join token and a trainer command that moves each role onto the node's quota (incgroup.py);
    no broker: each agent takes it from the control plane, with a Redis user of its node's own;
+   before them, unless the config's `cpu.threads_on_host` is false, the thread placer that keeps
+   each node's threads but its main one off the node's quota (thread_placer.py);
 6. wait until every node is online.
 """
 
@@ -27,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from testbed import forward, processes
+from testbed import forward, processes, thread_placer
 from testbed.errors import ServiceError, TestbedError
 from testbed.state import TestbedState, save
 from testbed.topology import Plan
@@ -76,6 +78,8 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
         "--listen-port", str(fwd_port), "--netns", cp.netns, "--to", f"{cp.address}:{port}"],
         netns_name=None, cgroup=Path(state.cgroup),
     )  # fmt: skip
+    if the_plan.config.cpu.threads_on_host:
+        _start_thread_placer(state, state_dir, work)
     url = f"http://127.0.0.1:{fwd_port}"
     state.services.update(
         {"internal_url": internal_url, "forwarded_url": url, "broker_url": broker_url,
@@ -123,6 +127,20 @@ def _start_redis(
         state, state_dir, name="redis", argv=[redis, "--bind", address, "--port", str(REDIS_PORT),
         "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir", str(work / "redis")],
         netns_name=ns, cgroup=group,
+    )  # fmt: skip
+
+
+def _start_thread_placer(state: TestbedState, state_dir: Path, work: Path) -> None:
+    # Each node's threads but its main one on the node's host group (thread_placer.py); the
+    # server's pod and the control plane keep all of theirs on their quotas.
+    moves = [f"{ep['cgroup']}:{ep['host_cgroup']}" for ep in state.endpoints.values() if ep["role"] == "node"]
+    pause = work / thread_placer.PAUSE_FILE
+    pause.unlink(missing_ok=True)
+    state.services["threads_on_quota_file"] = str(pause)
+    _spawn_service(
+        state, state_dir, name="thread-placer", argv=[sys.executable, "-m", "testbed.thread_placer",
+        *(a for m in moves for a in ("--move", m)), "--pause-file", str(pause)],
+        netns_name=None, cgroup=Path(state.cgroup),
     )  # fmt: skip
 
 

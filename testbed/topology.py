@@ -131,6 +131,9 @@ class CpuScale(_Strict):
     # The quotas must bind (sum below the machine's cores) or they would mean nothing; this is
     # the share of the machine the testbed may hand out, the rest is for everything else.
     max_machine_share: float = Field(default=0.85, gt=0, le=1)
+    # A node's threads but its main one (sockets, TLS, the relay, gloo's) run on the node's host
+    # group, not its quota: on a GPU machine the host's CPUs move the bytes (thread_placer.py).
+    threads_on_host: bool = True
 
 
 class TestbedConfig(_Strict):

@@ -24,7 +24,7 @@ from testbed.paper_workloads import (
 )
 from testbed.api_runs import run_body
 from testbed.ideal import measure_calibrated, profile_argv, samples_per_s
-from testbed.paperbench import strategy_variant, variant_body, write_results
+from testbed.paperbench import placer_pause_file, strategy_variant, variant_body, write_results
 from testbed.report import SECTION, markdown_table, replace_section, section, strategy_label, workload
 
 
@@ -344,6 +344,28 @@ def test_a_ps_strategy_with_plus_inforward_applies_its_update_during_the_next_fo
     body = variant_body({"name": "bench-ps-bz-gc", "compression": {"density": 0.05}}, "inforward")
     assert body == {"name": "bench-ps-bz-gc-inforward", "compression": {"density": 0.05, "apply_in_forward": True}}
     assert strategy_label("ps-bz-gc+inforward") == "PS-bz-gc + apply-in-forward"
+
+
+def test_any_strategy_with_plus_quotaio_runs_with_the_thread_placer_paused() -> None:
+    from pathlib import Path
+
+    from testbed.state import TestbedState
+
+    assert strategy_variant("allreduce+quotaio") == ("allreduce", "quotaio")
+    assert variant_body({"name": "bench-allreduce"}, "quotaio") == {"name": "bench-allreduce-quotaio"}
+    assert strategy_label("ps-bz-gc+quotaio") == "PS-bz-gc + threads on the quota"
+    state = TestbedState(name="t", prefix="ht-t-", config_path="t.yaml", cgroup="/sys/fs/cgroup/cpu/ht-t",
+                         services={"threads_on_quota_file": "/var/t/threads_on_quota"})
+    assert placer_pause_file(state, "quotaio") == Path("/var/t/threads_on_quota")
+    assert placer_pause_file(state, "overlap") is None
+
+
+def test_quotaio_on_a_testbed_without_the_thread_placer_is_refused() -> None:
+    from testbed.state import TestbedState
+
+    state = TestbedState(name="t", prefix="ht-t-", config_path="t.yaml", cgroup="/sys/fs/cgroup/cpu/ht-t")
+    with pytest.raises(TestbedError, match="without the thread placer"):
+        placer_pause_file(state, "quotaio")
 
 
 def test_an_unknown_variant_and_sites_or_overlap_for_all_reduce_are_refused() -> None:

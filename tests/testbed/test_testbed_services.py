@@ -15,6 +15,20 @@ from testbed.topology import name_prefix
 pytestmark = pytest.mark.e2e
 
 
+def trainer_threads_on_host(endpoint: dict[str, str]) -> bool:
+    """Whether a process on the node's quota has threads in the node's host group."""
+    on_quota = set((Path(endpoint["cgroup"]) / "cgroup.procs").read_text().split())
+    for tid in (Path(endpoint["host_cgroup"]) / "tasks").read_text().split():
+        try:
+            status = Path(f"/proc/{tid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        tgid = next(line.split()[1] for line in status.splitlines() if line.startswith("Tgid:"))
+        if tgid != tid and tgid in on_quota:
+            return True
+    return False
+
+
 def test_agents_in_namespaces_run_a_ps_bz_gc_run_through_the_api(
     needs_root: None, write_config: Callable[..., Path], state_dir: Path
 ) -> None:
@@ -40,11 +54,15 @@ def test_agents_in_namespaces_run_a_ps_bz_gc_run_through_the_api(
                 "max_steps": 5, "device": "cpu",
             }).json()  # fmt: skip
             deadline = time.monotonic() + 240
+            placed = False
             while run["status"] not in ("succeeded", "failed", "cancelled"):
                 assert time.monotonic() < deadline, f"run still {run['status']}"
-                time.sleep(2)
+                time.sleep(0.5)
+                placed = placed or trainer_threads_on_host(state.endpoints["cloud-a"])
                 run = api.get(f"/api/v1/runs/{run['id']}").json()
             assert run["status"] == "succeeded", run.get("reason")
+            # The worker computed on its quota and moved its bytes on the host (thread_placer.py).
+            assert placed
             # The server ran in its pod, and the batch follows the declared GPUs' FLOPs.
             assert run["master_addr"] == state.endpoints["lab-ps"]["address"]
             sizes = {w["node_name"]: w["batch_size"] for w in run["workers"] if w["role"] == "worker"}
