@@ -85,6 +85,19 @@ def pids(path: Path) -> list[int]:
         return []
 
 
+def threads(path: Path) -> list[int]:
+    """The thread ids in this cgroup (`tasks`; `pids` gives their processes)."""
+    try:
+        return [int(t) for t in (path / "tasks").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def move_thread(path: Path, tid: int) -> None:
+    """Move the one thread `tid` into the cgroup (its process's other threads stay)."""
+    (path / "tasks").write_text(str(tid))
+
+
 def usage(path: Path) -> dict[str, int]:
     """cpu.stat of the cgroup: periods, throttled periods and throttled nanoseconds."""
     stats: dict[str, int] = {}

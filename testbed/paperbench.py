@@ -99,15 +99,23 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     return body
 
 
+def check_strategies(strategies: tuple[str, ...], configs: list[TestbedConfig]) -> None:
+    """Refuse, before any testbed is built, a strategy or variant the invocation cannot run."""
+    for entry in strategies:
+        strategy, variant = strategy_variant(entry)
+        if strategy not in STRATEGIES:
+            raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
+                               "each optionally +plain or +quotaio, a PS one +sites, +overlap or +inforward, a "
+                               "compressing one +fp8)")
+        without = [c.name for c in configs if not c.cpu.threads_on_host]
+        if variant == "quotaio" and without:
+            raise TestbedError(f"--strategies: {entry!r}: testbed {', '.join(without)} runs without the thread "
+                               "placer (cpu.threads_on_host: false): its threads are on the quotas already")
+
+
 def placer_pause_file(state: TestbedState, variant: str) -> Path | None:
     """The file that pauses the thread placer for `variant`'s run (None: leave it running)."""
-    if variant != "quotaio":
-        return None
-    pause = state.services.get("threads_on_quota_file")
-    if pause is None:
-        raise TestbedError("+quotaio: this testbed runs without the thread placer "
-                           "(cpu.threads_on_host: false): its threads are on the quotas already")
-    return Path(pause)
+    return Path(state.services["threads_on_quota_file"]) if variant == "quotaio" else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,12 +145,7 @@ def run_bench(args: argparse.Namespace, log: Log = print,
     paths = configs_of(args)
     configs = [load_config(p) for p in paths]
     strategies = tuple(args.strategies.split(",")) if args.strategies else STRATEGIES
-    for entry in strategies:
-        strategy, _ = strategy_variant(entry)
-        if strategy not in STRATEGIES:
-            raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
-                               "each optionally +plain or +quotaio, a PS one +sites, +overlap or +inforward, a "
-                               "compressing one +fp8)")
+    check_strategies(strategies, configs)
     started = time.monotonic()
     command = "hybridtrain " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else (
         f"hybridtrain bench paper --config {','.join(paths)}{' --quick' if args.quick else ''} --out {args.out}")

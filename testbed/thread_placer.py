@@ -26,10 +26,11 @@ import contextlib
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+
+from testbed import cgroups
 
 PERIOD_S = 0.2
 # In the testbed's work directory (var/testbed/<name>/): while it exists the placer moves nothing.
@@ -38,14 +39,12 @@ PAUSE_FILE = "threads_on_quota"
 
 def stray_threads(quota_group: Path) -> list[int]:
     """Thread ids in `quota_group` that are not the main thread of their process."""
-    try:
-        tids = (quota_group / "tasks").read_text().split()
-        main = set((quota_group / "cgroup.procs").read_text().split())
-    except FileNotFoundError:
-        return []
     # cgroup.procs lists the thread-group ids of the group's threads; a main thread's id is its
-    # thread-group id, so what is left are the threads a process started.
-    return [int(t) for t in tids if t not in main]
+    # thread-group id, so what is left are the threads a process started. Threads first: a
+    # process that starts between the two reads is then missing from both.
+    tids = cgroups.threads(quota_group)
+    main = set(cgroups.pids(quota_group))
+    return [t for t in tids if t not in main]
 
 
 def place_once(moves: Sequence[tuple[Path, Path]], refused: set[int] | None = None) -> int:
@@ -60,7 +59,7 @@ def place_once(moves: Sequence[tuple[Path, Path]], refused: set[int] | None = No
             if tid in refused:
                 continue
             try:
-                (host_group / "tasks").write_text(str(tid))
+                cgroups.move_thread(host_group, tid)
             except (ProcessLookupError, FileNotFoundError):  # ESRCH, ENOENT
                 continue  # the thread (or the testbed) ended since the sweep read it
             except OSError as exc:

@@ -24,7 +24,7 @@ from testbed.paper_workloads import (
 )
 from testbed.api_runs import run_body
 from testbed.ideal import measure_calibrated, profile_argv, samples_per_s
-from testbed.paperbench import placer_pause_file, strategy_variant, variant_body, write_results
+from testbed.paperbench import check_strategies, placer_pause_file, strategy_variant, variant_body, write_results
 from testbed.report import SECTION, markdown_table, replace_section, section, strategy_label, workload
 
 
@@ -360,12 +360,20 @@ def test_any_strategy_with_plus_quotaio_runs_with_the_thread_placer_paused() -> 
     assert placer_pause_file(state, "overlap") is None
 
 
-def test_quotaio_on_a_testbed_without_the_thread_placer_is_refused() -> None:
-    from testbed.state import TestbedState
+def test_quotaio_on_a_testbed_without_the_thread_placer_is_refused_before_anything_is_built() -> None:
+    from testbed.topology import load_config
 
-    state = TestbedState(name="t", prefix="ht-t-", config_path="t.yaml", cgroup="/sys/fs/cgroup/cpu/ht-t")
+    paper = load_config("bench/testbeds/paper.yaml")
+    unplaced = paper.model_copy(update={"cpu": paper.cpu.model_copy(update={"threads_on_host": False})})
+    check_strategies(("ps-bz-gc+quotaio", "ps-bz-gc"), [paper])
+    check_strategies(("ps-bz-gc",), [unplaced])
     with pytest.raises(TestbedError, match="without the thread placer"):
-        placer_pause_file(state, "quotaio")
+        check_strategies(("ps-bz-gc", "allreduce+quotaio"), [paper, unplaced])
+
+
+def test_an_unknown_strategy_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(TestbedError, match="unknown strategy 'dp'"):
+        check_strategies(("dp",), [])
 
 
 def test_an_unknown_variant_and_sites_or_overlap_for_all_reduce_are_refused() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed import lifecycle, netns, services
+from testbed import cgroups, lifecycle, netns, services
 from testbed.topology import name_prefix
 
 pytestmark = pytest.mark.e2e
@@ -17,13 +17,13 @@ pytestmark = pytest.mark.e2e
 
 def trainer_threads_on_host(endpoint: dict[str, str]) -> bool:
     """Whether a process on the node's quota has threads in the node's host group."""
-    on_quota = set((Path(endpoint["cgroup"]) / "cgroup.procs").read_text().split())
-    for tid in (Path(endpoint["host_cgroup"]) / "tasks").read_text().split():
+    on_quota = set(cgroups.pids(Path(endpoint["cgroup"])))
+    for tid in cgroups.threads(Path(endpoint["host_cgroup"])):
         try:
             status = Path(f"/proc/{tid}/status").read_text()
         except FileNotFoundError:
             continue
-        tgid = next(line.split()[1] for line in status.splitlines() if line.startswith("Tgid:"))
+        tgid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Tgid:")))
         if tgid != tid and tgid in on_quota:
             return True
     return False

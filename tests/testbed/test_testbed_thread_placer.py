@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed import processes, thread_placer
+from testbed import cgroups, processes, thread_placer
 from testbed.state import ProcessRecord, TestbedState
 
 # Starts one thread, prints "<main id> <thread id>", then idles until killed.
@@ -25,7 +25,7 @@ THREADED = (
 
 
 def tasks(group: Path) -> set[int]:
-    return {int(t) for t in (group / "tasks").read_text().split()}
+    return set(cgroups.threads(group))
 
 
 def groups(state: TestbedState, node: str) -> tuple[Path, Path]:
