@@ -417,6 +417,11 @@ class Supervisor:
         role's group, SIGKILL what is left after `stop_grace_s`, and queue their exits."""
         self._closing.set()
         targets = self.roles()
+        # Said once per role (the agent's shutdown path may ask twice), with the time in the log.
+        running = [r for r in targets if r.pid is not None and not r.leader_exited.is_set() and r.cancel_reason is None]
+        if running:
+            log.warning("%s: SIGTERM to %s, %.0f s to end", reason,
+                        ", ".join(f"run {k[0]} rank {k[1]}" for k in (r.key for r in running)), self.stop_grace_s)
         self._stop(targets, reason, cause=CAUSE_AGENT_STOPPING, grace_s=self.stop_grace_s)
         for role in targets:
             role.finished.wait(timeout=10)

@@ -38,6 +38,7 @@ from hybridtrain.contract import (
 )
 from trainer.checkpointing import Checkpointer
 from trainer.frames import (
+    BYE,
     GRAD,
     SERVER,
     Abort,
@@ -69,6 +70,11 @@ START_QUIET_S = 20.0
 # A worker its site's relay left out of the site's frame is read this long for a BYE it sent
 # on leaving (it says so to the server before its relay) before it counts as lost.
 LEAVE_GRACE_S = 2.0
+
+
+def _is_leaving(raw: torch.Tensor) -> bool:
+    """Whether `raw` is a worker's BYE leaving a run that goes on (a spot notice)."""
+    return peek_kind(raw) == BYE and unpack(raw).leaving
 
 
 class Preempted(ProtocolError):
@@ -220,12 +226,18 @@ class Boundary:
         got: dict = {}
         want = list(ranks)
         while want:
-            more, failed = self.inbox.collect(want, first_s=then if got else first_s, then_s=then)
+            more, failed = self.inbox.collect(want, first_s=then if got else first_s, then_s=then,
+                                              at_once=_is_leaving)
             # Losses first: a relay's loss says which of its workers' frames came through it.
             for w, exc in failed.items():
                 self.lose(w, exc)
             for w in [w for w in more if w in self._covered and self._came_through_relay(w, more[w][0])]:
                 del more[w]
+            # A leaver goes as its BYE arrives, not when the round's last frame does: a spot
+            # notice's grace is short, and the run's events say when it left.
+            for w in [w for w in more if _is_leaving(more[w][0])]:
+                del more[w]
+                self.leave(w)
             got.update(more)
             want = [w for w in want if w not in got and w not in failed and w in self.roster]
         # Rank order, whatever the arrival order: sums in floating point must not vary.

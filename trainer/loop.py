@@ -92,6 +92,7 @@ class Context:
         self._last_print = 0.0
         self.finished = False
         self.leave_requested = False
+        self.leave_requested_at: float | None = None
         self.master_addr, self.master_port = "127.0.0.1", 0
 
     # -- what user code reads --------------------------------------------------------------------
@@ -177,6 +178,8 @@ class Context:
 
     def request_leave(self) -> None:
         """Leave the run at the next step boundary (a signal handler calls this)."""
+        if not self.leave_requested:
+            self.leave_requested_at = time.monotonic()
         self.leave_requested = True
 
     def finish(self) -> None:
@@ -362,7 +365,8 @@ class DistributedOptimizer:
         if ctx.leave_requested and ctx.client is not None:
             ctx.client.leave()
             ctx.finished = True
-            raise WorkerLeft(f"left the run after step {step} (SIGTERM: a spot notice); the run goes on")
+            after = f", {time.monotonic() - ctx.leave_requested_at:.2f} s after it" if ctx.leave_requested_at else ""
+            raise WorkerLeft(f"left the run after step {step} (SIGTERM: a spot notice{after}); the run goes on")
 
 
 def data_loader(dataset: Any, *, collate: Callable | None = None, transform: Callable | None = None,

@@ -272,17 +272,20 @@ class Inbox:
             q = self._queues.get(peer)
             return q[-1] if q and isinstance(q[-1], BaseException) else None
 
-    def collect(self, peers: Iterable[int], *, first_s: float, then_s: float
+    def collect(self, peers: Iterable[int], *, first_s: float, then_s: float,
+                at_once: Callable[[torch.Tensor], bool] | None = None,
                 ) -> tuple[dict[int, tuple[torch.Tensor, float]], dict[int, BaseException]]:
         """The next frame of each of `peers`: waits up to `first_s` for the first to arrive and
         `then_s` after it for the rest. Returns the frames and, for peers that failed or stayed
         silent, why (a connection error, or TimeoutError); returns early at a failure, leaving
-        the frames of peers still to come in their queues."""
+        the frames of peers still to come in their queues. A frame `at_once` says yes to (a
+        worker leaving) returns at once too, and does not start the `then_s` clock."""
         want = list(peers)
         got: dict[int, tuple[torch.Tensor, float]] = {}
         failed: dict[int, BaseException] = {}
         deadline = time.monotonic() + first_s
         first = True
+        early: set[int] = set()
         with self._cond:
             while True:
                 for p in want:
@@ -292,13 +295,17 @@ class Inbox:
                         got[p] = self._take(p)
                     except BaseException as exc:  # noqa: BLE001 - reported per peer
                         failed[p] = exc
-                    if first and p in got:
+                    if p in got and at_once is not None and at_once(got[p][0]):
+                        # A leaver's BYE comes as its peers start computing: timing them from
+                        # it would hold them to the loss deadline a whole step early.
+                        early.add(p)
+                    elif first and p in got:
                         first = False
                         deadline = time.monotonic() + then_s
                 pending = [p for p in want if p not in got and p not in failed]
                 # A failure returns at once: the caller may have to act on it before the others
                 # can send (a lost relay's peers wait for the server to take over).
-                if not pending or failed:
+                if not pending or failed or early:
                     return got, failed
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -137,24 +137,31 @@ def test_a_worker_whose_link_goes_down_is_dropped_after_the_loss_deadline_and_th
     assert after and all(shares[s] == 48 for s in after)  # the survivor takes the whole global batch
 
 
-def test_a_worker_told_to_leave_leaves_at_a_step_boundary_and_exits_0(tmp_path):
-    server, workers, _ = start_ps_run(tmp_path, 2, run_args(2, 40))
+def test_a_worker_told_to_leave_leaves_at_a_step_boundary_is_let_go_as_its_bye_arrives_and_exits_0(tmp_path):
+    # Rank 1 waits 1 s after each update before computing again, rank 2 does not: rank 2's BYE
+    # reaches the server as rank 1 starts its next step, a second before that step's gradient.
+    (tmp_path / "train.py").write_text(SCRIPT.replace("time.sleep(0.03)", "time.sleep(1.0 if ctx.rank == 1 else 0.0)"))
+    args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "4", "--timeout-s", "60",
+            "--code-dir", str(tmp_path), "--script", "train.py"]
+    server, workers, _ = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
     try:
         server.wait_for("[ps] step 1/")
-        time.sleep(1.5)
         workers[2].proc.send_signal(signal.SIGTERM)
         assert workers[2].wait() == 0, workers[2].output[-3000:]
         assert server.wait() == 0, server.output[-3000:]
-        assert workers[1].wait() == 0
+        assert workers[1].wait() == 0, workers[1].output[-3000:]
     finally:
         stop_all(server, *workers.values())
-    left = events(server.records(), EVENT_WORKER_LEFT)
+    records = server.records()
+    left = events(records, EVENT_WORKER_LEFT)
     assert [e["subject"] for e in left] == [2]
     # It took part in every step up to the one it left after, and in none after.
-    steps = sorted(series(workers[2].records(), "batch_size", rank=2))
-    assert steps == list(range(1, left[0]["step"] + 1))
+    assert sorted(series(workers[2].records(), "batch_size", rank=2)) == list(range(1, left[0]["step"] + 1))
     assert f"left the run after step {left[0]['step']}" in workers[2].output
-    assert not events(server.records(), EVENT_WORKER_LOST)
+    next_round = min(r["t"] for r in records if "name" in r and r["step"] == left[0]["step"] + 1)
+    assert next_round - left[0]["t"] > 0.5
+    # Its BYE did not start the clock of rank 1's silence: rank 1 stayed a member throughout.
+    assert not events(records, EVENT_WORKER_LOST)
 
 
 SCRIPT = """
