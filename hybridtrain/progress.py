@@ -97,9 +97,9 @@ def progress_details(run: Mapping[str, Any], snapshot: Snapshot, now: float) -> 
     """Everything of the progress line after the steps (the tqdm bar shows those itself)."""
     latest = snapshot.latest
     parts: list[str] = []
-    speed = latest.get("samples_per_s")
-    if speed is not None and speed.value is not None:
-        parts.append(f"{speed.value:.1f} samples/s")
+    speed = run_samples_per_s(run, latest)
+    if speed is not None:
+        parts.append(f"{speed:.1f} samples/s")
     name = shown_metric(run, latest)
     point = latest.get(name)
     if point is not None:
@@ -111,6 +111,18 @@ def progress_details(run: Mapping[str, Any], snapshot: Snapshot, now: float) -> 
     if left is not None:
         parts.append(f"left {duration(left)}")
     return " ".join(parts)
+
+
+def run_samples_per_s(run: Mapping[str, Any], latest: Mapping[str, Point]) -> float | None:
+    """The run's throughput from rank 0's latest step: its samples/s times the global batch over
+    its own (rank 0 of an all-reduce run is one worker; a PS server's batch is the global one)."""
+    speed, batch = latest.get("samples_per_s"), latest.get("batch_size")
+    if speed is None or speed.value is None:
+        return None
+    total = run.get("global_batch_size")
+    if total and batch is not None and batch.step == speed.step and batch.value:
+        return speed.value * total / batch.value
+    return speed.value
 
 
 def _steps_text(run: Mapping[str, Any], snapshot: Snapshot) -> str:

@@ -17,13 +17,19 @@ rounds themselves; this mixin changes who takes part in them, only at a step bou
 5. Checkpoints: at a boundary every --checkpoint-every steps or --checkpoint-every-s seconds,
    one file from the server's state and a live worker's, asked for here and written by
    `trainer.checkpointing.Checkpointer`; on SIGTERM one last checkpoint, then the run stops.
+   A scheduled one does not hold the run up: the server keeps a copy of its own state, asks
+   the worker (FETCH) and goes on with the next round; the worker answers after that step's
+   gradient (its state is still the boundary's), and the file is written on a thread as the
+   answer arrives. If that worker is lost first, the next boundary asks another.
 """
 
 from __future__ import annotations
 
+import copy
 import queue
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +47,7 @@ from trainer.frames import (
     BYE,
     GRAD,
     SERVER,
+    STATE,
     Abort,
     Bye,
     Fetch,
@@ -77,6 +84,21 @@ def _is_leaving(raw: torch.Tensor) -> bool:
     return peek_kind(raw) == BYE and unpack(raw).leaving
 
 
+def _out_of_round(raw: torch.Tensor) -> bool:
+    """Whether `raw` is handled as it arrives, outside the round: a leaver's BYE, or a worker's
+    STATE answering a scheduled checkpoint's FETCH."""
+    return peek_kind(raw) == STATE or _is_leaving(raw)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """A scheduled checkpoint on its way: its step, the worker asked, the server's state then."""
+
+    step: int
+    donor: int
+    server_state: dict
+
+
 class Preempted(ProtocolError):
     """The server got SIGTERM (a spot notice): it checkpointed and stops the run."""
 
@@ -103,6 +125,9 @@ class Boundary:
         self.checkpoints = Checkpointer(self.cfg)
         self._resume_model: State | None = None
         self._resume_layout: LayoutSpec | None = None
+        self._asked: _Asked | None = None
+        # The asked worker was lost before it answered: the next boundary asks another.
+        self._owed = False
 
     def say(self, text: str) -> None:
         """One line on stderr (the run's log)."""
@@ -211,12 +236,14 @@ class Boundary:
         """Drop the lost, admit newcomers, wait below --min-workers, checkpoint when due."""
         self._drop_failed()
         self._require_a_worker()
+        self._log_checkpoints()
         if self.elastic:
             self._admit_arrivals()
         if len(self.roster) < max(1, self.cfg.min_workers):
             self._wait_for_workers()
-        if self.checkpoints.due(self.step):
-            self.checkpoint()
+        # One on its way at a time; a lost one's step is asked for again at once.
+        if self._asked is None and (self.checkpoints.due(self.step) or self._owed and self.step > self.checkpoints.step):
+            self._ask_for_checkpoint()
         if self.preempted:
             self._preempt()
 
@@ -227,7 +254,7 @@ class Boundary:
         want = list(ranks)
         while want:
             more, failed = self.inbox.collect(want, first_s=then if got else first_s, then_s=then,
-                                              at_once=_is_leaving)
+                                              at_once=_out_of_round)
             # Losses first: a relay's loss says which of its workers' frames came through it.
             for w, exc in failed.items():
                 self.lose(w, exc)
@@ -235,9 +262,12 @@ class Boundary:
                 del more[w]
             # A leaver goes as its BYE arrives, not when the round's last frame does: a spot
             # notice's grace is short, and the run's events say when it left.
-            for w in [w for w in more if _is_leaving(more[w][0])]:
-                del more[w]
-                self.leave(w)
+            for w in [w for w in more if _out_of_round(more[w][0])]:
+                raw, _ = more.pop(w)
+                if peek_kind(raw) == STATE:
+                    self._take_state(w, unpack(raw))
+                else:
+                    self.leave(w)
             got.update(more)
             want = [w for w in want if w not in got and w not in failed and w in self.roster]
         # Rank order, whatever the arrival order: sums in floating point must not vary.
@@ -311,6 +341,8 @@ class Boundary:
             pass
 
     def _drop(self, rank: int, what: str) -> None:
+        if self._asked is not None and self._asked.donor == rank:
+            self._asked, self._owed = None, True
         relay = self.roster.source(rank)
         orphans = self.roster.remove(rank)
         self._gone.add(rank)
@@ -359,6 +391,7 @@ class Boundary:
         if rank in self.roster:
             # The same rank again: a restarted process whose old one the server has not missed yet.
             self.lose(rank, ConnectionError("replaced by a new process of the same rank"))
+        self._settle_checkpoint()
         state = None
         while state is None:
             donor = self.roster.donor()
@@ -395,15 +428,17 @@ class Boundary:
         except (ConnectionError, OSError):
             pass
 
-    def fetch_state(self, donor: int, *, after_bye: bool = False) -> State | None:
+    def fetch_state(self, donor: int, *, after_bye: bool = False, ask: bool = True) -> State | None:
         """Ask `donor` for its weights and optimizer state (as of the last step); None if it is
         lost meanwhile. Its frames that come first are kept for their round. `after_bye`: the
         donor has said BYE, so the inbox no longer reads it (it answers FETCH while it waits for
         the server's BYE): read its reply from the transport directly. A BYE met on the way (the
-        last step's checkpoint, taken before the goodbye round is read) switches to that too."""
+        last step's checkpoint, taken before the goodbye round is read) switches to that too.
+        `ask=False`: it was asked already (a scheduled checkpoint); wait for the answer."""
         held = []
         try:
-            self.transport.send(donor, pack(Fetch(self.step)))
+            if ask:
+                self.transport.send(donor, pack(Fetch(self.step)))
             while True:
                 item = ((self.transport.recv(donor), 0.0) if after_bye
                         else self.inbox.get(donor, timeout_s=self.cfg.timeout_s))
@@ -450,8 +485,47 @@ class Boundary:
             self._arrive(conn, raw, host)
 
     # -- checkpoints and the end --------------------------------------------------------------------------
+    def _ask_for_checkpoint(self) -> None:
+        """Ask a live worker for its state for this step's checkpoint, keeping a copy of the
+        server's; the rounds go on, and `_take_state` writes the file when the answer comes."""
+        donor = self.roster.donor()
+        if donor is None:
+            return
+        try:
+            self.transport.send(donor, pack(Fetch(self.step)))
+        except (ConnectionError, OSError) as exc:
+            self.lose(donor, exc)
+            return
+        # A copy: the residual and the timing windows change in the rounds before the answer.
+        self._asked, self._owed = _Asked(self.step, donor, copy.deepcopy(self.state_dict())), False
+        self.checkpoints.asked()
+
+    def _take_state(self, rank: int, state: State) -> None:
+        """A STATE read in a round: the answer to the scheduled checkpoint's FETCH, written in
+        the background. (No other FETCH is on its way then: `_settle_checkpoint` sees to it.)"""
+        asked = self._asked
+        if asked is None or rank != asked.donor or state.step != asked.step:
+            self.say(f"rank {rank}'s state of step {state.step} came unasked; dropped")
+            return
+        self._asked = None
+        self.checkpoints.write_in_background(asked.step, asked.server_state, self.layout, state)
+
+    def _settle_checkpoint(self, *, after_bye: bool = False) -> None:
+        """Before another FETCH (a joiner's, the last checkpoint's): wait for the answer to the
+        scheduled one, so the two answers cannot be taken for each other."""
+        asked = self._asked
+        if asked is None:
+            return
+        state = self.fetch_state(asked.donor, after_bye=after_bye, ask=False)
+        if state is not None and self._asked is asked:
+            self._take_state(asked.donor, state)
+
+    def _log_checkpoints(self, *, wait: bool = False) -> None:
+        for step, detail in self.checkpoints.written(wait=wait):
+            self.metrics.event(step, EVENT_CHECKPOINT, detail=detail)
+
     def checkpoint(self, *, after_bye: bool = False) -> bool:
-        """Write the run's checkpoint of this step (and upload it); False without a live worker."""
+        """Write the run's checkpoint of this step (and upload it) now; False without a live worker."""
         state = None
         while state is None:
             donor = self.roster.donor()
@@ -464,6 +538,8 @@ class Boundary:
 
     def _preempt(self) -> None:
         ckpts = self.checkpoints
+        self._settle_checkpoint()
+        self._log_checkpoints(wait=True)
         saved = self.checkpoint() if self.step > ckpts.step else ckpts.step > 0
         uploaded = ckpts.close(60.0)
         where = "written and uploaded" if uploaded else "written"
@@ -473,11 +549,17 @@ class Boundary:
 
     def finish(self) -> None:
         """Every worker said BYE: the last checkpoint, then BYE to all."""
+        self._settle_checkpoint(after_bye=True)
+        self._log_checkpoints(wait=True)
         if self.checkpoints.scheduled and self.step > self.checkpoints.step:
             self.checkpoint(after_bye=True)
         self.transport.send_many(self.roster.ranks(), pack(Bye(self.step, SERVER)))
         self.flush_bytes()
 
     def close_store(self) -> None:
-        """Wait (bounded) for the last checkpoint's upload."""
+        """Wait for the checkpoints being written and (bounded) for the last one's upload."""
+        try:
+            self._log_checkpoints(wait=True)
+        except Exception as exc:  # noqa: BLE001 - the run is ending; a failed write must not hide why
+            self.say(f"a checkpoint could not be written: {exc}")
         self.checkpoints.close(60.0)

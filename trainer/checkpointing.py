@@ -2,11 +2,14 @@
 state, the model and optimizer state of one live worker (the replicas are equal) and the
 layout, written by `trainer.checkpoint` and uploaded in the background by
 `trainer.checkpoint_store.Uploader` when the run has a store. Who the worker is, and asking it,
-is the server's (`trainer.boundary`)."""
+is the server's (`trainer.boundary`). A scheduled checkpoint is written on a thread of its own,
+so that the server's rounds go on while the file is saved."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from trainer import checkpoint
@@ -24,6 +27,8 @@ class Checkpointer:
         self.step = 0
         self._at = time.monotonic()
         self.uploader = Uploader(cfg.checkpoint_url, cfg.report_token) if cfg.checkpoint_url else None
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: list[tuple[int, Future]] = []
 
     @property
     def scheduled(self) -> bool:
@@ -38,15 +43,41 @@ class Checkpointer:
             return True
         return bool(self.cfg.checkpoint_every_s) and time.monotonic() - self._at >= self.cfg.checkpoint_every_s
 
+    def asked(self) -> None:
+        """A scheduled checkpoint was asked for now: the next one by time counts from here."""
+        self._at = time.monotonic()
+
     def write(self, step: int, server_state: dict[str, Any], layout: LayoutSpec, worker: State) -> str:
         """Write the checkpoint of `step` and queue its upload; the checkpoint event's detail."""
-        path = checkpoint.save(self.cfg.checkpoint_dir, step, {
+        return self._saved(step, self._save(step, server_state, layout, worker))
+
+    def write_in_background(self, step: int, server_state: dict[str, Any], layout: LayoutSpec,
+                            worker: State) -> None:
+        """Write the checkpoint of `step` on the writer thread; `written()` reports it."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._writes.append((step, self._writer.submit(self._save, step, server_state, layout, worker)))
+
+    def written(self, *, wait: bool = False) -> list[tuple[int, str]]:
+        """The background writes done since the last call, as (step, the event's detail), in order;
+        `wait`: every one queued. A write that failed (a full disk) raises here."""
+        done = []
+        while self._writes and (wait or self._writes[0][1].done()):
+            step, future = self._writes.pop(0)
+            done.append((step, self._saved(step, future.result())))
+        return done
+
+    def _save(self, step: int, server_state: dict[str, Any], layout: LayoutSpec, worker: State) -> Path:
+        return checkpoint.save(self.cfg.checkpoint_dir, step, {
             "server": server_state,
             "layout": {"names": layout.names, "numels": layout.numels, "dense_numel": layout.dense_numel,
                        "buffer_numel": layout.buffer_numel},
             "params": worker.params, "buffers": worker.buffers, "optimizer": worker.optimizer,
         }, self.cfg)
-        self.step, self._at = step, time.monotonic()
+
+    def _saved(self, step: int, path: Path) -> str:
+        self.step = max(self.step, step)
+        self._at = time.monotonic()
         if self.uploader is None:
             return path.name
         self.uploader.submit(step, path)
@@ -55,6 +86,9 @@ class Checkpointer:
     def close(self, deadline_s: float = 60.0) -> bool:
         """Wait up to `deadline_s` for the uploads; True if all were stored (False without a store).
         Checkpoints written after this stay in the directory only."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
         uploaded = self.uploader.close(deadline_s) if self.uploader is not None else False
         self.uploader = None
         return uploaded

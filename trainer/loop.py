@@ -91,7 +91,7 @@ class Context:
         self._data_s = 0.0
         self._last_print = 0.0
         self.finished = False
-        self.leave_requested = False
+        # When SIGTERM (a spot notice) asked this worker to leave; None: it was not asked.
         self.leave_requested_at: float | None = None
         self.master_addr, self.master_port = "127.0.0.1", 0
 
@@ -178,9 +178,8 @@ class Context:
 
     def request_leave(self) -> None:
         """Leave the run at the next step boundary (a signal handler calls this)."""
-        if not self.leave_requested:
+        if self.leave_requested_at is None:
             self.leave_requested_at = time.monotonic()
-        self.leave_requested = True
 
     def finish(self) -> None:
         """Say goodbye to the server (PS) and flush the metrics; idempotent."""
@@ -362,11 +361,12 @@ class DistributedOptimizer:
         ctx.progress()
         if ctx.client is not None and ctx.client.ended_by_server:
             ctx.should_stop = True
-        if ctx.leave_requested and ctx.client is not None:
+        if ctx.leave_requested_at is not None and ctx.client is not None:
             ctx.client.leave()
             ctx.finished = True
-            after = f", {time.monotonic() - ctx.leave_requested_at:.2f} s after it" if ctx.leave_requested_at else ""
-            raise WorkerLeft(f"left the run after step {step} (SIGTERM: a spot notice{after}); the run goes on")
+            after = time.monotonic() - ctx.leave_requested_at
+            raise WorkerLeft(f"left the run after step {step} (SIGTERM: a spot notice, {after:.2f} s after it); "
+                             "the run goes on")
 
 
 def data_loader(dataset: Any, *, collate: Callable | None = None, transform: Callable | None = None,

@@ -77,6 +77,12 @@ class Session:
         flat = torch.cat([b.reshape(-1).float().cpu() for b in buffers]) if buffers else torch.zeros(0)
         return State(self.rank, self._flat_params().cpu(), flat, self.step, to_bytes(self.optimizer.state_dict()))
 
+    def _answer_fetch(self) -> None:
+        # Posted, not waited for: the sender thread writes it while this worker applies the
+        # update and computes (a checkpoint's state is tens of MB); a failed write shows at the
+        # next send on the link.
+        self.transport.post_many([SERVER], pack(self.state_frame()))
+
     def load_state(self, state: State) -> None:
         """Take the run's weights, buffers and (when sent) optimizer state."""
         from trainer.checkpoint import from_bytes
@@ -100,7 +106,7 @@ class Session:
             raw = self.inbox.get(SERVER)[0]
             frame = unpack(raw)
             if isinstance(frame, Fetch):
-                self.transport.send(SERVER, pack(self.state_frame()))
+                self._answer_fetch()
                 continue
             if isinstance(frame, Bye) and cls is not Bye:
                 self.ended_by_server = True
@@ -132,7 +138,7 @@ class Session:
                 continue
             frame = unpack(raw)
             if isinstance(frame, Fetch):
-                self.transport.send(SERVER, pack(self.state_frame()))
+                self._answer_fetch()
                 continue
             if isinstance(frame, Bye) and source == SERVER and not c:
                 # The run ended while this worker was joining: nothing more to apply.

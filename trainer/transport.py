@@ -285,7 +285,7 @@ class Inbox:
         failed: dict[int, BaseException] = {}
         deadline = time.monotonic() + first_s
         first = True
-        early: set[int] = set()
+        early = False
         with self._cond:
             while True:
                 for p in want:
@@ -298,7 +298,7 @@ class Inbox:
                     if p in got and at_once is not None and at_once(got[p][0]):
                         # A leaver's BYE comes as its peers start computing: timing them from
                         # it would hold them to the loss deadline a whole step early.
-                        early.add(p)
+                        early = True
                     elif first and p in got:
                         first = False
                         deadline = time.monotonic() + then_s

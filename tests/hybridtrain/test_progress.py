@@ -37,6 +37,17 @@ def test_the_line_shows_steps_speed_target_metric_and_times():
     assert line == "step 120/500 (24%) 38.2 samples/s accuracy 0.912 elapsed 1m02s left 3m48s"
 
 
+def test_the_speed_is_the_runs_when_rank_0_is_one_worker_of_an_all_reduce_run():
+    # Rank 0 trained 92 of the 368 samples of step 30 at 26.5 samples/s: the run did 106.
+    snap = _snapshot(_series("samples_per_s", (30, T0, 26.5)), _series("batch_size", (30, T0, 92.0)))
+    assert " 106.0 samples/s " in progress_line(_run(global_batch_size=368), snap, now=T0)
+
+
+def test_a_ps_servers_speed_is_the_runs_already():
+    snap = _snapshot(_series("samples_per_s", (30, T0, 240.0)), _series("batch_size", (30, T0, 368.0)))
+    assert " 240.0 samples/s " in progress_line(_run(global_batch_size=368), snap, now=T0)
+
+
 def test_without_a_target_the_tasks_own_metric_is_shown_before_val_loss():
     snap = _snapshot(_series("val_loss", (50, T0, 0.3)), _series("r2", (50, T0, 0.71)), _series("loss", (50, T0, 0.2)))
     assert " r2 0.710 " in progress_line(_run(), snap, now=T0)

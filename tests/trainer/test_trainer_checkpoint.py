@@ -165,6 +165,25 @@ def test_the_server_writes_one_checkpoint_file_per_checkpoint_step(tmp_path):
     assert state["optimizer"] and state["server"]["ranks"] == [1, 2]
 
 
+def test_a_checkpoint_taken_while_the_run_goes_on_holds_its_own_steps_model_and_server_state(tmp_path):
+    # The step-5 checkpoint of a 10-step run is answered and written while step 6 trains; it
+    # must equal the one a 5-step run writes at its end (a constant rate: same steps, same run).
+    # One dense warm-up step, so that step 5's server residual is not empty.
+    args = ["--task-args", '{"lr": 0.1, "schedule": "constant"}', "--checkpoint-every", "5", "--warmup-steps", "1"]
+    for name, steps in (("short", 5), ("long", 10)):
+        proc = run_cli(*DIGITS, *args, "--strategy", "ps-gc", "--workers", "2", "--max-steps", str(steps),
+                       "--eval-every", "1000", "--checkpoint-dir", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr
+    short = torch.load(tmp_path / "short" / "run-step-00000005.pt", weights_only=False)
+    long = torch.load(tmp_path / "long" / "run-step-00000005.pt", weights_only=False)
+    assert torch.equal(short["params"], long["params"])
+    assert torch.equal(short["server"]["residual"], long["server"]["residual"])
+    short_opt, long_opt = (checkpoint.from_bytes(c["optimizer"])["state"] for c in (short, long))
+    assert short_opt.keys() == long_opt.keys() and all(
+        torch.equal(short_opt[k][b], long_opt[k][b]) for k in short_opt for b in short_opt[k])
+    assert (tmp_path / "long" / "run-step-00000010.pt").exists()
+
+
 def test_a_run_resumes_from_the_servers_checkpoint_with_a_different_number_of_workers(tmp_path):
     ck = ["--checkpoint-dir", str(tmp_path / "ck")]
     _, first = _ps_run(tmp_path, 3, 20, *ck, name="first")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trainer import checkpoint, checkpointing
@@ -57,3 +58,21 @@ def test_a_written_checkpoint_holds_the_servers_state_the_workers_model_and_the_
     assert checkpoint.from_bytes(state["optimizer"]) == {"momentum": [1.0]}
     assert ckpts.step == 5
     assert ckpts.close() is False  # there was no store to upload to
+
+
+def test_a_checkpoint_written_in_the_background_is_reported_once_written_under_its_step(tmp_path) -> None:
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=5, checkpoint_dir=str(tmp_path)))
+    ckpts.write_in_background(5, {"step": 5}, LAYOUT, _worker_state(5))
+    assert ckpts.written(wait=True) == [(5, "run-step-00000005.pt")]
+    assert ckpts.step == 5 and checkpoint.saved_steps(tmp_path) == [5]
+    assert ckpts.written(wait=True) == []  # reported once
+
+
+def test_a_background_write_that_fails_raises_when_its_result_is_read(tmp_path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=5, checkpoint_dir=str(blocker / "ck")))
+    ckpts.write_in_background(5, {"step": 5}, LAYOUT, _worker_state(5))
+    with pytest.raises(OSError):
+        ckpts.written(wait=True)
+    assert ckpts.step == 0

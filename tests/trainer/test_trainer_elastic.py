@@ -326,6 +326,30 @@ def test_a_preempted_server_checkpoints_and_exits_saying_so(tmp_path):
     assert len(saved) == 1 and (ckpt / saved[0]["detail"]).is_file()
 
 
+def test_a_checkpoint_whose_worker_is_lost_before_it_answers_is_asked_of_another_at_the_next_boundary(tmp_path):
+    # Rank 1, the one asked for step 5's state, dies right after step 5's update: its answer
+    # would have come after step 6's gradient. Rank 2 is asked at the boundary after step 6.
+    (tmp_path / "train.py").write_text(SCRIPT.replace(
+        "        time.sleep(0.03)", "        time.sleep(0.03)\n        if ctx.rank == 1 and ctx.step == 5:\n"
+        "            import os; os._exit(3)"))
+    ckpt = tmp_path / "ckpt"
+    args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "8", "--timeout-s", "60",
+            "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt), "--code-dir", str(tmp_path),
+            "--script", "train.py"]
+    server, workers, _ = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
+    try:
+        assert server.wait() == 0, server.output[-3000:]
+        assert workers[2].wait() == 0, workers[2].output[-3000:]
+        assert workers[1].wait() == 3
+    finally:
+        stop_all(server, *workers.values())
+    records = server.records()
+    assert [(e["subject"], e["step"]) for e in events(records, EVENT_WORKER_LOST)] == [(1, 5)]
+    saved = events(records, EVENT_CHECKPOINT)
+    assert [e["step"] for e in saved] == [6, 8]
+    assert all((ckpt / e["detail"]).is_file() for e in saved)
+
+
 # Per-site aggregation: rank 1 is in the server's site; rank 2 relays for site "away", whose
 # rank 3 sends its chunks to it (pipelined in two, so a loss can fall between a step's chunks).
 AGGREGATED = ["--sites", "home,home,away,away", "--aggregate-at-sites", "--pipeline-chunks", "2"]
