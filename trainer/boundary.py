@@ -25,11 +25,9 @@ rounds themselves; this mixin changes who takes part in them, only at a step bou
 
 from __future__ import annotations
 
-import copy
 import queue
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -90,15 +88,6 @@ def _out_of_round(raw: torch.Tensor) -> bool:
     return peek_kind(raw) == STATE or _is_leaving(raw)
 
 
-@dataclass(frozen=True)
-class _Asked:
-    """A scheduled checkpoint on its way: its step, the worker asked, the server's state then."""
-
-    step: int
-    donor: int
-    server_state: dict
-
-
 class Preempted(ProtocolError):
     """The server got SIGTERM (a spot notice): it checkpointed and stops the run."""
 
@@ -125,9 +114,6 @@ class Boundary:
         self.checkpoints = Checkpointer(self.cfg)
         self._resume_model: State | None = None
         self._resume_layout: LayoutSpec | None = None
-        self._asked: _Asked | None = None
-        # The asked worker was lost before it answered: the next boundary asks another.
-        self._owed = False
 
     def say(self, text: str) -> None:
         """One line on stderr (the run's log)."""
@@ -241,8 +227,7 @@ class Boundary:
             self._admit_arrivals()
         if len(self.roster) < max(1, self.cfg.min_workers):
             self._wait_for_workers()
-        # One on its way at a time; a lost one's step is asked for again at once.
-        if self._asked is None and (self.checkpoints.due(self.step) or self._owed and self.step > self.checkpoints.step):
+        if self.checkpoints.wanted(self.step):
             self._ask_for_checkpoint()
         if self.preempted:
             self._preempt()
@@ -253,8 +238,8 @@ class Boundary:
         got: dict = {}
         want = list(ranks)
         while want:
-            more, failed = self.inbox.collect(want, first_s=then if got else first_s, then_s=then,
-                                              at_once=_out_of_round)
+            more, early, failed = self.inbox.collect(want, first_s=then if got else first_s, then_s=then,
+                                                     at_once=_out_of_round)
             # Losses first: a relay's loss says which of its workers' frames came through it.
             for w, exc in failed.items():
                 self.lose(w, exc)
@@ -262,8 +247,7 @@ class Boundary:
                 del more[w]
             # A leaver goes as its BYE arrives, not when the round's last frame does: a spot
             # notice's grace is short, and the run's events say when it left.
-            for w in [w for w in more if _out_of_round(more[w][0])]:
-                raw, _ = more.pop(w)
+            for w, (raw, _) in early.items():
                 if peek_kind(raw) == STATE:
                     self._take_state(w, unpack(raw))
                 else:
@@ -341,8 +325,7 @@ class Boundary:
             pass
 
     def _drop(self, rank: int, what: str) -> None:
-        if self._asked is not None and self._asked.donor == rank:
-            self._asked, self._owed = None, True
+        self.checkpoints.lost(rank)
         relay = self.roster.source(rank)
         orphans = self.roster.remove(rank)
         self._gone.add(rank)
@@ -392,14 +375,12 @@ class Boundary:
             # The same rank again: a restarted process whose old one the server has not missed yet.
             self.lose(rank, ConnectionError("replaced by a new process of the same rank"))
         self._settle_checkpoint()
-        state = None
-        while state is None:
-            donor = self.roster.donor()
-            if donor is None:
-                self.transport.refuse(conn, pack(Abort(SERVER, f"worker {rank} cannot join: no live worker "
-                                                               "holds the model")))
-                return
-            state = self.fetch_state(donor)
+        answer = self._state_of_a_live_worker()
+        if answer is None:
+            self.transport.refuse(conn, pack(Abort(SERVER, f"worker {rank} cannot join: no live worker "
+                                                           "holds the model")))
+            return
+        donor, state = answer
         self.transport.adopt(rank, conn, raw)
         self.inbox.add(rank)
         self._gone.discard(rank)
@@ -435,10 +416,10 @@ class Boundary:
         the server's BYE): read its reply from the transport directly. A BYE met on the way (the
         last step's checkpoint, taken before the goodbye round is read) switches to that too.
         `ask=False`: it was asked already (a scheduled checkpoint); wait for the answer."""
+        if ask and not self._send_fetch(donor):
+            return None
         held = []
         try:
-            if ask:
-                self.transport.send(donor, pack(Fetch(self.step)))
             while True:
                 item = ((self.transport.recv(donor), 0.0) if after_bye
                         else self.inbox.get(donor, timeout_s=self.cfg.timeout_s))
@@ -456,6 +437,23 @@ class Boundary:
         finally:
             for item in reversed(held):
                 self.inbox.unget(donor, item)
+
+    def _send_fetch(self, donor: int) -> bool:
+        """FETCH to `donor`; False, and it is lost, if its connection has ended."""
+        try:
+            self.transport.send(donor, pack(Fetch(self.step)))
+        except (ConnectionError, OSError) as exc:
+            self.lose(donor, exc)
+            return False
+        return True
+
+    def _state_of_a_live_worker(self, *, after_bye: bool = False) -> tuple[int, State] | None:
+        """(donor, its state) from the first live worker that answers FETCH; None if none is left."""
+        while (donor := self.roster.donor()) is not None:
+            state = self.fetch_state(donor, after_bye=after_bye)
+            if state is not None:
+                return donor, state
+        return None
 
     def _require_a_worker(self) -> None:
         # A joiner still catching up holds only the state of a step the run cannot finish.
@@ -486,39 +484,27 @@ class Boundary:
 
     # -- checkpoints and the end --------------------------------------------------------------------------
     def _ask_for_checkpoint(self) -> None:
-        """Ask a live worker for its state for this step's checkpoint, keeping a copy of the
+        """Ask a live worker for its state for this step's checkpoint, keeping a snapshot of the
         server's; the rounds go on, and `_take_state` writes the file when the answer comes."""
         donor = self.roster.donor()
-        if donor is None:
-            return
-        try:
-            self.transport.send(donor, pack(Fetch(self.step)))
-        except (ConnectionError, OSError) as exc:
-            self.lose(donor, exc)
-            return
-        # A copy: the residual and the timing windows change in the rounds before the answer.
-        self._asked, self._owed = _Asked(self.step, donor, copy.deepcopy(self.state_dict())), False
-        self.checkpoints.asked()
+        if donor is not None and self._send_fetch(donor):
+            self.checkpoints.asked(self.step, donor, self.state_dict())
 
     def _take_state(self, rank: int, state: State) -> None:
         """A STATE read in a round: the answer to the scheduled checkpoint's FETCH, written in
         the background. (No other FETCH is on its way then: `_settle_checkpoint` sees to it.)"""
-        asked = self._asked
-        if asked is None or rank != asked.donor or state.step != asked.step:
+        if not self.checkpoints.take(rank, state, self.layout):
             self.say(f"rank {rank}'s state of step {state.step} came unasked; dropped")
-            return
-        self._asked = None
-        self.checkpoints.write_in_background(asked.step, asked.server_state, self.layout, state)
 
     def _settle_checkpoint(self, *, after_bye: bool = False) -> None:
         """Before another FETCH (a joiner's, the last checkpoint's): wait for the answer to the
         scheduled one, so the two answers cannot be taken for each other."""
-        asked = self._asked
-        if asked is None:
+        pending = self.checkpoints.pending
+        if pending is None:
             return
-        state = self.fetch_state(asked.donor, after_bye=after_bye, ask=False)
-        if state is not None and self._asked is asked:
-            self._take_state(asked.donor, state)
+        state = self.fetch_state(pending.donor, after_bye=after_bye, ask=False)
+        if state is not None:
+            self._take_state(pending.donor, state)
 
     def _log_checkpoints(self, *, wait: bool = False) -> None:
         for step, detail in self.checkpoints.written(wait=wait):
@@ -526,12 +512,10 @@ class Boundary:
 
     def checkpoint(self, *, after_bye: bool = False) -> bool:
         """Write the run's checkpoint of this step (and upload it) now; False without a live worker."""
-        state = None
-        while state is None:
-            donor = self.roster.donor()
-            if donor is None:
-                return False
-            state = self.fetch_state(donor, after_bye=after_bye)
+        answer = self._state_of_a_live_worker(after_bye=after_bye)
+        if answer is None:
+            return False
+        _, state = answer
         detail = self.checkpoints.write(self.step, self.state_dict(), self.layout, state)
         self.metrics.event(self.step, EVENT_CHECKPOINT, detail=detail)
         return True

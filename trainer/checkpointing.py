@@ -1,14 +1,16 @@
 """When the parameter server checkpoints, and what one checkpoint holds: the server's own
 state, the model and optimizer state of one live worker (the replicas are equal) and the
 layout, written by `trainer.checkpoint` and uploaded in the background by
-`trainer.checkpoint_store.Uploader` when the run has a store. Who the worker is, and asking it,
-is the server's (`trainer.boundary`). A scheduled checkpoint is written on a thread of its own,
-so that the server's rounds go on while the file is saved."""
+`trainer.checkpoint_store.Uploader` when the run has a store. A scheduled checkpoint is asked
+for and taken off the server's path: the `Pending` one keeps the server's state of its step
+while the worker's answer is on its way, and the file is written on a thread of its own, so
+the rounds go on. Choosing the worker and talking to it is the server's (`trainer.boundary`)."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,26 @@ from trainer.config import TrainConfig
 from trainer.frames import LayoutSpec, State
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A scheduled checkpoint asked for: its step, the worker asked, the server's state then."""
+
+    step: int
+    donor: int
+    server_state: dict[str, Any]
+
+
 class Checkpointer:
     """The server's checkpoint schedule (--checkpoint-every steps, --checkpoint-every-s seconds)
-    and its writes; `step` is the step of the latest checkpoint (0: none yet)."""
+    and its writes; `step` is the step of the latest checkpoint (0: none yet), `pending` the
+    scheduled one whose worker has not answered yet."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.step = 0
+        self.pending: Pending | None = None
+        # The worker asked was lost before it answered: the next boundary asks another.
+        self._owed = False
         self._at = time.monotonic()
         self.uploader = Uploader(cfg.checkpoint_url, cfg.report_token) if cfg.checkpoint_url else None
         self._writer: ThreadPoolExecutor | None = None
@@ -43,9 +58,31 @@ class Checkpointer:
             return True
         return bool(self.cfg.checkpoint_every_s) and time.monotonic() - self._at >= self.cfg.checkpoint_every_s
 
-    def asked(self) -> None:
-        """A scheduled checkpoint was asked for now: the next one by time counts from here."""
+    def wanted(self, step: int) -> bool:
+        """Whether the boundary after `step` asks for a scheduled checkpoint: one is due, or a lost
+        worker's is owed, and none is on its way (one at a time)."""
+        return self.pending is None and (self.due(step) or self._owed and step > self.step)
+
+    def asked(self, step: int, donor: int, server_state: dict[str, Any]) -> None:
+        """`donor` was asked for its state of `step` (FETCH); `server_state` must be a snapshot.
+        The next checkpoint by time counts from here."""
+        self.pending, self._owed = Pending(step, donor, server_state), False
         self._at = time.monotonic()
+
+    def lost(self, rank: int) -> None:
+        """Worker `rank` is gone: if it was asked, its checkpoint is owed to the next boundary."""
+        if self.pending is not None and self.pending.donor == rank:
+            self.pending, self._owed = None, True
+
+    def take(self, rank: int, worker: State, layout: LayoutSpec) -> bool:
+        """`rank`'s STATE: if it answers the pending checkpoint, write it in the background
+        (`written()` reports it) and say True; False for a state nobody asked for."""
+        pending = self.pending
+        if pending is None or rank != pending.donor or worker.step != pending.step:
+            return False
+        self.pending = None
+        self.write_in_background(pending.step, pending.server_state, layout, worker)
+        return True
 
     def write(self, step: int, server_state: dict[str, Any], layout: LayoutSpec, worker: State) -> str:
         """Write the checkpoint of `step` and queue its upload; the checkpoint event's detail."""

@@ -395,14 +395,19 @@ class ParameterServer(Boundary):
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Server residual, densities, batch sizes (and whose), timing windows, elapsed time."""
+        """Server residual, densities, batch sizes (and whose), timing windows, elapsed time: a
+        snapshot, which later rounds leave alone (a scheduled checkpoint is written after them)."""
+        residual = _join_residuals(self.codec_states)
+        # One chunk's residual is the codec's own tensor, which the next rounds update in place.
+        if residual is not None and len(self.codec_states) == 1:
+            residual = residual.clone()
         return {
-            "residual": _join_residuals(self.codec_states),
+            "residual": residual,
             "ranks": self.roster.ranks(),
             "densities": list(self.densities),
             "batch_sizes": list(self.batch_sizes),
-            "compute_window": self.compute_window,
-            "overhead_window": self.overhead_window,
+            "compute_window": [list(r) for r in self.compute_window],
+            "overhead_window": [list(r) for r in self.overhead_window],
             "elapsed_s": self.elapsed(),
         }
 

@@ -274,42 +274,46 @@ class Inbox:
 
     def collect(self, peers: Iterable[int], *, first_s: float, then_s: float,
                 at_once: Callable[[torch.Tensor], bool] | None = None,
-                ) -> tuple[dict[int, tuple[torch.Tensor, float]], dict[int, BaseException]]:
+                ) -> tuple[dict[int, tuple[torch.Tensor, float]], dict[int, tuple[torch.Tensor, float]],
+                           dict[int, BaseException]]:
         """The next frame of each of `peers`: waits up to `first_s` for the first to arrive and
-        `then_s` after it for the rest. Returns the frames and, for peers that failed or stayed
-        silent, why (a connection error, or TimeoutError); returns early at a failure, leaving
-        the frames of peers still to come in their queues. A frame `at_once` says yes to (a
-        worker leaving) returns at once too, and does not start the `then_s` clock."""
+        `then_s` after it for the rest. Returns the frames, the frames `at_once` said yes to (a
+        worker leaving: these return at once and do not start the `then_s` clock) and, for peers
+        that failed or stayed silent, why (a connection error, or TimeoutError); returns early
+        at a failure, leaving the frames of peers still to come in their queues."""
         want = list(peers)
         got: dict[int, tuple[torch.Tensor, float]] = {}
+        early: dict[int, tuple[torch.Tensor, float]] = {}
         failed: dict[int, BaseException] = {}
         deadline = time.monotonic() + first_s
         first = True
-        early = False
         with self._cond:
             while True:
                 for p in want:
-                    if p in got or p in failed or not self._queues[p]:
+                    if p in got or p in early or p in failed or not self._queues[p]:
                         continue
                     try:
-                        got[p] = self._take(p)
+                        item = self._take(p)
                     except BaseException as exc:  # noqa: BLE001 - reported per peer
                         failed[p] = exc
-                    if p in got and at_once is not None and at_once(got[p][0]):
+                        continue
+                    if at_once is not None and at_once(item[0]):
                         # A leaver's BYE comes as its peers start computing: timing them from
                         # it would hold them to the loss deadline a whole step early.
-                        early = True
-                    elif first and p in got:
+                        early[p] = item
+                        continue
+                    got[p] = item
+                    if first:
                         first = False
                         deadline = time.monotonic() + then_s
-                pending = [p for p in want if p not in got and p not in failed]
+                pending = [p for p in want if p not in got and p not in early and p not in failed]
                 # A failure returns at once: the caller may have to act on it before the others
                 # can send (a lost relay's peers wait for the server to take over).
                 if not pending or failed or early:
-                    return got, failed
+                    return got, early, failed
                 left = deadline - time.monotonic()
                 if left <= 0:
                     for p in pending:
                         failed[p] = TimeoutError(f"rank {p} sent nothing within {first_s if first else then_s:.1f} s")
-                    return got, failed
+                    return got, early, failed
                 self._cond.wait(left)

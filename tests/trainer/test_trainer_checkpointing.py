@@ -76,3 +76,31 @@ def test_a_background_write_that_fails_raises_when_its_result_is_read(tmp_path) 
     with pytest.raises(OSError):
         ckpts.written(wait=True)
     assert ckpts.step == 0
+
+
+def test_a_pending_checkpoint_is_taken_only_from_the_worker_asked_and_for_its_step(tmp_path) -> None:
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=5, checkpoint_dir=str(tmp_path)))
+    ckpts.asked(5, 2, {"step": 5})
+    assert not ckpts.take(1, _worker_state(5), LAYOUT)  # another worker
+    assert not ckpts.take(2, _worker_state(6), LAYOUT)  # another step
+    assert ckpts.take(2, _worker_state(5), LAYOUT)
+    assert ckpts.pending is None and ckpts.written(wait=True) == [(5, "run-step-00000005.pt")]
+
+
+def test_one_checkpoint_is_on_its_way_at_a_time(tmp_path) -> None:
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=5, checkpoint_dir=str(tmp_path)))
+    ckpts.asked(5, 2, {"step": 5})
+    assert not ckpts.wanted(10)
+
+
+def test_a_checkpoint_whose_worker_is_lost_is_owed_to_the_next_boundary(tmp_path) -> None:
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=5, checkpoint_dir=str(tmp_path)))
+    ckpts.asked(5, 2, {"step": 5})
+    ckpts.lost(1)  # not the worker asked: still pending
+    assert ckpts.pending is not None
+    ckpts.lost(2)
+    assert ckpts.pending is None
+    assert ckpts.wanted(6) and not ckpts.due(6)
+    ckpts.asked(6, 1, {"step": 6})
+    assert ckpts.take(1, _worker_state(6), LAYOUT) and ckpts.written(wait=True) == [(6, "run-step-00000006.pt")]
+    assert not ckpts.wanted(7)  # paid: the schedule goes on from step 6

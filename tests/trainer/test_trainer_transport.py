@@ -88,7 +88,7 @@ def test_an_inbox_delivers_each_peers_frames_in_order_counting_their_bytes_when_
     server.close()
 
 
-def test_a_frame_said_to_come_at_once_returns_at_once_and_does_not_start_the_silence_clock():
+def test_a_frame_said_to_come_at_once_returns_at_once_apart_and_does_not_start_the_silence_clock():
     # A leaver's BYE arrives as its peers start computing; they must not be held to the
     # deadline after the first frame (then_s) from it.
     hub = InMemoryHub(timeout_s=30)
@@ -96,10 +96,10 @@ def test_a_frame_said_to_come_at_once_returns_at_once_and_does_not_start_the_sil
     hub.transport(1).send(0, torch.full((4,), 9, dtype=torch.uint8))
     threading.Timer(0.6, lambda: hub.transport(2).send(0, torch.full((4,), 5, dtype=torch.uint8))).start()
     t0 = time.monotonic()
-    got, failed = inbox.collect([1, 2], first_s=10, then_s=0.3, at_once=lambda raw: int(raw[0]) == 9)
-    assert (list(got), failed) == ([1], {}) and time.monotonic() - t0 < 0.3
-    got, failed = inbox.collect([2], first_s=10, then_s=0.3)
-    assert (int(got[2][0][0]), failed) == (5, {})
+    got, early, failed = inbox.collect([1, 2], first_s=10, then_s=0.3, at_once=lambda raw: int(raw[0]) == 9)
+    assert (got, list(early), failed) == ({}, [1], {}) and time.monotonic() - t0 < 0.3
+    got, early, failed = inbox.collect([2], first_s=10, then_s=0.3)
+    assert (int(got[2][0][0]), early, failed) == (5, {}, {})
 
 
 def test_a_peer_marked_lost_ends_a_wait_on_it_once_its_frames_are_read():
@@ -151,8 +151,8 @@ def test_a_killed_peer_is_noticed_at_once_as_lost(tmp_path):
         inbox = Inbox(server, [3], timeout_s=30, last_kinds=frozenset({LAST}))
         proc.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
-        got, failed = inbox.collect([3], first_s=30, then_s=30)
-        assert not got and isinstance(failed[3], PeerLost)
+        got, early, failed = inbox.collect([3], first_s=30, then_s=30)
+        assert not got and not early and isinstance(failed[3], PeerLost)
         assert time.monotonic() - t0 < 2.0
     finally:
         proc.kill()
