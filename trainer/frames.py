@@ -18,7 +18,6 @@ ABORT, either way, carries the reason a run cannot go on.
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 from dataclasses import dataclass, field
@@ -159,13 +158,16 @@ class State:
 
     def message(self) -> Message:
         # fp32 payloads: the weights cross exactly. The optimizer state is opaque bytes, carried
-        # as base64 text (a third larger, once per join or checkpoint).
-        return Message(STATE, self.step, self.sender, payloads=[_dense(self.params), _dense(self.buffers)],
-                       text=base64.b64encode(self.optimizer).decode("ascii"))
+        # as a raw-byte payload.
+        optimizer = (torch.frombuffer(bytearray(self.optimizer), dtype=torch.uint8) if self.optimizer
+                     else torch.zeros(0, dtype=torch.uint8))
+        return Message(STATE, self.step, self.sender, payloads=[_dense(self.params), _dense(self.buffers),
+                                                                  Payload(optimizer.numel(), optimizer)])
 
     @classmethod
     def parse(cls, m: Message) -> State:
-        return cls(m.sender, m.payloads[0].values, m.payloads[1].values, m.step, base64.b64decode(m.text))
+        params, buffers, optimizer = (p.values for p in m.payloads)
+        return cls(m.sender, params, buffers, m.step, optimizer.numpy().tobytes())
 
 
 @dataclass(frozen=True)

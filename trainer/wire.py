@@ -12,6 +12,8 @@ at most 6 bytes (int32 index + fp16 value) and usually less:
 | 4 | delta16  | (k+f16)*(2+v), f16 = filler entries for gaps over 65535 |
 | 5 | seed     | 8 + k*v (random-k: indices regenerated from the seed) |
 
+Values are fp32, fp16 or fp8, or raw bytes (uint8, dense: a checkpoint's optimizer state).
+
 A delta filler is a zero value at an intermediate position, so decoding by summation is exact.
 fp8 values (e4m3) carry their payload's scale as an fp32 right after the payload header.
 """
@@ -28,8 +30,10 @@ from trainer.compression import FP8, Payload, random_indices
 
 MAGIC = 0x4854
 # Version 3 adds a UTF-8 text section (names of evaluation metrics, a model's layout, a reason
-# to abort), empty and 4 bytes long on every per-step frame.
-VERSION = 3
+# to abort), empty and 4 bytes long on every per-step frame; version 4 raw-byte values (a
+# STATE's optimizer state, which version 3 carried as base64 text: a third larger, and slow
+# to pack and unpack, on the donor's step and the server's thread).
+VERSION = 4
 _MSG = struct.Struct("<HBBqiHBI")
 KIND_OFFSET = 3  # the kind byte, after the magic (2) and the version (1)
 # numel and count as uint32: no single tensor reaches 2**32 elements, and on a small model the
@@ -40,10 +44,10 @@ _SEED = struct.Struct("<q")
 _SCALE = struct.Struct("<f")
 
 DENSE, INT32, BITMAP, DELTA8, DELTA16, SEED = range(6)
-_VALUE_DTYPES = {0: torch.float32, 1: torch.float16, 2: FP8}
+_VALUE_DTYPES = {0: torch.float32, 1: torch.float16, 2: FP8, 3: torch.uint8}
 _VALUE_CODES = {v: k for k, v in _VALUE_DTYPES.items()}
 # numpy has no fp8: its bytes travel as uint8 and are viewed as fp8 again on arrival.
-_NP = {torch.float32: np.float32, torch.float16: np.float16, FP8: np.uint8}
+_NP = {torch.float32: np.float32, torch.float16: np.float16, FP8: np.uint8, torch.uint8: np.uint8}
 
 
 def _scaled(dtype: torch.dtype) -> bool:
@@ -139,7 +143,7 @@ def _delta(indices: torch.Tensor, values: torch.Tensor, max_gap: int) -> tuple[t
             torch.from_numpy(np.insert(values.numpy(), before, 0)))
 
 
-def _encode_payload(p: Payload, out: list[bytes]) -> None:
+def _encode_payload(p: Payload, out: list) -> None:
     if p.numel > _MAX_NUMEL:
         raise ValueError(f"a tensor of {p.numel} elements is over the wire format's 2**32 - 1")
     enc, _ = _encoding(p)
@@ -148,6 +152,8 @@ def _encode_payload(p: Payload, out: list[bytes]) -> None:
         values = values.float()
     vcode = _VALUE_CODES[values.dtype]
     scale = [_SCALE.pack(p.scale)] if _scaled(values.dtype) else []
+    if values.dtype == torch.uint8 and enc != DENSE:
+        raise ValueError("raw-byte values travel dense only")
     if values.dtype == FP8:
         values = values.view(torch.uint8)  # fp8 zero is the byte 0: delta fillers stay zeros
     count = values.numel()
@@ -169,7 +175,7 @@ def _encode_payload(p: Payload, out: list[bytes]) -> None:
             out.append(np.packbits(bits, bitorder="little").tobytes())
         elif enc == SEED:
             out.append(_SEED.pack(p.seed))
-    out.append(values.numpy().tobytes())
+    out.append(values.contiguous().numpy())
 
 
 def _take(buf: memoryview, offset: int, dtype: np.dtype, count: int) -> tuple[np.ndarray, int]:
@@ -221,18 +227,20 @@ def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
 def encode(msg: Message) -> torch.Tensor:
     """The frame as a uint8 tensor, ready for a point-to-point send."""
     text = msg.text.encode()
-    out = [_MSG.pack(MAGIC, VERSION, msg.kind, msg.step, msg.sender, len(msg.scalars), len(msg.payloads),
-                     len(text))]
+    out: list = [_MSG.pack(MAGIC, VERSION, msg.kind, msg.step, msg.sender, len(msg.scalars), len(msg.payloads),
+                           len(text))]
     out.append(np.asarray(msg.scalars, dtype=np.float64).tobytes())
     out.append(text)
     for p in msg.payloads:
         _encode_payload(p, out)
-    return torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8)
+    # One copy: the pieces are numpy arrays where they can be, joined straight into the frame.
+    return torch.frombuffer(bytearray().join(out), dtype=torch.uint8)
 
 
 def decode(frame: torch.Tensor) -> Message:
     """Parse a frame produced by `encode`; raises ValueError on a foreign or truncated frame."""
-    buf = memoryview(frame.numpy().tobytes())
+    # A view, not a copy: every field is copied out of it below (`_take`).
+    buf = memoryview(frame.contiguous().numpy()).cast("B")
     if len(buf) < _MSG.size:
         raise ValueError(f"frame of {len(buf)} bytes is shorter than the header")
     magic, version, kind, step, sender, nscalars, npayloads, ntext = _MSG.unpack_from(buf, 0)

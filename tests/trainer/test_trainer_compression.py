@@ -272,3 +272,19 @@ def test_registry_builds_every_cli_name():
         assert build_compressor(name).name == name
     with pytest.raises(ValueError):
         build_compressor("gzip")
+
+
+def test_raw_bytes_cross_the_wire_dense_and_exactly():
+    data = torch.arange(256, dtype=torch.uint8).repeat(3)
+    out = decode(encode(Message(1, 1, 1, [], [Payload(data.numel(), data)]))).payloads[0]
+    assert out.values.dtype == torch.uint8 and torch.equal(out.values, data)
+    with pytest.raises(ValueError, match="dense"):
+        encode(Message(1, 1, 1, [], [Payload(1000, data[:3], indices=torch.tensor([1, 5, 9]))]))
+
+
+def test_a_decoded_frame_owns_its_values():
+    # Decoding reads the frame in place: what it returns must not change with the frame's buffer.
+    frame = encode(Message(1, 1, 1, [], [Payload(4, torch.ones(4))]))
+    values = decode(frame).payloads[0].values
+    frame.zero_()
+    assert torch.equal(values, torch.ones(4))

@@ -246,3 +246,16 @@ def test_layout_difference_names_a_buffer_size_difference():
 
 def test_layout_counts_its_dense_and_sparse_parts():
     assert (LAYOUT.numel, LAYOUT.sparse_numel) == (720, 640)
+
+
+def test_state_carries_its_optimizer_bytes_exactly_and_as_they_are():
+    # Raw bytes, not base64 text: a checkpoint's optimizer state is as large as the model.
+    optimizer = bytes(range(256)) * 40
+    params = torch.randn(720)
+    raw = pack(State(1, params, torch.zeros(0), 5, optimizer))
+    assert unpack(raw).optimizer == optimizer
+    assert raw.numel() < 4 * params.numel() + len(optimizer) + 100
+
+
+def test_state_without_optimizer_state_round_trips_empty():
+    assert roundtrip(State(1, torch.ones(3), torch.zeros(0))).optimizer == b""
