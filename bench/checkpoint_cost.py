@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from taskpath import unpack_revision  # noqa: E402 - the bench folder is not a package
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hybridtrain.contract import EVENT_CHECKPOINT  # noqa: E402
+from taskpath import train, unpack_revision  # noqa: E402 - the bench folder is not a package
 
 ROOT = Path(__file__).resolve().parent.parent
 # The paper benchmark's workload and compression settings (docs/BENCHMARKS.md, "Paper benchmark").
@@ -44,20 +43,13 @@ SETTLE_STEPS = 3
 
 def run(tree: Path, every: int, args: argparse.Namespace, work: Path) -> dict:
     """One run of `python -m trainer` from `tree`; its step times, split around checkpoints."""
-    out = work / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "trainer", *COMMON, "--global-batch", str(args.global_batch),
-           "--max-steps", str(args.steps), "--eval-every", str(args.steps), "--metrics-out", str(out)]
+    cmd = [*COMMON, "--global-batch", str(args.global_batch), "--max-steps", str(args.steps),
+           "--eval-every", str(args.steps)]
     if every:
         cmd += ["--checkpoint-every", str(every), "--checkpoint-dir", str(work / "checkpoints")]
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    checkpoints = sorted({r["step"] for r in records if r.get("event") == "checkpoint"})
-    return {"wall_s": round(time.monotonic() - t0, 1), "checkpoints": checkpoints,
-            **split_steps(records, args.every)}
+    records, wall_s = train(tree, cmd, work / "metrics.jsonl")
+    checkpoints = sorted({r["step"] for r in records if r.get("event") == EVENT_CHECKPOINT})
+    return {"wall_s": round(wall_s, 1), "checkpoints": checkpoints, **split_steps(records, args.every)}
 
 
 def step_times(records: list[dict]) -> dict[int, float]:
@@ -69,8 +61,10 @@ def step_times(records: list[dict]) -> dict[int, float]:
 def split_steps(records: list[dict], every: int) -> dict:
     """Median step time of the two steps after each checkpointed boundary and of the others."""
     times = {s: t for s, t in step_times(records).items() if s > SETTLE_STEPS}
-    after = [t for s, t in times.items() if (s - 1) % every in (0, 1) and s > every]
-    others = [t for s, t in times.items() if not ((s - 1) % every in (0, 1) and s > every)]
+    # The two steps after each boundary past the first checkpoint: s - 1 or s - 2 a multiple of `every`.
+    near = {s for s in times if s > every and (s - 1) % every in (0, 1)}
+    after = [times[s] for s in sorted(near)]
+    others = [t for s, t in times.items() if s not in near]
     usual = statistics.median(others)
     return {"after_s": statistics.median(after), "others_s": usual,
             "extra_per_checkpoint_s": (sum(after) - len(after) * usual) / (len(after) / 2),

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from taskpath import train  # noqa: E402 - the bench folder is not a package
 
 ROOT = Path(__file__).resolve().parent.parent
 # The paper benchmark's compression settings (docs/BENCHMARKS.md, "Paper benchmark").
@@ -35,16 +36,11 @@ SETTLE_STEPS = 3
 
 def run(task: str, task_args: str, extra: list[str], *, seed: int, args: argparse.Namespace, out: Path) -> dict:
     """One run of `python -m trainer`; its figures, read from its metrics."""
-    cmd = [sys.executable, "-m", "trainer", *COMMON, "--task", task, "--task-args", task_args, *extra,
-           "--workers", str(args.workers), "--global-batch", str(args.global_batch), "--seed", str(seed),
-           "--max-steps", str(args.steps), "--eval-every", str(args.eval_every), "--metrics-out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return {"seed": seed, "wall_s": round(time.monotonic() - t0, 1), **figures(records, args.threshold)}
+    records, wall_s = train(ROOT, [*COMMON, "--task", task, "--task-args", task_args, *extra,
+                                   "--workers", str(args.workers), "--global-batch", str(args.global_batch),
+                                   "--seed", str(seed), "--max-steps", str(args.steps),
+                                   "--eval-every", str(args.eval_every)], out)
+    return {"seed": seed, "wall_s": round(wall_s, 1), **figures(records, args.threshold)}
 
 
 def figures(records: list[dict], threshold: float) -> dict:

@@ -40,18 +40,25 @@ def unpack_revision(revision: str, dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
-def run(tree: Path, args: list[str], steps: int, batch: int, out: Path) -> dict:
-    """One run; the server's median samples/s after warm-up, and the wall time."""
-    cmd = [sys.executable, "-m", "trainer", *COMMON, *args, "--global-batch", str(batch),
-           "--max-steps", str(steps), "--eval-every", str(steps), "--metrics-out", str(out)]
+def train(tree: Path, args: list[str], out: Path) -> tuple[list[dict], float]:
+    """`python -m trainer *args` from the trainer of `tree`, one thread a process; its metric
+    records (written to `out`) and its wall seconds. A failed run stops the benchmark."""
+    cmd = [sys.executable, "-m", "trainer", *args, "--metrics-out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    rates = [r["value"] for r in records if r["name"] == "samples_per_s" and r["rank"] == 0 and r["step"] > 2]
-    return {"samples_per_s": statistics.median(rates), "steps": len(rates), "wall_s": time.monotonic() - t0}
+    return records, time.monotonic() - t0
+
+
+def run(tree: Path, args: list[str], steps: int, batch: int, out: Path) -> dict:
+    """One run; the server's median samples/s after warm-up, and the wall time."""
+    records, wall_s = train(tree, [*COMMON, *args, "--global-batch", str(batch), "--max-steps", str(steps),
+                                   "--eval-every", str(steps)], out)
+    rates = [r["value"] for r in records if r.get("name") == "samples_per_s" and r["rank"] == 0 and r["step"] > 2]
+    return {"samples_per_s": statistics.median(rates), "steps": len(rates), "wall_s": wall_s}
 
 
 def main(argv: list[str] | None = None) -> int:
