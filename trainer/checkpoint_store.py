@@ -152,25 +152,34 @@ class Uploader:
 
 
 def load_latest(cfg) -> dict | None:
-    """The run's latest checkpoint state for --resume: the store's when the run has one (its
-    checksum verified), else the newest file in checkpoint_dir; None (and a line saying so)
-    when there is none, and the run starts from step 0."""
+    """The run's latest checkpoint state for --resume: the newer of the store's (its checksum
+    verified) and the newest file in checkpoint_dir, so a server restarted where it ran does not
+    lose a checkpoint that was written but not yet uploaded when it died; None (and a line saying
+    so) when there is none, and the run starts from step 0."""
     from trainer import checkpoint
 
+    steps = checkpoint.saved_steps(cfg.checkpoint_dir)
+    local_step = steps[-1] if steps else 0
+    local = checkpoint.run_path(cfg.checkpoint_dir, local_step) if steps else None
     if cfg.checkpoint_url:
         got = download(cfg.checkpoint_url, cfg.report_token)
-        if got is None:
+        if got is not None and got[0] >= local_step:
+            step, data = got
+            state = checkpoint.read(data, cfg)
+            print(f"[checkpoint] --resume: step {step} from the run's store", file=sys.stderr, flush=True)
+            return state
+        if local is None:
             print("[checkpoint] --resume: the run's store has no checkpoint yet; starting from step 0",
                   file=sys.stderr, flush=True)
             return None
-        step, data = got
-        state = checkpoint.read(data, cfg)
-        print(f"[checkpoint] --resume: step {step} from the run's store", file=sys.stderr, flush=True)
-        return state
-    path = checkpoint.latest(cfg.checkpoint_dir)
-    if path is None:
+        # The upload of this file had not finished: the store holds an older step or none.
+        stored = f"the store's latest is step {got[0]}" if got is not None else "the store has none yet"
+        print(f"[checkpoint] --resume: step {local_step} from {local} ({stored}: its upload had not "
+              "finished)", file=sys.stderr, flush=True)
+        return checkpoint.read(local, cfg)
+    if local is None:
         print(f"[checkpoint] --resume: no checkpoint in {cfg.checkpoint_dir}; starting from step 0",
               file=sys.stderr, flush=True)
         return None
-    print(f"[checkpoint] --resume: {path}", file=sys.stderr, flush=True)
-    return checkpoint.read(path, cfg)
+    print(f"[checkpoint] --resume: {local}", file=sys.stderr, flush=True)
+    return checkpoint.read(local, cfg)

@@ -208,6 +208,17 @@ def test_a_run_uploads_its_checkpoints_and_a_restart_elsewhere_resumes_from_the_
     assert max(store.saved) == 30
 
 
+def test_a_restart_where_the_server_ran_resumes_from_a_checkpoint_its_upload_had_not_finished(store, tmp_path):
+    url = ["--checkpoint-url", store.url, "--report-token", TOKEN]
+    ck = ["--checkpoint-dir", str(tmp_path / "node-a")]
+    _ps_run(tmp_path, 2, 20, *url, *ck, name="first")
+    # The server died after writing step 20's file, before its upload was stored.
+    store.saved.pop(20)
+    proc, resumed = _ps_run(tmp_path, 2, 30, *url, *ck, "--resume", name="resumed")
+    assert "step 20 from" in proc.stderr and "upload had not finished" in proc.stderr
+    assert min(series(resumed, "loss")) == 21
+
+
 def test_a_resume_with_an_empty_store_starts_from_step_0_and_says_so(store, tmp_path):
     proc, records = _ps_run(tmp_path, 2, 10, "--checkpoint-url", store.url, "--report-token", TOKEN,
                             "--checkpoint-dir", str(tmp_path / "ck"), "--resume", name="run")
