@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.groups import create_time
 from agents.spec import RoleSpec
 
 # Long lines (a tensor printed whole) are cut so one line cannot fill a log batch.
@@ -132,6 +133,26 @@ def from_record(spec: RoleSpec, record: dict[str, Any], state_dir: Path) -> Role
     for flag in (role.leader_exited, role.gone, role.finished):
         flag.set()
     return role
+
+
+def record_of(role: RoleProcess) -> dict[str, Any]:
+    """The ledger's record of a started role (agents.records): what `from_record` and
+    `agents.restart` need after the agent process that started it is gone."""
+    spec = role.spec
+    return {
+        "run_id": spec.run_id,
+        "rank": spec.rank,
+        "role": spec.role,
+        "pid": role.pid,
+        "create_time": create_time(role.pid),
+        "log": str(role.log_path),
+        "spool": str(role.spool) if role.spool else None,
+        "metrics": str(role.metrics) if role.metrics else None,
+        "metrics_from": role.metrics_from,
+        "report_url": spec.report_url,
+        "report_token": spec.report_token,
+        "attempt": spec.attempt,
+    }
 
 
 def exit_reason(role: RoleProcess) -> str | None:

@@ -10,6 +10,7 @@ bundle unpacked there (once per run), and the trainer is told so (`--code-dir`):
 directory first on its import path once its own packages are loaded, and PYTHONSAFEPATH keeps
 `python -m trainer` from finding a user's own `trainer/` in the working directory first. A
 bundle that cannot be fetched or unpacked ends the role before it starts, reported as an exit.
+Fetching the code, a role's files and the command line naming them are `agents.role_files`.
 
 Per role, one reader thread copies output to `runs/<run>/rank<R>.log` and a bounded buffer
 (agents.log_shipping); one watcher thread reports "started", waits for the guard to exit
@@ -39,26 +40,15 @@ from typing import Any
 
 from agents.bundles import BundleCache
 from agents.errors import BundleError, LaunchError
-from agents.groups import Spawner, create_time, killpg, wait_group_empty
+from agents.groups import Spawner, killpg, wait_group_empty
 from agents.log_shipping import LogShipper
 from agents.outbox import EVENT, Entry, Message, Outbox, Transport
 from agents.records import EXITED, RoleRecords
+from agents.reports import toward_server, undelivered_messages
 from agents.restart import report_lost_roles
-from agents.reports import (
-    METRICS_OPTIONS, SPOOL_FILE, file_size, metrics_file, toward_server, undelivered_messages, with_flag,
-)
-from agents.roles import (
-    LINK_SECRET_FILE,
-    TOKEN_FILE,
-    role_env,
-    write_secret,
-    NOT_STARTED_EXIT_CODE,
-    RoleProcess,
-    exit_reason,
-    from_record,
-    redact,
-)
-from agents.spec import RoleSpec, free_port, trainer_argv
+from agents.role_files import lay_out, prepare_code
+from agents.roles import NOT_STARTED_EXIT_CODE, RoleProcess, exit_reason, from_record, record_of, redact, role_env
+from agents.spec import RoleSpec, free_port
 from hybridtrain.contract import CAUSE_AGENT_STOPPING, CAUSE_CANCEL
 
 log = logging.getLogger(__name__)
@@ -140,7 +130,7 @@ class Supervisor:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._preparing.add(key)
         try:
-            code_dir = self._prepare_code(spec, run_dir)
+            code_dir = prepare_code(self.bundles, spec, run_dir)
         except BundleError as exc:
             return self._fail_before_start(spec, run_dir, str(exc))
         finally:
@@ -153,28 +143,8 @@ class Supervisor:
             if existing is not None:
                 return existing
             log_path = run_dir / f"rank{spec.rank}.log"
-            rank_dir = run_dir / f"rank{spec.rank}"
-            rank_dir.mkdir(parents=True, exist_ok=True)
-            metrics = metrics_file(spec.options, rank_dir)
-            options = {k: v for k, v in spec.options.items() if k not in METRICS_OPTIONS}
-            spec = spec.model_copy(update={"options": {**options, "metrics-out": str(metrics.resolve())}})
-            # A rank launched again (a restart, a rejoin) appends: only what this launch wrote
-            # is this role's to deliver after a crash.
-            metrics_from = file_size(metrics)
-            argv = trainer_argv(spec, self.trainer_command)
-            spool = None
-            if spec.report_url:
-                # What the trainer could not deliver before it exits; posted after the exit.
-                spool = rank_dir / SPOOL_FILE
-                spool.unlink(missing_ok=True)
-                argv = with_flag(argv, "--report-spool", str(spool.resolve()), after=len(self.trainer_command))
-            for secret, name, flag in ((spec.report_token, TOKEN_FILE, "--report-token-file"),
-                                       (spec.link_secret, LINK_SECRET_FILE, "--link-secret-file")):
-                if secret:
-                    # Not on the command line, which anyone on the node can read in `ps`.
-                    path = write_secret(rank_dir / name, secret)
-                    argv = with_flag(argv, flag, str(path.resolve()), after=len(self.trainer_command))
-            argv = with_code_dir(argv, code_dir, after=len(self.trainer_command))
+            files = lay_out(spec, self.trainer_command, run_dir / f"rank{spec.rank}", code_dir)
+            spec, argv = files.spec, files.argv
             # -I: the role's cwd holds the user's code, which must not shadow the guard's own
             # package (a user's `agents/` directory, say).
             guard = [sys.executable, "-I", "-m", "agents.guard", str(os.getpid()), "--", *argv]
@@ -194,10 +164,10 @@ class Supervisor:
                 )
             except OSError as exc:
                 raise LaunchError(f"cannot start run {spec.run_id} rank {spec.rank}: {exc}") from exc
-            role = RoleProcess(spec=spec, proc=proc, log_path=log_path, started_at=time.time(), spool=spool,
-                               metrics=metrics, metrics_from=metrics_from)
+            role = RoleProcess(spec=spec, proc=proc, log_path=log_path, started_at=time.time(), spool=files.spool,
+                               metrics=files.metrics, metrics_from=files.metrics_from)
             self._roles[role.key] = role
-            self._write_record(role)
+            self.records.started(record_of(role))
         log.info(
             "started run %s rank %s (%s) as pid %s: %s",
             spec.run_id, spec.rank, spec.role, proc.pid, " ".join(redact(argv)),
@@ -260,17 +230,6 @@ class Supervisor:
             self.outbox.put(EVENT, spec.run_id, existing.exit_event)
         return existing
 
-    def _prepare_code(self, spec: RoleSpec, run_dir: Path) -> Path | None:
-        """The unpacked bundle of `spec` (fetched if needed), or None without a bundle."""
-        if spec.bundle is None:
-            return None
-        if self.bundles is None:
-            raise BundleError(f"bundle {spec.bundle.short}: this agent has no bundle cache")
-        if not spec.report_token:
-            raise BundleError(f"bundle {spec.bundle.short}: the launch order carries no run token to fetch it with")
-        archive = self.bundles.ensure(spec.bundle, spec.report_token)
-        return self.bundles.unpack(archive, run_dir / "code", ref=spec.bundle)
-
     def _fail_before_start(self, spec: RoleSpec, run_dir: Path, why: str) -> RoleProcess:
         """Record and report a role that ended before its process could start."""
         now = time.time()
@@ -289,7 +248,7 @@ class Supervisor:
         with contextlib.suppress(OSError), open(role.log_path, "a") as sink:
             sink.write(why + "\n")
         log.warning("run %s rank %s not started: %s", spec.run_id, spec.rank, why)
-        self._write_record(role)
+        self.records.started(record_of(role))
         self._report_exit(role)
         return role
 
@@ -465,23 +424,6 @@ class Supervisor:
         """The roles as the heartbeat reports them."""
         return [r.snapshot() for r in self.roles()]
 
-    def _write_record(self, role: RoleProcess) -> None:
-        spec = role.spec
-        self.records.started({
-            "run_id": spec.run_id,
-            "rank": spec.rank,
-            "role": spec.role,
-            "pid": role.pid,
-            "create_time": create_time(role.pid),
-            "log": str(role.log_path),
-            "spool": str(role.spool) if role.spool else None,
-            "metrics": str(role.metrics) if role.metrics else None,
-            "metrics_from": role.metrics_from,
-            "report_url": spec.report_url,
-            "report_token": spec.report_token,
-            "attempt": spec.attempt,
-        })
-
     def reap_stale(self) -> list[dict[str, Any]]:
         """Report the roles that died with a previous agent process on this state dir, and
         kill whatever of them is left; returns their records (see agents.restart)."""
@@ -493,13 +435,3 @@ class Supervisor:
         if self._owns_outbox:
             self.outbox.drain(timeout_s=5.0)
             self.outbox.close()
-
-
-def with_code_dir(argv: list[str], code_dir: Path | None, *, after: int) -> list[str]:
-    """`argv` with `--code-dir DIR` among the trainer's options (after the first `after` words,
-    the trainer command)."""
-    if code_dir is None:
-        return argv
-    # Absolute: the role starts in that directory, where a relative path (an agent run with a
-    # relative --state-dir, as `hybridtrain local` does) would point below itself.
-    return with_flag(argv, "--code-dir", str(Path(code_dir).resolve()), after=after)

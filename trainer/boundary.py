@@ -1,6 +1,7 @@
-"""What the parameter server does between rounds: the start, losses, leaves, joins, the
-min_workers wait, checkpoints and preemption (docs/elastic.md). `trainer.server` answers the
-rounds themselves; this mixin changes who takes part in them, only at a step boundary.
+"""What the parameter server does between rounds: losses, leaves, joins, the min_workers
+wait, checkpoints and preemption (docs/elastic.md). `trainer.server` answers the rounds
+themselves; this mixin changes who takes part in them, only at a step boundary. The start is
+`trainer.handshake`'s; the checkpoints' conversation is `trainer.checkpointing.Checkpointing`'s.
 
 1. A worker is lost when its connection ends (a killed process: end-of-file) or when it sends
    nothing for `Roster.loss_deadline_s()` after its peers' frames of a round (a silent node, a
@@ -15,8 +16,8 @@ rounds themselves; this mixin changes who takes part in them, only at a step bou
    have had it: one WAN copy per site, not one per worker (`Roster.relay_for`).
 4. Below --min-workers the server waits for joiners up to --min-workers-wait-s, then fails.
 5. Checkpoints: at a boundary every --checkpoint-every steps or --checkpoint-every-s seconds,
-   one file from the server's state and a live worker's, asked for here and written by
-   `trainer.checkpointing.Checkpointer`; on SIGTERM one last checkpoint, then the run stops.
+   one file from the server's state and a live worker's, asked for and written by
+   `trainer.checkpointing`; on SIGTERM one last checkpoint, then the run stops.
    A scheduled one does not hold the run up: the server keeps a copy of its own state, asks
    the worker (FETCH) and goes on with the next round; the worker answers after that step's
    gradient (its state is still the boundary's), and the file is written on a thread as the
@@ -31,16 +32,8 @@ import time
 
 import torch
 
-from hybridtrain.contract import (
-    EVENT_CHECKPOINT,
-    EVENT_RESUMED,
-    EVENT_WAITING,
-    EVENT_WORKER_JOINED,
-    EVENT_WORKER_LEFT,
-    EVENT_WORKER_LOST,
-    steps_for_epochs,
-)
-from trainer.checkpointing import Checkpointer
+from hybridtrain.contract import EVENT_WAITING, EVENT_WORKER_JOINED, EVENT_WORKER_LEFT, EVENT_WORKER_LOST
+from trainer.checkpointing import Checkpointer, Checkpointing
 from trainer.frames import (
     BYE,
     GRAD,
@@ -50,28 +43,20 @@ from trainer.frames import (
     Bye,
     Fetch,
     Hello,
-    LayoutSpec,
     ProtocolError,
     Route,
     State,
-    Welcome,
     expect,
     pack,
     unpack,
 )
+from trainer.handshake import Handshake
 from trainer.membership import Member
 from trainer.wire import peek_kind
 
 RESIDUAL_GONE = "its error-feedback residual (the part of its gradient not sent yet) is gone"
 
 
-# A resumed run starts once --min-workers have said HELLO and no other has for this long: its
-# workers may have gaps in their ranks (a lost node), and a late one joins. A fresh run instead
-# waits up to --start-wait-s (120 s) for every planned worker: start-up differs by tens of
-# seconds between nodes (imports and the task's data on a full core or on a third of one: 25 s
-# on the paper testbed's ResNet-18), and a worker admitted later is a joiner, which misses the
-# site relay plan, so its site pays one WAN copy of every update per worker.
-START_QUIET_S = 20.0
 # A worker its site's relay left out of the site's frame is read this long for a BYE it sent
 # on leaving (it says so to the server before its relay) before it counts as lost.
 LEAVE_GRACE_S = 2.0
@@ -96,9 +81,10 @@ class TooFewWorkers(ProtocolError):
     """Fewer than --min-workers for --min-workers-wait-s: the run fails (no restart)."""
 
 
-class Boundary:
+class Boundary(Handshake, Checkpointing):
     """The membership side of `trainer.server.ParameterServer` (which provides cfg, roster,
-    transport, inbox, metrics, layout, step, configure(), state_dict())."""
+    transport, inbox, metrics, layout, step, configure(), state_dict()); its start is
+    `trainer.handshake`'s, its checkpoints' conversation `trainer.checkpointing`'s."""
 
     def __init__(self) -> None:
         self.elastic = hasattr(self.transport, "arrivals")
@@ -112,110 +98,10 @@ class Boundary:
         self._relayed: dict[int, tuple[int, int]] = {}
         self._covered: dict[int, tuple[int, int]] = {}
         self.checkpoints = Checkpointer(self.cfg)
-        self._resume_model: State | None = None
-        self._resume_layout: LayoutSpec | None = None
 
     def say(self, text: str) -> None:
         """One line on stderr (the run's log)."""
         print(f"[ps] {text}", file=sys.stderr, flush=True)
-
-    # -- the start -------------------------------------------------------------------------------------
-    def resume(self, state: dict) -> None:
-        """Continue from a checkpoint (trainer.checkpoint): the workers get its model."""
-        self.load_state_dict({**state["server"], "step": state["step"]})
-        self.checkpoints.step = state["step"]
-        lay = state["layout"]
-        self._resume_layout = LayoutSpec(tuple(lay["names"]), tuple(lay["numels"]), lay["dense_numel"],
-                                         lay["buffer_numel"])
-        self._resume_model = State(SERVER, state["params"], state["buffers"], state["step"], state["optimizer"])
-
-    def _initial_hellos(self) -> dict[int, tuple[Hello, str | None]]:
-        if not self.elastic:
-            for w in range(1, self.cfg.workers + 1):
-                self.inbox.add(w)
-            return {w: (expect(self.inbox.get(w)[0], Hello, peer=w), None) for w in range(1, self.cfg.workers + 1)}
-        hellos: dict[int, tuple[Hello, str | None]] = {}
-        start = last = time.monotonic()
-        deadline = start + self.cfg.timeout_s
-        fresh = self._resume_model is None
-        said = False
-        while len(hellos) < self.cfg.workers and time.monotonic() < deadline:
-            now = time.monotonic()
-            if len(hellos) >= max(1, self.cfg.min_workers):
-                if now - (start if fresh else last) > (self.cfg.start_wait_s if fresh else START_QUIET_S):
-                    break
-                if fresh and not said and now - last > min(START_QUIET_S, self.cfg.start_wait_s / 2):
-                    missing = sorted(set(range(1, self.cfg.workers + 1)) - set(hellos))
-                    self.say(f"{len(hellos)} of {self.cfg.workers} workers connected; waiting up to "
-                             f"{min(self.cfg.start_wait_s, self.cfg.timeout_s):.0f} s from the start for "
-                             f"rank(s) {', '.join(map(str, missing))}, then starting without them")
-                    said = True
-            try:
-                conn, raw, host = self.transport.arrivals.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                continue
-            try:
-                hello = expect(raw, Hello)
-            except ProtocolError as exc:
-                self.transport.refuse(conn, pack(Abort(SERVER, str(exc))))
-                continue
-            if hello.sender < 1 or hello.sender in hellos:
-                self.transport.refuse(conn, pack(Abort(SERVER, f"rank {hello.sender} is taken or not a worker's")))
-                continue
-            self.transport.adopt(hello.sender, conn, raw)
-            self.inbox.add(hello.sender)
-            hellos[hello.sender] = (hello, host)
-            last = time.monotonic()
-        if len(hellos) < max(1, self.cfg.min_workers):
-            raise ProtocolError(f"only {len(hellos)} of {self.cfg.workers} workers connected within "
-                                f"{self.cfg.timeout_s:.0f} s (--timeout-s); --min-workers is {self.cfg.min_workers}")
-        return hellos
-
-    def _handshake(self) -> None:
-        hellos = self._initial_hellos()
-        ranks = sorted(hellos)
-        first = hellos[ranks[0]][0]
-        for w, (hello, _) in hellos.items():
-            diff = first.layout.difference(hello.layout)
-            if diff:
-                raise ProtocolError(f"the model replicas differ: worker {ranks[0]} and worker {w} "
-                                    f"built different models ({diff}); the task's model factory must "
-                                    "build the same architecture on every rank")
-        if self._resume_layout is not None and self._resume_layout.difference(first.layout):
-            raise ProtocolError(f"the checkpoint's model differs from the workers' "
-                                f"({self._resume_layout.difference(first.layout)}): resume the same task")
-        for w, (hello, host) in hellos.items():
-            speed = hello.speed or (self.cfg.speeds[w - 1] if w <= len(self.cfg.speeds) else None)
-            address = (host, hello.listen_port) if host and hello.listen_port else None
-            self.roster.add(Member(w, speed, hello.site, address))
-        if ranks != list(range(1, self.cfg.workers + 1)):
-            self.roster.resplit()
-        self.configure(first.layout)
-        if self.cfg.epochs:
-            if not first.train_samples:
-                raise ProtocolError("--epochs needs a training set whose length is known (a map-style "
-                                    "Dataset); give --max-steps for a streaming one")
-            self.max_steps = steps_for_epochs(self.cfg.epochs, first.train_samples, self.cfg.global_batch)
-        donor = SERVER if self._resume_model is not None else ranks[0]
-        peers = {m.rank: m.address for m in self.roster.members.values() if m.address}
-        for w in ranks:
-            self.transport.send(w, pack(self._welcome(w, donor=donor, peers=peers)))
-        if self._resume_model is not None:
-            self.transport.send_many(ranks, pack(self._resume_model))
-            self.metrics.event(self.step, EVENT_RESUMED, detail=f"from the checkpoint of step {self.step}, "
-                               f"with {len(ranks)} workers; the workers' error-feedback residuals start empty")
-            self.say(f"resumed from step {self.step} with {len(ranks)} workers")
-            self._resume_model = None
-        else:
-            state = expect(self.inbox.get(donor)[0], State, peer=donor)
-            self.transport.send_many([w for w in ranks if w != donor], pack(state))
-        self.metrics.log(self.step, "params", self.layout.numel)
-        self.metrics.log(self.step, "max_steps", self.max_steps)
-        self._t0 = time.time()
-
-    def _welcome(self, rank: int, *, donor: int, peers: dict | None = None, catch_up: bool = False) -> Welcome:
-        return Welcome(tuple(self.roster.batch_sizes), tuple(self.roster.densities), self.max_steps, self.step,
-                       donor, catch_up, self.roster.source(rank), peers or {}, self.roster.forwards(rank))
 
     # -- between rounds ------------------------------------------------------------------------------
     def boundary(self) -> None:
@@ -482,44 +368,7 @@ class Boundary:
                 continue
             self._arrive(conn, raw, host)
 
-    # -- checkpoints and the end --------------------------------------------------------------------------
-    def _ask_for_checkpoint(self) -> None:
-        """Ask a live worker for its state for this step's checkpoint, keeping a snapshot of the
-        server's; the rounds go on, and `_take_state` writes the file when the answer comes."""
-        donor = self.roster.donor()
-        if donor is not None and self._send_fetch(donor):
-            self.checkpoints.asked(self.step, donor, self.state_dict())
-
-    def _take_state(self, rank: int, state: State) -> None:
-        """A STATE read in a round: the answer to the scheduled checkpoint's FETCH, written in
-        the background. (No other FETCH is on its way then: `_settle_checkpoint` sees to it.)"""
-        if not self.checkpoints.take(rank, state, self.layout):
-            self.say(f"rank {rank}'s state of step {state.step} came unasked; dropped")
-
-    def _settle_checkpoint(self, *, after_bye: bool = False) -> None:
-        """Before another FETCH (a joiner's, the last checkpoint's): wait for the answer to the
-        scheduled one, so the two answers cannot be taken for each other."""
-        pending = self.checkpoints.pending
-        if pending is None:
-            return
-        state = self.fetch_state(pending.donor, after_bye=after_bye, ask=False)
-        if state is not None:
-            self._take_state(pending.donor, state)
-
-    def _log_checkpoints(self, *, wait: bool = False) -> None:
-        for step, detail in self.checkpoints.written(wait=wait):
-            self.metrics.event(step, EVENT_CHECKPOINT, detail=detail)
-
-    def checkpoint(self, *, after_bye: bool = False) -> bool:
-        """Write the run's checkpoint of this step (and upload it) now; False without a live worker."""
-        answer = self._state_of_a_live_worker(after_bye=after_bye)
-        if answer is None:
-            return False
-        _, state = answer
-        detail = self.checkpoints.write(self.step, self.state_dict(), self.layout, state)
-        self.metrics.event(self.step, EVENT_CHECKPOINT, detail=detail)
-        return True
-
+    # -- the end ------------------------------------------------------------------------------------------
     def _preempt(self) -> None:
         ckpts = self.checkpoints
         self._settle_checkpoint()
@@ -539,11 +388,3 @@ class Boundary:
             self.checkpoint(after_bye=True)
         self.transport.send_many(self.roster.ranks(), pack(Bye(self.step, SERVER)))
         self.flush_bytes()
-
-    def close_store(self) -> None:
-        """Wait for the checkpoints being written and (bounded) for the last one's upload."""
-        try:
-            self._log_checkpoints(wait=True)
-        except Exception as exc:  # noqa: BLE001 - the run is ending; a failed write must not hide why
-            self.say(f"a checkpoint could not be written: {exc}")
-        self.checkpoints.close(60.0)

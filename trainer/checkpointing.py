@@ -4,7 +4,8 @@ layout, written by `trainer.checkpoint` and uploaded in the background by
 `trainer.checkpoint_store.Uploader` when the run has a store. A scheduled checkpoint is asked
 for and taken off the server's path: the `Pending` one keeps the server's state of its step
 while the worker's answer is on its way, and the file is written on a thread of its own, so
-the rounds go on. Choosing the worker and talking to it is the server's (`trainer.boundary`)."""
+the rounds go on. `Checkpointing`, a mixin of `trainer.server.ParameterServer`, is the server's
+side: which worker it asks at a boundary, and what it does with the answer."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridtrain.contract import EVENT_CHECKPOINT
 from trainer import checkpoint
 from trainer.checkpoint_store import Uploader
 from trainer.config import TrainConfig
@@ -129,3 +131,53 @@ class Checkpointer:
         uploaded = self.uploader.close(deadline_s) if self.uploader is not None else False
         self.uploader = None
         return uploaded
+
+
+class Checkpointing:
+    """The server's side of checkpoints (`trainer.server.ParameterServer` provides checkpoints,
+    roster, metrics, layout, step, say(), state_dict(), and `trainer.boundary` the FETCHes)."""
+
+    def _ask_for_checkpoint(self) -> None:
+        """Ask a live worker for its state for this step's checkpoint, keeping a snapshot of the
+        server's; the rounds go on, and `_take_state` writes the file when the answer comes."""
+        donor = self.roster.donor()
+        if donor is not None and self._send_fetch(donor):
+            self.checkpoints.asked(self.step, donor, self.state_dict())
+
+    def _take_state(self, rank: int, state: State) -> None:
+        """A STATE read in a round: the answer to the scheduled checkpoint's FETCH, written in
+        the background. (No other FETCH is on its way then: `_settle_checkpoint` sees to it.)"""
+        if not self.checkpoints.take(rank, state, self.layout):
+            self.say(f"rank {rank}'s state of step {state.step} came unasked; dropped")
+
+    def _settle_checkpoint(self, *, after_bye: bool = False) -> None:
+        """Before another FETCH (a joiner's, the last checkpoint's): wait for the answer to the
+        scheduled one, so the two answers cannot be taken for each other."""
+        pending = self.checkpoints.pending
+        if pending is None:
+            return
+        state = self.fetch_state(pending.donor, after_bye=after_bye, ask=False)
+        if state is not None:
+            self._take_state(pending.donor, state)
+
+    def _log_checkpoints(self, *, wait: bool = False) -> None:
+        for step, detail in self.checkpoints.written(wait=wait):
+            self.metrics.event(step, EVENT_CHECKPOINT, detail=detail)
+
+    def checkpoint(self, *, after_bye: bool = False) -> bool:
+        """Write the run's checkpoint of this step (and upload it) now; False without a live worker."""
+        answer = self._state_of_a_live_worker(after_bye=after_bye)
+        if answer is None:
+            return False
+        _, state = answer
+        detail = self.checkpoints.write(self.step, self.state_dict(), self.layout, state)
+        self.metrics.event(self.step, EVENT_CHECKPOINT, detail=detail)
+        return True
+
+    def close_store(self) -> None:
+        """Wait for the checkpoints being written and (bounded) for the last one's upload."""
+        try:
+            self._log_checkpoints(wait=True)
+        except Exception as exc:  # noqa: BLE001 - the run is ending; a failed write must not hide why
+            self.say(f"a checkpoint could not be written: {exc}")
+        self.checkpoints.close(60.0)

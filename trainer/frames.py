@@ -33,6 +33,8 @@ HELLO, WELCOME, STATE, GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT, BY
 KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", STATE: "STATE", GRAD: "GRAD", UPDATE: "UPDATE",
               BUFFERS: "BUFFERS", BUFFERS_AVG: "BUFFERS_AVG", EVAL: "EVAL",
               EVAL_RESULT: "EVAL_RESULT", BYE: "BYE", ABORT: "ABORT", FETCH: "FETCH", ROUTE: "ROUTE"}
+# A peer's last frame: after one of these its receiving thread stops (trainer.transport.Inbox).
+LAST_KINDS = frozenset({BYE, ABORT})
 
 
 def _dense(values: torch.Tensor) -> Payload:

@@ -24,6 +24,7 @@ from torch import nn
 
 from trainer.algorithm import apply_payload, chunk_pieces
 from trainer.frames import Update
+from trainer.sgd_rules import hyperparameter_values, hyperparameters
 
 log = logging.getLogger("trainer.ps")
 
@@ -129,7 +130,7 @@ class ApplyInForward:
         the last the next densities."""
         c = update.chunk
         a, b = self.bounds[c]
-        lrs = [g["lr"] for g in (self._applying_hyper or self._hyperparameter_values())]
+        lrs = [g["lr"] for g in (self._applying_hyper or hyperparameter_values(self.optimizer))]
         grad = self._scratch[: b - a]
         apply_payload(grad, update.sparse)
         with torch.no_grad():
@@ -141,7 +142,7 @@ class ApplyInForward:
             held = self.flat_grad[:nd].clone() if self._sending is not None else None
             self.flat_grad[:nd].copy_(update.dense.values.to(self.device, torch.float32))
             try:
-                with self._hyperparameters(self._applying_hyper):
+                with hyperparameters(self.optimizer, self._applying_hyper):
                     self._step_dense()
             finally:
                 if held is not None:

@@ -1,6 +1,7 @@
 """The parameter-server strategies (`ps`, `ps-gc`, `ps-bz-gc`): the worker's side of a step
 (`PSClient`), over the frames of `trainer.frames` and the pure steps of `trainer.algorithm`;
-the server is `trainer.server.ParameterServer`.
+the server is `trainer.server.ParameterServer`, and the two share `trainer.codec_state`. How a
+torch optimizer is adapted (steps 1 and 4 below) is `trainer.sgd_rules`.
 
 Per step t (seed 000, section III; the numbers are `trainer.algorithm`'s):
  1. The user's code (or the task loop) computes worker m's gradient on its n_m samples; for an
@@ -39,26 +40,18 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from trainer.algorithm import (
-    Layout,
-    apply_payload,
-    chunks,
-    correction_momentum,
-    float_buffers,
-    worker_sparsify,
-)
-from trainer.compression import CompressionState, Compressor, Identity, Payload, build_compressor
+from trainer.algorithm import Layout, apply_payload, chunks, float_buffers, worker_sparsify
+from trainer.codec_state import codec, dense_chunk, join_residuals, split_residual
+from trainer.compression import CompressionState, Payload
 from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.frames import (
-    ABORT,
     BYE,
+    LAST_KINDS,
     ROUTE,
     UPDATE,
     Buffers,
@@ -77,6 +70,7 @@ from trainer.metrics import MetricsLogger
 from trainer.pass_hooks import ApplyInForward, OverlapHooks
 from trainer.relay import SERVER
 from trainer.session import Session
+from trainer.sgd_rules import SgdRules, adapt_sgd, add_decay, hyperparameter_values, hyperparameters, sgd_step
 from trainer.site_combine import SiteCombiner
 from trainer.transport import Inbox, Transport
 from trainer.wire import peek_kind
@@ -84,43 +78,6 @@ from trainer.wire import peek_kind
 log = logging.getLogger("trainer.ps")
 
 CPU = torch.device("cpu")
-_LAST = frozenset({BYE, ABORT})
-
-
-def _join_residuals(states: list[CompressionState]) -> torch.Tensor | None:
-    """One flat residual of the chunks' (None until every chunk has one): checkpoints keep the
-    same shape whatever the chunking."""
-    if any(s.residual is None for s in states):
-        return None
-    return states[0].residual if len(states) == 1 else torch.cat([s.residual for s in states])
-
-
-def _split_residual(states: list[CompressionState], residual: torch.Tensor | None,
-                    bounds: tuple[tuple[int, int], ...]) -> None:
-    for s, (a, b) in zip(states, bounds):
-        s.residual = None if residual is None else residual[a:b].clone()
-
-
-def _codec(cfg: TrainConfig, name: str) -> Compressor:
-    if not cfg.compresses:
-        return Identity()
-    return build_compressor(name, value_dtype=cfg.value_dtype, error_feedback=cfg.error_feedback,
-                            select=cfg.select)
-
-
-def dense_chunk(cfg: TrainConfig) -> int:
-    """The chunk whose frames carry the dense part: the first, or the last with --overlap."""
-    return cfg.pipeline_chunks - 1 if cfg.overlap else 0
-
-
-@dataclass
-class _SgdRules:
-    """How a torch SGD optimizer is adapted: decay moves into the gradient (step 1), and under
-    momentum correction the compressed tensors skip the optimizer's momentum (step 4)."""
-
-    decay: list[float] = field(default_factory=list)  # per param group, moved out of the optimizer
-    decay_of: dict = field(default_factory=dict)  # parameter -> its group's decay (overlap's hooks)
-    momentum: float = 0.0  # the velocity's factor; 0 when momentum correction is off
 
 
 @dataclass
@@ -162,7 +119,7 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         self.batch_sizes = initial_batch_sizes(cfg)
         self.densities = [cfg.density] * cfg.workers
         self.max_steps = cfg.max_steps
-        self.codec = _codec(cfg, cfg.compressor)
+        self.codec = codec(cfg, cfg.compressor)
         self.bounds = chunks(self.layout.sparse_numel, cfg.pipeline_chunks)
         # One codec state (residual) per chunk: each chunk is compressed on its own.
         self.codec_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
@@ -203,7 +160,7 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         self.unacked: list[tuple[int, torch.Tensor]] = []
         # The server may pause below --min-workers: a worker waits that long on top.
         wait = cfg.timeout_s + (cfg.min_workers_wait_s if cfg.min_workers > 1 else 0.0)
-        self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=_LAST, on_frame=self._forward)
+        self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=LAST_KINDS, on_frame=self._forward)
         self.left = False
         self.ended_by_server = False
         # Delayed updates: the step whose gradient has been sent but whose update is not applied
@@ -232,29 +189,13 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
 
     def _relay_site(self, members: tuple[int, ...]) -> None:
         """Combine `members`' chunks with this worker's own from now on (none: stop)."""
-        self.combiner = (SiteCombiner(self.rank, members, self.bounds, _codec(self.cfg, "topk"), seed=self.cfg.seed)
+        self.combiner = (SiteCombiner(self.rank, members, self.bounds, codec(self.cfg, "topk"), seed=self.cfg.seed)
                          if members else None)  # fmt: skip
 
     # -- the optimizer --------------------------------------------------------------------------
-    def _adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> _SgdRules:
-        rules = _SgdRules()
-        if not isinstance(optimizer, torch.optim.SGD):
-            return rules
-        for group in optimizer.param_groups:
-            rules.decay.append(float(group.get("weight_decay", 0.0)))
-            rules.decay_of.update(dict.fromkeys(group["params"], rules.decay[-1]))
-            group["weight_decay"] = 0.0
-        if not (self.cfg.compresses and self.cfg.momentum_correction):
-            return rules
-        compressed = self._compressed_params()
-        groups = [g for g in optimizer.param_groups if any(p in compressed for p in g["params"])]
-        momentum = correction_momentum(groups)
-        if momentum is not None:
-            rules.momentum = momentum
-        else:
-            log.warning("momentum correction needs one momentum factor, no dampening and no Nesterov "
-                        "across the compressed tensors' groups; it is off for this run")
-        return rules
+    def _adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> SgdRules:
+        correct = self.cfg.compresses and self.cfg.momentum_correction
+        return adapt_sgd(optimizer, self._compressed_params() if correct else set(), momentum_correction=correct)
 
     def _compressed_params(self) -> set[nn.Parameter]:
         nd = self.layout.dense_numel
@@ -291,13 +232,7 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
                 g = self._params[name].grad
                 self.flat_grad[off : off + n].copy_(g.reshape(-1) if g is not None else 0)
             self._bind_grads()
-        if any(self.rules.decay):
-            with torch.no_grad():
-                for group, decay in zip(self.optimizer.param_groups, self.rules.decay):
-                    if decay:
-                        for p in group["params"]:
-                            if p.grad is not None and p not in done:
-                                p.grad.add_(p, alpha=decay)
+        add_decay(self.optimizer, self.rules, done)
 
     # -- start and end: trainer.session ------------------------------------------------------------
     def _flat_params(self) -> torch.Tensor:
@@ -391,7 +326,7 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         apply_payload(self.flat_grad[nd + a : nd + b], update.sparse)
         if update.chunk < len(self.bounds) - 1:
             return
-        with self._hyperparameters(self._applying_hyper):
+        with hyperparameters(self.optimizer, self._applying_hyper):
             if self.velocity is None:
                 self.optimizer.step()
             else:
@@ -399,31 +334,9 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         self.densities = list(update.densities)
         self.batch_sizes = list(update.batch_sizes)
 
-    def _hyperparameter_values(self) -> list[dict]:
-        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-
-    @contextmanager
-    def _hyperparameters(self, values: list[dict] | None) -> Iterator[None]:
-        """The optimizer's groups set to `values` (None: as they are) for the block, then back."""
-        if values is None:
-            yield
-            return
-        now = self._hyperparameter_values()
-        for group, held in zip(self.optimizer.param_groups, values):
-            group.update(held)
-        try:
-            yield
-        finally:
-            for group, held in zip(self.optimizer.param_groups, now):
-                group.update(held)
-
     def _step_with_momentum_correction(self) -> None:
         compressed = self._compressed_params()
-        with torch.no_grad():
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    if p in compressed:
-                        p.add_(p.grad, alpha=-group["lr"])
+        sgd_step(self.optimizer, compressed)
         self._step_dense(compressed)
 
     def _step_dense(self, compressed: set[nn.Parameter] | None = None) -> None:
@@ -496,11 +409,11 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         if self.ended_by_server:
             return
         if self.cfg.delayed_updates and step < self.max_steps:
-            self._pending, self._pending_hyper = step, self._hyperparameter_values()
+            self._pending, self._pending_hyper = step, hyperparameter_values(self.optimizer)
         elif self._in_forward and step < self.max_steps:
             # The first chunk brings the dense part and the next step's batch split; the rest
             # is applied during the next forward pass (the run's last step takes all at once).
-            self._pending, self._pending_hyper, self._pending_chunk = step, self._hyperparameter_values(), 0
+            self._pending, self._pending_hyper, self._pending_chunk = step, hyperparameter_values(self.optimizer), 0
             self._pull_through(0)
         else:
             self._read_updates(step)
@@ -609,12 +522,12 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         optimizer are the caller's, current once this returns: a pending update is applied)."""
         self.drain()
         return {
-            "residual": _join_residuals(self.codec_states),
+            "residual": join_residuals(self.codec_states),
             "densities": self.densities,
             "batch_sizes": self.batch_sizes,
             "last_tx_s": self.last_tx_s,
             "velocity": self.velocity,
-            "site_residual": _join_residuals(self.combiner.states) if self.combiner is not None else None,
+            "site_residual": join_residuals(self.combiner.states) if self.combiner is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -626,12 +539,12 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
                 f"{'on' if state.get('velocity') is not None else 'off'}: resume with the same "
                 "--momentum-correction setting")
         residual = state["residual"]
-        _split_residual(self.codec_states, None if residual is None else residual.to(self.device), self.bounds)
+        split_residual(self.codec_states, None if residual is None else residual.to(self.device), self.bounds)
         self.densities = list(state["densities"])
         self.batch_sizes = list(state["batch_sizes"])
         self.last_tx_s = state["last_tx_s"]
         if self.velocity is not None:
             self.velocity.copy_(state["velocity"])
         if self.combiner is not None:
-            _split_residual(self.combiner.states, state.get("site_residual"), self.bounds)
+            split_residual(self.combiner.states, state.get("site_residual"), self.bounds)
         self._bind_grads()

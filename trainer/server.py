@@ -16,10 +16,12 @@ from dataclasses import dataclass, replace
 from hybridtrain.contract import EVAL_S, parse_target
 from trainer.algorithm import adapt_densities, aggregate_sparsified, chunks
 from trainer.allocation import aggregation_weights, rebalance
-from trainer.compression import CompressionState, Payload
 from trainer.boundary import Boundary
+from trainer.codec_state import codec, dense_chunk, join_residuals, split_residual
+from trainer.compression import CompressionState, Payload
 from trainer.config import TrainConfig
 from trainer.frames import (
+    LAST_KINDS,
     SERVER,
     Abort,
     Buffers,
@@ -37,7 +39,6 @@ from trainer.frames import (
 )
 from trainer.membership import Member, Roster
 from trainer.metrics import MetricsLogger
-from trainer.ps import _LAST, _codec, _join_residuals, _split_residual, dense_chunk
 from trainer.transport import Inbox, Transport
 
 log = logging.getLogger("trainer.server")
@@ -69,7 +70,7 @@ class ParameterServer(Boundary):
     def __init__(self, cfg: TrainConfig, transport: Transport, metrics: MetricsLogger) -> None:
         self.cfg, self.transport, self.metrics = cfg, transport, metrics
         self.roster = Roster(cfg)
-        self.codec = _codec(cfg, "topk")
+        self.codec = codec(cfg, "topk")
         self.target = parse_target(cfg.target) if cfg.target else None
         self.layout = None
         self.bounds: tuple[tuple[int, int], ...] = ()
@@ -90,7 +91,7 @@ class ParameterServer(Boundary):
         self._last_print = 0.0
         self._resume_state: dict | None = None
         self._warned_target = False
-        self.inbox = Inbox(transport, [], timeout_s=cfg.timeout_s, last_kinds=_LAST)
+        self.inbox = Inbox(transport, [], timeout_s=cfg.timeout_s, last_kinds=LAST_KINDS)
         Boundary.__init__(self)
 
     @property
@@ -397,7 +398,7 @@ class ParameterServer(Boundary):
     def state_dict(self) -> dict:
         """Server residual, densities, batch sizes (and whose), timing windows, elapsed time: a
         snapshot, which later rounds leave alone (a scheduled checkpoint is written after them)."""
-        residual = _join_residuals(self.codec_states)
+        residual = join_residuals(self.codec_states)
         # One chunk's residual is the codec's own tensor, which the next rounds update in place.
         if residual is not None and len(self.codec_states) == 1:
             residual = residual.clone()
@@ -418,7 +419,7 @@ class ParameterServer(Boundary):
         self.step = state["step"]
 
     def _load(self, state: dict) -> None:
-        _split_residual(self.codec_states, state["residual"], self.bounds)
+        split_residual(self.codec_states, state["residual"], self.bounds)
         self.elapsed_s = state["elapsed_s"]
         # The split and densities were planned for the workers of then: kept only for the same set.
         if state.get("ranks") == self.roster.ranks():

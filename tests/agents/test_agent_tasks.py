@@ -635,7 +635,7 @@ def test_cancel_of_a_role_that_failed_before_starting_is_a_no_op(bundle_supervis
 
 
 def test_the_code_dir_reaches_the_trainer_absolute_before_a_scripts_arguments(tmp_path, monkeypatch):
-    from agents.supervisor import with_code_dir
+    from agents.role_files import with_code_dir
 
     # An agent started with a relative --state-dir (`hybridtrain local`): the role runs inside
     # the code dir, where the relative path would point below itself.

@@ -1,0 +1,38 @@
+"""What the worker (`trainer.ps`) and the server (`trainer.server`) hold alike of a run's
+compression: the codec its config names, the chunk whose frames carry the dense part, and the
+chunks' error-feedback residuals as one flat tensor, the shape a checkpoint keeps whatever the
+chunking (--pipeline-chunks may differ between the run that wrote it and the one resuming)."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.compression import CompressionState, Compressor, Identity, build_compressor
+from trainer.config import TrainConfig
+
+
+def codec(cfg: TrainConfig, name: str) -> Compressor:
+    """The compressor `name` as `cfg` configures it; the identity for a strategy that sends dense."""
+    if not cfg.compresses:
+        return Identity()
+    return build_compressor(name, value_dtype=cfg.value_dtype, error_feedback=cfg.error_feedback,
+                            select=cfg.select)
+
+
+def dense_chunk(cfg: TrainConfig) -> int:
+    """The chunk whose frames carry the dense part: the first, or the last with --overlap."""
+    return cfg.pipeline_chunks - 1 if cfg.overlap else 0
+
+
+def join_residuals(states: list[CompressionState]) -> torch.Tensor | None:
+    """One flat residual of the chunks' (None until every chunk has one)."""
+    if any(s.residual is None for s in states):
+        return None
+    return states[0].residual if len(states) == 1 else torch.cat([s.residual for s in states])
+
+
+def split_residual(states: list[CompressionState], residual: torch.Tensor | None,
+                   bounds: tuple[tuple[int, int], ...]) -> None:
+    """Hand each chunk's state its slice of a flat `residual` (None: start empty)."""
+    for s, (a, b) in zip(states, bounds):
+        s.residual = None if residual is None else residual[a:b].clone()
