@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -39,11 +38,8 @@ def measure_ideal(
             state, state_dir, name=f"standalone-{node}",
             argv=profile_argv(s, batch), netns_name=ep["netns"], cgroup=Path(ep["cgroup"]),
         )  # fmt: skip
-    deadline = time.monotonic() + s.standalone_seconds * 10 + 120
-    while any(processes.is_alive(r) for r in records.values()):
-        if time.monotonic() > deadline:
-            raise TestbedError("the standalone measurement did not finish")
-        time.sleep(0.5)
+    if not processes.wait_all(list(records.values()), timeout_s=s.standalone_seconds * 10 + 120):
+        raise TestbedError("the standalone measurement did not finish")
     rates = {}
     for node, record in records.items():
         rate = samples_per_s(Path(record.log).read_text())

@@ -101,6 +101,23 @@ def is_alive(record: ProcessRecord) -> bool:
         return False
 
 
+def wait_all(records: Sequence[ProcessRecord], *, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for recorded processes this process started to end, reaping each
+    (none is left a zombie for the rest of a long benchmark); False if one still runs."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(records)
+    while True:
+        # Only the ones not reaped yet: a reaped pid may be reused by a process not theirs.
+        for r in pending:
+            _reap(r.pid)
+        pending = [r for r in pending if is_alive(r)]
+        if not pending:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
 def stop(record: ProcessRecord, *, grace_s: float = 5.0) -> None:
     """SIGTERM the process group of `record`, then SIGKILL it after `grace_s`."""
     stop_all([record], grace_s=grace_s)

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from testbed import cgroups, processes
@@ -51,3 +52,16 @@ def test_spawned_process_lives_in_its_namespace_and_cgroup(
     finally:
         processes.stop(record)
     assert not processes.is_alive(record)
+
+
+def test_waiting_for_spawned_processes_leaves_no_zombie(two_sites: TestbedState, state_dir: Path) -> None:
+    records = [
+        processes.spawn(two_sites, state_dir, name=f"short-{node}", argv=[sys.executable, "-c", "pass"],
+                        netns_name=two_sites.endpoints[node]["netns"],
+                        cgroup=Path(two_sites.endpoints[node]["cgroup"]))
+        for node in ("lab-a", "cloud-a")
+    ]  # fmt: skip
+    assert processes.wait_all(records, timeout_s=60)
+    for record in records:
+        assert not psutil.pid_exists(record.pid)
+
