@@ -38,7 +38,7 @@ def measure_ideal(
             state, state_dir, name=f"standalone-{node}",
             argv=profile_argv(s, batch), netns_name=ep["netns"], cgroup=Path(ep["cgroup"]),
         )  # fmt: skip
-    if not processes.wait_all(list(records.values()), timeout_s=s.standalone_seconds * 10 + 120):
+    if processes.wait_for_exit(list(records.values()), timeout_s=s.standalone_seconds * 10 + 120):
         raise TestbedError("the standalone measurement did not finish")
     rates = {}
     for node, record in records.items():

@@ -101,9 +101,9 @@ def is_alive(record: ProcessRecord) -> bool:
         return False
 
 
-def wait_all(records: Sequence[ProcessRecord], *, timeout_s: float) -> bool:
+def wait_for_exit(records: Sequence[ProcessRecord], *, timeout_s: float, poll_s: float = 0.5) -> list[ProcessRecord]:
     """Wait up to `timeout_s` for recorded processes this process started to end, reaping each
-    (none is left a zombie for the rest of a long benchmark); False if one still runs."""
+    (none is left a zombie for the rest of a long benchmark); returns those still running."""
     deadline = time.monotonic() + timeout_s
     pending = list(records)
     while True:
@@ -111,11 +111,9 @@ def wait_all(records: Sequence[ProcessRecord], *, timeout_s: float) -> bool:
         for r in pending:
             _reap(r.pid)
         pending = [r for r in pending if is_alive(r)]
-        if not pending:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
+        if not pending or time.monotonic() > deadline:
+            return pending
+        time.sleep(poll_s)
 
 
 def stop(record: ProcessRecord, *, grace_s: float = 5.0) -> None:
@@ -134,12 +132,7 @@ def stop_all(records: Sequence[ProcessRecord], *, grace_s: float = 5.0) -> None:
                 os.killpg(r.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        deadline = time.monotonic() + wait
-        while alive and time.monotonic() < deadline:
-            for r in alive:
-                _reap(r.pid)
-            alive = [r for r in alive if is_alive(r)]
-            time.sleep(0.05)
+        alive = wait_for_exit(alive, timeout_s=wait, poll_s=0.05)
 
 
 def _reap(pid: int) -> None:
