@@ -9,6 +9,10 @@
    is timed alone at the worker density and at the server's k = params/32.
 3. The whole worker path (error feedback + selection + fp16 values + wire encoding) and the whole
    server path (same, at params/32) are timed and compared with the step compute (< 10%).
+4. The trainer's own per-step paths over `--chunks` chunks of the gradient (the paper benchmark's
+   pipeline): a worker's `worker_sparsify` of each chunk (momentum 0.9 into the velocity, error
+   feedback, estimated top-k, fp16 values) and the server's `server_sparsify` of each at its k,
+   summed over the chunks (one step's codec time, the wire's encoding left out).
 Medians of --repeats runs after one warm-up run.
 """
 
@@ -33,6 +37,7 @@ from trainer.compression import (
     select_topk,
 )
 from hybridtrain.tasks.models import build
+from trainer.algorithm import chunks, server_sparsify, worker_sparsify
 from trainer.wire import Message, encode
 
 
@@ -64,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--chunks", type=int, default=4, help="the PS pipeline's chunks for the per-step paths")
     p.add_argument("--out", default=None, help="JSON results file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -111,6 +117,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
         rows.append({"path": label, "what": "EF + estimated top-k + fp16 + encode", "density": density,
                      "k": k, "seconds": s, "pct_of_step": 100 * s / step_s})
 
+    rows.extend(_chunked_paths(grad, args, device, step_s))
+
     print(f"\n{name}: {params / 1e6:.1f}M parameters, batch {args.batch}, device {device}, "
           f"{args.threads} thread(s); step compute (fwd+bwd) {step_s * 1e3:.1f} ms")
     print("| path | what | density | k | ms | % of step |\n|---|---|---|---|---|---|")
@@ -119,6 +127,32 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
               f"{r['seconds'] * 1e3:.1f} | {r['pct_of_step']:.1f} |")
     return {"model": name, "params": params, "batch": args.batch, "device": str(device),
             "threads": args.threads, "step_compute_s": step_s, "rows": rows}
+
+
+def _chunked_paths(grad: torch.Tensor, args: argparse.Namespace, device: torch.device, step_s: float) -> list[dict]:
+    """One step's codec time of a worker and of the server over `args.chunks` chunks of `grad`."""
+    bounds = chunks(grad.numel(), args.chunks)
+    codec = build_compressor("topk", value_dtype="fp16", error_feedback=True, select="estimate")
+    velocity = torch.zeros_like(grad)
+    worker = [CompressionState(density=args.density) for _ in bounds]
+    server = [CompressionState(density=args.server_k_fraction) for _ in bounds]
+
+    def worker_step() -> None:
+        for (a, b), state in zip(bounds, worker):
+            worker_sparsify(grad[a:b], codec=codec, state=state, velocity=velocity[a:b], momentum=0.9,
+                            dense_step=False)
+
+    def server_step() -> None:
+        for (a, b), state in zip(bounds, server):
+            server_sparsify(grad[a:b], codec=codec, state=state, dense_step=False)
+
+    rows = []
+    for label, density, fn in (("worker", args.density, worker_step), ("server", args.server_k_fraction, server_step)):
+        s = timed(fn, device, args.repeats)
+        rows.append({"path": label, "what": f"{args.chunks} chunks: {label}_sparsify (estimate, fp16)",
+                     "density": density, "k": max(1, round(density * grad.numel())), "seconds": s,
+                     "pct_of_step": 100 * s / step_s})
+    return rows
 
 
 if __name__ == "__main__":

@@ -47,37 +47,40 @@ def upload(url: str, token: str | None, step: int, data: bytes, *, timeout_s: fl
     resp.raise_for_status()
 
 
-def download(url: str, token: str | None, *, timeout_s: float = 120.0, attempts: int = 5) -> tuple[int, bytes] | None:
-    """The store's latest checkpoint as (step, bytes), its checksum verified; None when the
+def download(url: str, token: str | None, *, timeout_s: float = 120.0, attempts: int = 5,
+             min_step: int = 0) -> tuple[int, bytes | None] | None:
+    """The store's latest checkpoint as (step, bytes), its checksum verified; (step, None) when
+    it is older than `min_step`, its bytes left unread (a newer file is at hand); None when the
     store has none (404). Transient failures are retried with backoff."""
     delay = 0.5
     for attempt in range(attempts):
         try:
-            resp = httpx.get(url, headers=_headers(token), timeout=timeout_s)
+            # Streamed: the headers say the step before the body (tens of MB) is read.
+            with httpx.stream("GET", url, headers=_headers(token), timeout=timeout_s) as resp:
+                if resp.status_code == 404:
+                    return None
+                if not (resp.status_code >= 500 and attempt < attempts - 1):
+                    resp.raise_for_status()
+                    step = resp.headers.get(STEP_HEADER)
+                    if step is None or not step.isdigit():
+                        raise ValueError(f"checkpoint from {url}: no {STEP_HEADER} header")
+                    if int(step) < min_step:
+                        return int(step), None
+                    return int(step), _verified(url, resp.read(), resp.headers.get(SHA_HEADER, ""))
         except httpx.TransportError:
             if attempt == attempts - 1:
                 raise
-            time.sleep(delay)
-            delay *= 2
-            continue
-        if resp.status_code == 404:
-            return None
-        if resp.status_code >= 500 and attempt < attempts - 1:
-            time.sleep(delay)
-            delay *= 2
-            continue
-        resp.raise_for_status()
-        data = resp.content
-        want = resp.headers.get(SHA_HEADER, "")
-        got = hashlib.sha256(data).hexdigest()
-        if want.lower() != got:
-            raise ChecksumMismatch(f"checkpoint from {url}: sha256 {got} does not match the store's "
-                                   f"{SHA_HEADER} {want or '(missing)'}; refusing to resume from it")
-        step = resp.headers.get(STEP_HEADER)
-        if step is None or not step.isdigit():
-            raise ValueError(f"checkpoint from {url}: no {STEP_HEADER} header")
-        return int(step), data
+        time.sleep(delay)
+        delay *= 2
     return None
+
+
+def _verified(url: str, data: bytes, want: str) -> bytes:
+    got = hashlib.sha256(data).hexdigest()
+    if want.lower() != got:
+        raise ChecksumMismatch(f"checkpoint from {url}: sha256 {got} does not match the store's "
+                               f"{SHA_HEADER} {want or '(missing)'}; refusing to resume from it")
+    return data
 
 
 class Uploader:
@@ -154,16 +157,17 @@ class Uploader:
 def load_latest(cfg) -> dict | None:
     """The run's latest checkpoint state for --resume: the newer of the store's (its checksum
     verified) and the newest file in checkpoint_dir, so a server restarted where it ran does not
-    lose a checkpoint that was written but not yet uploaded when it died; None (and a line saying
-    so) when there is none, and the run starts from step 0."""
+    lose a checkpoint that was written but not yet uploaded when it died (the store's bytes are
+    then not fetched); None (and a line saying so) when there is none, and the run starts from
+    step 0."""
     from trainer import checkpoint
 
     steps = checkpoint.saved_steps(cfg.checkpoint_dir)
     local_step = steps[-1] if steps else 0
     local = checkpoint.run_path(cfg.checkpoint_dir, local_step) if steps else None
     if cfg.checkpoint_url:
-        got = download(cfg.checkpoint_url, cfg.report_token)
-        if got is not None and got[0] >= local_step:
+        got = download(cfg.checkpoint_url, cfg.report_token, min_step=local_step)
+        if got is not None and got[1] is not None:
             step, data = got
             state = checkpoint.read(data, cfg)
             print(f"[checkpoint] --resume: step {step} from the run's store", file=sys.stderr, flush=True)

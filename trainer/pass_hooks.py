@@ -76,7 +76,7 @@ class ApplyInForward:
             log.warning("apply-in-forward needs an SGD optimizer with momentum under momentum correction; "
                         "this worker applies each update whole at step()")
             return False
-        if not all(p.is_contiguous() for p in self._compressed_params()):
+        if not all(p.is_contiguous() for p in self._compressed):
             log.warning("apply-in-forward needs contiguous parameters (not channels_last); this worker applies "
                         "each update whole at step()")
             return False

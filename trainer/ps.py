@@ -10,7 +10,8 @@ Per step t (seed 000, section III; the numbers are `trainer.algorithm`'s):
  2. `PSClient.push_pull`: tiny and 1-D tensors go dense, the rest through `worker_sparsify`
     (error feedback, momentum correction, the worker's density) unless it is a warm-up step.
  3. `ParameterServer`: `aggregate` (eq. 1-2) and `server_sparsify`, one reply for all (through
-    one relay worker per remote site when the run knows its sites: `trainer.relay`).
+    one relay worker per remote site when the run knows its sites: `trainer.relay`, and the
+    relay's side, `trainer.site_relay`).
  4. Every worker applies the same update with its own optimizer (eq. 3), so the replicas stay
     identical. Under momentum correction the compressed tensors' update is applied as plain
     SGD (their momentum is in the velocity already).
@@ -50,19 +51,14 @@ from trainer.codec_state import codec, dense_chunk, join_residuals, split_residu
 from trainer.compression import CompressionState, Payload
 from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.frames import (
-    BYE,
     LAST_KINDS,
-    ROUTE,
-    UPDATE,
     Buffers,
     BuffersAvg,
     Eval,
     EvalResult,
     Grad,
-    Route,
     Update,
     pack,
-    unpack,
 )
 from trainer.linkclock import LinkClock
 from trainer.membership import RELAY_SHARE, loss_deadline_s
@@ -72,8 +68,8 @@ from trainer.relay import SERVER
 from trainer.session import Session
 from trainer.sgd_rules import SgdRules, adapt_sgd, add_decay, hyperparameter_values, hyperparameters, sgd_step
 from trainer.site_combine import SiteCombiner
+from trainer.site_relay import SiteRelay
 from trainer.transport import Inbox, Transport
-from trainer.wire import peek_kind
 
 log = logging.getLogger("trainer.ps")
 
@@ -96,9 +92,10 @@ class _Sending:
     ready: set = field(default_factory=set)
 
 
-class PSClient(OverlapHooks, ApplyInForward, Session):
+class PSClient(OverlapHooks, ApplyInForward, SiteRelay, Session):
     """A worker's side of the protocol: hand it the gradients of a step, it does steps 2-5;
-    its place in the run (start, joining, leaving) is `trainer.session.Session`'s."""
+    its place in the run (start, joining, leaving) is `trainer.session.Session`'s, its part in
+    its site's relays `trainer.site_relay.SiteRelay`'s."""
 
     def __init__(
         self,
@@ -129,6 +126,9 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         self.stopped = False
         self.train_samples = train_samples
         self._params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+        # The tensors that go through the codec: the layout is the run's, so the set is too.
+        self._compressed = frozenset(self._params[n] for n, off in zip(self.layout.names, self.layout.offsets)
+                                     if off >= self.layout.dense_numel)
         self.flat_grad = torch.zeros(self.layout.numel, device=device)
         self._bind_grads()
         self.rules = self._adapt_optimizer(optimizer)
@@ -182,24 +182,10 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
             self._scratch = torch.empty(max(b - a for a, b in self.bounds), device=device)
             self._hook_modules()
 
-    @property
-    def site(self) -> tuple[int, ...]:
-        """The site members whose chunks this worker combines (empty unless it is their relay)."""
-        return self.combiner.members if self.combiner is not None else ()
-
-    def _relay_site(self, members: tuple[int, ...]) -> None:
-        """Combine `members`' chunks with this worker's own from now on (none: stop)."""
-        self.combiner = (SiteCombiner(self.rank, members, self.bounds, codec(self.cfg, "topk"), seed=self.cfg.seed)
-                         if members else None)  # fmt: skip
-
     # -- the optimizer --------------------------------------------------------------------------
     def _adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> SgdRules:
         correct = self.cfg.compresses and self.cfg.momentum_correction
-        return adapt_sgd(optimizer, self._compressed_params() if correct else set(), momentum_correction=correct)
-
-    def _compressed_params(self) -> set[nn.Parameter]:
-        nd = self.layout.dense_numel
-        return {self._params[n] for n, off in zip(self.layout.names, self.layout.offsets) if off >= nd}
+        return adapt_sgd(optimizer, self._compressed if correct else frozenset(), momentum_correction=correct)
 
     # -- the flat gradient ------------------------------------------------------------------------
     def _bind_grads(self) -> None:
@@ -251,42 +237,6 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         With delayed updates a step's record holds the previous step's update."""
         self.metrics.log_bytes(self.sent_step, *self.transport.take_counts())
 
-    def _forward(self, peer: int, frame: torch.Tensor) -> bool:
-        """On the inbox thread: a relay forwards each update (and the final BYE) to its site's
-        peers before anything reads it, since they wait on it, and takes the server's ROUTE
-        (True: the frame is taken here), which comes before the first update it changes."""
-        if peer != SERVER:
-            return False
-        kind = peek_kind(frame)
-        if kind == ROUTE:
-            route = unpack(frame)
-            assert isinstance(route, Route)
-            if hasattr(self.transport, "peer_addresses"):
-                self.transport.peer_addresses.update(route.peers)
-            self.forwards = route.forwards
-            if self.combiner is not None:
-                # Members the server dropped (or let go): the relay stops waiting for their chunks.
-                for m in self.combiner.keep(route.forwards):
-                    self.inbox.fail(m, ConnectionError(f"worker {m} is out of the run (the server's word)"))
-            old = self._update_source
-            if route.source is not None and old != route.source:
-                # The server dropped this worker's relay, which may be silent rather than closed:
-                # stop sending to it and waiting on it (Session._relay_lost takes over).
-                if hasattr(self.transport, "peer_addresses"):
-                    self.transport.peer_addresses.pop(old, None)
-                if hasattr(self.transport, "forget"):
-                    self.transport.forget(old)
-                self.inbox.fail(old, ConnectionError(f"relay {old} was dropped by the server"))
-            return True
-        forwards = self.forwards
-        # A leaving relay's BYE is its own: its peers hear from the server from then on.
-        if not forwards or self.left or kind not in (UPDATE, BYE):
-            return False
-        t0 = time.perf_counter()
-        self.transport.send_many(forwards, frame)
-        self._forward_s += time.perf_counter() - t0
-        return False
-
     # -- one step -----------------------------------------------------------------------------------
     def compress(self, step: int, chunk: int) -> tuple[Payload, Payload]:
         """Step 2 for one chunk: (the dense part, on the dense chunk only; the chunk through the
@@ -335,14 +285,13 @@ class PSClient(OverlapHooks, ApplyInForward, Session):
         self.batch_sizes = list(update.batch_sizes)
 
     def _step_with_momentum_correction(self) -> None:
-        compressed = self._compressed_params()
-        sgd_step(self.optimizer, compressed)
-        self._step_dense(compressed)
+        sgd_step(self.optimizer, self._compressed)
+        self._step_dense()
 
-    def _step_dense(self, compressed: set[nn.Parameter] | None = None) -> None:
+    def _step_dense(self) -> None:
         """The optimizer's step on the dense tensors alone: the compressed ones have had theirs
         (plain SGD under momentum correction), so they go without a gradient, which SGD skips."""
-        for p in compressed if compressed is not None else self._compressed_params():
+        for p in self._compressed:
             p.grad = None
         try:
             self.optimizer.step()

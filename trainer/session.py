@@ -1,12 +1,10 @@
 """A worker's place in a parameter-server run: how it starts (the common weights, or the run's
 state when it joins or the run resumes), how it hears the server (a FETCH for its state may
-come whenever it waits), where its updates come from when its relay is lost, and how it leaves
-(docs/elastic.md). A mixin of `trainer.ps.PSClient`, which provides the model, optimizer,
-transport, inbox and step."""
+come whenever it waits), how it reads a step's updates, and how it leaves (docs/elastic.md). A
+mixin of `trainer.ps.PSClient`, which provides the model, optimizer, transport, inbox and step;
+its site's relays are `trainer.site_relay`'s."""
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -28,7 +26,7 @@ from trainer.relay import SERVER
 
 
 class Session:
-    """Start, the server's frames, the updates' source, leaving and the goodbye."""
+    """Start, the server's frames, the updates, leaving and the goodbye."""
 
     def start(self) -> None:
         """HELLO, then the server's plan, then the run's state: the replicas' common starting
@@ -57,17 +55,6 @@ class Session:
             self._read_updates(self.step + 1)
             if not self.ended_by_server:
                 self.step += 1
-
-    def _route(self, welcome: Welcome) -> None:
-        if hasattr(self.transport, "peer_addresses"):
-            self.transport.peer_addresses.update(welcome.peers)
-        self._update_source = welcome.source
-        self.forwards = welcome.forwards
-        if self.cfg.site_aggregation:
-            self.up = welcome.source
-            self._relay_site(welcome.forwards)
-        for peer in sorted({welcome.source, *self.site} - {SERVER}):
-            self.inbox.add(peer)
 
     def state_frame(self) -> State:
         """This replica's weights, float buffers and optimizer state (a joiner's or a checkpoint's)."""
@@ -154,21 +141,6 @@ class Session:
             c += 1
         if c == len(self.bounds):
             self.unacked = [(s, f) for s, f in self.unacked if s > step]
-
-    def _relay_lost(self, relay: int, exc: BaseException) -> None:
-        """Hear the server directly from now on; under per-site aggregation, also send to it
-        directly, starting with the chunks sent up that no update has answered yet (the server
-        keeps those the relay passed on already and drops their copies)."""
-        self._update_source = SERVER
-        again = ""
-        if self.up == relay:
-            self.up = SERVER
-            for _, frame in self.unacked:
-                self.transport.send(SERVER, frame)
-            steps = sorted({s for s, _ in self.unacked})
-            again = f"; its gradient chunks of step(s) {steps} go to the server again" if steps else ""
-        print(f"[worker rank {self.rank}] relay {relay} lost ({exc}); the server sends to this worker directly "
-              f"now{again}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """BYE to the server; returns once the server has said BYE too."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ class SgdRules:
     momentum: float = 0.0  # the velocity's factor; 0 when momentum correction is off
 
 
-def adapt_sgd(optimizer: torch.optim.Optimizer, compressed: set[nn.Parameter], *,
+def adapt_sgd(optimizer: torch.optim.Optimizer, compressed: AbstractSet[nn.Parameter], *,
               momentum_correction: bool) -> SgdRules:
     """Take an SGD optimizer's weight decay out of it and, with `momentum_correction`, read
     the one momentum factor of the `compressed` tensors' groups (none: correction is off)."""
@@ -65,7 +66,7 @@ def add_decay(optimizer: torch.optim.Optimizer, rules: SgdRules, skip: set | fro
                         p.grad.add_(p, alpha=decay)
 
 
-def sgd_step(optimizer: torch.optim.Optimizer, params: set[nn.Parameter]) -> None:
+def sgd_step(optimizer: torch.optim.Optimizer, params: AbstractSet[nn.Parameter]) -> None:
     """Plain SGD (p -= lr * grad) on `params`, at each one's group's learning rate."""
     with torch.no_grad():
         for group in optimizer.param_groups:

@@ -128,6 +128,13 @@ def test_a_download_whose_checksum_does_not_match_is_refused(store):
         download(store.url, TOKEN)
 
 
+def test_a_store_checkpoint_older_than_the_one_at_hand_is_not_fetched(store):
+    # Corrupt bytes would be refused if they were read: they are not, only the step is.
+    store.saved = {9: b"older"}
+    store.corrupt = True
+    assert download(store.url, TOKEN, min_step=10) == (9, None)
+
+
 def test_an_empty_store_means_no_checkpoint(store):
     assert download(store.url, TOKEN) is None
 

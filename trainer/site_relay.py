@@ -1,0 +1,96 @@
+"""A worker's part in its site's relays, a mixin of `trainer.ps.PSClient`: the server's updates
+it forwards to its site's peers (and the server's ROUTE, which changes who those are), the
+site's gradient chunks it combines for the server under per-site aggregation, and where its
+updates come from and its chunks go when its own relay is lost. The plan is `trainer.relay`'s
+and `trainer.membership.Roster`'s; the combining is `trainer.site_combine`'s (docs/elastic.md)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from trainer.codec_state import codec
+from trainer.frames import BYE, ROUTE, UPDATE, Route, Welcome, unpack
+from trainer.relay import SERVER
+from trainer.site_combine import SiteCombiner
+from trainer.wire import peek_kind
+
+
+class SiteRelay:
+    """Forward the updates down, combine the site's chunks up, and take over from a lost relay."""
+
+    @property
+    def site(self) -> tuple[int, ...]:
+        """The site members whose chunks this worker combines (empty unless it is their relay)."""
+        return self.combiner.members if self.combiner is not None else ()
+
+    def _relay_site(self, members: tuple[int, ...]) -> None:
+        """Combine `members`' chunks with this worker's own from now on (none: stop)."""
+        self.combiner = (SiteCombiner(self.rank, members, self.bounds, codec(self.cfg, "topk"), seed=self.cfg.seed)
+                         if members else None)  # fmt: skip
+
+    def _route(self, welcome: Welcome) -> None:
+        """Take the WELCOME's plan: whom this worker hears its updates from, whom it forwards them
+        to, and (per-site aggregation) where its chunks go and whose it combines."""
+        if hasattr(self.transport, "peer_addresses"):
+            self.transport.peer_addresses.update(welcome.peers)
+        self._update_source = welcome.source
+        self.forwards = welcome.forwards
+        if self.cfg.site_aggregation:
+            self.up = welcome.source
+            self._relay_site(welcome.forwards)
+        for peer in sorted({welcome.source, *self.site} - {SERVER}):
+            self.inbox.add(peer)
+
+    def _forward(self, peer: int, frame: torch.Tensor) -> bool:
+        """On the inbox thread: a relay forwards each update (and the final BYE) to its site's
+        peers before anything reads it, since they wait on it, and takes the server's ROUTE
+        (True: the frame is taken here), which comes before the first update it changes."""
+        if peer != SERVER:
+            return False
+        kind = peek_kind(frame)
+        if kind == ROUTE:
+            route = unpack(frame)
+            assert isinstance(route, Route)
+            if hasattr(self.transport, "peer_addresses"):
+                self.transport.peer_addresses.update(route.peers)
+            self.forwards = route.forwards
+            if self.combiner is not None:
+                # Members the server dropped (or let go): the relay stops waiting for their chunks.
+                for m in self.combiner.keep(route.forwards):
+                    self.inbox.fail(m, ConnectionError(f"worker {m} is out of the run (the server's word)"))
+            old = self._update_source
+            if route.source is not None and old != route.source:
+                # The server dropped this worker's relay, which may be silent rather than closed:
+                # stop sending to it and waiting on it (`_relay_lost` takes over).
+                if hasattr(self.transport, "peer_addresses"):
+                    self.transport.peer_addresses.pop(old, None)
+                if hasattr(self.transport, "forget"):
+                    self.transport.forget(old)
+                self.inbox.fail(old, ConnectionError(f"relay {old} was dropped by the server"))
+            return True
+        forwards = self.forwards
+        # A leaving relay's BYE is its own: its peers hear from the server from then on.
+        if not forwards or self.left or kind not in (UPDATE, BYE):
+            return False
+        t0 = time.perf_counter()
+        self.transport.send_many(forwards, frame)
+        self._forward_s += time.perf_counter() - t0
+        return False
+
+    def _relay_lost(self, relay: int, exc: BaseException) -> None:
+        """Hear the server directly from now on; under per-site aggregation, also send to it
+        directly, starting with the chunks sent up that no update has answered yet (the server
+        keeps those the relay passed on already and drops their copies)."""
+        self._update_source = SERVER
+        again = ""
+        if self.up == relay:
+            self.up = SERVER
+            for _, frame in self.unacked:
+                self.transport.send(SERVER, frame)
+            steps = sorted({s for s, _ in self.unacked})
+            again = f"; its gradient chunks of step(s) {steps} go to the server again" if steps else ""
+        print(f"[worker rank {self.rank}] relay {relay} lost ({exc}); the server sends to this worker directly "
+              f"now{again}", file=sys.stderr, flush=True)
