@@ -59,14 +59,8 @@ def download(url: str, token: str | None, *, timeout_s: float = 120.0, attempts:
             with httpx.stream("GET", url, headers=_headers(token), timeout=timeout_s) as resp:
                 if resp.status_code == 404:
                     return None
-                if not (resp.status_code >= 500 and attempt < attempts - 1):
-                    resp.raise_for_status()
-                    step = resp.headers.get(STEP_HEADER)
-                    if step is None or not step.isdigit():
-                        raise ValueError(f"checkpoint from {url}: no {STEP_HEADER} header")
-                    if int(step) < min_step:
-                        return int(step), None
-                    return int(step), _verified(url, resp.read(), resp.headers.get(SHA_HEADER, ""))
+                if resp.status_code < 500 or attempt == attempts - 1:
+                    return _latest(url, resp, min_step)
         except httpx.TransportError:
             if attempt == attempts - 1:
                 raise
@@ -75,12 +69,20 @@ def download(url: str, token: str | None, *, timeout_s: float = 120.0, attempts:
     return None
 
 
-def _verified(url: str, data: bytes, want: str) -> bytes:
+def _latest(url: str, resp: httpx.Response, min_step: int) -> tuple[int, bytes | None]:
+    resp.raise_for_status()
+    step = resp.headers.get(STEP_HEADER)
+    if step is None or not step.isdigit():
+        raise ValueError(f"checkpoint from {url}: no {STEP_HEADER} header")
+    if int(step) < min_step:
+        return int(step), None
+    data = resp.read()
+    want = resp.headers.get(SHA_HEADER, "")
     got = hashlib.sha256(data).hexdigest()
     if want.lower() != got:
         raise ChecksumMismatch(f"checkpoint from {url}: sha256 {got} does not match the store's "
                                f"{SHA_HEADER} {want or '(missing)'}; refusing to resume from it")
-    return data
+    return int(step), data
 
 
 class Uploader:

@@ -67,7 +67,6 @@ from trainer.pass_hooks import ApplyInForward, OverlapHooks
 from trainer.relay import SERVER
 from trainer.session import Session
 from trainer.sgd_rules import SgdRules, adapt_sgd, add_decay, hyperparameter_values, hyperparameters, sgd_step
-from trainer.site_combine import SiteCombiner
 from trainer.site_relay import SiteRelay
 from trainer.transport import Inbox, Transport
 
@@ -137,7 +136,6 @@ class PSClient(OverlapHooks, ApplyInForward, SiteRelay, Session):
         # replicas lurch. Accumulated before compression, the velocity itself is what travels.
         self.velocity = (torch.zeros(self.layout.sparse_numel, device=device)
                          if self.rules.momentum else None)
-        self._forward_s = 0.0
         # Which chunk carries the dense part (1-D and small tensors): the first, or with
         # overlap the last, since their gradients are complete only at the end of backward.
         self.dense_chunk = dense_chunk(cfg)
@@ -146,18 +144,10 @@ class PSClient(OverlapHooks, ApplyInForward, SiteRelay, Session):
         if cfg.overlap:
             for name in self._chunk_params_names():
                 self._params[name].register_post_accumulate_grad_hook(self._on_grad)
-        # Where updates come from and whom this worker relays them to: the server's WELCOME says.
-        self._update_source = SERVER
-        self.forwards: tuple[int, ...] = ()
-        # Per-site aggregation: a remote site's workers send their chunks to the site's relay
-        # (`up`), whose `combiner` makes one frame of them for the server (trainer.site_combine).
-        self.up = SERVER
-        self.combiner: SiteCombiner | None = None
+        self._init_site_relay()
         # A relay waits for its members as long as a share of the server's loss deadline, which
-        # follows the step time; a member keeps the frames it sent up until their step's update
-        # is applied, to send them to the server itself if its relay is lost.
+        # follows the step time.
         self._step_times: deque[float] = deque(maxlen=20)
-        self.unacked: list[tuple[int, torch.Tensor]] = []
         # The server may pause below --min-workers: a worker waits that long on top.
         wait = cfg.timeout_s + (cfg.min_workers_wait_s if cfg.min_workers > 1 else 0.0)
         self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=LAST_KINDS, on_frame=self._forward)

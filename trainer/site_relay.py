@@ -21,6 +21,19 @@ from trainer.wire import peek_kind
 class SiteRelay:
     """Forward the updates down, combine the site's chunks up, and take over from a lost relay."""
 
+    def _init_site_relay(self) -> None:
+        """No relay at first: the server's WELCOME says where updates come from and go."""
+        self._update_source = SERVER
+        self.forwards: tuple[int, ...] = ()
+        self._forward_s = 0.0
+        # Per-site aggregation: a remote site's workers send their chunks to the site's relay
+        # (`up`), whose `combiner` makes one frame of them for the server (trainer.site_combine);
+        # a member keeps the frames it sent up until their step's update is applied, to send
+        # them to the server itself if its relay is lost.
+        self.up = SERVER
+        self.combiner: SiteCombiner | None = None
+        self.unacked: list[tuple[int, torch.Tensor]] = []
+
     @property
     def site(self) -> tuple[int, ...]:
         """The site members whose chunks this worker combines (empty unless it is their relay)."""
