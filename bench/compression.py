@@ -13,6 +13,9 @@
    pipeline): a worker's `worker_sparsify` of each chunk (momentum 0.9 into the velocity, error
    feedback, estimated top-k, fp16 values) and the server's `server_sparsify` of each at its k,
    summed over the chunks (one step's codec time, the wire's encoding left out).
+5. A worker's application of one step's update (the server's k, the same chunks) under momentum
+   correction: through the flat gradient and an SGD pass over every compressed tensor, against
+   each chunk added straight into the tensors it spans (`add_payload`, the trainer's path).
 Medians of --repeats runs after one warm-up run.
 """
 
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from trainer.compression import (
     SELECT_METHODS,
@@ -37,7 +41,7 @@ from trainer.compression import (
     select_topk,
 )
 from hybridtrain.tasks.models import build
-from trainer.algorithm import chunks, server_sparsify, worker_sparsify
+from trainer.algorithm import Layout, add_payload, apply_payload, chunk_pieces, chunks, server_sparsify, worker_sparsify
 from trainer.wire import Message, encode
 
 
@@ -118,6 +122,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
                      "k": k, "seconds": s, "pct_of_step": 100 * s / step_s})
 
     rows.extend(_chunked_paths(grad, args, device, step_s))
+    rows.extend(_apply_paths(model, args, device, step_s))
 
     print(f"\n{name}: {params / 1e6:.1f}M parameters, batch {args.batch}, device {device}, "
           f"{args.threads} thread(s); step compute (fwd+bwd) {step_s * 1e3:.1f} ms")
@@ -151,6 +156,44 @@ def _chunked_paths(grad: torch.Tensor, args: argparse.Namespace, device: torch.d
         s = timed(fn, device, args.repeats)
         rows.append({"path": label, "what": f"{args.chunks} chunks: {label}_sparsify (estimate, fp16)",
                      "density": density, "k": max(1, round(density * grad.numel())), "seconds": s,
+                     "pct_of_step": 100 * s / step_s})
+    return rows
+
+
+def _apply_paths(model: nn.Module, args: argparse.Namespace, device: torch.device, step_s: float) -> list[dict]:
+    """A worker's application of one step's update (the server's k, `args.chunks` chunks) under
+    momentum correction: through the flat gradient and an SGD pass over every compressed tensor
+    (before 2026-12-04), and each chunk straight into the tensors it spans (`add_payload`)."""
+    layout = Layout.of(model, 0)
+    nd = layout.dense_numel
+    params = dict(model.named_parameters())
+    flat = torch.cat([params[n].grad.reshape(-1) for n in layout.names])
+    bounds = chunks(layout.sparse_numel, args.chunks)
+    codec = build_compressor("topk", value_dtype="fp16", error_feedback=True, select="estimate")
+    updates = [server_sparsify(flat[nd + a : nd + b], codec=codec, dense_step=False,
+                               state=CompressionState(density=args.server_k_fraction)) for a, b in bounds]
+    weights = [params[n].detach().clone() for n in layout.names]
+    compressed = [(w, params[n].grad.numel(), off) for w, n, off in zip(weights, layout.names, layout.offsets)
+                  if off >= nd]
+    buffer = torch.zeros(layout.numel, device=device)
+    pieces = [[(weights[layout.names.index(name)].view(-1), first, end, s, e, -0.1)
+               for name, first, end, s, e in chunk] for chunk in chunk_pieces(layout, bounds)]
+
+    def through_grad() -> None:
+        for (a, b), update in zip(bounds, updates):
+            apply_payload(buffer[nd + a : nd + b], update)
+        for w, n, off in compressed:
+            w.view(-1).add_(buffer[off : off + n], alpha=-0.1)
+
+    def in_place() -> None:
+        for chunk, update in zip(pieces, updates):
+            add_payload(chunk, update)
+
+    rows = []
+    for what, fn in (("through the flat gradient + SGD pass", through_grad), ("in place (add_payload)", in_place)):
+        s = timed(fn, device, args.repeats)
+        rows.append({"path": "worker", "what": f"apply one update, {args.chunks} chunks: {what}",
+                     "density": args.server_k_fraction, "k": sum(u.count for u in updates), "seconds": s,
                      "pct_of_step": 100 * s / step_s})
     return rows
 

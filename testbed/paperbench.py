@@ -8,9 +8,10 @@ it each workload (testbed/paper_workloads.py: widecnn and ResNet-18 on digits):
    right after each `ps-bz-gc` run, and the share of the ideal is read against the mean of
    those (`ideal_samples_per_s`; the first is `ideal_at_start_samples_per_s`): the host's
    speed drifts by several percent within minutes.
-3. Run the five strategies one after another through the REST API (`POST /api/v1/runs`), with
-   the same task (a built-in `hybridtrain.tasks.<dataset>:<model>` and its args), global
-   batch, steps and target, each once per seed.
+3. Run the five strategies through the REST API (`POST /api/v1/runs`), with the same task (a
+   built-in `hybridtrain.tasks.<dataset>:<model>` and its args), global batch, steps and
+   target, seed by seed: every strategy of a seed one after another, then the next seed, so
+   that the host's drift falls on all of them alike.
 4. Read each run's metrics and bill back from the API and reduce them (testbed/paper_figures.py:
    `summarise`, `combine_seeds` over the seeds), check the issue's targets, write results.json,
    the Markdown section of docs/BENCHMARKS.md and the charts.
@@ -211,12 +212,14 @@ def _bench_on(
     ideal = round(sum(standalone.values()), 2)
     target_metric = parse_target(s.target).metric
 
-    results: dict[str, dict[str, Any]] = {}
     tally = tally or Tally(total=len(strategies) * s.seeds)
-    for number, entry in enumerate(strategies, 1):
-        strategy, variant = strategy_variant(entry)
-        per_seed: list[dict[str, Any]] = []
-        for seed in seeds_of(s):
+    per_seed: dict[str, list[dict[str, Any]]] = {entry: [] for entry in strategies}
+    # Seeds outside, strategies inside: each seed's strategies run back to back, so the host's
+    # drift over the invocation (several percent within minutes, docs/testbed.md) falls on every
+    # strategy alike instead of on whichever ran last.
+    for seed in seeds_of(s):
+        for number, entry in enumerate(strategies, 1):
+            strategy, variant = strategy_variant(entry)
             t0 = time.monotonic()
             label = f"{where + ' ' if where else ''}[{number}/{len(strategies)}] {entry}, seed {seed}"
             left = tally.left_text()
@@ -249,11 +252,11 @@ def _bench_on(
                 # host's speed drifts by several percent within minutes (docs/testbed.md).
                 summary["ideal_after_samples_per_s"] = round(sum(ideal_at(s).values()), 2)
             tally.walls.append(summary["wall_s"])
-            per_seed.append(summary)
+            per_seed[entry].append(summary)
             log(f"  {label}: {run['status']}, {summary['samples_per_s']} samples/s, "
                 f"tta {summary['tta_s']} s, accuracy {summary['final_accuracy']}, "
                 f"{summary['steps']} steps, {summary['wall_s']} s")  # fmt: skip
-        results[entry] = combine_seeds(per_seed)
+    results = {entry: combine_seeds(runs) for entry, runs in per_seed.items()}
     share_ideal = ideal_of_the_runs(results, ideal)
     targets = check_targets(results, share_ideal, testbed=config.name)
     return {

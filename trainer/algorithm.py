@@ -187,6 +187,28 @@ def aggregate_sparsified(grads: Sequence[Grad], dense_numel: int, chunk_numel: i
     return dense, codec.compress_accumulated(state)
 
 
+def add_payload(pieces: Sequence[tuple[torch.Tensor, int, int, int, int, float]], payload: Payload) -> None:
+    """Add one chunk's payload, times each piece's factor, into the flat tensors it spans: a piece
+    is (a flat tensor, the part's first and end element in it, the same in the chunk, factor).
+    A sparse payload touches its own elements only (the codecs' indices are sorted)."""
+    if not pieces:
+        return
+    device = pieces[0][0].device
+    if payload.indices is None:
+        values = payload.decoded(device)
+        for flat, first, end, s, e, alpha in pieces:
+            flat[first:end].add_(values[s:e], alpha=alpha)
+        return
+    indices = payload.indices.to(device)
+    values = widen(payload.values).to(device)
+    edges = torch.tensor([x for piece in pieces for x in piece[3:5]], dtype=indices.dtype, device=device)
+    cuts = torch.searchsorted(indices, edges).tolist()
+    for (flat, first, _, s, _, alpha), lo, hi in zip(pieces, cuts[0::2], cuts[1::2]):
+        if lo < hi:
+            at = indices[lo:hi] if s == first else indices[lo:hi] - (s - first)
+            flat.index_add_(0, at, values[lo:hi], alpha=alpha * payload.scale)
+
+
 def apply_payload(target: torch.Tensor, payload: Payload) -> None:
     """Write a (possibly sparse) payload into the flat tensor `target` (zeros elsewhere)."""
     if payload.indices is None:

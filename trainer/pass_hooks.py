@@ -22,9 +22,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from trainer.algorithm import apply_payload, chunk_pieces
-from trainer.frames import Update
-from trainer.sgd_rules import hyperparameter_values, hyperparameters
+from trainer.algorithm import chunk_pieces
 
 log = logging.getLogger("trainer.ps")
 
@@ -67,27 +65,18 @@ class ApplyInForward:
     """--apply-in-forward: the pending update's chunks applied by forward pre-hooks."""
 
     def _applies_in_forward(self) -> bool:
-        """The run asks for it and this worker can: its compressed tensors take plain SGD (their
-        momentum is in the velocity) and are contiguous, so each chunk's share of one is applied
-        on its own."""
+        """The run asks for it and this worker can (`_applies_in_place`)."""
         if not self.cfg.applies_in_forward:
             return False
         if self.velocity is None:
             log.warning("apply-in-forward needs an SGD optimizer with momentum under momentum correction; "
                         "this worker applies each update whole at step()")
             return False
-        if not all(p.is_contiguous() for p in self._compressed):
+        if self._pieces is None:
             log.warning("apply-in-forward needs contiguous parameters (not channels_last); this worker applies "
                         "each update whole at step()")
             return False
         return True
-
-    def _chunk_pieces(self) -> list[list[tuple[nn.Parameter, int, int, int, int, int]]]:
-        """`algorithm.chunk_pieces` with each parameter and its optimizer group (a parameter
-        outside the optimizer never moves, so it has no piece)."""
-        group_of = {p: g for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
-        return [[(self._params[name], *span, group_of[self._params[name]]) for name, *span in pieces
-                 if self._params[name] in group_of] for pieces in chunk_pieces(self.layout, self.bounds)]
 
     def _hook_modules(self) -> None:
         """A forward pre-hook on every module holding compressed parameters directly applies the
@@ -122,34 +111,3 @@ class ApplyInForward:
         finally:
             self._applying_hyper = None
         return time.perf_counter() - t0
-
-    def _apply_in_place(self, update: Update) -> None:
-        """One chunk of the pending update straight into the parameters it holds, as plain SGD
-        (momentum correction's rule for the compressed tensors, the same arithmetic as `apply`);
-        the first chunk also brings the dense tensors' optimizer step and the next batch split,
-        the last the next densities."""
-        c = update.chunk
-        a, b = self.bounds[c]
-        lrs = [g["lr"] for g in (self._applying_hyper or hyperparameter_values(self.optimizer))]
-        grad = self._scratch[: b - a]
-        apply_payload(grad, update.sparse)
-        with torch.no_grad():
-            for p, first, end, s, e, g in self._pieces[c]:
-                p.view(-1)[first:end].add_(grad[s:e], alpha=-lrs[g])
-        if c == self.dense_chunk:
-            nd = self.layout.dense_numel
-            # After zero_grad() the buffer holds the next gradient (zeros before backward).
-            held = self.flat_grad[:nd].clone() if self._sending is not None else None
-            self.flat_grad[:nd].copy_(update.dense.values.to(self.device, torch.float32))
-            try:
-                with hyperparameters(self.optimizer, self._applying_hyper):
-                    self._step_dense()
-            finally:
-                if held is not None:
-                    self.flat_grad[:nd].copy_(held)
-        if update.batch_sizes:
-            self.batch_sizes = list(update.batch_sizes)
-        self._pending_chunk = c + 1
-        if self._pending_chunk == len(self.bounds):
-            self.densities = list(update.densities)
-            self.step, self._pending, self._pending_hyper = update.step, None, None

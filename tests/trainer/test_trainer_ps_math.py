@@ -12,6 +12,7 @@ from trainer_testing import config, global_batch, run_in_process, sgd, tiny_data
 
 from trainer.algorithm import (
     Layout,
+    add_payload,
     aggregate,
     aggregate_sparsified,
     correction_momentum,
@@ -187,6 +188,37 @@ def test_compressed_steps_keep_server_k_and_the_replicas_identical():
     assert sparse_numel > 900
     # The residuals differ per worker: identical replicas are not a trivial consequence.
     assert not torch.equal(run.clients[0].codec_states[0].residual, run.clients[1].codec_states[0].residual)
+
+
+def test_a_sparse_payload_is_added_into_the_tensors_it_spans_at_each_ones_factor():
+    # A chunk of 10 elements over two tensors: elements 2-5 are a's 4-7, elements 6-9 are b's 0-3.
+    a, b = torch.zeros(8), torch.ones(4)
+    payload = Payload(10, torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float16), torch.tensor([0, 3, 5, 9]),
+                      scale=0.5)
+    add_payload([(a, 4, 8, 2, 6, -1.0), (b, 0, 4, 6, 10, 2.0)], payload)
+    assert torch.equal(a, torch.tensor([0.0, 0, 0, 0, 0, -1.0, 0, -1.5]))
+    assert torch.equal(b, torch.tensor([1.0, 1, 1, 5.0]))
+
+
+def test_a_dense_payload_is_added_whole_into_the_tensors_it_spans():
+    a, b = torch.zeros(3), torch.zeros(2)
+    add_payload([(a, 0, 3, 0, 3, 1.0), (b, 0, 2, 3, 5, -2.0)], Payload(5, torch.arange(5.0)))
+    assert torch.equal(a, torch.tensor([0.0, 1.0, 2.0])) and torch.equal(b, torch.tensor([-6.0, -8.0]))
+
+
+def test_updates_applied_in_place_learn_what_the_flat_gradient_and_the_optimizers_step_learn(monkeypatch):
+    cfg = config(strategy="ps-bz-gc", workers=3, global_batch=48, speeds=(1.0, 0.5, 0.25), dense_numel=100,
+                 warmup_steps=1, density=0.05, density_min=0.01, density_max=0.2, server_k_fraction=0.1,
+                 pipeline_chunks=3)
+    in_place = run_in_process(cfg, 6, eval_at=(3,))
+    monkeypatch.setattr(PSClient, "_applies_in_place", lambda self: False)
+    through_grad = run_in_process(cfg, 6, eval_at=(3,))
+    assert all(c._pieces is not None for c in in_place.clients)
+    assert not any(c._pieces is not None for c in through_grad.clients)
+    for a, b in zip(in_place.models, through_grad.models):
+        for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.equal(in_place.models[0][0].weight, tiny_mlp()[0].weight)
 
 
 def test_warm_up_steps_travel_dense():
