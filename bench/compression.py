@@ -172,18 +172,17 @@ def _apply_paths(model: nn.Module, args: argparse.Namespace, device: torch.devic
     codec = build_compressor("topk", value_dtype="fp16", error_feedback=True, select="estimate")
     updates = [server_sparsify(flat[nd + a : nd + b], codec=codec, dense_step=False,
                                state=CompressionState(density=args.server_k_fraction)) for a, b in bounds]
-    weights = [params[n].detach().clone() for n in layout.names]
-    compressed = [(w, params[n].grad.numel(), off) for w, n, off in zip(weights, layout.names, layout.offsets)
-                  if off >= nd]
+    weights = {n: params[n].detach().clone() for n in layout.names}
+    compressed = [(weights[n], off) for n, off in zip(layout.names, layout.offsets) if off >= nd]
     buffer = torch.zeros(layout.numel, device=device)
-    pieces = [[(weights[layout.names.index(name)].view(-1), first, end, s, e, -0.1)
+    pieces = [[(weights[name].view(-1), first, end, s, e, -0.1)
                for name, first, end, s, e in chunk] for chunk in chunk_pieces(layout, bounds)]
 
     def through_grad() -> None:
         for (a, b), update in zip(bounds, updates):
             apply_payload(buffer[nd + a : nd + b], update)
-        for w, n, off in compressed:
-            w.view(-1).add_(buffer[off : off + n], alpha=-0.1)
+        for w, off in compressed:
+            w.view(-1).add_(buffer[off : off + w.numel()], alpha=-0.1)
 
     def in_place() -> None:
         for chunk, update in zip(pieces, updates):

@@ -19,6 +19,7 @@ from hybridtrain.contract import (
     PS_STRATEGIES,
     VAL_LOSS,
 )
+from testbed.paper_workloads import split_entry
 
 
 def _by(records: list[dict[str, Any]], name: str) -> dict[int, dict[int, float]]:
@@ -194,7 +195,7 @@ def check_targets(results: dict[str, dict[str, Any]], ideal: float | None,
         add("share of ideal", ratio(bz.get("samples_per_s"), ideal), ">= 80%", lambda v: v >= 0.8)
         # A baseline is another strategy (with any variant); ps-bz-gc's own variants
         # (`ps-bz-gc+inforward`) are the product's options measured beside it, not rivals.
-        baselines = [k for k in results if k.partition("+")[0] != PS_BZ_GC]
+        baselines = [k for k in results if split_entry(k)[0] != PS_BZ_GC]
         margins = [ratio(bz.get("samples_per_s"), results[k].get("samples_per_s")) for k in baselines]
         # The closest baseline decides; unknown when any baseline's throughput is.
         add("throughput vs the fastest baseline", None if not margins or None in margins else min(margins),

@@ -36,14 +36,14 @@ from typing import Any
 
 import httpx
 
-from hybridtrain.contract import COMPRESSING_STRATEGIES, PS_BZ_GC, PS_STRATEGIES, STRATEGIES, parse_target
+from hybridtrain.contract import PS_BZ_GC, STRATEGIES, parse_target
 from hybridtrain.progress import duration
 from testbed import lifecycle, services, thread_placer
 from testbed.api_runs import fetch_metrics, rank_nodes, run_body, run_strategy
 from testbed.errors import TestbedError
 from testbed.ideal import Log, measure_calibrated, measure_ideal
 from testbed.paper_figures import check_targets, combine_seeds, ideal_of_the_runs, link_prices, summarise
-from testbed.paper_workloads import BenchSettings, configs_of, seeds_of, workloads_of
+from testbed.paper_workloads import BenchSettings, configs_of, seeds_of, strategy_variant, variant_body, workloads_of
 from testbed.state import TestbedState
 from testbed.topology import TestbedConfig, load_config
 
@@ -52,52 +52,6 @@ SECTION = "## Paper benchmark (hybridtrain bench paper)"
 
 # ---------------------------------------------------------------------------------------------
 # Variants.
-
-
-# A strategy's variants, measured side by side with it: `+plain`, its links unencrypted (what
-# TLS costs; runs encrypt by default); `+sites`, a PS strategy with each remote site's gradients
-# combined at its relay (`compression.aggregate_at_sites`, what per-site aggregation gains);
-# `+overlap`, a PS strategy whose chunks leave during the backward pass (`compression.overlap`);
-# `+fp8`, a compressing PS strategy whose values travel as fp8 (`compression.value_dtype`);
-# `+inforward`, a PS strategy applying its update's later chunks during the next forward pass
-# (`compression.apply_in_forward`); `+quotaio`, any strategy with each node's communication
-# threads left on its GPU quota (the testbed's thread placer paused for the run: the emulation
-# before 2026-12-01, testbed/thread_placer.py).
-VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward", "quotaio")
-
-
-def strategy_variant(entry: str) -> tuple[str, str]:
-    """`ps-bz-gc+sites` -> (ps-bz-gc, "sites"); a plain strategy's variant is ""."""
-    strategy, _, variant = entry.partition("+")
-    if variant and variant not in VARIANTS:
-        raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
-    if variant in ("sites", "overlap", "inforward") and strategy not in PS_STRATEGIES:
-        raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
-    if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
-        raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
-                           f"({', '.join(COMPRESSING_STRATEGIES)})")
-    return strategy, variant
-
-
-def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
-    """The run body of `variant` (see VARIANTS) from the strategy's own."""
-    if variant == "plain":
-        return body | {"name": f"{body['name']}-plain", "encrypt_links": False}
-    if variant == "sites":
-        return body | {"name": f"{body['name']}-sites",
-                       "compression": body.get("compression", {}) | {"aggregate_at_sites": True}}
-    if variant == "overlap":
-        return body | {"name": f"{body['name']}-overlap",
-                       "compression": body.get("compression", {}) | {"overlap": True}}
-    if variant == "fp8":
-        return body | {"name": f"{body['name']}-fp8",
-                       "compression": body.get("compression", {}) | {"value_dtype": "fp8"}}
-    if variant == "inforward":
-        return body | {"name": f"{body['name']}-inforward",
-                       "compression": body.get("compression", {}) | {"apply_in_forward": True}}
-    if variant == "quotaio":
-        return body | {"name": f"{body['name']}-quotaio"}
-    return body
 
 
 def check_strategies(strategies: tuple[str, ...], configs: list[TestbedConfig]) -> None:

@@ -12,19 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
+from testbed.paper_workloads import split_entry
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
 
 
-# What a variant (testbed.paperbench.VARIANTS) adds to its strategy's label.
+# What a variant (testbed.paper_workloads.VARIANTS) adds to its strategy's label.
 _VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "overlap": "overlap", "fp8": "fp8 values",
                    "inforward": "apply-in-forward", "quotaio": "threads on the quota"}
 
 
 def strategy_label(entry: str) -> str:
     """A table's name for a `--strategies` entry: `ps-bz-gc+overlap` -> `PS-bz-gc + overlap`."""
-    strategy, _, variant = entry.partition("+")
+    strategy, variant = split_entry(entry)
     label = STRATEGY_LABELS.get(strategy, strategy)
     return f"{label} + {_VARIANT_LABELS.get(variant, variant)}" if variant else label
 

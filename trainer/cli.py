@@ -386,11 +386,17 @@ def _takes_value(parser: argparse.ArgumentParser, flag: str) -> bool:
     return action is not None and action.nargs != 0
 
 
-def skips_finalisation(argv: list[str]) -> bool:
-    """Whether this command line runs the parameter server role (which exits without the
-    interpreter's finalisation, see trainer/__main__.py)."""
-    own = argv[: argv.index("--")] if "--" in argv else argv  # not a script's arguments
-    return "--role=ps" in own or any(a == "--role" and b == "ps" for a, b in zip(own, own[1:]))
+def role_in(argv: list[str]) -> str | None:
+    """The role (`ps`, `worker`) this command line runs, None for a local launch; read from the
+    trainer's own flags, never from a script's arguments after `--` (see trainer/__main__.py)."""
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    role = None
+    for flag, value in zip(own, [*own[1:], None]):
+        if flag.startswith("--role="):
+            role = flag.partition("=")[2]
+        elif flag == "--role" and value is not None:
+            role = value  # argparse keeps the last of a repeated flag, and so does this
+    return role
 
 
 def main(argv: list[str]) -> int:

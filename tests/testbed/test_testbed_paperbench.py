@@ -19,12 +19,14 @@ from testbed.paper_workloads import (
     calibrated_batch,
     configs_of,
     seeds_of,
+    strategy_variant,
+    variant_body,
     with_overrides,
     workloads_of,
 )
 from testbed.api_runs import run_body
 from testbed.ideal import measure_calibrated, profile_argv, samples_per_s
-from testbed.paperbench import check_strategies, placer_pause_file, strategy_variant, variant_body, write_results
+from testbed.paperbench import check_strategies, placer_pause_file, write_results
 from testbed.report import SECTION, markdown_table, replace_section, section, strategy_label, workload
 
 

@@ -422,14 +422,34 @@ def test_a_users_own_trainer_and_hybridtrain_packages_do_not_replace_the_trainer
     assert "3 steps" in proc.stderr
 
 
-def test_only_the_parameter_server_role_skips_the_interpreters_finalisation():
-    from trainer.cli import skips_finalisation
+def test_the_role_a_command_line_runs_is_read_from_its_own_flags_only():
+    from trainer.cli import role_in
 
-    assert skips_finalisation(["--strategy", "ps", "--role", "ps", "--rank", "0"])
-    assert skips_finalisation(["--role=ps"])
-    assert not skips_finalisation(["--role", "worker", "--rank", "1"])
+    assert role_in(["--strategy", "ps", "--role", "ps", "--rank", "0"]) == "ps"
+    assert role_in(["--role=worker"]) == "worker"
+    assert role_in(["--strategy", "ps", "--workers", "2"]) is None
     # A user's script arguments are theirs, whatever they say.
-    assert not skips_finalisation(["--role", "worker", "--", "--role", "ps"])
+    assert role_in(["--role", "worker", "--", "--role", "ps"]) == "worker"
+
+
+EXITS = OWN_LOOP + """
+import atexit, pathlib, threading, time
+
+def late_write():
+    time.sleep(0.5)
+    pathlib.Path(f"thread-{ctx.worker}").write_text("done")
+
+threading.Thread(target=late_write).start()
+atexit.register(lambda: pathlib.Path(f"atexit-{ctx.worker}").write_text("done"))
+"""
+
+
+def test_a_workers_exit_still_waits_for_the_scripts_threads_and_runs_its_atexit_handlers(tmp_path):
+    (tmp_path / "train.py").write_text(EXITS)
+    proc = run_cli("--strategy", "ps", "--workers", "2", "train.py", "1", command="launch", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.glob("thread-*")) == ["thread-0", "thread-1"]
+    assert sorted(p.name for p in tmp_path.glob("atexit-*")) == ["atexit-0", "atexit-1"]
 
 
 def test_the_report_token_can_come_from_a_file_not_the_command_line(tmp_path):
