@@ -162,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     sysg.add_argument("--min-workers-wait-s", type=float, default=d.min_workers_wait_s,
                       help="how long to wait below --min-workers before the run fails")
     sysg.add_argument("--start-wait-s", type=float, default=d.start_wait_s,
-                      help="PS strategies: how long a fresh run waits for all its workers before it "
+                      help="PS strategies: how long a run waits for its workers (--expect-ranks) before it "
                            "starts with those connected (the rest join later)")
+    sysg.add_argument("--expect-ranks", type=_ints, default=(),
+                      help="PS strategies: the worker ranks the start waits for (default all); a restart "
+                           "names the ranks it launched")
     sysg.add_argument("--join", action="store_true",
                       help="PS strategies: join a running run (any rank not in it); admitted at the next "
                            "step boundary with the run's model")
@@ -251,6 +254,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                              "--momentum-correction (the momentum is then in the compressed gradient)")
         if clash:
             raise UsageError(f"--apply-in-forward does not go with {clash[0][0]}: {clash[0][1]}")
+    if args.expect_ranks and not (ps and all(1 <= r <= workers for r in args.expect_ranks)):
+        raise UsageError(f"--expect-ranks {list(args.expect_ranks)}: need worker ranks in 1..{workers} "
+                         "of a parameter-server run")
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
     target = _target(args)
@@ -293,7 +299,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_every=args.checkpoint_every, checkpoint_every_s=args.checkpoint_every_s,
         checkpoint_dir=args.checkpoint_dir, checkpoint_url=args.checkpoint_url, resume=args.resume,
         min_workers=args.min_workers, min_workers_wait_s=args.min_workers_wait_s,
-        start_wait_s=args.start_wait_s, join=args.join,
+        start_wait_s=args.start_wait_s, expect_ranks=tuple(sorted(set(args.expect_ranks))),
+        join=args.join,
         metrics_out=args.metrics_out, report_url=args.report_url, report_token=_report_token(args),
         report_spool=args.report_spool, link_secret=_read_secret(args.link_secret_file, "--link-secret-file"),
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,

@@ -25,6 +25,7 @@ RESUMABLE_CHANGES = frozenset(
      "report_url", "report_token", "threads", "timeout_s", "log_every", "device", "resume",
      "sites", "stop_at_target", "data_workers", "eval_every", "code_dir", "checkpoint_every_s",
      "checkpoint_url", "report_spool", "link_secret", "min_workers", "min_workers_wait_s", "start_wait_s", "join",
+     "expect_ranks",
      # A run resumes with whichever workers it has now (docs/elastic.md).
      "workers", "batch_sizes", "speeds", "link_mbps", "emulate_speeds"}
 )
@@ -114,9 +115,13 @@ class TrainConfig:
     # min_workers_wait_s, then fails the run with the reason.
     min_workers: int = 1
     min_workers_wait_s: float = 300.0
-    # PS strategies: how long a fresh run waits for every planned worker before it starts with
+    # PS strategies: how long a run waits for every expected worker before it starts with
     # those there (at least min_workers); the rest join later (trainer.boundary).
     start_wait_s: float = 120.0
+    # PS strategies: the worker ranks the start waits for (empty: every rank 1..workers). A
+    # restart names the ranks it launched, so a resumed run with gaps in its ranks (a node lost
+    # for good) waits for those only, and for as long as a fresh run.
+    expect_ranks: tuple[int, ...] = ()
     # A worker started into a running run: the server admits it at the next step boundary and
     # hands it the current model and a share of the batch.
     join: bool = False

@@ -13,12 +13,15 @@ from hybridtrain.contract import EVENT_RESUMED, steps_for_epochs
 from trainer.frames import SERVER, Abort, Hello, LayoutSpec, ProtocolError, State, Welcome, expect, pack
 from trainer.membership import Member
 
-# A resumed run starts once --min-workers have said HELLO and no other has for this long: its
-# workers may have gaps in their ranks (a lost node), and a late one joins. A fresh run instead
-# waits up to --start-wait-s (120 s) for every planned worker: start-up differs by tens of
-# seconds between nodes (imports and the task's data on a full core or on a third of one: 25 s
-# on the paper testbed's ResNet-18), and a worker admitted later is a joiner, which misses the
-# site relay plan, so its site pays one WAN copy of every update per worker.
+# A run, fresh or resumed, waits up to --start-wait-s (120 s) for every expected worker
+# (--expect-ranks, default every rank): start-up differs by tens of seconds between nodes
+# (imports and the task's data on a full core or on a third of one: 25 s on the paper
+# testbed's ResNet-18), and a worker admitted later is a joiner, which misses the site relay
+# plan, so its site pays one WAN copy of every update per worker. A resumed run used to start
+# once no worker had said HELLO for 20 s, because it could not tell a lost node's rank (which
+# never comes) from a slow one; a restart now names the ranks it launched instead, so a
+# worker that takes longer than that to start is planned from the first step, not a joiner.
+# Once no worker has said HELLO for this long, the server says whom it is waiting for.
 START_QUIET_S = 20.0
 
 
@@ -46,16 +49,16 @@ class Handshake:
         hellos: dict[int, tuple[Hello, str | None]] = {}
         start = last = time.monotonic()
         deadline = start + self.cfg.timeout_s
-        fresh = self._resume_model is None
+        expected = set(self.cfg.expect_ranks or range(1, self.cfg.workers + 1))
         said = False
-        while len(hellos) < self.cfg.workers and time.monotonic() < deadline:
+        while not expected <= hellos.keys() and time.monotonic() < deadline:
             now = time.monotonic()
             if len(hellos) >= max(1, self.cfg.min_workers):
-                if now - (start if fresh else last) > (self.cfg.start_wait_s if fresh else START_QUIET_S):
+                if now - start > self.cfg.start_wait_s:
                     break
-                if fresh and not said and now - last > min(START_QUIET_S, self.cfg.start_wait_s / 2):
-                    missing = sorted(set(range(1, self.cfg.workers + 1)) - set(hellos))
-                    self.say(f"{len(hellos)} of {self.cfg.workers} workers connected; waiting up to "
+                if not said and now - last > min(START_QUIET_S, self.cfg.start_wait_s / 2):
+                    missing = sorted(expected - hellos.keys())
+                    self.say(f"{len(hellos)} of {len(expected)} workers connected; waiting up to "
                              f"{min(self.cfg.start_wait_s, self.cfg.timeout_s):.0f} s from the start for "
                              f"rank(s) {', '.join(map(str, missing))}, then starting without them")
                     said = True

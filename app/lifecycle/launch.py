@@ -54,6 +54,8 @@ def orders_for(
         sites=rank_sites(session, run=run),
         ranks=ranks, join=join, resume=resume,
         batch_sizes=current_batch_sizes(run, live) if live is not None else None,
+        # A restart's server waits for the ranks it launches, not for a rank that is gone.
+        expect_ranks=[w.rank for w in live if w.role == "worker"] if live is not None and resume else None,
     )
 
 

@@ -111,11 +111,13 @@ def launch_orders(
     join: bool = False,
     resume: bool = False,
     batch_sizes: Sequence[int] | None = None,
+    expect_ranks: Sequence[int] | None = None,
 ) -> list[LaunchOrder]:
     """One launch order per rank (`ranks`, default all), carrying everything the role's command
     line needs, with the report token `metrics_token` gives its rank; `sites` (one label per rank, `rank_sites`) lets a PS run relay its update once
     per remote site; `link_secret` keys the ranks' TLS. `join` admits the ranks into the running run, `resume` starts them from
-    the latest checkpoint (a restart); `batch_sizes` overrides the plan's split."""
+    the latest checkpoint (a restart); `batch_sizes` overrides the plan's split; `expect_ranks` are
+    the worker ranks a PS run's start waits for (a restart's, which may have gaps)."""
     sizes = list(batch_sizes) if batch_sizes is not None else [
         w.batch_size for w in run.workers if w.role == "worker" and w.batch_size
     ]
@@ -129,6 +131,8 @@ def launch_orders(
     checkpoints = run.script is None and (bool(run.checkpoint_every) or bool(run.checkpoint_every_s) or resume)
     if resume and run.script is None:
         options["resume"] = True
+    if expect_ranks is not None and is_ps(run.strategy):
+        options["expect-ranks"] = sorted(expect_ranks)
     orders = []
     for worker in run.workers if ranks is None else ranks:
         assert worker.node_id is not None

@@ -295,6 +295,28 @@ def test_a_restart_leaves_out_the_workers_already_lost_and_the_run_is_degraded(o
     assert _run(client, rid)["status"] == "degraded"
 
 
+def test_a_restarts_server_waits_for_the_worker_ranks_it_relaunches_only(online_node, client, dispatched):
+    rid, a, b = _ps_run(online_node, client, dispatched)
+    b.event(rid, rank=2, role="worker", event="exited", exit_code=1, pid=102)
+    dispatched.take(b.id)
+
+    a.event(rid, rank=0, role="ps", event="exited", exit_code=1, pid=100)
+    server = [args[2] for task, args in _run_orders(dispatched, a) if task == LAUNCH_ROLE]
+    a.event(rid, rank=0, role="ps", event="started", pid=400, attempt=1)
+    held = [args[2] for task, args in _run_orders(dispatched, a) if task == LAUNCH_ROLE]
+
+    # Rank 2 is gone: a server waiting for it would hold the resumed run's start for nothing.
+    assert [spec["rank"] for spec in server + held] == [0, 1]
+    assert all(spec["options"]["expect-ranks"] == [1] for spec in server + held)
+
+
+def test_a_first_launch_waits_for_every_planned_worker(online_node, client, dispatched):
+    a, b = online_node(), online_node()
+    client.post(f"{API}/runs", json=run_body([a, b], strategy="ps", ps_node_id=a.id))
+    specs = [args[2] for task, args in _run_orders(dispatched, a) + _run_orders(dispatched, b) if task == LAUNCH_ROLE]
+    assert specs and all("expect-ranks" not in spec["options"] for spec in specs)
+
+
 def test_a_run_whose_restarts_are_spent_fails_with_the_reason(online_node, client, dispatched):
     rid, a, b = _ps_run(online_node, client, dispatched, max_restarts=1)
     a.event(rid, rank=0, role="ps", event="exited", exit_code=1, pid=100)

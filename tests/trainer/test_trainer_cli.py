@@ -463,3 +463,16 @@ def test_a_missing_report_token_file_is_a_usage_error_naming_it(tmp_path):
     args = build_parser().parse_args(["--report-token-file", str(tmp_path / "nope")])
     with pytest.raises(UsageError, match="--report-token-file .*nope"):
         config_from_args(args)
+
+
+@pytest.mark.parametrize("argv", [["--strategy", "ps", "--workers", "2", "--expect-ranks", "1,3"],
+                                  ["--strategy", "ps", "--workers", "2", "--expect-ranks", "0"],
+                                  ["--strategy", "allreduce", "--workers", "2", "--expect-ranks", "1"]])
+def test_expected_ranks_must_be_worker_ranks_of_a_parameter_server_run(argv):
+    with pytest.raises(UsageError, match="--expect-ranks"):
+        config_from_args(build_parser().parse_args(argv))
+
+
+def test_the_expected_ranks_are_kept_sorted_once_each():
+    args = build_parser().parse_args(["--strategy", "ps", "--workers", "4", "--expect-ranks", "4,1,4"])
+    assert config_from_args(args).expect_ranks == (1, 4)

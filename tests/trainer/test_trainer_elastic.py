@@ -17,6 +17,7 @@ from trainer_testing import (
     Role,
     events,
     replica_hashes,
+    run_cli,
     series,
     start_ps_run,
     stop_all,
@@ -231,6 +232,38 @@ def test_a_fresh_run_starts_without_a_worker_missing_past_the_start_wait_and_adm
     args = [*run_args(2, 150), "--start-wait-s", "2"]
     server, _ = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=2, join=False)
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [2]
+
+
+def _checkpointed(tmp_path, workers: int, steps: int) -> list[str]:
+    """The flags that resume from a checkpoint of `steps` steps of a `workers`-worker run."""
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", str(steps)]
+    first = run_cli(*run_args(workers, steps), "--workers", str(workers), *ck)
+    assert first.returncode == 0, first.stderr[-3000:]
+    return [*ck, "--resume"]
+
+
+def test_a_resumed_run_waits_for_a_worker_that_starts_late_as_a_fresh_run_does(tmp_path):
+    # A restart relaunches every rank at once, but a node may take longer than 20 s to start its
+    # worker: the resumed run plans it from the first step rather than admitting it as a joiner.
+    args = [*run_args(2, 6), *_checkpointed(tmp_path, 2, 3), "--start-wait-s", "20"]
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="waiting up to 20 s from the start for rank(s) 2",
+                                           rank=2, join=False)
+    assert "resumed from step 3 with 2 workers" in server.output
+    assert events(server.records(), EVENT_WORKER_JOINED) == []
+    assert min(series(roles[2].records(), "batch_size", rank=2)) == 4
+
+
+def test_a_resumed_run_with_a_rank_gone_waits_only_for_the_ranks_it_expects(tmp_path):
+    # Rank 2 of three was lost for good; the restart launches ranks 1 and 3 and names them.
+    args = [*run_args(3, 6), *_checkpointed(tmp_path, 3, 3), "--start-wait-s", "60", "--expect-ranks", "1,3"]
+    server, workers, _ = start_ps_run(tmp_path, 3, args, ranks=[1, 3])
+    try:
+        assert server.wait() == 0, server.output[-3000:]
+        assert all(w.wait() == 0 for w in workers.values())
+    finally:
+        stop_all(server, *workers.values())
+    assert "resumed from step 3 with 2 workers" in server.output
+    assert "waiting up to" not in server.output
 
 
 def test_a_joiner_admitted_just_before_an_evaluation_starts_after_it_without_failing_the_run(tmp_path):
