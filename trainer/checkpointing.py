@@ -40,6 +40,9 @@ class Checkpointer:
         self.cfg = cfg
         self.step = 0
         self.pending: Pending | None = None
+        # The step whose state was taken last: its file may still be on the writer thread, and a
+        # second boundary at the same step (the final evaluation's) must not ask for it again.
+        self._taken = 0
         # The worker asked was lost before it answered: the next boundary asks another.
         self._owed = False
         self._at = time.monotonic()
@@ -54,7 +57,7 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         """Whether the boundary after `step` takes a checkpoint: every N steps or S seconds, once a step."""
-        if step <= self.step:
+        if step <= max(self.step, self._taken):
             return False
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
             return True
@@ -82,7 +85,7 @@ class Checkpointer:
         pending = self.pending
         if pending is None or rank != pending.donor or worker.step != pending.step:
             return False
-        self.pending = None
+        self.pending, self._taken = None, pending.step
         self.write_in_background(pending.step, pending.server_state, layout, worker)
         return True
 

@@ -87,6 +87,15 @@ def test_a_pending_checkpoint_is_taken_only_from_the_worker_asked_and_for_its_st
     assert ckpts.pending is None and ckpts.written(wait=True) == [(5, "run-step-00000005.pt")]
 
 
+def test_a_step_whose_state_was_taken_is_not_due_again_while_its_file_is_written(tmp_path) -> None:
+    # The final evaluation's boundary comes at the last step again, before the writer is done.
+    ckpts = Checkpointer(TrainConfig(checkpoint_every=5, checkpoint_dir=str(tmp_path)))
+    ckpts.asked(5, 2, {"step": 5})
+    assert ckpts.take(2, _worker_state(5), LAYOUT)
+    assert not ckpts.due(5) and not ckpts.wanted(5)
+    assert ckpts.written(wait=True) == [(5, "run-step-00000005.pt")]
+
+
 def test_one_checkpoint_is_on_its_way_at_a_time(tmp_path) -> None:
     ckpts = Checkpointer(TrainConfig(checkpoint_every=5, checkpoint_dir=str(tmp_path)))
     ckpts.asked(5, 2, {"step": 5})

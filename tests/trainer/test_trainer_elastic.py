@@ -253,6 +253,16 @@ def test_a_resumed_run_waits_for_a_worker_that_starts_late_as_a_fresh_run_does(t
     assert min(series(roles[2].records(), "batch_size", rank=2)) == 4
 
 
+def test_a_resumed_run_admits_a_worker_later_than_the_start_wait_as_a_joiner(tmp_path):
+    # The survivors start without it once --start-wait-s is over; it joins at a step boundary.
+    args = [*run_args(2, 150), *_checkpointed(tmp_path, 2, 3), "--start-wait-s", "2"]
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="resumed from step 3 with 1 workers", rank=2,
+                                           join=False)
+    assert "resumed from step 3 with 1 workers" in server.output
+    assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [2]
+    assert max(series(roles[2].records(), "batch_size", rank=2)) == 150
+
+
 def test_a_resumed_run_with_a_rank_gone_waits_only_for_the_ranks_it_expects(tmp_path):
     # Rank 2 of three was lost for good; the restart launches ranks 1 and 3 and names them.
     args = [*run_args(3, 6), *_checkpointed(tmp_path, 3, 3), "--start-wait-s", "60", "--expect-ranks", "1,3"]
