@@ -40,9 +40,6 @@ class Checkpointer:
         self.cfg = cfg
         self.step = 0
         self.pending: Pending | None = None
-        # The step whose state was taken last: its file may still be on the writer thread, and a
-        # second boundary at the same step (the final evaluation's) must not ask for it again.
-        self._taken = 0
         # The worker asked was lost before it answered: the next boundary asks another.
         self._owed = False
         self._at = time.monotonic()
@@ -57,7 +54,9 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         """Whether the boundary after `step` takes a checkpoint: every N steps or S seconds, once a step."""
-        if step <= max(self.step, self._taken):
+        # A step still on the writer thread counts as taken: the final evaluation's boundary comes
+        # at the last step again, and must not ask for it twice.
+        if step <= max([self.step, *(s for s, _ in self._writes)]):
             return False
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
             return True
@@ -85,7 +84,7 @@ class Checkpointer:
         pending = self.pending
         if pending is None or rank != pending.donor or worker.step != pending.step:
             return False
-        self.pending, self._taken = None, pending.step
+        self.pending = None
         self.write_in_background(pending.step, pending.server_state, layout, worker)
         return True
 

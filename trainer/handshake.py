@@ -17,10 +17,8 @@ from trainer.membership import Member
 # (--expect-ranks, default every rank): start-up differs by tens of seconds between nodes
 # (imports and the task's data on a full core or on a third of one: 25 s on the paper
 # testbed's ResNet-18), and a worker admitted later is a joiner, which misses the site relay
-# plan, so its site pays one WAN copy of every update per worker. A resumed run used to start
-# once no worker had said HELLO for 20 s, because it could not tell a lost node's rank (which
-# never comes) from a slow one; a restart now names the ranks it launched instead, so a
-# worker that takes longer than that to start is planned from the first step, not a joiner.
+# plan, so its site pays one WAN copy of every update per worker. A restart names the ranks it
+# launched, so a lost node's rank, which never comes, is not waited for.
 # Once no worker has said HELLO for this long, the server says whom it is waiting for.
 START_QUIET_S = 20.0
 
