@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     sysg.add_argument("--device", choices=DEVICES, default=d.device)
     sysg.add_argument("--timeout-s", type=float, default=d.timeout_s,
                       help="a peer silent this long fails the role instead of hanging it (a PS server "
-                           "drops a silent worker 1.5 step times after its peers' frames: docs/elastic.md)")
+                           "drops a silent worker a step time after its peers' frames, beyond their usual spread: "
+                           "docs/elastic.md)")
     sysg.add_argument("--link-mbps", type=_floats, default=(),
                       help="emulated per-worker link bandwidth (Mbit/s), worker order")
     sysg.add_argument("--sites", type=_labels, default=(),

@@ -21,26 +21,38 @@ from trainer.relay import SERVER, plan_relay
 # A worker that sends nothing for this long after its peers' frames of a step is lost, however
 # short the steps: scheduling hiccups and a garbage collection must not drop a healthy worker.
 LOSS_FLOOR_S = 2.0
-# ... and for 1.5 recent step times (the median), whichever is longer. The clock starts at the
-# round's first frame, which comes up to a whole step after a node went silent (a worker sends
-# once a step, at its end), so a loss is noticed within 2.5 step times of the fault and the
-# event's own latency, inside issue 15's three, once steps are over 1.3 s (the fault benchmark
-# measured 3.3 step times at two). A healthy worker's frames trail its peers' by the split's
-# imbalance and its compression, a fraction of a step once the batch is re-split from measured
-# times; a joiner's first step is held to the start's deadline (`Roster.loss_deadline_s`).
-LOSS_STEPS = 1.5
-# Under per-site aggregation a relay waits for its site's workers this share of the server's
-# deadline, so that it reports its site (without the silent one) before the server, which
-# hears only the relay, would call the relay itself lost.
+# ... and for one recent step time (the median) beyond the spread of the workers' own step
+# times (compute and compression, the most of recent steps), whichever is longer. The clock
+# starts at the round's first frame, which comes up to a whole step after a node went silent (a
+# worker sends once a step, at its end), so a loss is noticed within about two step times of the
+# fault, the spread and the event's own latency, inside issue 15's three. The spread is where a
+# healthy worker's frames are expected: a fraction of a step once the batch is re-split from
+# measured times, up to most of a step for an equal split over unequal GPUs (`ps`, `ps-gc`),
+# which a fixed multiple of the step (1.5 until 2026-12-05: a cut link noticed after 3.1 step
+# times) either drops or waits on too long. A joiner's first step is held to the start's
+# deadline (`Roster.loss_deadline_s`).
+LOSS_STEPS = 1.0
+# Under per-site aggregation a relay waits for its site's workers this long after its own
+# chunk is ready (RELAY_SHARE of the floor, RELAY_STEPS recent step times), so that it reports
+# its site (without the silent one) before the server, which hears only the relay, would call
+# the relay itself lost.
 RELAY_SHARE = 0.5
+RELAY_STEPS = 0.75
 
 
-def loss_deadline_s(step_s: Sequence[float], timeout_s: float) -> float:
+def loss_deadline_s(step_s: Sequence[float], timeout_s: float, spread_s: float = 0.0) -> float:
     """How long after a round's first frame a silent worker counts as lost: LOSS_STEPS recent
-    step times (their median) with a floor, or a tenth of --timeout-s before any step."""
+    step times (their median) beyond `spread_s`, with a floor; a tenth of --timeout-s before any step."""
     if not step_s:
         return max(LOSS_FLOOR_S, timeout_s / 10)
-    return max(LOSS_FLOOR_S, LOSS_STEPS * statistics.median(step_s))
+    return max(LOSS_FLOOR_S, LOSS_STEPS * statistics.median(step_s) + spread_s)
+
+
+def relay_wait_s(step_s: Sequence[float], timeout_s: float) -> float:
+    """How long a site's relay waits for its members' chunks after its own is ready."""
+    if not step_s:
+        return RELAY_SHARE * loss_deadline_s(step_s, timeout_s)
+    return max(RELAY_SHARE * LOSS_FLOOR_S, RELAY_STEPS * statistics.median(step_s))
 
 
 @dataclass
@@ -70,6 +82,8 @@ class Roster:
         self.batch_sizes = initial_batch_sizes(cfg)
         self.densities = [cfg.density] * cfg.workers
         self.step_s: deque[float] = deque(maxlen=20)
+        # How far apart the workers' own step times were (compute and compression), recent steps.
+        self.spread_s: deque[float] = deque(maxlen=20)
         # Joiners computing their first step, whose cold start (first allocations, caches) may
         # trail the others by more than the loss deadline: that step is held to the start's.
         self.warming: set[int] = set()
@@ -172,10 +186,17 @@ class Roster:
                 m.joining = False
                 self.warming.add(m.rank)
 
+    def note_spread(self, seconds: list[float]) -> None:
+        """Each worker's own time to its gradient (compute and compression) in one step."""
+        if seconds:
+            self.spread_s.append(max(seconds) - min(seconds))
+
     def loss_deadline_s(self) -> float:
         """How long after a step's first frame a silent worker counts as lost (the start's while
         a joiner computes its first step)."""
-        return loss_deadline_s(() if self.warming else self.step_s, self.cfg.timeout_s)
+        if self.warming:
+            return loss_deadline_s((), self.cfg.timeout_s)
+        return loss_deadline_s(self.step_s, self.cfg.timeout_s, max(self.spread_s, default=0.0))
 
     # -- the batch split ----------------------------------------------------------------------------
     def note_rates(self, rows: list[tuple[int, int, float]]) -> None:

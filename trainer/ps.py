@@ -62,7 +62,7 @@ from trainer.frames import (
 )
 from trainer.in_place import InPlaceUpdates
 from trainer.linkclock import LinkClock
-from trainer.membership import RELAY_SHARE, loss_deadline_s
+from trainer.membership import relay_wait_s
 from trainer.metrics import MetricsLogger
 from trainer.pass_hooks import ApplyInForward, OverlapHooks
 from trainer.relay import SERVER
@@ -146,8 +146,8 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
             for name in self._chunk_params_names():
                 self._params[name].register_post_accumulate_grad_hook(self._on_grad)
         self._init_site_relay()
-        # A relay waits for its members as long as a share of the server's loss deadline, which
-        # follows the step time.
+        # A relay waits for its members in proportion to the step time, as the server's loss
+        # deadline does (trainer.membership.relay_wait_s).
         self._step_times: deque[float] = deque(maxlen=20)
         # The server may pause below --min-workers: a worker waits that long on top.
         wait = cfg.timeout_s + (cfg.min_workers_wait_s if cfg.min_workers > 1 else 0.0)
@@ -301,7 +301,7 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         grad = Grad(sending.step, self.rank, c, loss, sending.samples, compute_s, self.last_tx_s,
                     sending.topk_s, dense, sparse)
         if self.combiner is not None:
-            wait_s = RELAY_SHARE * loss_deadline_s(self._step_times, self.cfg.timeout_s)
+            wait_s = relay_wait_s(self._step_times, self.cfg.timeout_s)
             grad = self.combiner.combine(grad, self.inbox, density=self.densities[self.index],
                                          dense_step=self.dense_step(sending.step), wait_s=wait_s)  # fmt: skip
             te = time.perf_counter()

@@ -321,6 +321,7 @@ class ParameterServer(Boundary):
         ranks = [r.rank for r in rows]
         if batches:
             self.roster.note_rates([(r.rank, r.samples, r.compute_s) for r in rows])
+            self.roster.note_spread([r.compute_s + r.topk_s for r in rows])
         if densities and self.cfg.compresses and step > self.cfg.warmup_steps + 1:
             # A link's time is the longer of the worker's own send time (previous step, its bytes
             # at the rate TCP measured: trainer.linkclock) and the frame's arrival time seen here

@@ -7,8 +7,9 @@ chunk of its own, and sends the server one frame. The frame counts the site's sa
 chunk's carries every member's own figures (loss, compute and transmission times), so the
 server's plan still sees each worker.
 
-Choice (the paper is silent): the relay waits for its members a share of the server's loss
-deadline (`trainer.membership.RELAY_SHARE`), so that it leaves out a lost or silent member and
+Choice (the paper is silent): the relay waits for its members three quarters of a step time
+(`trainer.membership.relay_wait_s`), less than the server's loss deadline, so that it leaves out
+a lost or silent member and
 still reaches the server in time; the server, finding a member missing from the site's frame,
 drops it or lets it go (docs/elastic.md).
 """

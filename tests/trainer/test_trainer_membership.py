@@ -3,9 +3,11 @@ updates come from, and how long a silent worker has before it counts as lost."""
 
 from __future__ import annotations
 
+import pytest
+
 from hybridtrain.contract import proportional_batch_sizes
 from trainer.config import TrainConfig
-from trainer.membership import LOSS_FLOOR_S, Member, Roster
+from trainer.membership import LOSS_FLOOR_S, Member, Roster, relay_wait_s
 from trainer.relay import SERVER
 
 
@@ -113,7 +115,26 @@ def test_the_loss_deadline_follows_the_step_time_with_a_floor():
     assert roster.loss_deadline_s() == LOSS_FLOOR_S
     for _ in range(20):
         roster.note_step(4.0)
-    assert roster.loss_deadline_s() == 6.0  # 1.5 step times: a loss is noticed within three of the fault
+    assert roster.loss_deadline_s() == 4.0  # a step time: a loss is noticed within two of the fault
+
+
+def test_the_loss_deadline_waits_a_step_beyond_the_workers_usual_spread():
+    # An equal split over GPUs 2.5x apart: the slow worker's frames come 2.4 s after the fast one's.
+    roster = _roster()
+    for fast, slow in ((1.6, 4.0), (1.5, 3.9), (1.6, 4.1)):
+        roster.note_step(4.2)
+        roster.note_spread([fast, slow, slow])
+    assert roster.loss_deadline_s() == pytest.approx(4.2 + 2.5)
+
+
+def test_a_relay_gives_up_on_its_members_before_the_server_gives_up_on_the_relay():
+    roster = _roster()
+    for _ in range(5):
+        roster.note_step(4.0)
+        roster.note_spread([3.9, 4.0])
+    assert relay_wait_s(roster.step_s, 60.0) == 3.0
+    assert relay_wait_s([0.2], 60.0) == 1.0 < LOSS_FLOOR_S
+    assert relay_wait_s(roster.step_s, 60.0) < roster.loss_deadline_s()
 
 
 def test_a_joiners_first_step_is_held_to_the_starts_deadline_then_to_the_step_time():
@@ -121,12 +142,12 @@ def test_a_joiners_first_step_is_held_to_the_starts_deadline_then_to_the_step_ti
     for _ in range(5):
         roster.note_step(4.0)
     roster.add(Member(4, joining=True))
-    assert roster.loss_deadline_s() == 6.0  # still catching up: it sends no gradient this step
+    assert roster.loss_deadline_s() == 4.0  # still catching up: it sends no gradient this step
     roster.caught_up()
     assert 4 in roster.senders()
     assert roster.loss_deadline_s() == roster.cfg.timeout_s / 10
     roster.note_step(4.0)
-    assert roster.loss_deadline_s() == 6.0
+    assert roster.loss_deadline_s() == 4.0
 
 
 def test_the_donor_is_a_worker_in_the_servers_site():
