@@ -211,16 +211,23 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # `+inforward`, a PS strategy applying its update's later chunks during the next forward pass
 # (`compression.apply_in_forward`); `+quotaio`, any strategy with each node's communication
 # threads left on its GPU quota (the testbed's thread placer paused for the run: the emulation
-# before 2026-12-01, testbed/thread_placer.py).
-VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward", "quotaio")
+# before 2026-12-01, testbed/thread_placer.py); `+chunksN`, a PS strategy with its step
+# pipelined in N chunks instead of the workload's `pipeline_chunks`.
+VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward", "quotaio", "chunksN")
+
+
+def chunks_of(variant: str) -> int | None:
+    """N of a `chunksN` variant (None for any other)."""
+    digits = variant.removeprefix("chunks")
+    return int(digits) if variant.startswith("chunks") and digits.isdigit() and 1 <= int(digits) <= 64 else None
 
 
 def strategy_variant(entry: str) -> tuple[str, str]:
     """`ps-bz-gc+sites` -> (ps-bz-gc, "sites"); a plain strategy's variant is ""."""
     strategy, variant = split_entry(entry)
-    if variant and variant not in VARIANTS:
+    if variant and variant not in VARIANTS and chunks_of(variant) is None:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
-    if variant in ("sites", "overlap", "inforward") and strategy not in PS_STRATEGIES:
+    if (variant in ("sites", "overlap", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
@@ -246,6 +253,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
                        "compression": body.get("compression", {}) | {"apply_in_forward": True}}
     if variant == "quotaio":
         return body | {"name": f"{body['name']}-quotaio"}
+    if chunks_of(variant):
+        return body | {"name": f"{body['name']}-{variant}",
+                       "compression": body.get("compression", {}) | {"pipeline_chunks": chunks_of(variant)}}
     return body
 
 

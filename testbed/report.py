@@ -27,6 +27,8 @@ def strategy_label(entry: str) -> str:
     """A table's name for a `--strategies` entry: `ps-bz-gc+overlap` -> `PS-bz-gc + overlap`."""
     strategy, variant = split_entry(entry)
     label = STRATEGY_LABELS.get(strategy, strategy)
+    if variant.startswith("chunks") and variant[6:].isdigit():
+        return f"{label} + {variant[6:]} chunks"
     return f"{label} + {_VARIANT_LABELS.get(variant, variant)}" if variant else label
 
 

@@ -309,6 +309,16 @@ def test_a_strategy_with_plus_plain_runs_over_unencrypted_links() -> None:
     assert body == {"name": "bench-ps-bz-gc-plain", "encrypt_links": False}
 
 
+def test_a_ps_strategy_with_plus_chunks_n_pipelines_its_step_in_n_chunks() -> None:
+    assert strategy_variant("ps-bz-gc+chunks8") == ("ps-bz-gc", "chunks8")
+    body = variant_body({"name": "bench-ps-bz-gc", "compression": {"pipeline_chunks": 4}}, "chunks8")
+    assert body == {"name": "bench-ps-bz-gc-chunks8", "compression": {"pipeline_chunks": 8}}
+    assert strategy_label("ps-bz-gc+chunks8") == "PS-bz-gc + 8 chunks"
+    for bad in ("allreduce+chunks8", "ps-bz-gc+chunks0", "ps-bz-gc+chunksx"):
+        with pytest.raises(TestbedError):
+            strategy_variant(bad)
+
+
 def test_a_ps_strategy_with_plus_sites_combines_each_remote_sites_gradients_at_its_relay() -> None:
     assert strategy_variant("ps-gc+sites") == ("ps-gc", "sites")
     body = variant_body({"name": "bench-ps-gc", "compression": {"density": 0.05}}, "sites")
