@@ -387,7 +387,7 @@ def _script_run(tmp_path, steps: int) -> list[str]:
 
 @pytest.mark.e2e
 def test_a_joiner_of_a_delayed_run_ends_with_the_others_weights(tmp_path):
-    args = _script_run(tmp_path, 300)
+    args = _script_run(tmp_path, 150)
     server, roles, port = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
     try:
         server.wait_for("[ps] step 1/")
@@ -399,13 +399,13 @@ def test_a_joiner_of_a_delayed_run_ends_with_the_others_weights(tmp_path):
         stop_all(server, *roles.values())
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [3]
     results = [role.wait_for("RESULT") for role in roles.values()]
-    assert all(" step 300 " in line for line in results)
+    assert all(" step 150 " in line for line in results)
     assert len({line.split(" hash ")[1] for line in results}) == 1, results
 
 
 @pytest.mark.e2e
 def test_a_worker_told_to_leave_a_delayed_run_leaves_at_a_step_boundary_and_the_run_finishes(tmp_path):
-    server, workers, _ = start_ps_run(tmp_path, 2, _script_run(tmp_path, 300), cwd=tmp_path)
+    server, workers, _ = start_ps_run(tmp_path, 2, _script_run(tmp_path, 150), cwd=tmp_path)
     try:
         server.wait_for("[ps] step 1/")
         time.sleep(1.5)
@@ -418,4 +418,4 @@ def test_a_worker_told_to_leave_a_delayed_run_leaves_at_a_step_boundary_and_the_
     left = events(server.records(), EVENT_WORKER_LEFT)
     assert [e["subject"] for e in left] == [2]
     assert f"left the run after step {left[0]['step']}" in workers[2].output
-    assert " step 300 " in workers[1].wait_for("RESULT")
+    assert " step 150 " in workers[1].wait_for("RESULT")

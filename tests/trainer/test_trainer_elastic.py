@@ -51,7 +51,9 @@ def run_with_a_late_worker(tmp_path, workers: int, args: list[str], *, after: st
                            cwd=None) -> tuple[Role, dict[int, Role]]:
     """A PS run planned for `workers`; worker `rank` (a planned one, or with `join` a newcomer
     given --join) starts once the server has printed `after`. Every role must exit 0; returns
-    the server and the workers by rank, the late one included."""
+    the server and the workers by rank, the late one included. The roles are forked from the
+    zygote (trainer_testing.Role), so a late one is in within a second: the runs it joins are
+    sized for that, not for an interpreter importing torch on a loaded host."""
     where = {"cwd": cwd} if cwd else {}
     server, roles, port = start_ps_run(tmp_path, workers, args, ranks=[r for r in range(1, workers + 1) if r != rank],
                                        **where)
@@ -221,15 +223,15 @@ def test_a_joiner_of_a_task_run_catches_up_with_its_learning_rate_schedule(tmp_p
 def test_a_fresh_run_waits_for_a_worker_that_starts_late_and_plans_it_from_the_first_step(tmp_path):
     # The notice comes when no worker has said HELLO for min(20 s, --start-wait-s / 2): where a
     # resumed run would have started without rank 2.
-    args = [*run_args(2, 6), "--start-wait-s", "20"]
-    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="waiting up to 20 s from the start for rank(s) 2",
+    args = [*run_args(2, 6), "--start-wait-s", "8"]
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="waiting up to 8 s from the start for rank(s) 2",
                                            rank=2, join=False)
     assert events(server.records(), EVENT_WORKER_JOINED) == []
     assert min(series(roles[2].records(), "batch_size", rank=2)) == 1
 
 
 def test_a_fresh_run_starts_without_a_worker_missing_past_the_start_wait_and_admits_it_later(tmp_path):
-    args = [*run_args(2, 150), "--start-wait-s", "2"]
+    args = [*run_args(2, 60), "--start-wait-s", "2"]
     server, _ = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=2, join=False)
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [2]
 
@@ -245,8 +247,8 @@ def _checkpointed(tmp_path, workers: int, steps: int) -> list[str]:
 def test_a_resumed_run_waits_for_a_worker_that_starts_late_as_a_fresh_run_does(tmp_path):
     # A restart relaunches every rank at once, but a node may take longer than 20 s to start its
     # worker: the resumed run plans it from the first step rather than admitting it as a joiner.
-    args = [*run_args(2, 6), *_checkpointed(tmp_path, 2, 3), "--start-wait-s", "20"]
-    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="waiting up to 20 s from the start for rank(s) 2",
+    args = [*run_args(2, 6), *_checkpointed(tmp_path, 2, 3), "--start-wait-s", "8"]
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="waiting up to 8 s from the start for rank(s) 2",
                                            rank=2, join=False)
     assert "resumed from step 3 with 2 workers" in server.output
     assert events(server.records(), EVENT_WORKER_JOINED) == []
@@ -255,12 +257,12 @@ def test_a_resumed_run_waits_for_a_worker_that_starts_late_as_a_fresh_run_does(t
 
 def test_a_resumed_run_admits_a_worker_later_than_the_start_wait_as_a_joiner(tmp_path):
     # The survivors start without it once --start-wait-s is over; it joins at a step boundary.
-    args = [*run_args(2, 150), *_checkpointed(tmp_path, 2, 3), "--start-wait-s", "2"]
+    args = [*run_args(2, 60), *_checkpointed(tmp_path, 2, 3), "--start-wait-s", "2"]
     server, roles = run_with_a_late_worker(tmp_path, 2, args, after="resumed from step 3 with 1 workers", rank=2,
                                            join=False)
     assert "resumed from step 3 with 1 workers" in server.output
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [2]
-    assert max(series(roles[2].records(), "batch_size", rank=2)) == 150
+    assert max(series(roles[2].records(), "batch_size", rank=2)) == 60
 
 
 def test_a_resumed_run_with_a_rank_gone_waits_only_for_the_ranks_it_expects(tmp_path):
@@ -278,9 +280,10 @@ def test_a_resumed_run_with_a_rank_gone_waits_only_for_the_ranks_it_expects(tmp_
 
 def test_a_joiner_admitted_just_before_an_evaluation_starts_after_it_without_failing_the_run(tmp_path):
     # An evaluation after every step: whenever the joiner is admitted, the others evaluate the
-    # step it did not train before its first gradient. 100 steps: on a slow 2-core host a
-    # joiner took longer to import torch and connect than 38 steps took to train.
-    steps = 100
+    # step it did not train before its first gradient. 50 steps: a joiner forked from the
+    # zygote connects within a second (one that imported torch itself, on a slow 2-core host,
+    # took longer than 38 steps).
+    steps = 50
     args = [*DIGITS, "--strategy", "ps", "--eval-every", "1", "--timeout-s", "60", "--max-steps", str(steps),
             "--link-mbps", "10,10"]
     server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 2/", rank=3)
@@ -327,11 +330,11 @@ def test_a_lost_relay_leaves_its_site_training_through_the_server(tmp_path):
 def test_a_joiner_in_a_remote_site_hears_the_update_from_its_sites_relay(tmp_path):
     # Workers 2 and 3 are "away" (2 relays to 3); worker 4 joins there mid-run. The server
     # sends it the run's state, then nothing per step: worker 2 forwards it each update.
-    args = [*run_args(3, 150), "--sites", "home,home,away,away"]
+    args = [*run_args(3, 60), "--sites", "home,home,away,away"]
     server, workers, port = start_ps_run(tmp_path, 3, args)
     try:
         server.wait_for("[ps] step 1/")
-        joiner_args = [*run_args(4, 150), "--sites", "home,home,away,away,away", "--join"]
+        joiner_args = [*run_args(4, 60), "--sites", "home,home,away,away,away", "--join"]
         workers[4] = Role("worker", 4, 5, port, joiner_args, metrics=tmp_path / "rank4.jsonl")
         assert server.wait() == 0, server.output[-3000:]
         for r, role in workers.items():
@@ -341,8 +344,8 @@ def test_a_joiner_in_a_remote_site_hears_the_update_from_its_sites_relay(tmp_pat
     joined = events(server.records(), EVENT_WORKER_JOINED)
     assert [e["subject"] for e in joined] == [4]
     computed = series(workers[4].records(), "batch_size", rank=4)
-    assert computed and max(computed) == 150
-    later = range(joined[0]["step"] + 2, 150)
+    assert computed and max(computed) == 60
+    later = range(joined[0]["step"] + 2, 60)
     assert len(later) >= 20, joined
     server_to_4 = bytes_per_step(server.records(), rank=0, peer=4)
     relay_to_4 = bytes_per_step(workers[2].records(), rank=2, peer=4)

@@ -24,6 +24,7 @@ from trainer.metrics import MetricsLogger
 from trainer.ps import PSClient
 from trainer.server import ParameterServer, serve_in_thread
 from trainer.transport import InMemoryHub, Transport
+from zygote import ForkedProcess, Zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 # The built-in task the CLI tests train: quick on a CPU, and learnable to > 90 %.
@@ -165,23 +166,44 @@ def config(**overrides) -> TrainConfig:
     return cfg
 
 
+_zygote: Zygote | None = None
+
+
+def zygote() -> Zygote:
+    """The session's zygote (tests/zygote.py), started on first use and stopped at exit."""
+    global _zygote
+    if _zygote is None:
+        import atexit
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="hybridtrain-zygote-"))
+        _zygote = Zygote(directory, dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+        atexit.register(_zygote.close)
+    return _zygote
+
+
 class Role:
     """One role of a run as its own process (`python -m trainer --role ...`), its stderr read
-    line by line on a thread so a test can wait for a line."""
+    line by line on a thread so a test can wait for a line. The process is forked from the
+    session's zygote, which has imported torch already, unless `fork` is False or `prefix` is
+    given (what the process runs under: `ip netns exec NS` for a worker across a link)."""
 
     def __init__(self, role: str, rank: int, world_size: int, port: int, args: list[str], *, metrics: Path,
-                 cwd: Path = ROOT, master_addr: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
+                 cwd: Path = ROOT, master_addr: str = "127.0.0.1", prefix: tuple[str, ...] = (),
+                 fork: bool = True) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.rank = rank
         self.lines: list[str] = []
         self.metrics = metrics
         options, tail = (args[: args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
-        # `prefix`: what the process runs under (`ip netns exec NS` for a worker across a link).
-        argv = [*prefix, sys.executable, "-m", "trainer", "--threads", "1", *options, "--role", role, "--rank",
-                str(rank), "--world-size", str(world_size), "--master-addr", master_addr, "--master-port", str(port),
-                "--metrics-out", str(metrics), *tail]
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        command = ["--threads", "1", *options, "--role", role, "--rank", str(rank), "--world-size", str(world_size),
+                   "--master-addr", master_addr, "--master-port", str(port), "--metrics-out", str(metrics), *tail]
+        self.proc: subprocess.Popen | ForkedProcess
+        if fork and not prefix:
+            self.proc = zygote().spawn(command, cwd=cwd, env=env)
+        else:
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "trainer", *command], cwd=cwd, env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
