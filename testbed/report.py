@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
-from testbed.paper_workloads import split_entry
+from testbed.paper_workloads import chunks_of, split_entry
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
@@ -27,8 +27,8 @@ def strategy_label(entry: str) -> str:
     """A table's name for a `--strategies` entry: `ps-bz-gc+overlap` -> `PS-bz-gc + overlap`."""
     strategy, variant = split_entry(entry)
     label = STRATEGY_LABELS.get(strategy, strategy)
-    if variant.startswith("chunks") and variant[6:].isdigit():
-        return f"{label} + {variant[6:]} chunks"
+    if chunks_of(variant):
+        return f"{label} + {chunks_of(variant)} chunks"
     return f"{label} + {_VARIANT_LABELS.get(variant, variant)}" if variant else label
 
 
