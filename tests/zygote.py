@@ -138,12 +138,9 @@ class Zygote:
 def _recv_request(conn: socket.socket) -> tuple[dict, int]:
     head, fds, _, _ = socket.recv_fds(conn, 8, 1)
     size = int.from_bytes(head, "big")
-    body = b""
-    while len(body) < size:
-        more = conn.recv(size - len(body))
-        if not more:
-            raise ConnectionError("the request was cut short")
-        body += more
+    body = conn.recv(size, socket.MSG_WAITALL)
+    if len(body) != size:
+        raise ConnectionError("the request was cut short")
     return json.loads(body), fds[0]
 
 
