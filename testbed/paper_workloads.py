@@ -253,9 +253,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
                        "compression": body.get("compression", {}) | {"apply_in_forward": True}}
     if variant == "quotaio":
         return body | {"name": f"{body['name']}-quotaio"}
-    if chunks_of(variant):
+    if chunks := chunks_of(variant):
         return body | {"name": f"{body['name']}-{variant}",
-                       "compression": body.get("compression", {}) | {"pipeline_chunks": chunks_of(variant)}}
+                       "compression": body.get("compression", {}) | {"pipeline_chunks": chunks}}
     return body
 
 

@@ -27,8 +27,8 @@ def strategy_label(entry: str) -> str:
     """A table's name for a `--strategies` entry: `ps-bz-gc+overlap` -> `PS-bz-gc + overlap`."""
     strategy, variant = split_entry(entry)
     label = STRATEGY_LABELS.get(strategy, strategy)
-    if chunks_of(variant):
-        return f"{label} + {chunks_of(variant)} chunks"
+    if chunks := chunks_of(variant):
+        return f"{label} + {chunks} chunks"
     return f"{label} + {_VARIANT_LABELS.get(variant, variant)}" if variant else label
 
 

@@ -11,8 +11,8 @@ handlers run, streams flushed).
 
 What a fork cannot be is a fresh interpreter: the child's modules were imported before its
 argv, cwd and environment were set. Tests of interpreter start or exit themselves (a role's
-exit code under finalisation, environment read at import) start real processes instead
-(`Role(..., fork=False)`). Run as a script, this file is the zygote.
+exit code under finalisation, environment read at import) start real processes instead, as
+`run_cli` and the launcher's own roles do. Run as a script, this file is the zygote.
 """
 
 from __future__ import annotations

@@ -185,12 +185,12 @@ def zygote() -> Zygote:
 class Role:
     """One role of a run as its own process (`python -m trainer --role ...`), its stderr read
     line by line on a thread so a test can wait for a line. The process is forked from the
-    session's zygote, which has imported torch already, unless `fork` is False or `prefix` is
-    given (what the process runs under: `ip netns exec NS` for a worker across a link)."""
+    session's zygote, which has imported torch already, unless `prefix` is given (what the
+    process runs under: `ip netns exec NS` for a worker across a link), which starts a fresh
+    interpreter."""
 
     def __init__(self, role: str, rank: int, world_size: int, port: int, args: list[str], *, metrics: Path,
-                 cwd: Path = ROOT, master_addr: str = "127.0.0.1", prefix: tuple[str, ...] = (),
-                 fork: bool = True) -> None:
+                 cwd: Path = ROOT, master_addr: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.rank = rank
         self.lines: list[str] = []
@@ -199,7 +199,7 @@ class Role:
         command = ["--threads", "1", *options, "--role", role, "--rank", str(rank), "--world-size", str(world_size),
                    "--master-addr", master_addr, "--master-port", str(port), "--metrics-out", str(metrics), *tail]
         self.proc: subprocess.Popen | ForkedProcess
-        if fork and not prefix:
+        if not prefix:
             self.proc = zygote().spawn(command, cwd=cwd, env=env)
         else:
             self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "trainer", *command], cwd=cwd, env=env,
