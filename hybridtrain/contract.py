@@ -16,14 +16,26 @@ from dataclasses import dataclass
 
 ALLREDUCE, ALLREDUCE_POWERSGD, PS, PS_GC, PS_BZ_GC = (
     "allreduce", "allreduce-powersgd", "ps", "ps-gc", "ps-bz-gc")
-STRATEGIES = (ALLREDUCE, ALLREDUCE_POWERSGD, PS, PS_GC, PS_BZ_GC)
-PS_STRATEGIES = (PS, PS_GC, PS_BZ_GC)
-# The strategies that sparsify gradients (unless their compressor is "none").
-COMPRESSING_STRATEGIES = (PS_GC, PS_BZ_GC)
+# Local SGD (DiLoCo, Douillard et al. 2023): H inner steps of the task's own optimizer on each
+# worker, then one outer step on the samples-weighted mean of the workers' parameter changes;
+# `diloco-gc` sends those changes through the top-k codec with error feedback (SparseLoCo).
+DILOCO, DILOCO_GC = "diloco", "diloco-gc"
+STRATEGIES = (ALLREDUCE, ALLREDUCE_POWERSGD, PS, PS_GC, PS_BZ_GC, DILOCO, DILOCO_GC)
+# The strategies with a server at rank 0 (its own transport, elastic membership, checkpoints).
+PS_STRATEGIES = (PS, PS_GC, PS_BZ_GC, DILOCO, DILOCO_GC)
+LOCAL_SGD_STRATEGIES = (DILOCO, DILOCO_GC)
+# The strategies that sparsify what they send (unless their compressor is "none").
+COMPRESSING_STRATEGIES = (PS_GC, PS_BZ_GC, DILOCO_GC)
 DEFAULT_STRATEGY = PS_BZ_GC
 # How reports and pages name them (the paper's spelling).
 STRATEGY_LABELS = {ALLREDUCE: "All-Reduce", ALLREDUCE_POWERSGD: "All-Reduce + PowerSGD", PS: "PS",
-                   PS_GC: "PS-gc", PS_BZ_GC: "PS-bz-gc"}
+                   PS_GC: "PS-gc", PS_BZ_GC: "PS-bz-gc", DILOCO: "DiLoCo", DILOCO_GC: "DiLoCo-gc"}
+# Local SGD's defaults: the inner steps between outer steps (H), and the outer optimizer, Nesterov
+# SGD at DiLoCo's published settings (learning rate 0.7, momentum 0.9). H is far below DiLoCo's
+# 500 because the runs this project trains last hundreds of steps, not tens of thousands.
+DEFAULT_SYNC_EVERY = 20
+DEFAULT_OUTER_LR = 0.7
+DEFAULT_OUTER_MOMENTUM = 0.9
 ALLOCATIONS = ("equal", "flops", "measured")
 COMPRESSORS = ("none", "topk", "randomk")
 VALUE_DTYPES = ("fp32", "fp16", "fp8")
@@ -38,14 +50,31 @@ def is_ps(strategy: str) -> bool:
     return strategy in PS_STRATEGIES
 
 
+def is_local_sgd(strategy: str) -> bool:
+    """Whether `strategy` takes inner steps locally between outer steps (the DiLoCo family)."""
+    return strategy in LOCAL_SGD_STRATEGIES
+
+
 def compresses(strategy: str, compressor: str = "topk") -> bool:
     """Whether `strategy` sparsifies gradients with `compressor`."""
     return strategy in COMPRESSING_STRATEGIES and compressor != "none"
 
 
 def default_allocation(strategy: str) -> str:
-    """`ps-bz-gc` sizes batches by speed (its point); every baseline splits equally."""
-    return "flops" if strategy == PS_BZ_GC else "equal"
+    """`ps-bz-gc` sizes batches by speed (its point), and so does local SGD, whose workers must
+    reach the outer step together; every baseline splits equally."""
+    return "flops" if strategy in (PS_BZ_GC, *LOCAL_SGD_STRATEGIES) else "equal"
+
+
+def sync_due(step: int, every: int, max_steps: int) -> bool:
+    """Whether local SGD's outer step follows inner step `step`: every `every` steps counted from
+    step 0, and at the run's last step, so that a run ends on the common model."""
+    return step % every == 0 or step >= max_steps
+
+
+def next_sync(step: int, every: int, max_steps: int) -> int:
+    """The first step after `step` that an outer step follows."""
+    return min((step // every + 1) * every, max(max_steps, step + 1))
 
 
 # -- the batch split (seed 000, section III-A) ------------------------------------------------
@@ -140,7 +169,9 @@ def steps_for_epochs(epochs: float, train_samples: int, global_batch: int) -> in
 # data, is reported for every task that has evaluation data.
 SYSTEM_METRICS = frozenset(
     {"loss", "batch_size", "samples_per_s", "compute_s", "data_s", "compress_s", "comm_s", "wait_s",
-     "bytes_sent", "bytes_recv", "density", "time_to_target_s", "max_steps", "params", "eval_s"}
+     "bytes_sent", "bytes_recv", "density", "time_to_target_s", "max_steps", "params", "eval_s",
+     # Local SGD's outer steps: the norm of the averaged parameter change each one applied.
+     "outer_norm"}
 )
 # Seconds an evaluation held the run up (logged at its step). time_to_target_s counts them, as
 # the bill does; a comparison of training algorithms subtracts them (testbed/paper_figures.py).

@@ -32,7 +32,13 @@ import time
 
 import torch
 
-from hybridtrain.contract import EVENT_WAITING, EVENT_WORKER_JOINED, EVENT_WORKER_LEFT, EVENT_WORKER_LOST
+from hybridtrain.contract import (
+    EVENT_WAITING,
+    EVENT_WORKER_JOINED,
+    EVENT_WORKER_LEFT,
+    EVENT_WORKER_LOST,
+    next_sync,
+)
 from trainer.checkpointing import Checkpointer, Checkpointing
 from trainer.frames import (
     BYE,
@@ -195,7 +201,7 @@ class Boundary(Handshake, Checkpointing):
                       else f"its connection ended ({exc})")
         self._drop(rank, f"worker {rank} lost at step {self.step}: {why}")
         self.metrics.event(self.step, EVENT_WORKER_LOST, subject=rank,
-                           detail=f"{why}; {RESIDUAL_GONE}; the batch is split over {len(self.roster)} workers")
+                           detail=f"{why}; {self._what_is_gone()}; the batch is split over {len(self.roster)} workers")
         if self.elastic:
             self.transport.forget(rank)
 
@@ -203,12 +209,21 @@ class Boundary(Handshake, Checkpointing):
         """Let a worker go that said it is leaving (a spot notice); it gets BYE."""
         self._drop(rank, f"worker {rank} left at step {self.step}")
         self.metrics.event(self.step, EVENT_WORKER_LEFT, subject=rank,
-                           detail=f"left cleanly after step {self.step}; {RESIDUAL_GONE}; the batch is split "
-                                  f"over {len(self.roster)} workers")
+                           detail=f"left cleanly after step {self.step}; {self._what_is_gone()}; the batch is "
+                                  f"split over {len(self.roster)} workers")
         try:
             self.transport.send(rank, pack(Bye(self.step, SERVER)))
         except (ConnectionError, OSError):
             pass
+
+    def _what_is_gone(self) -> str:
+        """What a worker that leaves or is lost takes with it."""
+        if not self.cfg.is_local_sgd:
+            return RESIDUAL_GONE
+        # Under local SGD a worker that goes between outer steps takes its inner steps with it:
+        # the next outer step averages the others' changes only.
+        return (f"its inner steps since the outer step of step {self.step} are dropped (never averaged)"
+                + (f" and {RESIDUAL_GONE}" if self.cfg.compresses else ""))
 
     def _drop(self, rank: int, what: str) -> None:
         self.checkpoints.lost(rank)
@@ -283,9 +298,17 @@ class Boundary(Handshake, Checkpointing):
         share = self.roster.batch_sizes[rank - 1]
         self.metrics.event(self.step, EVENT_WORKER_JOINED, subject=rank,
                            detail=f"admitted after step {self.step} with the state of worker {donor}; from "
-                                  f"step {self.step + 2} its share is {share} of {self.cfg.global_batch}")
+                                  f"step {self._first_step_of_joiner()} its share is {share} of "
+                                  f"{self.cfg.global_batch}")
         self.say(f"worker {rank} joined after step {self.step}; batch shares "
                  f"{[n for n in self.roster.batch_sizes if n]}")
+
+    def _first_step_of_joiner(self) -> int:
+        """A joiner applies the next update with the others (the next step's, or under local SGD the
+        next outer step's) and computes from the step after it."""
+        if not self.cfg.is_local_sgd:
+            return self.step + 2
+        return next_sync(self.step, self.cfg.sync_every, self.max_steps) + 1
 
     def _reroute(self, relay: int, *, peers: dict | None = None, source: int | None = None) -> None:
         """Tell `relay` whom it forwards the update to now (a ROUTE; with `source`, where its own

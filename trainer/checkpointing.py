@@ -56,9 +56,14 @@ class Checkpointer:
         """Whether the boundary after `step` takes a checkpoint: every N steps or S seconds, once a step."""
         # A step still on the writer thread counts as taken: the final evaluation's boundary comes
         # at the last step again, and must not ask for it twice.
-        if step <= max([self.step, *(s for s, _ in self._writes)]):
+        last = max([self.step, *(s for s, _ in self._writes)])
+        if step <= last:
             return False
-        if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+        every = self.cfg.checkpoint_every
+        if every and step % every == 0:
+            return True
+        # Local SGD's server sees only the outer steps, H apart: one past a multiple counts.
+        if every and self.cfg.is_local_sgd and step // every > last // every:
             return True
         return bool(self.cfg.checkpoint_every_s) and time.monotonic() - self._at >= self.cfg.checkpoint_every_s
 

@@ -24,6 +24,7 @@ from hybridtrain.contract import (
     check_task_ref,
     compresses,
     default_allocation,
+    is_local_sgd,
     is_ps,
     parse_target,
 )
@@ -122,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensors with fewer elements (and all 1-D ones) travel dense")
     gc.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
     gc.add_argument("--powersgd-start", type=int, default=d.powersgd_start)
+    local = p.add_argument_group("local SGD (diloco, diloco-gc)")
+    local.add_argument("--sync-every", type=int, default=d.sync_every,
+                       help="H: inner steps of the task's optimizer on each worker between outer steps")
+    local.add_argument("--outer-lr", type=float, default=d.outer_lr,
+                       help="the outer Nesterov SGD's learning rate on the workers' mean parameter change")
+    local.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
+                       help="the outer Nesterov SGD's momentum (0: plain SGD)")
     io = p.add_argument_group("evaluation, checkpoints, metrics")
     io.add_argument("--eval-every", type=int, default=d.eval_every)
     io.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: never")
@@ -255,6 +263,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                              "--momentum-correction (the momentum is then in the compressed gradient)")
         if clash:
             raise UsageError(f"--apply-in-forward does not go with {clash[0][0]}: {clash[0][1]}")
+    _check_local_sgd(args)
     if args.expect_ranks and not (ps and all(1 <= r <= workers for r in args.expect_ranks)):
         raise UsageError(f"--expect-ranks {list(args.expect_ranks)}: need worker ranks in 1..{workers} "
                          "of a parameter-server run")
@@ -307,7 +316,27 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,
         link_mbps=tuple(args.link_mbps), sites=tuple(args.sites), emulate_speeds=args.emulate_speeds,
         powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
+        sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
     )
+
+
+def _check_local_sgd(args: argparse.Namespace) -> None:
+    """Local SGD's own settings, and the PS variants it does not take."""
+    if args.sync_every < 1:
+        raise UsageError(f"--sync-every must be >= 1, got {args.sync_every}")
+    if not args.outer_lr > 0:
+        raise UsageError(f"--outer-lr must be > 0, got {args.outer_lr}")
+    if not 0 <= args.outer_momentum < 1:
+        raise UsageError(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
+    if not is_local_sgd(args.strategy):
+        return
+    # Each of these hides a per-step exchange that local SGD does not have.
+    clashes = {"--overlap": args.overlap, "--delayed-updates": args.delayed_updates,
+               "--apply-in-forward": args.apply_in_forward, "--aggregate-at-sites": args.aggregate_at_sites}
+    on = [flag for flag, value in clashes.items() if value]
+    if on:
+        raise UsageError(f"{on[0]} hides a parameter server's per-step exchange; {args.strategy} exchanges "
+                         f"only every --sync-every steps")
 
 
 def _report_token(args: argparse.Namespace) -> str | None:

@@ -7,16 +7,38 @@ from __future__ import annotations
 
 import torch
 
-from trainer.compression import CompressionState, Compressor, Identity, build_compressor
+from trainer.compression import (
+    CompressionState,
+    Compressor,
+    ErrorFeedback,
+    FP8Values,
+    FP16Values,
+    Identity,
+    build_compressor,
+)
 from trainer.config import TrainConfig
 
 
 def codec(cfg: TrainConfig, name: str) -> Compressor:
-    """The compressor `name` as `cfg` configures it; the identity for a strategy that sends dense."""
+    """The compressor `name` as `cfg` configures it; the identity for a strategy that sends dense,
+    except local SGD's, whose dense pseudo-gradients travel at --value-dtype with error feedback
+    (an outer step is rare and large, so halving its bytes pays, and the rounding is sent later)."""
     if not cfg.compresses:
-        return Identity()
+        if not cfg.is_local_sgd or cfg.value_dtype == "fp32":
+            return Identity()
+        narrow: Compressor = FP16Values(Identity()) if cfg.value_dtype == "fp16" else FP8Values(Identity())
+        return ErrorFeedback(narrow) if cfg.error_feedback else narrow
     return build_compressor(name, value_dtype=cfg.value_dtype, error_feedback=cfg.error_feedback,
                             select=cfg.select)
+
+
+def sends_dense(cfg: TrainConfig, step: int) -> bool:
+    """Whether `step` sends the whole tensor in fp32, bypassing the codec: the warm-up steps and
+    the uncompressed PS strategies; local SGD only at --value-dtype fp32 without compression (its
+    outer steps come after H local steps, so they need no warm-up)."""
+    if cfg.is_local_sgd:
+        return isinstance(codec(cfg, cfg.compressor), Identity)
+    return step <= cfg.warmup_steps or not cfg.compresses
 
 
 def dense_chunk(cfg: TrainConfig) -> int:

@@ -6,13 +6,17 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from hybridtrain.contract import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
     DEFAULT_STRATEGY,
+    DEFAULT_SYNC_EVERY,
     DEFAULT_TASK,
     PS_STRATEGIES,
     STRATEGIES,
     compresses,
     default_allocation,
     equal_batch_sizes,
+    is_local_sgd,
     proportional_batch_sizes,
 )
 
@@ -146,11 +150,21 @@ class TrainConfig:
     emulate_speeds: bool = False
     powersgd_rank: int = 2
     powersgd_start: int = 10
+    # Local SGD (`diloco`, `diloco-gc`): inner steps between outer steps (H), and the outer
+    # optimizer, Nesterov SGD on the averaged parameter change (trainer.local_sgd).
+    sync_every: int = DEFAULT_SYNC_EVERY
+    outer_lr: float = DEFAULT_OUTER_LR
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM
 
     @property
     def is_ps(self) -> bool:
         """Whether rank 0 is a parameter server."""
         return self.strategy in PS_STRATEGIES
+
+    @property
+    def is_local_sgd(self) -> bool:
+        """Whether workers take inner steps locally between outer steps (`diloco`, `diloco-gc`)."""
+        return is_local_sgd(self.strategy)
 
     @property
     def compresses(self) -> bool:
@@ -162,7 +176,8 @@ class TrainConfig:
         """Whether the update's chunks after the first are applied during the next forward pass:
         asked for, compressed, several chunks, and none of the modes whose chunks follow the
         backward pass or whose updates come late or through a site's relay."""
-        return (self.apply_in_forward and self.is_ps and self.compresses and self.momentum_correction
+        return (self.apply_in_forward and self.is_ps and not self.is_local_sgd and self.compresses
+                and self.momentum_correction
                 and self.pipeline_chunks > 1
                 and not (self.overlap or self.delayed_updates or self.site_aggregation))
 

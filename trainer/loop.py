@@ -407,8 +407,9 @@ def evaluate(model: nn.Module, dataset: Any, *, metrics: Sequence[Metric] = (),
         part = eval_slice(n, ctx.worker, ctx.batch_sizes)
     if ctx.client is not None:
         ctx.client.average_buffers(ctx.step)
-        sums, count = metric_sums(module, dataset, part=part, metrics=metrics, loss=loss,
-                                  batch_size=batch_size, device=ctx.device, collate=collate)
+        with ctx.client.global_model():
+            sums, count = metric_sums(module, dataset, part=part, metrics=metrics, loss=loss,
+                                      batch_size=batch_size, device=ctx.device, collate=collate)
         values, stop = ctx.client.combine_eval(ctx.step, sums, count, time.perf_counter() - started)
         ctx._note_eval(values, stop)
         return values

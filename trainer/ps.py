@@ -41,13 +41,15 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from trainer.algorithm import Layout, apply_payload, chunks, float_buffers, worker_sparsify
-from trainer.codec_state import codec, dense_chunk, join_residuals, split_residual
+from trainer.codec_state import codec, dense_chunk, join_residuals, sends_dense, split_residual
 from trainer.compression import CompressionState, Payload
 from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.frames import (
@@ -62,6 +64,7 @@ from trainer.frames import (
 )
 from trainer.in_place import InPlaceUpdates
 from trainer.linkclock import LinkClock
+from trainer.local_sgd import LocalSGD
 from trainer.membership import relay_wait_s
 from trainer.metrics import MetricsLogger
 from trainer.pass_hooks import ApplyInForward, OverlapHooks
@@ -131,7 +134,13 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
                                      if off >= self.layout.dense_numel)
         self.flat_grad = torch.zeros(self.layout.numel, device=device)
         self._bind_grads()
-        self.rules = self._adapt_optimizer(optimizer)
+        # Local SGD: the common parameters of the last outer step and the outer optimizer
+        # (trainer.local_sgd); the inner steps use the task's optimizer as it is.
+        self.local = (LocalSGD(cfg.sync_every, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                               numel=self.layout.numel, device=device) if cfg.is_local_sgd else None)
+        if self.local is not None:
+            self.local.reset(self._flat_params(), 0)
+        self.rules = SgdRules() if self.local is not None else self._adapt_optimizer(optimizer)
         # Momentum correction (DGC, Lin et al. 2018): applied after compression, momentum repeats
         # for ~1/(1 - m) steps every burst that error feedback held back in the residual, and the
         # replicas lurch. Accumulated before compression, the velocity itself is what travels.
@@ -254,7 +263,7 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
 
     def dense_step(self, step: int) -> bool:
         """Warm-up steps and uncompressed strategies send the whole gradient."""
-        return step <= self.cfg.warmup_steps or not self.cfg.compresses
+        return sends_dense(self.cfg, step)
 
     def apply(self, update: Update) -> None:
         """Step 4 for one chunk. Under momentum correction it goes straight into the parameters
@@ -270,13 +279,29 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         apply_payload(self.flat_grad[nd + a : nd + b], update.sparse)
         if update.chunk < len(self.bounds) - 1:
             return
+        if self.local is not None:
+            # The flat buffer holds the workers' mean pseudo-gradient: the outer step.
+            norm = self.local.apply(self.flat_grad, update.step)
+            self._set_params(self.local.common)
+            self.metrics.log(update.step, "outer_norm", norm)
+        else:
+            self._optimizer_step()
+        self.densities = list(update.densities)
+        self.batch_sizes = list(update.batch_sizes)
+
+    def _set_params(self, flat: torch.Tensor) -> None:
+        """Every parameter from `flat` (layout order)."""
+        with torch.no_grad():
+            for name, off, n in zip(self.layout.names, self.layout.offsets, self.layout.numels):
+                p = self._params[name]
+                p.copy_(flat[off : off + n].view_as(p))
+
+    def _optimizer_step(self) -> None:
         with hyperparameters(self.optimizer, self._applying_hyper):
             if self.velocity is None:
                 self.optimizer.step()
             else:
                 self._step_with_momentum_correction()
-        self.densities = list(update.densities)
-        self.batch_sizes = list(update.batch_sizes)
 
     def _step_with_momentum_correction(self) -> None:
         sgd_step(self.optimizer, self._compressed)
@@ -329,6 +354,14 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
             self.flush_bytes()
         self._sending = None  # a late hook (a second backward) must not send into the next step
         self.collect_grads(sending.ready)
+        # What the frame reports: this step's own figures, or under local SGD the whole round's.
+        sent_loss, sent_compute_s = loss, compute_s
+        if self.local is not None:
+            if not self._inner_step(step, loss=loss, samples=samples, compute_s=compute_s):
+                return
+            round_ = self.local.progress
+            sending.samples, sent_loss, sent_compute_s = round_.samples, round_.loss, round_.compute_s
+            self.local.delta(self._flat_params(), out=self.flat_grad)
         density = self.densities[self.index] if not self.dense_step(step) else 1.0
         self._forward_s = 0.0
         # Chunks sent from the backward pass spent that time compressing and posting, not
@@ -337,9 +370,11 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         # Apply-in-forward: the forward pass's waits for the last update's chunks are
         # communication exposed in this step, not per-sample work.
         blocked, self._blocked_s = self._blocked_s, 0.0
-        compute_s = max(0.0, compute_s - blocked - sending.topk_s - sending.encode_s - sending.tx_s)
+        overhead = blocked + sending.topk_s + sending.encode_s + sending.tx_s
+        compute_s = max(0.0, compute_s - overhead)
+        sent_compute_s = max(0.0, sent_compute_s - overhead)
         while sending.next_chunk < len(self.bounds):
-            self._send_chunk(sending, sending.next_chunk, loss, compute_s)
+            self._send_chunk(sending, sending.next_chunk, sent_loss, sent_compute_s)
         ts = time.perf_counter()
         for wait in sending.waits:
             wait()
@@ -386,6 +421,38 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         mlog(step, "comm_s", max(0.0, total - compute_s - topk_s - encode_s))
         mlog(step, "wait_s", max(0.0, last_arrival - sent) + blocked)
         mlog(step, "density", density)
+
+    def _inner_step(self, step: int, *, loss: float, samples: int, compute_s: float) -> bool:
+        """Local SGD: the task's optimizer steps on this worker's gradient alone. True when the
+        outer step follows (the caller sends the pseudo-gradient); else the step is done here."""
+        self.optimizer.step()
+        self.local.progress.note(loss, samples, compute_s)
+        if self.local.due(step, self.max_steps):
+            return True
+        self.step = step
+        self._step_times.append(compute_s)
+        mlog = self.metrics.log
+        if math.isfinite(loss):
+            mlog(step, "loss", loss)
+        mlog(step, "batch_size", samples)
+        mlog(step, "samples_per_s", samples / max(compute_s, 1e-9))
+        mlog(step, "compute_s", compute_s)
+        mlog(step, "comm_s", 0.0)
+        return False
+
+    @contextmanager
+    def global_model(self) -> Iterator[None]:
+        """The run's model in the parameters for the block: under local SGD the common one of
+        the last outer step (an evaluation scores that, not one worker's drift since)."""
+        if self.local is None or self.local.synced_step == self.step:
+            yield
+            return
+        own = self._flat_params()
+        self._set_params(self.local.common)
+        try:
+            yield
+        finally:
+            self._set_params(own)
 
     def drain(self) -> None:
         """Apply the update still pending (under --delayed-updates; under apply-in-forward, the
@@ -448,9 +515,12 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
     # -- leaving and the end: trainer.session, with the pending update applied first ---------------
     def close(self) -> None:
         """Apply the pending update (delayed updates), then BYE (`Session.close`): the run ends
-        with every replica equal to the model the server's updates make."""
+        with every replica equal to the model the server's updates make (under local SGD, the
+        common one of the last outer step: a run stopped at its target between outer steps)."""
         if not self.left:
             self.drain()
+        if self.local is not None and self.local.synced_step != self.step:
+            self._set_params(self.local.common)
         super().close()
 
     def leave(self) -> None:

@@ -17,7 +17,7 @@ from hybridtrain.contract import EVAL_S, parse_target
 from trainer.algorithm import adapt_densities, aggregate_sparsified, chunks
 from trainer.allocation import aggregation_weights, rebalance
 from trainer.boundary import Boundary
-from trainer.codec_state import codec, dense_chunk, join_residuals, split_residual
+from trainer.codec_state import codec, dense_chunk, join_residuals, sends_dense, split_residual
 from trainer.compression import CompressionState, Payload
 from trainer.config import TrainConfig
 from trainer.frames import (
@@ -283,7 +283,7 @@ class ParameterServer(Boundary):
         a, b = self.bounds[chunk]
         state = self.codec_states[chunk]
         state.step = step
-        dense_step = step <= self.cfg.warmup_steps or not self.cfg.compresses
+        dense_step = sends_dense(self.cfg, step)
         dense, payload = aggregate_sparsified(grads, self.layout.dense_numel if chunk == dense_chunk(self.cfg) else 0,
                                               b - a, codec=self.codec, state=state, dense_step=dense_step)
         last = len(self.bounds) - 1

@@ -51,18 +51,28 @@ class Session:
         self.load_state(state)
         if welcome.catch_up:
             # A joiner has the state of the last step; the next step's update, which the others
-            # are computing now, brings it level with them.
-            self._read_updates(self.step + 1)
+            # are computing now, brings it level with them (under local SGD, the next outer step's).
+            upto = self.next_round(self.step)
+            self._read_updates(upto)
             if not self.ended_by_server:
-                self.step += 1
+                self.step = upto
+
+    def next_round(self, step: int) -> int:
+        """The step of the next update after `step`: the next step, or local SGD's next outer step."""
+        return step + 1 if self.local is None else self.local.next(step, self.max_steps)
 
     def state_frame(self) -> State:
-        """This replica's weights, float buffers and optimizer state (a joiner's or a checkpoint's)."""
+        """This replica's weights, float buffers and optimizer state (a joiner's or a checkpoint's).
+        Under local SGD the weights are the common ones of the last outer step, and the optimizer
+        state holds the outer optimizer's beside the inner one's."""
         from trainer.checkpoint import to_bytes
 
         buffers = float_buffers(self.model)
         flat = torch.cat([b.reshape(-1).float().cpu() for b in buffers]) if buffers else torch.zeros(0)
-        return State(self.rank, self._flat_params().cpu(), flat, self.step, to_bytes(self.optimizer.state_dict()))
+        if self.local is None:
+            return State(self.rank, self._flat_params().cpu(), flat, self.step, to_bytes(self.optimizer.state_dict()))
+        optimizer = {"inner": self.optimizer.state_dict(), "outer": self.local.state_dict()}
+        return State(self.rank, self.local.common.cpu(), flat, self.local.synced_step, to_bytes(optimizer))
 
     def _answer_fetch(self) -> None:
         # Posted, not waited for: the sender thread writes it while this worker applies the
@@ -82,9 +92,15 @@ class Session:
             for b in float_buffers(self.model):
                 b.copy_(state.buffers[off : off + b.numel()].view_as(b))
                 off += b.numel()
-        if state.optimizer:
+        optimizer = from_bytes(state.optimizer) if state.optimizer else None
+        if self.local is not None:
+            self.local.reset(state.params.to(self.local.common.device), state.step)
+            if isinstance(optimizer, dict) and "outer" in optimizer:
+                self.local.load_state_dict(optimizer["outer"])
+                optimizer = optimizer["inner"]
+        if optimizer:
             # Written by an adapted optimizer (decay already moved into the gradient).
-            self.optimizer.load_state_dict(from_bytes(state.optimizer))
+            self.optimizer.load_state_dict(optimizer)
 
     def _from_server(self, cls: type, step: int | None = None):
         """The server's next frame, a `cls`; a FETCH on the way is answered with this worker's

@@ -1,0 +1,249 @@
+"""Local SGD (`diloco`, `diloco-gc`): the outer step's arithmetic, whole runs in one process,
+and runs on real processes with workers joining and leaving at outer steps."""
+
+from __future__ import annotations
+
+import math
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_trainer_elastic import SCRIPT, run_with_a_late_worker
+from trainer_testing import (
+    DIGITS,
+    config,
+    events,
+    global_batch,
+    read_metrics,
+    run_cli,
+    run_in_process,
+    series,
+    start_ps_run,
+    stop_all,
+    tiny_data,
+    tiny_mlp,
+)
+
+from hybridtrain.contract import EVENT_WORKER_JOINED, EVENT_WORKER_LEFT, next_sync, sync_due
+from trainer.algorithm import aggregate
+from trainer.cli import UsageError, build_parser, config_from_args
+from trainer.codec_state import codec
+from trainer.compression import CompressionState, Payload
+from trainer.frames import Grad
+from trainer.local_sgd import LocalSGD, Progress, outer_step, pseudo_gradient
+from trainer.metrics import MetricsLogger
+from trainer.ps import PSClient
+from trainer.transport import InMemoryHub
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _plain_sgd(model) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _adamw(model) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+# -- the pure pieces ------------------------------------------------------------------------------
+
+
+def test_the_pseudo_gradient_is_the_common_parameters_less_the_local_ones():
+    assert pseudo_gradient(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 3.0])).tolist() == [0.5, -1.0]
+
+
+def test_the_outer_step_is_nesterov_sgd_by_hand():
+    params, velocity, delta = torch.tensor([1.0, 2.0]), torch.zeros(2), torch.tensor([0.5, -1.0])
+    outer_step(params, velocity, delta, lr=0.7, momentum=0.9)
+    # v = delta; theta -= 0.7 * (delta + 0.9 v) = 0.7 * 1.9 delta
+    torch.testing.assert_close(params, torch.tensor([1.0 - 0.665, 2.0 + 1.33]))
+    outer_step(params, velocity, delta, lr=0.7, momentum=0.9)
+    # v = 0.9 delta + delta = 1.9 delta; theta -= 0.7 * (delta + 0.9 * 1.9 delta) = 0.7 * 2.71 delta
+    torch.testing.assert_close(params, torch.tensor([0.335 - 0.9485, 3.33 + 1.897]))
+
+
+def test_the_outer_step_matches_torch_nesterov_sgd_over_several_steps():
+    gen = torch.Generator().manual_seed(0)
+    params, velocity = torch.randn(50, generator=gen), torch.zeros(50)
+    reference = torch.nn.Parameter(params.clone())
+    opt = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(5):
+        delta = torch.randn(50, generator=gen)
+        outer_step(params, velocity, delta, lr=0.7, momentum=0.9)
+        reference.grad = delta.clone()
+        opt.step()
+    torch.testing.assert_close(params, reference.detach())
+
+
+def test_without_momentum_the_outer_step_is_plain_sgd():
+    params = torch.tensor([1.0, 1.0])
+    outer_step(params, torch.zeros(2), torch.tensor([1.0, -2.0]), lr=0.5, momentum=0.0)
+    assert params.tolist() == [0.5, 2.0]
+
+
+def test_pseudo_gradients_are_averaged_by_the_samples_each_worker_processed():
+    # Worker 1 trained on 10 samples since the outer step, worker 2 on 30: weights 1/4 and 3/4.
+    grads = [Grad(20, w, 0, 0.0, n, 0.0, 0.0, 0.0, Payload(2, d), Payload(0, torch.zeros(0)))
+             for w, n, d in ((1, 10, torch.tensor([4.0, 0.0])), (2, 30, torch.tensor([0.0, 4.0])))]
+    dense, _ = aggregate(grads, 2, 0)
+    assert dense.tolist() == [1.0, 3.0]
+
+
+def test_outer_steps_come_every_h_steps_and_at_the_last_step():
+    assert [s for s in range(1, 26) if sync_due(s, 10, 25)] == [10, 20, 25]
+    assert next_sync(0, 10, 25) == 10 and next_sync(10, 10, 25) == 20 and next_sync(20, 10, 25) == 25
+
+
+def test_a_round_reports_its_samples_and_mean_loss():
+    progress = Progress()
+    for loss, n in ((1.0, 8), (math.nan, 8), (3.0, 16)):
+        progress.note(loss, n, 0.1)
+    assert (progress.steps, progress.samples, progress.loss) == (3, 32, 2.0)
+    assert progress.compute_s == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "diloco-gc"])
+def test_error_feedback_conserves_the_pseudo_gradients_mass(strategy):
+    # What was sent plus what is held back equals every pseudo-gradient given (one fp32 rounding).
+    cfg = config(strategy=strategy, workers=1, global_batch=8, density=0.05)
+    codec_ = codec(cfg, cfg.compressor)
+    state = CompressionState(density=cfg.density)
+    gen = torch.Generator().manual_seed(1)
+    given, sent = torch.zeros(1000), torch.zeros(1000)
+    for _ in range(5):
+        delta = torch.randn(1000, generator=gen) * 1e-3
+        given += delta
+        payload = codec_.compress(delta, state)
+        sent += payload.decoded() if payload.indices is None else torch.zeros(1000).index_add_(
+            0, payload.indices, payload.values.float() * payload.scale)
+    torch.testing.assert_close(sent + state.residual, given, rtol=0, atol=1e-6)
+    if strategy == "diloco":
+        assert payload.values.dtype == torch.float16 and payload.indices is None
+    else:
+        assert payload.count == 50
+
+
+def test_a_worker_state_carries_the_common_parameters_and_the_outer_optimizer():
+    cfg = config(strategy="diloco", workers=1, global_batch=16)
+    hub = InMemoryHub()
+    model = tiny_mlp()
+    client = PSClient(cfg, 1, hub.transport(1), model, _adamw(model), MetricsLogger(1, "worker"))
+    client.local.velocity.normal_()
+    client.local.synced_step = 40
+    common = client.local.common.clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # inner steps since the outer step: not the run's model
+    state = client.state_frame()
+    assert state.step == 40 and torch.equal(state.params, common)
+    fresh_model = tiny_mlp(seed=5)
+    fresh = PSClient(cfg, 1, hub.transport(2), fresh_model, _adamw(fresh_model), MetricsLogger(1, "worker"))
+    fresh.load_state(state)
+    assert torch.equal(fresh.local.velocity, client.local.velocity)
+    assert fresh.local.synced_step == 40 and torch.equal(_flat(fresh_model), common)
+
+
+def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
+    parser = build_parser()
+    for extra, match in ((["--overlap"], "--overlap"), (["--delayed-updates"], "--delayed-updates"),
+                         (["--sync-every", "0"], "--sync-every"), (["--outer-momentum", "1"], "--outer-momentum"),
+                         (["--outer-lr", "0"], "--outer-lr")):
+        with pytest.raises(UsageError, match=match):
+            config_from_args(parser.parse_args(["--strategy", "diloco", *extra]))
+    cfg = config_from_args(parser.parse_args(["--strategy", "diloco-gc", "--sync-every", "7"]))
+    assert (cfg.sync_every, cfg.allocation, cfg.compresses) == (7, "flops", True)
+
+
+# -- whole runs in one process ----------------------------------------------------------------------
+
+
+def test_diloco_with_h_1_and_an_outer_sgd_of_rate_1_equals_synchronous_sgd_on_the_global_batch():
+    cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
+                 value_dtype="fp32")
+    data, steps = tiny_data(), 4
+    run = run_in_process(cfg, steps, data=data, optimizer=_plain_sgd)
+    ref = tiny_mlp()
+    ref_opt = _plain_sgd(ref)
+    for step in range(1, steps + 1):
+        x, y = global_batch(data, step, [16, 16, 16], cfg.seed)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    for model in run.models:
+        torch.testing.assert_close(_flat(model), _flat(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "diloco-gc"])
+def test_replicas_leave_every_outer_step_identical_and_drift_apart_between(strategy):
+    cfg = config(strategy=strategy, workers=3, global_batch=48, sync_every=4, max_steps=10, dense_numel=100)
+    snapshots: dict[tuple[int, int], torch.Tensor] = {}
+    run = run_in_process(cfg, 10, optimizer=_adamw,
+                         after_step=lambda rank, step, run: snapshots.__setitem__((rank, step),
+                                                                                  _flat(run.models[rank - 1])))
+    for step in range(1, 11):
+        same = all(torch.equal(snapshots[(1, step)], snapshots[(r, step)]) for r in (2, 3))
+        assert same == (step in (4, 8, 10)), step
+    assert all(c.local.synced_step == 10 for c in run.clients)
+
+
+# -- real processes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "diloco-gc"])
+def test_a_local_sgd_run_trains_the_digits_and_sends_a_fraction_of_a_ps_runs_bytes(tmp_path, strategy):
+    out = tmp_path / "m.jsonl"
+    result = run_cli(*DIGITS, "--strategy", strategy, "--workers", "2", "--max-steps", "120", "--sync-every", "10",
+                     "--eval-every", "60", "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(out)
+    # 1 % of each change a round, the rest fed back: the sparse run learns more slowly.
+    assert series(records, "accuracy")[120] >= (0.85 if strategy == "diloco" else 0.75)
+    # The server's rounds are the outer steps; a norm is charted for each.
+    assert sorted(series(records, "outer_norm", rank=1)) == list(range(10, 121, 10))
+    sent = sum(r["value"] for r in records if r.get("name") == "bytes_sent" and r["rank"] == 1)
+    dense_ps_step = 4 * sum(p.numel() for p in _digits_model().parameters())
+    assert sent < 120 * dense_ps_step / (10 if strategy == "diloco" else 40)
+
+
+def _digits_model():
+    from hybridtrain.tasks.digits import smallcnn
+
+    return smallcnn(lr=0.1).model()
+
+
+def test_a_joiner_of_a_diloco_run_waits_for_the_next_outer_step_and_ends_on_the_common_model(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    args = ["--strategy", "diloco", "--sync-every", "5", "--global-batch", "48", "--max-steps", "100",
+            "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py"]
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 5/", rank=3, cwd=tmp_path)
+    joined = events(server.records(), EVENT_WORKER_JOINED)
+    assert [e["subject"] for e in joined] == [3]
+    results = {r: role.wait_for("RESULT") for r, role in roles.items()}
+    assert len({line.split(" hash ")[1].split()[0] for line in results.values()}) == 1, results
+    # It applied the next outer step with the others and computed from the inner step after it.
+    first = min(series(roles[3].records(), "batch_size", rank=3))
+    assert first == joined[0]["step"] + 5 + 1
+    assert f"from step {first} " in joined[0]["detail"]
+
+
+def test_a_worker_leaving_a_diloco_run_between_outer_steps_drops_its_inner_steps_and_the_run_goes_on(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT.replace("time.sleep(0.03)", "time.sleep(0.05)"))
+    args = ["--strategy", "diloco", "--sync-every", "10", "--global-batch", "48", "--max-steps", "60",
+            "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py"]
+    server, workers, _ = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
+    try:
+        server.wait_for("[ps] step 10/")
+        workers[2].proc.send_signal(signal.SIGTERM)
+        assert workers[2].wait() == 0, workers[2].output[-3000:]
+        assert server.wait() == 0, server.output[-3000:]
+        assert workers[1].wait() == 0, workers[1].output[-3000:]
+    finally:
+        stop_all(server, *workers.values())
+    left = events(server.records(), EVENT_WORKER_LEFT)
+    assert [e["subject"] for e in left] == [2]
+    assert "inner steps since the outer step" in left[0]["detail"]
+    assert " step 60 " in workers[1].wait_for("RESULT")

@@ -1,0 +1,129 @@
+"""Local SGD, the DiLoCo family (`diloco`, `diloco-gc`): a worker's state between outer steps,
+and the outer step as pure functions over it.
+
+Per outer step (DiLoCo, Douillard et al. 2023, algorithm 1; the numbers are the code's):
+ 1. Every worker starts from the common parameters theta and takes H inner steps of the task's own
+    optimizer (its state stays on the worker) on its own shard of each global batch.
+ 2. Its pseudo-gradient is the change it made, delta_m = theta - theta_m (`pseudo_gradient`); it
+    travels as the PS strategies' gradient does: fp16 values with error feedback under `diloco`,
+    the top-k codec with error feedback and the adapted density under `diloco-gc`.
+ 3. The server averages them weighted by the samples each worker processed since the last outer
+    step (eq. 1-2, `trainer.algorithm.aggregate`) and sends the mean back (re-sparsified under
+    `diloco-gc`, fp16 with its own error feedback under `diloco`).
+ 4. Every worker applies the outer optimizer, Nesterov SGD, to the same mean (`outer_step`): the
+    replicas' common parameters stay identical, as the PS strategies' do, and the server stays
+    model-agnostic. Each worker then continues from theta.
+
+Choices (the paper is silent, docs/trainer.md says more): the outer optimizer runs on every worker,
+not on the server, so that the server's reply is the (compressible) mean change rather than the
+whole model; heterogeneous workers all take the same H inner steps with batches sized to their
+speed (`allocation flops`, the paper's rule), so they reach the outer step together and the
+global batch of every inner step is the run's, whereas a timed outer step would give each worker
+its own step count and break the sharding of each global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hybridtrain.contract import next_sync, sync_due
+
+
+def pseudo_gradient(common: torch.Tensor, local: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 2: delta = theta - theta_m, the direction an outer SGD step descends (into `out`)."""
+    return torch.sub(common, local, out=out) if out is not None else common - local
+
+
+def outer_step(params: torch.Tensor, velocity: torch.Tensor, delta: torch.Tensor, *, lr: float,
+               momentum: float) -> None:
+    """Step 4, Nesterov SGD in place, as torch.optim.SGD(nesterov=True) computes it:
+    v <- mu * v + delta; theta <- theta - lr * (delta + mu * v). With mu = 0 it is plain SGD."""
+    if momentum:
+        velocity.mul_(momentum).add_(delta)
+        params.sub_(delta + momentum * velocity, alpha=lr)
+    else:
+        params.sub_(delta, alpha=lr)
+
+
+@dataclass
+class Progress:
+    """What a worker did since the last outer step: the samples weigh its pseudo-gradient, the
+    loss and compute time report the whole round."""
+
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    compute_s: float = 0.0
+
+    def note(self, loss: float, samples: int, compute_s: float) -> None:
+        """One inner step."""
+        self.steps += 1
+        self.samples += samples
+        self.compute_s += compute_s
+        if math.isfinite(loss):
+            self.loss_sum += loss
+            self.loss_count += 1
+
+    @property
+    def loss(self) -> float:
+        """The mean loss of the round's inner steps (NaN if none reported one)."""
+        return self.loss_sum / self.loss_count if self.loss_count else math.nan
+
+
+class LocalSGD:
+    """A worker's local-SGD state: the common parameters theta of the last outer step, the outer
+    optimizer's velocity, and the progress of the inner steps since then. Flat tensors in the
+    order of the worker's layout (`trainer.algorithm.Layout`), the order the pseudo-gradient
+    travels in."""
+
+    def __init__(self, every: int, *, lr: float, momentum: float, numel: int,
+                 device: torch.device | str = "cpu") -> None:
+        if every < 1:
+            raise ValueError(f"sync every {every} steps: need at least 1")
+        self.every, self.lr, self.momentum = every, lr, momentum
+        self.common = torch.zeros(numel, device=device)
+        self.velocity = torch.zeros(numel, device=device)
+        # The step of the last outer step: the common parameters are the run's model as of it.
+        self.synced_step = 0
+        self.progress = Progress()
+
+    def due(self, step: int, max_steps: int) -> bool:
+        """Whether the outer step follows inner step `step`."""
+        return sync_due(step, self.every, max_steps)
+
+    def next(self, step: int, max_steps: int) -> int:
+        """The step of the next outer step after `step`."""
+        return next_sync(step, self.every, max_steps)
+
+    def reset(self, params: torch.Tensor, step: int) -> None:
+        """Take `params` as the common parameters of `step` (the run's start, a resume, a join)."""
+        self.common.copy_(params)
+        self.synced_step = step
+        self.progress = Progress()
+
+    def delta(self, local: torch.Tensor, out: torch.Tensor) -> None:
+        """Write this worker's pseudo-gradient for its `local` parameters into `out`."""
+        pseudo_gradient(self.common, local, out=out)
+
+    def apply(self, mean_delta: torch.Tensor, step: int) -> float:
+        """The outer step on the workers' mean change; returns that change's norm."""
+        outer_step(self.common, self.velocity, mean_delta, lr=self.lr, momentum=self.momentum)
+        self.synced_step = step
+        self.progress = Progress()
+        return float(mean_delta.norm())
+
+    def state_dict(self) -> dict:
+        """The outer optimizer's state (the common parameters travel as the model's)."""
+        return {"velocity": self.velocity.cpu(), "synced_step": self.synced_step, "every": self.every}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s velocity (a checkpoint without one starts it at zero)."""
+        velocity = state.get("velocity")
+        if velocity is None:
+            self.velocity.zero_()
+        else:
+            self.velocity.copy_(velocity.to(self.velocity.device))
