@@ -56,9 +56,10 @@ from app.predict_steps import (
     allreduce_step,
     density_path,
     link,
+    local_sgd_step,
     ps_step,
 )
-from hybridtrain.contract import ALLREDUCE, ALLREDUCE_POWERSGD, STRATEGIES, is_ps
+from hybridtrain.contract import ALLREDUCE, ALLREDUCE_POWERSGD, STRATEGIES, is_local_sgd, is_ps
 from hybridtrain.contract import compresses as contract_compresses
 
 # Evaluation runs the forward pass only: about 3x the training rate (forward ~ 1/3 of a step).
@@ -236,6 +237,14 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
                      "(within a factor 1.6 on the built-in CNNs)"))
         notes.append("each worker's PowerSGD work from its profile, before the all-reduces")
         _note_unmeasured(notes, [w for w, _ in workers], "powersgd_s", "PowerSGD's work")
+    elif is_local_sgd(strategy):
+        # An outer step is a PS step of the pseudo-gradient (at the densities' fixed point under
+        # diloco-gc); the run pays 1/H of it a step. Dense changes travel at the value width.
+        rounds = _ps_phases(workers, server, links, task, replace(comp, warmup_steps=0), relay, strategy, densities)
+        share = 1.0 if contract_compresses(strategy, comp.compressor) else comp.value_bytes / 4
+        phases = [_Phase(1, None, local_sgd_step(rounds[-1].step, comp.sync_every, share))]
+        notes.append(f"an outer step every {comp.sync_every} steps: each step pays its compute and 1/"
+                     f"{comp.sync_every} of a PS step's exchange of the pseudo-gradient")
     else:
         phases = _ps_phases(workers, server, links, task, comp, relay, strategy, densities)
         if len(phases) > 1 or phases[0].step.workers[0]["density"] < 1.0:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from app.errors import InvalidFieldError
+from hybridtrain.contract import DEFAULT_SYNC_EVERY
 from hybridtrain.wiresize import kept_for
 
 # A worker on the server's own node talks to it through the loopback interface.
@@ -137,6 +138,8 @@ class CompressionSpec:
     density_time_floor_s: float = 0.05
     powersgd_rank: int = 2
     powersgd_start: int = 10
+    # Local SGD: the inner steps between outer steps (H).
+    sync_every: int = DEFAULT_SYNC_EVERY
 
 
 @dataclass(frozen=True)

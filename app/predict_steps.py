@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from app.predict_inputs import LOOPBACK, CompressionSpec, LinkSpec, NodeSpec, PredictError, TaskSpec
@@ -411,3 +411,23 @@ def allreduce_step(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[tuple
     breakdown = {"compute_s": compute[crit], "compress_s": compress[crit], "upload_s": ring_s, "server_s": 0.0,
                  "download_s": 0.0, "overlap_s": overlap}
     return Step(step_s, breakdown, rows, transfers)
+
+
+def local_sgd_step(round_: Step, every: int, value_share: float = 1.0) -> Step:
+    """Local SGD's mean step: its compute, and 1/`every` of an outer step's exchange, the PS step
+    `round_` less its compute (the pseudo-gradient travels as a gradient would, and the outer
+    step's arithmetic is the same elementwise work as an update's). `value_share` scales the
+    exchange's bytes and time, for a dense change sent narrower than the dense frames `round_`
+    was sized with (fp16 is half of fp32)."""
+    compute = round_.breakdown["compute_s"]
+    share = value_share / every
+    exchange = (round_.step_s - compute) * share
+    breakdown = {"compute_s": compute, "outer_exchange_s": exchange}
+    scaled = ("compress_s", "upload_s", "download_s", "decode_s", "comm_s", "upload_bytes", "download_bytes")
+    rows = []
+    for row in round_.workers:
+        row = dict(row) | {k: row[k] * share for k in scaled}
+        row["granularity"] = ratio(row["compute_s"], row["comm_s"])
+        rows.append(row)
+    transfers = [replace(t, nbytes=t.nbytes * share) for t in round_.transfers]
+    return Step(compute + exchange, breakdown, rows, transfers)

@@ -82,6 +82,10 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     create.add_argument("--compressor", choices=COMPRESSORS, default=None)
     create.add_argument("--density", type=float, default=None)
     create.add_argument("--value-dtype", choices=VALUE_DTYPES, default=None)
+    create.add_argument("--sync-every", type=int, default=None, metavar="H",
+                        help="diloco, diloco-gc: inner steps between outer steps (default 20)")
+    create.add_argument("--outer-lr", type=float, default=None, help="diloco, diloco-gc: default 0.7")
+    create.add_argument("--outer-momentum", type=float, default=None, help="diloco, diloco-gc: default 0.9")
     life = create.add_argument_group("checkpoints, restarts, membership")
     life.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="default 100 (0: never)")
     life.add_argument("--checkpoint-every-s", type=float, default=None, metavar="S", help="default 600 (0: off)")

@@ -54,7 +54,9 @@ def run_body(args: argparse.Namespace) -> dict[str, Any]:
             body[key] = value
     compression = {
         k: v for k, v in [("compressor", args.compressor), ("density", args.density),
-                          ("value_dtype", args.value_dtype)] if v is not None
+                          ("value_dtype", args.value_dtype), ("sync_every", args.sync_every),
+                          ("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)]
+        if v is not None
     }
     if compression:
         body["compression"] = compression

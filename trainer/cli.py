@@ -22,12 +22,11 @@ from hybridtrain.contract import (
     STRATEGIES,
     VALUE_DTYPES,
     check_task_ref,
-    compresses,
     default_allocation,
-    is_local_sgd,
     is_ps,
     parse_target,
 )
+from hybridtrain.compat import describe, problems
 from trainer.config import TrainConfig
 
 
@@ -124,12 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
     gc.add_argument("--powersgd-start", type=int, default=d.powersgd_start)
     local = p.add_argument_group("local SGD (diloco, diloco-gc)")
-    local.add_argument("--sync-every", type=int, default=d.sync_every,
-                       help="H: inner steps of the task's optimizer on each worker between outer steps")
-    local.add_argument("--outer-lr", type=float, default=d.outer_lr,
-                       help="the outer Nesterov SGD's learning rate on the workers' mean parameter change")
-    local.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
-                       help="the outer Nesterov SGD's momentum (0: plain SGD)")
+    local.add_argument("--sync-every", type=int, default=None,
+                       help=f"H: inner steps of the task's optimizer on each worker between outer steps "
+                            f"(default {d.sync_every})")
+    local.add_argument("--outer-lr", type=float, default=None,
+                       help=f"the outer Nesterov SGD's learning rate on the workers' mean parameter change "
+                            f"(default {d.outer_lr})")
+    local.add_argument("--outer-momentum", type=float, default=None,
+                       help=f"the outer Nesterov SGD's momentum, 0 for plain SGD (default {d.outer_momentum})")
     io = p.add_argument_group("evaluation, checkpoints, metrics")
     io.add_argument("--eval-every", type=int, default=d.eval_every)
     io.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: never")
@@ -235,35 +236,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise UsageError(f"--sites {list(args.sites)}: need {workers + 1} non-empty labels, the server's first")
     if not 1 <= args.pipeline_chunks <= 64:
         raise UsageError(f"--pipeline-chunks must be in 1..64, got {args.pipeline_chunks}")
-    if args.pipeline_chunks > 1 and not ps:
-        raise UsageError(f"--pipeline-chunks pipelines a parameter server's step; {args.strategy} has none")
+    _check_outer(args)
+    _check_combinations(args)
     if args.aggregate_at_sites and not args.sites:
         raise UsageError("--aggregate-at-sites combines each remote site's gradients at its relay: give --sites")
-    if args.aggregate_at_sites and args.overlap:
-        raise UsageError("--aggregate-at-sites and --overlap do not go together yet: a relay would hold "
-                         "its own backward pass until its site's chunks arrive")
-    if args.overlap and not ps:
-        raise UsageError(f"--overlap overlaps a parameter server's push with backward; {args.strategy} has none "
-                         "(DDP overlaps its all-reduce already)")
-    if args.delayed_updates and not ps:
-        raise UsageError(f"--delayed-updates delays a parameter server's update; {args.strategy} has none "
-                         "(its all-reduce is the update)")
-    if args.apply_in_forward:
-        clashes = {"--overlap": (args.overlap, "its chunks follow the backward pass, not the forward pass"),
-                   "--delayed-updates": (args.delayed_updates, "its updates arrive a step late"),
-                   "--aggregate-at-sites": (args.aggregate_at_sites, "a relay combines its site's chunks")}
-        clash = [(flag, why) for flag, (on, why) in clashes.items() if on]
-        if not ps or not compresses(args.strategy, args.compressor):
-            raise UsageError(f"--apply-in-forward applies a compressing parameter server's update in chunks; "
-                             f"{args.strategy} has none")
-        if args.pipeline_chunks < 2:
-            raise UsageError("--apply-in-forward needs the update in chunks: give --pipeline-chunks N > 1")
-        if not args.momentum_correction:
-            raise UsageError("--apply-in-forward applies each chunk as plain SGD, which needs "
-                             "--momentum-correction (the momentum is then in the compressed gradient)")
-        if clash:
-            raise UsageError(f"--apply-in-forward does not go with {clash[0][0]}: {clash[0][1]}")
-    _check_local_sgd(args)
     if args.expect_ranks and not (ps and all(1 <= r <= workers for r in args.expect_ranks)):
         raise UsageError(f"--expect-ranks {list(args.expect_ranks)}: need worker ranks in 1..{workers} "
                          "of a parameter-server run")
@@ -316,27 +292,33 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,
         link_mbps=tuple(args.link_mbps), sites=tuple(args.sites), emulate_speeds=args.emulate_speeds,
         powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
-        sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        **{k: getattr(args, k) for k in ("sync_every", "outer_lr", "outer_momentum")
+           if getattr(args, k) is not None},
     )
 
 
-def _check_local_sgd(args: argparse.Namespace) -> None:
-    """Local SGD's own settings, and the PS variants it does not take."""
-    if args.sync_every < 1:
+def _flag(option: str) -> str:
+    return "--" + {"aggregate_at_sites": "aggregate-at-sites"}.get(option, option.replace("_", "-"))
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """The options against the strategy and each other: hybridtrain.compat's one table."""
+    options = {k: getattr(args, k) for k in ("pipeline_chunks", "overlap", "delayed_updates", "aggregate_at_sites",
+                                             "apply_in_forward", "sync_every", "outer_lr", "outer_momentum",
+                                             "momentum_correction", "compressor")}
+    found = problems(args.strategy, options)
+    if found:
+        raise UsageError(describe(found[0], args.strategy, _flag))
+
+
+def _check_outer(args: argparse.Namespace) -> None:
+    """Local SGD's own settings, where given."""
+    if args.sync_every is not None and args.sync_every < 1:
         raise UsageError(f"--sync-every must be >= 1, got {args.sync_every}")
-    if not args.outer_lr > 0:
+    if args.outer_lr is not None and not args.outer_lr > 0:
         raise UsageError(f"--outer-lr must be > 0, got {args.outer_lr}")
-    if not 0 <= args.outer_momentum < 1:
+    if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:
         raise UsageError(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
-    if not is_local_sgd(args.strategy):
-        return
-    # Each of these hides a per-step exchange that local SGD does not have.
-    clashes = {"--overlap": args.overlap, "--delayed-updates": args.delayed_updates,
-               "--apply-in-forward": args.apply_in_forward, "--aggregate-at-sites": args.aggregate_at_sites}
-    on = [flag for flag, value in clashes.items() if value]
-    if on:
-        raise UsageError(f"{on[0]} hides a parameter server's per-step exchange; {args.strategy} exchanges "
-                         f"only every --sync-every steps")
 
 
 def _report_token(args: argparse.Namespace) -> str | None:

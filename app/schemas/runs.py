@@ -13,7 +13,7 @@ from app.models.runs import RunStatus, WorkerStatus
 from app.schemas.checkpoints import CheckpointPublic
 from app.schemas.common import Flag, Id, Name, PublicSchema, Schema
 from app.schemas.events import RunEventPublic
-from hybridtrain import contract
+from hybridtrain import compat, contract
 
 # A run given neither max_steps nor epochs trains this many steps.
 DEFAULT_MAX_STEPS = 300
@@ -37,7 +37,9 @@ ScriptArg = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
 
 
 class CompressionOptions(Schema):
-    """Gradient compression of the ps-gc / ps-bz-gc strategies (trainer defaults if unset)."""
+    """How a strategy exchanges: gradient compression of the ps-gc / ps-bz-gc strategies, the
+    parameter server's pipelining, local SGD's outer steps (trainer defaults if unset). Which
+    options go with which strategy is hybridtrain.compat's table."""
 
     compressor: Literal[contract.COMPRESSORS] | None = None  # type: ignore[valid-type]
     value_dtype: Literal[contract.VALUE_DTYPES] | None = None  # type: ignore[valid-type]
@@ -84,6 +86,23 @@ class CompressionOptions(Schema):
         "step() and the next forward); default off",
     )
 
+    sync_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
+        default=None,
+        description=f"local SGD (diloco, diloco-gc): H, the inner steps each worker takes with the task's own "
+        f"optimizer between outer steps; the run exchanges once every H steps (default "
+        f"{contract.DEFAULT_SYNC_EVERY})",
+    )
+    outer_lr: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description=f"local SGD: the outer Nesterov SGD's learning rate on the workers' mean change "
+        f"(default {contract.DEFAULT_OUTER_LR})",
+    )
+    outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description=f"local SGD: the outer Nesterov SGD's momentum, 0 for plain SGD (default "
+        f"{contract.DEFAULT_OUTER_MOMENTUM})",
+    )
+
     @model_validator(mode="after")
     def _ordered_densities(self) -> CompressionOptions:
         lo, mid, hi = self.density_min, self.density, self.density_max
@@ -91,6 +110,11 @@ class CompressionOptions(Schema):
         if known != sorted(known):
             raise ValueError("need density_min <= density <= density_max")
         return self
+
+
+def _field(option: str) -> str:
+    """A run option as the request names it."""
+    return option if option == "rebalance_every" else f"compression.{option}"
 
 
 class RunCreate(Schema):
@@ -225,22 +249,11 @@ class RunCreate(Schema):
             raise ValueError("give max_steps or epochs, not both")
         if self.node_ids is not None and len(set(self.node_ids)) != len(self.node_ids):
             raise ValueError("node_ids: each node may appear once")
-        if self.rebalance_every is not None and not contract.is_ps(self.strategy):
-            raise ValueError(f"rebalance_every: only PS strategies re-balance, not {self.strategy}")
-        chunks = self.compression.pipeline_chunks if self.compression else None
-        if chunks not in (None, 1) and not contract.is_ps(self.strategy):
-            raise ValueError(f"compression.pipeline_chunks: only PS strategies pipeline, not {self.strategy}")
-        for flag in ("overlap", "aggregate_at_sites", "delayed_updates", "apply_in_forward"):
-            if self.compression and getattr(self.compression, flag) and not contract.is_ps(self.strategy):
-                raise ValueError(f"compression.{flag}: only PS strategies have it, not {self.strategy}")
-        if self.compression and self.compression.overlap and self.compression.aggregate_at_sites:
-            raise ValueError("compression.overlap and compression.aggregate_at_sites do not go together yet")
-        if self.compression and self.compression.apply_in_forward:
-            clash = [f for f in ("overlap", "delayed_updates", "aggregate_at_sites") if getattr(self.compression, f)]
-            if clash:
-                raise ValueError(f"compression.apply_in_forward and compression.{clash[0]} do not go together")
-            if (self.compression.pipeline_chunks or 1) < 2:
-                raise ValueError("compression.apply_in_forward needs the update in chunks: pipeline_chunks > 1")
+        options = {"rebalance_every": self.rebalance_every,
+                   **(self.compression.model_dump() if self.compression else {})}
+        found = compat.problems(self.strategy, options)
+        if found:
+            raise ValueError(compat.describe(found[0], self.strategy, _field))
         return self
 
     @property

@@ -397,3 +397,20 @@ def test_specs_build_from_a_task_profile():
     node_spec = NodeSpec.from_profile(7, "op1", 2, profile)
     assert (task.sparse_params, task.eval_samples) == (3352906 - 2698, 359)
     assert (node_spec.samples_per_s, node_spec.aggregate_s) == (105.3, 0.0040)
+
+
+def test_local_sgd_pays_its_compute_and_an_h_th_of_a_ps_steps_exchange_each_step():
+    w, s = node(1), node(2)
+    link = LinkSpec(100, 10.0, "measured")
+    links = {(1, 2): link, (2, 1): link}
+    ps = predict("ps", workers=[(w, 10)], server=s, links=links, task=TASK)
+    fp32 = CompressionSpec(value_bytes=4, sync_every=10)
+    local = predict("diloco", workers=[(w, 10)], server=s, links=links, task=TASK, compression=fp32)
+    compute = ps.breakdown["compute_s"]
+    assert local.step_s == pytest.approx(compute + (ps.step_s - compute) / 10)
+    # Its bytes a step are a tenth of a PS step's; at fp16 a twentieth.
+    assert local.bytes_per_step[0][2] == round(ps.bytes_per_step[0][2] / 10)
+    fp16 = predict("diloco", workers=[(w, 10)], server=s, links=links, task=TASK,
+                   compression=CompressionSpec(sync_every=10))
+    assert fp16.bytes_per_step[0][2] == round(ps.bytes_per_step[0][2] / 20)
+    assert any("every 10 steps" in note for note in local.assumptions)

@@ -463,7 +463,7 @@ def test_apply_in_forward_is_sent_to_the_trainers(online_node, client, dispatche
 
 @pytest.mark.parametrize("compression, says", [
     ({"apply_in_forward": True, "pipeline_chunks": 4, "overlap": True}, "compression.overlap do not go together"),
-    ({"apply_in_forward": True}, "pipeline_chunks > 1"),
+    ({"apply_in_forward": True}, "needs compression.pipeline_chunks"),
 ])
 def test_apply_in_forward_where_it_cannot_work_is_refused(online_node, client, compression, says):
     response = client.post(f"{API}/runs", json=run_body([online_node()], compression=compression))
@@ -475,3 +475,55 @@ def test_overlap_and_site_aggregation_are_for_parameter_server_runs_only(online_
     response = client.post(f"{API}/runs", json=run_body([online_node()], strategy="allreduce",
                                                         compression={flag: True}))
     assert response.status_code == 422 and f"compression.{flag}" in response.text
+
+
+def test_a_diloco_run_tells_the_trainers_its_outer_steps(online_node, client, dispatched):
+    a, b = online_node(), online_node()
+
+    run = _create(client, run_body([a, b], strategy="diloco",
+                                   compression={"sync_every": 50, "outer_lr": 0.5, "outer_momentum": 0.8})).json()
+
+    assert run["compression"]["sync_every"] == 50
+    options = _options_by_rank(dispatched, [a, b])
+    assert {(o["sync-every"], o["outer-lr"], o["outer-momentum"]) for o in options.values()} == {(50, 0.5, 0.8)}
+
+
+@pytest.mark.parametrize("strategy, compression, field", [
+    ("ps-bz-gc", {"sync_every": 10}, "compression.sync_every"),
+    ("allreduce", {"outer_lr": 0.5}, "compression.outer_lr"),
+    ("diloco", {"overlap": True, "pipeline_chunks": 2}, "compression.overlap"),
+    ("diloco-gc", {"delayed_updates": True}, "compression.delayed_updates"),
+    # Accepted once, and then every rank refused it at start: ps compresses nothing.
+    ("ps", {"apply_in_forward": True, "pipeline_chunks": 4}, "compression.apply_in_forward"),
+    ("ps-gc", {"apply_in_forward": True, "pipeline_chunks": 4, "compressor": "none"}, "compression.compressor"),
+])
+def test_options_the_strategy_does_not_take_are_refused_naming_the_field(online_node, client, strategy, compression,
+                                                                        field):
+    response = client.post(f"{API}/runs", json=run_body([online_node()], strategy=strategy, compression=compression))
+    assert response.status_code == 422 and field in response.text
+
+
+def test_every_combination_the_api_accepts_the_trainer_accepts_too():
+    # The API and the trainer's command line ask one table (hybridtrain.compat).
+    from itertools import product
+
+    from app.schemas.runs import RunCreate
+    from hybridtrain import contract
+    from trainer.cli import UsageError, build_parser, config_from_args
+
+    flags = ["overlap", "delayed_updates", "apply_in_forward"]
+    for strategy, on, chunks in product(contract.STRATEGIES, product([False, True], repeat=3), [1, 4]):
+        compression = {"pipeline_chunks": chunks, **dict(zip(flags, on))}
+        try:
+            RunCreate(name="r", node_ids=[1], strategy=strategy, compression=compression)
+            api_ok = True
+        except ValueError:
+            api_ok = False
+        argv = ["--strategy", strategy, "--pipeline-chunks", str(chunks),
+                *[f"--{f.replace('_', '-')}" for f, v in zip(flags, on) if v]]
+        try:
+            config_from_args(build_parser().parse_args(argv))
+            cli_ok = True
+        except UsageError:
+            cli_ok = False
+        assert api_ok == cli_ok, (strategy, compression)

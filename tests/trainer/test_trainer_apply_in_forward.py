@@ -86,9 +86,9 @@ def test_apply_in_forward_is_off_unless_asked_and_where_the_update_is_not_in_chu
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--pipeline-chunks", "1"], "--pipeline-chunks N > 1"),
-    (["--overlap"], "does not go with --overlap"),
-    (["--delayed-updates"], "does not go with --delayed-updates"),
+    (["--pipeline-chunks", "1"], "needs --pipeline-chunks"),
+    (["--overlap"], "and --overlap do not go together"),
+    (["--delayed-updates"], "and --delayed-updates do not go together"),
     (["--no-momentum-correction"], "--momentum-correction"),
 ])
 def test_asking_for_apply_in_forward_where_it_cannot_work_is_a_usage_error(extra, says):

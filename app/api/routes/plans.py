@@ -15,7 +15,7 @@ from app.queries import runs as run_queries
 from app.queries.bundles import get_bundle
 from app.schemas.predictions import MAX_OPTIMIZE_CANDIDATES, OptimizeRequest, OptimizeResultPublic
 from app.schemas.runs import RunCreate
-from hybridtrain.contract import is_ps
+from hybridtrain import compat
 
 router = APIRouter()
 
@@ -56,8 +56,8 @@ def optimize_plan(session: SessionDep, _: CiDep, body: OptimizeRequest) -> Optim
                             content={"detail": detail, "cheapest": cheapest})
     best = result.best
     compression = body.compression
-    if compression is not None and not is_ps(best.strategy):
-        compression = compression.model_copy(update={"pipeline_chunks": None})
+    if compression is not None:
+        compression = compression.model_copy(update=compat.for_strategy(best.strategy, compression.model_dump()))
     # The chosen plan as a run request: the form fills itself from it, and the planner checks it.
     data = RunCreate(
         name="suggested", node_ids=list(best.node_ids), strategy=best.strategy, task=body.task,

@@ -19,6 +19,7 @@ from app.queries import runs as queries
 from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
 from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
+from hybridtrain import compat
 from hybridtrain.contract import STRATEGIES, is_ps
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,12 @@ def strategy_variants(data: RunCreate) -> list[RunCreate]:
     for strategy in STRATEGIES:
         update: dict = {"strategy": strategy}
         if not is_ps(strategy):
-            update |= {"ps_node_id": None, "rebalance_every": None}
-            if data.compression is not None and data.compression.pipeline_chunks not in (None, 1):
-                update["compression"] = data.compression.model_copy(update={"pipeline_chunks": None})
+            update["ps_node_id"] = None
+        if data.rebalance_every is not None and strategy not in compat.takers("rebalance_every"):
+            update["rebalance_every"] = None
+        if data.compression is not None:
+            kept = compat.for_strategy(strategy, data.compression.model_dump())
+            update["compression"] = data.compression.model_copy(update=kept)
         variants.append(data.model_copy(update=update))
     return variants
 

@@ -1,0 +1,105 @@
+"""What combines with what: the one table of a run's options against its strategy and each other.
+
+The control plane's request schema (and so its form), the trainer's command line and anything
+else that takes a run's options ask `problems`; each words the answer for its own audience (a
+request field, a flag), so a rule is written once and every door refuses the same runs. Options
+are named as `trainer.config.TrainConfig` names them. Standard library only, like the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybridtrain.contract import (
+    ALLREDUCE_POWERSGD,
+    LOCAL_SGD_STRATEGIES,
+    PS,
+    PS_BZ_GC,
+    PS_GC,
+    PS_STRATEGIES,
+)
+
+# The parameter-server strategies that exchange every step.
+PER_STEP_PS = (PS, PS_GC, PS_BZ_GC)
+
+# option -> (the strategies that take it, what it does, said of the strategies that do not).
+TAKES: dict[str, tuple[tuple[str, ...], str]] = {
+    "pipeline_chunks": (PS_STRATEGIES, "pipelines a parameter server's exchange"),
+    "rebalance_every": (PS_STRATEGIES, "re-splits a parameter server's batch from measured times"),
+    "overlap": (PER_STEP_PS, "sends a parameter server's per-step gradient during the backward pass"),
+    "delayed_updates": (PER_STEP_PS, "delays a parameter server's per-step update by a step"),
+    "aggregate_at_sites": (PER_STEP_PS, "combines each remote site's per-step gradients at its relay"),
+    "apply_in_forward": ((PS_GC, PS_BZ_GC), "applies a compressing parameter server's per-step update "
+                                            "in chunks during the next forward pass"),
+    "sync_every": (LOCAL_SGD_STRATEGIES, "sets the inner steps between local SGD's outer steps"),
+    "outer_lr": (LOCAL_SGD_STRATEGIES, "sets local SGD's outer learning rate"),
+    "outer_momentum": (LOCAL_SGD_STRATEGIES, "sets local SGD's outer momentum"),
+    "powersgd_rank": ((ALLREDUCE_POWERSGD,), "sets PowerSGD's rank"),
+}
+
+# Options that cannot both be on, and why.
+CLASHES: tuple[tuple[str, str, str], ...] = (
+    ("overlap", "aggregate_at_sites", "a relay would hold its own backward pass until its site's chunks arrive"),
+    ("apply_in_forward", "overlap", "its chunks follow the backward pass, not the forward pass"),
+    ("apply_in_forward", "delayed_updates", "its updates arrive a step late"),
+    ("apply_in_forward", "aggregate_at_sites", "a relay combines its site's chunks"),
+)
+
+# An option on needs another option's value to pass a test: (option, other, test, what it needs).
+NEEDS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
+    ("apply_in_forward", "pipeline_chunks", lambda v: (v or 1) > 1, "the update in chunks: more than one"),
+    ("apply_in_forward", "momentum_correction", lambda v: v is not False,
+     "it on: each chunk is applied as plain SGD, the momentum being in the compressed gradient"),
+    ("apply_in_forward", "compressor", lambda v: v != "none", "a compressor other than none"),
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One rule a run's options break: `option` is not for `strategy` (`other` None), clashes with
+    `other` (kind "clash"), or needs `other` to be as `why` says (kind "needs")."""
+
+    kind: str  # "strategy", "clash" or "needs"
+    option: str
+    why: str
+    other: str | None = None
+
+
+def is_on(option: str, value: Any) -> bool:
+    """Whether `value` asks for `option` (a flag on, a value given; one pipeline chunk is none)."""
+    if value is None or value is False:
+        return False
+    return not (option == "pipeline_chunks" and value == 1)
+
+
+def problems(strategy: str, options: Mapping[str, Any]) -> list[Problem]:
+    """Every rule `options` (name -> value; None or absent: the default) break under `strategy`."""
+    on = {k for k, v in options.items() if is_on(k, v)}
+    found = [Problem("strategy", k, TAKES[k][1]) for k in sorted(on & TAKES.keys()) if strategy not in TAKES[k][0]]
+    found += [Problem("clash", a, why, b) for a, b, why in CLASHES if a in on and b in on]
+    found += [Problem("needs", a, why, b) for a, b, test, why in NEEDS if a in on and not test(options.get(b))]
+    return found
+
+
+def for_strategy(strategy: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with those `strategy` does not take cleared (None): the same request planned for
+    another strategy (the plan preview's side-by-side, the optimizer's suggestion)."""
+    return {k: (None if k in TAKES and strategy not in TAKES[k][0] else v) for k, v in options.items()}
+
+
+def takers(option: str) -> tuple[str, ...]:
+    """The strategies that take `option`."""
+    return TAKES[option][0]
+
+
+def describe(problem: Problem, strategy: str, name: Callable[[str], str]) -> str:
+    """One line for `problem`, the options named by `name` (a request field, a flag)."""
+    if problem.kind == "strategy":
+        return (f"{name(problem.option)} {problem.why}; {strategy} has none (only "
+                f"{', '.join(takers(problem.option))})")
+    assert problem.other is not None
+    if problem.kind == "clash":
+        return f"{name(problem.option)} and {name(problem.other)} do not go together: {problem.why}"
+    return f"{name(problem.option)} needs {name(problem.other)}: {problem.why}"
