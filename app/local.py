@@ -128,6 +128,35 @@ def ensure_local_cluster(session, node) -> int:  # type: ignore[no-untyped-def]
     return int(cluster_id)
 
 
+def local_settings(configured, url: str):  # type: ignore[no-untyped-def]
+    """The settings `hybridtrain local` serves with: HYBRIDTRAIN_PUBLIC_URL when it was set (how
+    other machines reach this one), else `url`, this machine's own address of the server."""
+    if "public_url" in configured.model_fields_set:
+        return configured
+    return configured.model_copy(update={"public_url": url})
+
+
+def join_hint(settings, *, bind_host: str, port: int) -> str:  # type: ignore[no-untyped-def]
+    """What `hybridtrain local` says about a second machine joining: what to set first, or that
+    the node page's lines work as they are."""
+    from app.join_reach import join_obstacles
+
+    obstacles = join_obstacles(
+        public_url=settings.public_url,
+        agent_broker_url=settings.broker_url_for_agents or settings.celery_broker_url,
+        bind_host=bind_host,
+    )
+    if not obstacles:
+        return (f"hybridtrain local: other machines join {settings.public_url}: declare a node on the "
+                "Nodes page and run the two lines it shows on that machine")
+    lines = ["hybridtrain local: a second machine cannot join yet (the Nodes page's lines would fail there):"]
+    lines += [f"  - {obstacle}" for obstacle in obstacles]
+    make_port = "" if port == 8000 else f" PORT={port}"
+    lines.append(f"  e.g. HYBRIDTRAIN_PUBLIC_URL=http://ADDRESS:{port} CELERY_BROKER_URL=redis://ADDRESS:6379/0 "
+                 f"make run HOST=0.0.0.0{make_port}   (ADDRESS: this host's, as the other machine reaches it)")
+    return "\n".join(lines)
+
+
 def _start_agent(url: str, broker_url: str, join_token: str | None) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "app.cli", "agent", "--server", url,
             "--state-dir", str(AGENT_STATE_DIR), "--broker-url", broker_url]
@@ -152,7 +181,7 @@ def run_local(args: argparse.Namespace) -> int:
     from app.main import create_app
 
     url = f"http://{_client_host(args.host)}:{args.port}"
-    settings = get_settings().model_copy(update={"public_url": url})
+    settings = local_settings(get_settings(), url)
     db.upgrade(settings.database_url)
     engine = db.make_engine(settings)
     factory = db.make_sessionmaker(engine)
@@ -175,6 +204,7 @@ def run_local(args: argparse.Namespace) -> int:
         f"(or HYBRIDTRAIN_ADMIN_TOKEN); CLI: export HYBRIDTRAIN_URL={url} HYBRIDTRAIN_TOKEN=...",
         file=sys.stderr, flush=True,
     )
+    print(join_hint(settings, bind_host=args.host, port=args.port), file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the
     # handler it found; this one lets the agent be stopped below instead of dying on the spot.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
