@@ -201,7 +201,8 @@ def run_local(args: argparse.Namespace) -> int:
     print(
         f"hybridtrain local: dashboard {url}/  API {url}/docs\n"
         f"hybridtrain local: sign in with the admin token in {TOKEN_FILE} "
-        f"(or HYBRIDTRAIN_ADMIN_TOKEN); CLI: export HYBRIDTRAIN_URL={url} HYBRIDTRAIN_TOKEN=...",
+        f"(or HYBRIDTRAIN_ADMIN_TOKEN); CLI: export HYBRIDTRAIN_URL={url} "
+        f"HYBRIDTRAIN_TOKEN=$(cat {TOKEN_FILE})",
         file=sys.stderr, flush=True,
     )
     print(join_hint(settings, bind_host=args.host, port=args.port), file=sys.stderr, flush=True)
