@@ -119,3 +119,19 @@ def test_a_run_plans_on_the_local_cluster_once_the_local_agent_joined(connection
     after = client.post("/api/v1/runs/plan", json=body)
     assert after.status_code == 200, after.text
     assert {w["role"] for w in after.json()["workers"]} == {"ps", "worker"}  # ps-bz-gc on one node
+
+
+def test_runs_create_takes_a_cluster_by_name(server, online_node, capsys):
+    node = online_node()
+    _cli(capsys, "clusters", "create", "--name", "lab", "--nodes", str(node.id), *server)
+    code, out, err = _cli(capsys, "runs", "create", "--name", "r", "--cluster", "lab", "--device", "cpu",
+                          "--plan-only", *server)
+    assert code == 0, err
+    assert {w["node_id"] for w in json.loads(out)["workers"]} == {node.id}
+
+
+def test_an_unknown_cluster_name_is_a_usage_error_naming_it(server, capsys):
+    code, _, err = _cli(capsys, "runs", "create", "--name", "r", "--cluster", "nowhere", "--plan-only", *server)
+    assert code == 2 and err == "hybridtrain: no cluster named 'nowhere' (see `hybridtrain clusters list`)\n"
+    code, _, err = _cli(capsys, "plans", "optimize", "--cluster", "nowhere", *server)
+    assert code == 2 and "no cluster named 'nowhere'" in err
