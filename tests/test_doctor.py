@@ -3,6 +3,7 @@ needs, and what it says when a prerequisite is missing."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,12 @@ def test_doctor_looks_for_chromium_where_the_browser_tests_start_it():
 
     assert str(doctor.CHROMIUM) == CHROMIUM
     assert not doctor.check_chromium(Path("/nonexistent/chromium")).ok
+
+
+def test_make_test_runs_the_doctor_before_the_suite():
+    rules = dict(re.findall(r"^([\w-]+):([^\n=]*)$", (ROOT / "Makefile").read_text(), re.M))
+    assert "doctor" in rules["test"].split()
+    dry = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    lines = dry.splitlines()
+    doctor_at = next(i for i, line in enumerate(lines) if line.endswith("python -m tests.doctor"))
+    assert doctor_at < next(i for i, line in enumerate(lines) if line.endswith("python -m pytest"))
