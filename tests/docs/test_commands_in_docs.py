@@ -1,6 +1,7 @@
 """Every `hybridtrain ...` command in the fenced shell blocks of README.md and
-docs/user-guide.md parses with the real command line's parsers (each subcommand and flag
-exists), without running it, and is written the one way that works from a checkout:
+docs/user-guide.md, and every inline span written as a command to run, parses with the real
+command line's parsers (each subcommand and flag exists), without running it, and is written
+the one way that works:
 `.venv/bin/hybridtrain` (from the checkout, or `~/hybridtrain/.venv/bin/hybridtrain` from a
 work dir elsewhere), under `sudo` for the commands that need root."""
 
