@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install install-dev chromium clean
+.PHONY: run test doctor install install-dev chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,12 @@ chromium:
 run: install
 	$(BIN)/hybridtrain local --host $(HOST) --port $(PORT)
 
-test: install-dev chromium
+# One screen of what the suite needs (root, cgroup v1 cpu, Postgres, Redis, Chromium, ip, tc)
+# and how to get each missing piece; exits 1 if any is missing (tests/doctor.py).
+doctor: install-dev
+	$(BIN)/python -m tests.doctor
+
+test: install-dev chromium doctor
 	$(BIN)/python -m pytest
 
 clean:

@@ -250,3 +250,22 @@ class HybridtrainClient:
         """A page of nodes (filters: site_id, status, spot, provider, kind)."""
         params = {"skip": skip, "limit": limit, **{k: v for k, v in filters.items() if v is not None}}
         return self._call("GET", "/nodes", params=params)
+
+    # -- clusters -------------------------------------------------------------------------
+
+    def list_clusters(self, *, skip: int = 0, limit: int = 100) -> dict[str, Any]:
+        """A page of clusters, ordered by id."""
+        return self._call("GET", "/clusters", params={"skip": skip, "limit": limit})
+
+    def get_cluster(self, cluster_id: int) -> dict[str, Any]:
+        """One cluster with its node ids."""
+        return self._call("GET", f"/clusters/{cluster_id}")
+
+    def create_cluster(self, name: str, node_ids: Sequence[int], *, description: str = "") -> dict[str, Any]:
+        """Group existing nodes into a named cluster."""
+        return self._call("POST", "/clusters",
+                          json={"name": name, "node_ids": list(node_ids), "description": description})
+
+    def delete_cluster(self, cluster_id: int) -> None:
+        """Remove a cluster (its nodes stay)."""
+        self._call("DELETE", f"/clusters/{cluster_id}")

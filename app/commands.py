@@ -20,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     register_runs(sub)
     register_bundles(sub)
     register_plans(sub)
+    from app.cluster_commands import register_clusters
+
+    register_clusters(sub)
 
     register_testbed(sub)
 

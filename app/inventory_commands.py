@@ -7,8 +7,10 @@ import argparse
 import sys
 from typing import Any
 
-from app.run_commands import EXIT_USAGE, _client, _connection_args, _guard, _print_json, prediction_table
-from app.run_flags import UsageError, bundle_flag, ids, task_args_flag, task_flag
+from app.run_commands import (
+    EXIT_USAGE, _client, _connection_args, _guard, _print_json, prediction_table, resolve_cluster,
+)
+from app.run_flags import UsageError, bundle_flag, cluster_ref, ids, task_args_flag, task_flag
 
 
 def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -19,7 +21,7 @@ def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     _connection_args(opt)
     where = opt.add_mutually_exclusive_group(required=True)
     where.add_argument("--nodes", type=ids, help="candidate node ids, e.g. 1,2,3")
-    where.add_argument("--cluster", type=int, help="a cluster id")
+    where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name")
     opt.add_argument("--task", default=None, metavar="MOD:FN")
     opt.add_argument("--task-args", default=None, metavar="JSON")
     opt.add_argument("--bundle", default=None, metavar="SHA256")
@@ -153,6 +155,11 @@ def _plans_optimize(args: argparse.Namespace) -> int:
         print(f"hybridtrain: {exc}", file=sys.stderr)
         return EXIT_USAGE
     with _client(args) as client:
+        try:
+            resolve_cluster(client, body)
+        except UsageError as exc:
+            print(f"hybridtrain: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         answer = client.optimize_plan(body)
     if args.json:
         _print_json(answer)

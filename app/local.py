@@ -5,7 +5,8 @@ defaults (SQLite database and SQLite broker under ./var/), with nothing else to 
 2. Make sure there is an admin token (HYBRIDTRAIN_ADMIN_TOKEN, or one created once and kept
    in var/local-admin-token) so the dashboard and the CLI can sign in.
 3. Make sure this machine is a node: site "local" (on-prem) and a node named after the host,
-   declaring the GPUs found here (none on a CPU-only machine).
+   declaring the GPUs found here (none on a CPU-only machine), and that cluster "local" exists
+   (made once with this node; id 1 on a fresh var/), so `runs create --cluster 1` works at once.
 4. Start the agent as a child process (it joins with a fresh join token the first time, with
    its saved agent token afterwards), then serve the control plane until stopped; stopping
    stops the agent, which stops its roles.
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 TOKEN_FILE = Path("var/local-admin-token")
 AGENT_STATE_DIR = Path("var/agent")
 LOCAL_SITE = "local"
+LOCAL_CLUSTER = "local"
 
 
 def add_local_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -73,8 +75,9 @@ def _admin_token(settings, factory) -> str:  # type: ignore[no-untyped-def]
     return secret
 
 
-def ensure_local_node(factory, *, continent: str, need_join_token: bool) -> tuple[int, str | None]:  # type: ignore[no-untyped-def]
-    """The id of this machine's node (created if missing) and a join token when one is needed."""
+def ensure_local_node(factory, *, continent: str, need_join_token: bool) -> tuple[int, int, str | None]:  # type: ignore[no-untyped-def]
+    """The ids of this machine's node and of cluster "local" (each created if missing), and a
+    join token when one is needed."""
     from sqlalchemy import select
 
     from agents.hardware import detect
@@ -94,6 +97,7 @@ def ensure_local_node(factory, *, continent: str, need_join_token: bool) -> tupl
                 data=SiteCreate(name=LOCAL_SITE, kind="onprem", provider="onprem", continent=continent),
             )
         node = session.scalar(select(Node).where(Node.site_id == site.id, Node.name == hostname))
+        join_token = None
         if node is None:
             catalog = set(session.scalars(select(GpuModel.name)).all())
             detected = detect().gpu_counts()
@@ -102,10 +106,55 @@ def ensure_local_node(factory, *, continent: str, need_join_token: bool) -> tupl
                 session,
                 data=NodeCreate(site_id=site.id, name=hostname, address="127.0.0.1", gpus=gpus),
             )
-            return node.id, join_token
-        if need_join_token:
-            return node.id, rotate_join_token(session, node_id=node.id)
-        return node.id, None
+        elif need_join_token:
+            join_token = rotate_join_token(session, node_id=node.id)
+        return node.id, ensure_local_cluster(session, node), join_token
+
+
+def ensure_local_cluster(session, node) -> int:  # type: ignore[no-untyped-def]
+    """The id of cluster "local", created with `node` if missing; a "local" cluster that an admin
+    emptied or changed is left as it is, so a restart never undoes an edit."""
+    from sqlalchemy import select
+
+    from app.models import Cluster
+    from app.queries.clusters import create_cluster
+    from app.schemas.clusters import ClusterCreate
+
+    cluster_id = session.scalar(select(Cluster.id).where(Cluster.name == LOCAL_CLUSTER))
+    if cluster_id is None:
+        cluster_id = create_cluster(session, data=ClusterCreate(
+            name=LOCAL_CLUSTER, description="this machine, made by `hybridtrain local`", node_ids=[node.id],
+        )).id
+    return int(cluster_id)
+
+
+def local_settings(configured, url: str):  # type: ignore[no-untyped-def]
+    """The settings `hybridtrain local` serves with: HYBRIDTRAIN_PUBLIC_URL when it was set (how
+    other machines reach this one), else `url`, this machine's own address of the server."""
+    if "public_url" in configured.model_fields_set:
+        return configured
+    return configured.model_copy(update={"public_url": url})
+
+
+def join_hint(settings, *, bind_host: str, port: int) -> str:  # type: ignore[no-untyped-def]
+    """What `hybridtrain local` says about a second machine joining: what to set first, or that
+    the node page's lines work as they are."""
+    from app.join_reach import join_obstacles
+
+    obstacles = join_obstacles(
+        public_url=settings.public_url,
+        agent_broker_url=settings.broker_url_for_agents or settings.celery_broker_url,
+        bind_host=bind_host,
+    )
+    if not obstacles:
+        return (f"hybridtrain local: other machines join {settings.public_url}: declare a node on the "
+                "Nodes page and run the two lines it shows on that machine")
+    lines = ["hybridtrain local: a second machine cannot join yet (the Nodes page's lines would fail there):"]
+    lines += [f"  - {obstacle}" for obstacle in obstacles]
+    make_port = "" if port == 8000 else f" PORT={port}"
+    lines.append(f"  e.g. HYBRIDTRAIN_PUBLIC_URL=http://ADDRESS:{port} CELERY_BROKER_URL=redis://ADDRESS:6379/0 "
+                 f"make run HOST=0.0.0.0{make_port}   (ADDRESS: this host's, as the other machine reaches it)")
+    return "\n".join(lines)
 
 
 def _start_agent(url: str, broker_url: str, join_token: str | None) -> subprocess.Popen[bytes]:
@@ -132,7 +181,7 @@ def run_local(args: argparse.Namespace) -> int:
     from app.main import create_app
 
     url = f"http://{_client_host(args.host)}:{args.port}"
-    settings = get_settings().model_copy(update={"public_url": url})
+    settings = local_settings(get_settings(), url)
     db.upgrade(settings.database_url)
     engine = db.make_engine(settings)
     factory = db.make_sessionmaker(engine)
@@ -141,18 +190,22 @@ def run_local(args: argparse.Namespace) -> int:
     agent = None
     if not args.no_agent:
         resumable = (AGENT_STATE_DIR / "agent.json").exists()
-        node_id, join_token = ensure_local_node(
+        node_id, cluster_id, join_token = ensure_local_node(
             factory, continent=args.continent, need_join_token=not resumable
         )
         agent = _start_agent(url, settings.celery_broker_url, join_token)
-        print(f"hybridtrain local: agent pid {agent.pid} for node {node_id}", file=sys.stderr)
+        print(f"hybridtrain local: agent pid {agent.pid} for node {node_id}; "
+              f"cluster {cluster_id} (\"{LOCAL_CLUSTER}\") holds it: runs create --cluster {cluster_id}",
+              file=sys.stderr)
     engine.dispose()
     print(
         f"hybridtrain local: dashboard {url}/  API {url}/docs\n"
         f"hybridtrain local: sign in with the admin token in {TOKEN_FILE} "
-        f"(or HYBRIDTRAIN_ADMIN_TOKEN); CLI: export HYBRIDTRAIN_URL={url} HYBRIDTRAIN_TOKEN=...",
+        f"(or HYBRIDTRAIN_ADMIN_TOKEN); CLI: export HYBRIDTRAIN_URL={url} "
+        f"HYBRIDTRAIN_TOKEN=$(cat {TOKEN_FILE})",
         file=sys.stderr, flush=True,
     )
+    print(join_hint(settings, bind_host=args.host, port=args.port), file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the
     # handler it found; this one lets the agent be stopped below instead of dying on the spot.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

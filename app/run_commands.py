@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from app.run_flags import UsageError, ids, pack, run_body, upload
+from app.run_flags import UsageError, cluster_ref, ids, pack, run_body, upload
 from hybridtrain.contract import ALLOCATIONS, COMPRESSORS, DEVICES, STRATEGIES, VALUE_DTYPES
 
 EXIT_RUN_FAILED = 1
@@ -49,7 +49,7 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     create.add_argument("--name", required=True)
     where = create.add_mutually_exclusive_group(required=True)
     where.add_argument("--nodes", type=ids, help="node ids, e.g. 1,2,3")
-    where.add_argument("--cluster", type=int, help="a cluster id")
+    where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name (`hybridtrain clusters list`)")
     create.add_argument("--strategy", choices=STRATEGIES, default=None, help="default ps-bz-gc")
     code = create.add_mutually_exclusive_group()
     code.add_argument("--workdir", default=None, metavar="DIR",
@@ -184,6 +184,14 @@ def _client(args: argparse.Namespace) -> Any:
     return HybridtrainClient(args.server or settings.url, args.token or settings.token)
 
 
+def resolve_cluster(client: Any, body: dict[str, Any]) -> None:
+    """Replace a `cluster_id` given by name with the cluster's id (UsageError when unknown)."""
+    if isinstance(body.get("cluster_id"), str):
+        from app.cluster_commands import cluster_id
+
+        body["cluster_id"] = cluster_id(client, body["cluster_id"])
+
+
 def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=False))
 
@@ -245,6 +253,11 @@ def _runs_create(args: argparse.Namespace) -> int:
         print(f"hybridtrain: {exc}", file=sys.stderr)
         return EXIT_USAGE
     with _client(args) as client:
+        try:
+            resolve_cluster(client, body)
+        except UsageError as exc:
+            print(f"hybridtrain: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         if packed is not None:
             body["bundle_sha256"] = upload(client, packed, args.workdir)
         if args.plan_only:

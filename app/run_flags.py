@@ -29,6 +29,15 @@ def ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ids, got {text!r}") from exc
 
 
+def cluster_ref(text: str) -> int | str:
+    """`--cluster 1` or `--cluster local` (argparse's `type`): an id, or a name the command
+    looks up once it reaches the control plane."""
+    text = text.strip()
+    if not text:
+        raise argparse.ArgumentTypeError("expected a cluster id or name")
+    return int(text) if text.isdigit() else text
+
+
 def run_body(args: argparse.Namespace) -> dict[str, Any]:
     """The POST /runs body of a `runs create` command line; UsageError naming a bad flag."""
     body: dict[str, Any] = {"name": args.name}

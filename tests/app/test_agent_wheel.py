@@ -101,5 +101,5 @@ def test_the_app_builds_from_its_settings(settings):
 
 def test_the_install_line_names_the_agent_extra_at_the_wheels_address():
     line = install_command("http://cp.example:8000/", "hybridtrain-0.1.0-py3-none-any.whl")
-    assert line == ("python3 -m pip install "
+    assert line == ("python3 -m venv ~/.hybridtrain && ~/.hybridtrain/bin/pip install "
                     "'hybridtrain[agent] @ http://cp.example:8000/dist/hybridtrain-0.1.0-py3-none-any.whl'")

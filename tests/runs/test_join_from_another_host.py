@@ -44,11 +44,21 @@ def remote_host() -> Iterator[ShapedLink]:
 
 
 @pytest.fixture
-def fresh_python(tmp_path: Path) -> Path:
-    """A new virtual environment holding hybridtrain's dependencies but not hybridtrain: the
-    machine's package index, as it were, already delivered (torch is 5 GB; the namespace has
-    no index to reach). Its entries are links to this environment's, hybridtrain's left out."""
-    venv = tmp_path / "machine"
+def home(tmp_path: Path) -> Path:
+    """The joining machine's home directory, where the agent's lines run."""
+    path = tmp_path / "elsewhere"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def fresh_python(home: Path) -> Path:
+    """The virtual environment the install line makes, ~/.hybridtrain, already holding
+    hybridtrain's dependencies but not hybridtrain: the machine's package index, as it were,
+    already delivered (torch is 5 GB; the namespace has no index to reach). Its entries are
+    links to this environment's, hybridtrain's left out; the line's `python3 -m venv` keeps
+    them, and its pip adds hybridtrain from the control plane's wheel."""
+    venv = home / ".hybridtrain"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     ours = Path(sysconfig.get_paths()["purelib"])
     theirs = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
@@ -107,21 +117,20 @@ def _join_lines_from_the_page(url: str, site_id: int) -> tuple[int, str, str]:
 
 
 def test_the_node_pages_two_lines_alone_join_a_machine_that_reaches_only_the_control_plane(
-    deployment: Deployment, remote_host: ShapedLink, fresh_python: Path, tmp_path: Path
+    deployment: Deployment, remote_host: ShapedLink, fresh_python: Path, home: Path, tmp_path: Path
 ):
     site = deployment.post("/sites", {"name": "far", "kind": "cloud", "provider": "gcp",
                                       "region": "europe-west4", "continent": "europe"}).json()["id"]
     node_id, install, command = _join_lines_from_the_page(deployment.url, site)
-    assert install.startswith(f"python3 -m pip install 'hybridtrain[agent] @ {deployment.url}/dist/hybridtrain-")
-    assert command.startswith(f"hybridtrain agent --server {deployment.url} --token htj_")
+    assert install.startswith("python3 -m venv ~/.hybridtrain && ~/.hybridtrain/bin/pip install "
+                              f"'hybridtrain[agent] @ {deployment.url}/dist/hybridtrain-")
+    assert command.startswith(f"~/.hybridtrain/bin/hybridtrain agent --server {deployment.url} --token htj_")
     routes = subprocess.run(["ip", "netns", "exec", remote_host.ns, "ip", "route"], capture_output=True,
                             text=True, check=True).stdout
     assert "default" not in routes  # nothing but the link to the control plane's host
 
-    workdir = tmp_path / "elsewhere"
-    workdir.mkdir()
-    # An empty environment but for PATH (the machine's python3, where the install puts
-    # `hybridtrain`) and HOME.
+    workdir = home
+    # An empty environment but for PATH (a python3) and HOME (where ~/.hybridtrain is).
     env = {"PATH": f"{fresh_python / 'bin'}:/usr/bin:/bin", "HOME": str(workdir)}
     installed = subprocess.run(["ip", "netns", "exec", remote_host.ns, "sh", "-c", install], cwd=workdir, env=env,
                                capture_output=True, text=True, timeout=300)

@@ -19,6 +19,7 @@ from app.api.routes import nodes as nodes_api
 from app.api.routes.dist import AgentWheelDep
 from app.config import Settings
 from app.errors import HybridtrainError, NotFoundError
+from app.join_reach import AGENT_VENV, join_obstacles
 from app.models import Continent, GpuModel, Node, NodeStatus, Provider, Site, SiteKind
 from app.queries import dashboard
 from app.queries import nodes as node_queries
@@ -41,15 +42,17 @@ NodeIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
 def agent_command(server_url: str, join_token: str) -> str:
-    """The command that joins a machine to its node: `hybridtrain agent --server URL --token T`."""
-    return f"hybridtrain agent --server {shlex.quote(server_url)} --token {shlex.quote(join_token)}"
+    """The command that joins a machine to its node, from the environment `install_command` made."""
+    return (f"{AGENT_VENV}/bin/hybridtrain agent --server {shlex.quote(server_url)} "
+            f"--token {shlex.quote(join_token)}")
 
 
 def install_command(server_url: str, wheel: str) -> str:
-    """The one line that installs the agent from this control plane's own wheel; its
-    dependencies come from the machine's package index."""
+    """The one line that installs the agent from this control plane's own wheel into a virtual
+    environment of its own (Debian 12 and Ubuntu 24.04 refuse pip into the system's Python,
+    PEP 668); its dependencies come from the machine's package index."""
     requirement = f"hybridtrain[agent] @ {server_url.rstrip('/')}/dist/{wheel}"
-    return f"python3 -m pip install {shlex.quote(requirement)}"
+    return f"python3 -m venv {AGENT_VENV} && {AGENT_VENV}/bin/pip install {shlex.quote(requirement)}"
 
 
 def _gpu_field(loc: str) -> str:
@@ -216,13 +219,17 @@ def create_node(
     return _nodes_page(request, session, viewer, created=created, status_code=201)
 
 
-def _created(settings: Settings, wheel: AgentWheel, node: Node, join_token: str) -> dict[str, str]:
+def _created(settings: Settings, wheel: AgentWheel, node: Node, join_token: str) -> dict[str, Any]:
     return {
         "node_id": str(node.id),
         "name": node.name,
         "join_token": join_token,
         "install": install_command(settings.public_url, wheel.filename),
         "command": agent_command(settings.public_url, join_token),
+        "obstacles": join_obstacles(
+            public_url=settings.public_url,
+            agent_broker_url=settings.broker_url_for_agents or settings.celery_broker_url,
+        ),
     }
 
 

@@ -60,7 +60,9 @@ def test_sign_in_then_add_a_site_and_a_node_through_the_forms(page, live_server:
     form.locator("button[type=submit]").click()
     command = page.inner_text("#agent-command-text")
     join_token = page.inner_text("[data-join-token]")
-    assert command == f"hybridtrain agent --server {live_server.url} --token {join_token}"
+    assert command == f"~/.hybridtrain/bin/hybridtrain agent --server {live_server.url} --token {join_token}"
+    # The live server is on 127.0.0.1 with a Redis on 127.0.0.1: the page says only this machine can join.
+    assert "set HYBRIDTRAIN_PUBLIC_URL" in page.inner_text("#join-obstacles")
     assert join_token.startswith("htj_")
     row = page.locator(f'#nodes-table tr[data-node="{node}"]')
     assert "2× T4" in row.inner_text() and "pending" in row.inner_text()

@@ -34,8 +34,9 @@ def test_add_node_shows_the_agent_command_with_a_working_join_token(
     response = admin_page.post("/nodes", {"site_id": str(site["id"]), "name": "box-1", "gpu_model_0": "T4", "gpu_count_0": "2", "labels": "rack=b2"})
     assert response.status_code == 201
     token = response.text.split("data-join-token>")[1].split("<")[0]
-    assert f"hybridtrain agent --server http://127.0.0.1:8000 --token {token}" in response.text
-    assert "pip install &#39;hybridtrain[agent] @ http://127.0.0.1:8000/dist/hybridtrain-" in response.text
+    assert f"~/.hybridtrain/bin/hybridtrain agent --server http://127.0.0.1:8000 --token {token}" in response.text
+    assert ("python3 -m venv ~/.hybridtrain &amp;&amp; ~/.hybridtrain/bin/pip install "
+            "&#39;hybridtrain[agent] @ http://127.0.0.1:8000/dist/hybridtrain-") in response.text
     node = node_by_join_token(session, join_token=token)
     assert node is not None and node.labels == {"rack": "b2"} and node.gpus[0].count == 2
 
