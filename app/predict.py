@@ -59,7 +59,14 @@ from app.predict_steps import (
     local_sgd_step,
     ps_step,
 )
-from hybridtrain.contract import ALLREDUCE, ALLREDUCE_POWERSGD, STRATEGIES, is_local_sgd, is_ps
+from hybridtrain.contract import (
+    ALLREDUCE,
+    ALLREDUCE_POWERSGD,
+    STRATEGIES,
+    is_local_sgd,
+    is_ps,
+    outer_density_plan,
+)
 from hybridtrain.contract import compresses as contract_compresses
 
 # Evaluation runs the forward pass only: about 3x the training rate (forward ~ 1/3 of a step).
@@ -240,7 +247,10 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
     elif is_local_sgd(strategy):
         # An outer step is a PS step of the pseudo-gradient (at the densities' fixed point under
         # diloco-gc); the run pays 1/H of it a step. Dense changes travel at the value width.
-        rounds = _ps_phases(workers, server, links, task, replace(comp, warmup_steps=0), relay, strategy, densities)
+        target, low, high, server_k = outer_density_plan(comp.outer_density)
+        outer = replace(comp, warmup_steps=0, density=target, density_min=low, density_max=high,
+                        server_k_fraction=server_k)
+        rounds = _ps_phases(workers, server, links, task, outer, relay, strategy, densities)
         share = 1.0 if contract_compresses(strategy, comp.compressor) else comp.value_bytes / 4
         phases = [_Phase(1, None, local_sgd_step(rounds[-1].step, comp.sync_every, share))]
         notes.append(f"an outer step every {comp.sync_every} steps: each step pays its compute and 1/"

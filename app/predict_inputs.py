@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from app.errors import InvalidFieldError
-from hybridtrain.contract import DEFAULT_SYNC_EVERY
+from hybridtrain.contract import DEFAULT_OUTER_DENSITY, DEFAULT_SYNC_EVERY
 from hybridtrain.wiresize import kept_for
 
 # A worker on the server's own node talks to it through the loopback interface.
@@ -140,6 +140,7 @@ class CompressionSpec:
     powersgd_start: int = 10
     # Local SGD: the inner steps between outer steps (H).
     sync_every: int = DEFAULT_SYNC_EVERY
+    outer_density: float = DEFAULT_OUTER_DENSITY
 
 
 @dataclass(frozen=True)

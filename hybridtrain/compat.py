@@ -14,6 +14,7 @@ from typing import Any
 
 from hybridtrain.contract import (
     ALLREDUCE_POWERSGD,
+    DILOCO_GC,
     LOCAL_SGD_STRATEGIES,
     PS,
     PS_BZ_GC,
@@ -36,6 +37,7 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
     "sync_every": (LOCAL_SGD_STRATEGIES, "sets the inner steps between local SGD's outer steps"),
     "outer_lr": (LOCAL_SGD_STRATEGIES, "sets local SGD's outer learning rate"),
     "outer_momentum": (LOCAL_SGD_STRATEGIES, "sets local SGD's outer momentum"),
+    "outer_density": ((DILOCO_GC,), "sets the top-k density of diloco-gc's parameter change"),
     "powersgd_rank": ((ALLREDUCE_POWERSGD,), "sets PowerSGD's rank"),
 }
 

@@ -30,12 +30,24 @@ DEFAULT_STRATEGY = PS_BZ_GC
 # How reports and pages name them (the paper's spelling).
 STRATEGY_LABELS = {ALLREDUCE: "All-Reduce", ALLREDUCE_POWERSGD: "All-Reduce + PowerSGD", PS: "PS",
                    PS_GC: "PS-gc", PS_BZ_GC: "PS-bz-gc", DILOCO: "DiLoCo", DILOCO_GC: "DiLoCo-gc"}
-# Local SGD's defaults: the inner steps between outer steps (H), and the outer optimizer, Nesterov
-# SGD at DiLoCo's published settings (learning rate 0.7, momentum 0.9). H is far below DiLoCo's
-# 500 because the runs this project trains last hundreds of steps, not tens of thousands.
+# Local SGD's defaults: the inner steps between outer steps (H), and the outer optimizer (Nesterov
+# SGD). H is far below DiLoCo's 500 because the runs this project trains last hundreds of steps,
+# not tens of thousands. The outer step defaults to plain averaging (rate 1, no momentum), not
+# DiLoCo's published 0.7 and 0.9: on this project's short runs from scratch those diverged on
+# widecnn and ended the character model 0.08 nats worse than averaging (docs/trainer.md).
 DEFAULT_SYNC_EVERY = 20
-DEFAULT_OUTER_LR = 0.7
-DEFAULT_OUTER_MOMENTUM = 0.9
+DEFAULT_OUTER_LR = 1.0
+DEFAULT_OUTER_MOMENTUM = 0.0
+# diloco-gc's top-k density: a change of H steps is denser than one gradient, and 1 % (the PS
+# strategies' default) left the character model 0.43 nats above allreduce after 300 steps.
+DEFAULT_OUTER_DENSITY = 0.1
+
+
+def outer_density_plan(density: float) -> tuple[float, float, float, float]:
+    """diloco-gc's (target, lowest, highest, server k) densities from its one knob: the adaptive
+    rule moves each worker's within [d/2, 2d], and the server keeps 2.5 d of the mean change
+    (the union of the workers' top-k is denser than any one of them)."""
+    return density, density / 2, min(1.0, 2 * density), min(1.0, 2.5 * density)
 ALLOCATIONS = ("equal", "flops", "measured")
 COMPRESSORS = ("none", "topk", "randomk")
 VALUE_DTYPES = ("fp32", "fp16", "fp8")

@@ -7,6 +7,7 @@ from typing import Any
 
 from hybridtrain.contract import (
     DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_DENSITY,
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_STRATEGY,
     DEFAULT_SYNC_EVERY,
@@ -17,6 +18,7 @@ from hybridtrain.contract import (
     default_allocation,
     equal_batch_sizes,
     is_local_sgd,
+    outer_density_plan,
     proportional_batch_sizes,
 )
 
@@ -155,6 +157,9 @@ class TrainConfig:
     sync_every: int = DEFAULT_SYNC_EVERY
     outer_lr: float = DEFAULT_OUTER_LR
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    # diloco-gc: the pseudo-gradient's top-k density, from which its bounds and the server's k
+    # follow (hybridtrain.contract.outer_density_plan); the --density flags are the PS strategies'.
+    outer_density: float = DEFAULT_OUTER_DENSITY
 
     @property
     def is_ps(self) -> bool:
@@ -165,6 +170,14 @@ class TrainConfig:
     def is_local_sgd(self) -> bool:
         """Whether workers take inner steps locally between outer steps (`diloco`, `diloco-gc`)."""
         return is_local_sgd(self.strategy)
+
+    @property
+    def densities(self) -> tuple[float, float, float, float]:
+        """The compressed exchange's (target density, lowest, highest, server k): the --density
+        flags, or diloco-gc's from --outer-density."""
+        if self.is_local_sgd:
+            return outer_density_plan(self.outer_density)
+        return self.density, self.density_min, self.density_max, self.server_k_fraction
 
     @property
     def compresses(self) -> bool:

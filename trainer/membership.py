@@ -80,7 +80,7 @@ class Roster:
         self.members: dict[int, Member] = {}
         self.plan = plan_relay(cfg.sites, cfg.workers)
         self.batch_sizes = initial_batch_sizes(cfg)
-        self.densities = [cfg.density] * cfg.workers
+        self.densities = [cfg.densities[0]] * cfg.workers
         self.step_s: deque[float] = deque(maxlen=20)
         # How far apart the workers' own step times were (compute and compression), recent steps.
         self.spread_s: deque[float] = deque(maxlen=20)
@@ -124,7 +124,7 @@ class Roster:
     def _grow(self, rank: int) -> None:
         while len(self.batch_sizes) < rank:
             self.batch_sizes.append(0)
-            self.densities.append(self.cfg.density)
+            self.densities.append(self.cfg.densities[0])
 
     # -- routes -------------------------------------------------------------------------------------
     def source(self, rank: int) -> int:

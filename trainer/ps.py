@@ -117,12 +117,12 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         self.device = device
         self.layout = Layout.of(model, cfg.dense_numel, forward=cfg.applies_in_forward)
         self.batch_sizes = initial_batch_sizes(cfg)
-        self.densities = [cfg.density] * cfg.workers
+        self.densities = [cfg.densities[0]] * cfg.workers
         self.max_steps = cfg.max_steps
         self.codec = codec(cfg, cfg.compressor)
         self.bounds = chunks(self.layout.sparse_numel, cfg.pipeline_chunks)
         # One codec state (residual) per chunk: each chunk is compressed on its own.
-        self.codec_states = [CompressionState(density=cfg.density, seed=cfg.seed) for _ in self.bounds]
+        self.codec_states = [CompressionState(density=cfg.densities[0], seed=cfg.seed) for _ in self.bounds]
         self.last_tx_s = 0.0
         self.link_clock = LinkClock()
         self.step = 0

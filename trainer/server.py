@@ -196,7 +196,7 @@ class ParameterServer(Boundary):
                 self.roster.add(Member(w))
         self.bounds = chunks(layout.sparse_numel, self.cfg.pipeline_chunks)
         # Each chunk keeps k_s * its share of the elements, with its own residual.
-        self.codec_states = [CompressionState(density=self.cfg.server_k_fraction, seed=self.cfg.seed)
+        self.codec_states = [CompressionState(density=self.cfg.densities[3], seed=self.cfg.seed)
                              for _ in self.bounds]
         if self._resume_state is not None:
             self._load(self._resume_state)
@@ -327,9 +327,10 @@ class ParameterServer(Boundary):
             # at the rate TCP measured: trainer.linkclock) and the frame's arrival time seen here
             # (this step): each clock can read short where the other does not.
             times = [max(r.last_tx_s, arrival.get(r.rank, 0.0)) for r in rows]
+            target, low, high, _ = self.cfg.densities
             adapted = adapt_densities(
-                [self.densities[k - 1] for k in ranks], times, target=self.cfg.density,
-                low=self.cfg.density_min, high=self.cfg.density_max, gamma=self.cfg.density_gamma,
+                [self.densities[k - 1] for k in ranks], times, target=target,
+                low=low, high=high, gamma=self.cfg.density_gamma,
                 floor=self.cfg.density_time_floor_s,
             )
             for k, d in zip(ranks, adapted):

@@ -97,6 +97,11 @@ class CompressionOptions(Schema):
         description=f"local SGD: the outer Nesterov SGD's learning rate on the workers' mean change "
         f"(default {contract.DEFAULT_OUTER_LR})",
     )
+    outer_density: Fraction | None = Field(
+        default=None,
+        description=f"diloco-gc: the top-k density of each worker's parameter change, adapted within half "
+        f"to twice it; the server keeps 2.5 times it (default {contract.DEFAULT_OUTER_DENSITY})",
+    )
     outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = Field(
         default=None,
         description=f"local SGD: the outer Nesterov SGD's momentum, 0 for plain SGD (default "

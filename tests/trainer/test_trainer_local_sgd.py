@@ -206,7 +206,9 @@ def test_a_local_sgd_run_trains_the_digits_and_sends_a_fraction_of_a_ps_runs_byt
     assert sorted(series(records, "outer_norm", rank=1)) == list(range(10, 121, 10))
     sent = sum(r["value"] for r in records if r.get("name") == "bytes_sent" and r["rank"] == 1)
     dense_ps_step = 4 * sum(p.numel() for p in _digits_model().parameters())
-    assert sent < 120 * dense_ps_step / (10 if strategy == "diloco" else 40)
+    # H = 10 and half-width values (the small tensors stay fp32): over a twelfth less than a
+    # dense PS run; top-k at 10 %: less still.
+    assert sent < 120 * dense_ps_step / (12 if strategy == "diloco" else 25)
 
 
 def _digits_model():
