@@ -16,6 +16,7 @@ from hybridtrain.contract import (
     COMPRESSING_STRATEGIES,
     EVAL_S,
     LEGACY_TIME_TO_TARGET,
+    LOCAL_SGD_STRATEGIES,
     PS_BZ_GC,
     PS_STRATEGIES,
     VAL_LOSS,
@@ -56,8 +57,10 @@ def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, 
     body: dict[str, Any] = {}
     if strategy in PS_STRATEGIES:
         body["ps_node_id"] = ps_node_id
-    if strategy in COMPRESSING_STRATEGIES and s.compression:
+    if strategy in COMPRESSING_STRATEGIES and strategy not in LOCAL_SGD_STRATEGIES and s.compression:
         body["compression"] = dict(s.compression)
+    if strategy in LOCAL_SGD_STRATEGIES and getattr(s, "local_sgd", None):
+        body["compression"] = dict(s.local_sgd)
     if strategy in PS_STRATEGIES and s.pipeline_chunks:
         body["compression"] = body.get("compression", {}) | {"pipeline_chunks": s.pipeline_chunks}
     if strategy == PS_BZ_GC and s.rebalance_every:
