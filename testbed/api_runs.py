@@ -30,7 +30,8 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def run_body(
-    strategy: str, s: BenchSettings, node_ids: list[int], ps_node_id: int | None, tag: str
+    strategy: str, s: BenchSettings, node_ids: list[int], ps_node_id: int | None, tag: str,
+    bundle_sha256: str | None = None,
 ) -> dict[str, Any]:
     """The POST /api/v1/runs body of one strategy."""
     body: dict[str, Any] = {
@@ -48,7 +49,24 @@ def run_body(
     }
     if s.eval_every:
         body["eval_every"] = s.eval_every
+    if bundle_sha256:
+        body["bundle_sha256"] = bundle_sha256
     return body | strategy_fields(strategy, s, ps_node_id)
+
+
+def upload_workdir(api: httpx.Client, workdir: Path) -> str:
+    """Pack `workdir` as `runs create --workdir` does and upload it (unless the control plane
+    has it already); its sha256."""
+    from app.packing import pack_workdir
+    from hybridtrain.contract import BUNDLE_MEDIA_TYPE
+
+    packed = pack_workdir(workdir)
+    if api.get(f"/api/v1/bundles/{packed.sha256}").status_code == 404:
+        response = api.post("/api/v1/bundles", content=packed.data,
+                            headers={"Content-Type": BUNDLE_MEDIA_TYPE, "X-Bundle-Sha256": packed.sha256})
+        if response.status_code >= 400:
+            raise TestbedError(f"uploading {workdir}: {response.status_code} {response.text[:300]}")
+    return packed.sha256
 
 
 def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, Any]:

@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="comma-separated testbed configs, run one after another (default "
                         "bench/testbeds/paper.yaml,bench/testbeds/intercontinental.yaml; the first for --quick)")
     p.add_argument("--workloads", default=None,
-                   help="comma-separated, of widecnn and resnet18 (default both; widecnn for --quick)")
+                   help="comma-separated, of widecnn, resnet18 and charlm (the character transformer of "
+                        "examples/charlm with AdamW, uploaded as a bundle); default all, widecnn for --quick")
     p.add_argument("--quick", action="store_true", help="a smoke test of the whole path (under 6 minutes)")
     p.add_argument("--out", type=Path, default=Path("results.json"))
     p.add_argument("--docs", default=None,

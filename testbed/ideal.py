@@ -13,7 +13,7 @@ from typing import Any
 
 from testbed import processes
 from testbed.errors import TestbedError
-from testbed.paper_workloads import BenchSettings, calibrate
+from testbed.paper_workloads import BenchSettings, calibrate, workdir_of
 from testbed.state import TestbedState
 
 Log = Callable[[str], None]
@@ -22,9 +22,10 @@ Log = Callable[[str], None]
 def profile_argv(s: BenchSettings, batch: int) -> list[str]:
     """The trainer's profiler measuring one worker's compute alone (forward, backward and
     optimizer step of the task) on `batch` samples; it prints one JSON line with samples_per_s."""
+    code = ["--code-dir", str(workdir_of(s))] if s.workdir else []
     return [sys.executable, "-m", "trainer.profile", "--task", s.task,
             "--task-args", json.dumps(s.task_args), "--batch", str(batch), "--device", "cpu",
-            "--seconds", str(s.standalone_seconds)]  # fmt: skip
+            "--seconds", str(s.standalone_seconds), *code]  # fmt: skip
 
 
 def measure_ideal(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from hybridtrain.contract import COMPRESSING_STRATEGIES, PS_STRATEGIES
@@ -24,6 +25,10 @@ class BenchSettings:
     # What time to target measures, e.g. "accuracy>=0.95" (hybridtrain.contract.parse_target).
     target: str
     task_args: dict[str, Any] = field(default_factory=dict)
+    # A task of the user's own code: this directory (relative to the repository) is packed and
+    # uploaded as the runs' bundle, as `runs create --workdir` does, and the standalone
+    # measurement imports from it.
+    workdir: str | None = None
     seed: int = 0
     # Each strategy runs with seeds seed, seed + 1, ...: the results are means over them, with
     # their spread (the testbed's figures move a few percent from run to run).
@@ -118,8 +123,32 @@ RESNET18 = replace(
     balanced_step_s=2.5,
     max_global_batch=2048,
 )  # fmt: skip
+# The third: a transformer with AdamW, what most users train across sites, as a user's own code
+# (examples/charlm, uploaded as a bundle): 279k parameters, so its dense exchange is small, and
+# what separates the strategies is how many steps each needs to the target. Trained alone on
+# this host at batch 64 allreduce reaches val_loss 0.9 by step 120, diloco (H 20) by 140,
+# ps-bz-gc by about 450 (docs/trainer.md).
+CHARLM = replace(
+    FULL,
+    task="charlm:task",
+    workdir="examples/charlm",
+    task_args={},
+    global_batch=64,
+    max_steps=300,
+    target="val_loss<=0.9",
+    eval_every=20,
+    balanced_step_s=None,
+    compression={},
+    # A 1.1 MB gradient needs no pipeline.
+    pipeline_chunks=None,
+    local_sgd={"sync_every": 20},
+    rebalance_every=None,
+    skip_steps=10,
+    seeds=1,
+    run_timeout_s=3600.0,
+)  # fmt: skip
 # `hybridtrain bench paper --workloads`: each runs every strategy on every testbed of --config.
-WORKLOADS = {"widecnn": FULL, "resnet18": RESNET18}
+WORKLOADS = {"widecnn": FULL, "resnet18": RESNET18, "charlm": CHARLM}
 
 
 def quick(full: BenchSettings) -> BenchSettings:
@@ -129,7 +158,8 @@ def quick(full: BenchSettings) -> BenchSettings:
     one of them dense for the compressed ones, one seed, and a target the single evaluation
     (the last step) passes."""
     return BenchSettings(
-        task=full.task, task_args=full.task_args, global_batch=full.global_batch // 2, max_steps=4,
+        task=full.task, task_args=full.task_args, workdir=full.workdir, global_batch=full.global_batch // 2,
+        max_steps=4,
         target="accuracy>=0.2", compression=full.compression, pipeline_chunks=full.pipeline_chunks,
         local_sgd=full.local_sgd | {"sync_every": 2},
         skip_steps=1, standalone_seconds=2.0, run_timeout_s=180.0,
@@ -137,6 +167,11 @@ def quick(full: BenchSettings) -> BenchSettings:
 
 
 QUICK = quick(FULL)
+
+
+def workdir_of(s: BenchSettings) -> Path | None:
+    """The workload's own code directory, resolved against the repository (None: built-in task)."""
+    return Path(__file__).resolve().parents[1] / s.workdir if s.workdir else None
 
 
 def seeds_of(s: BenchSettings) -> list[int]:

@@ -39,11 +39,19 @@ import httpx
 from hybridtrain.contract import PS_BZ_GC, STRATEGIES, parse_target
 from hybridtrain.progress import duration
 from testbed import lifecycle, services, thread_placer
-from testbed.api_runs import fetch_metrics, rank_nodes, run_body, run_strategy
+from testbed.api_runs import fetch_metrics, rank_nodes, run_body, run_strategy, upload_workdir
 from testbed.errors import TestbedError
 from testbed.ideal import Log, measure_calibrated, measure_ideal
 from testbed.paper_figures import check_targets, combine_seeds, ideal_of_the_runs, link_prices, summarise
-from testbed.paper_workloads import BenchSettings, configs_of, seeds_of, strategy_variant, variant_body, workloads_of
+from testbed.paper_workloads import (
+    BenchSettings,
+    configs_of,
+    seeds_of,
+    strategy_variant,
+    variant_body,
+    workdir_of,
+    workloads_of,
+)
 from testbed.state import TestbedState
 from testbed.topology import TestbedConfig, load_config
 
@@ -153,10 +161,12 @@ def _bench_on(
     ps_node_id = ids[config.server.name] if config.server else None
     name_of = {v: k for k, v in ids.items()}
     tag = uuid.uuid4().hex[:6]
+    bundle = upload_workdir(api, workdir_of(s)) if s.workdir else None
 
     def ideal_at(s: BenchSettings) -> dict[str, float]:
         plan = services.check_response(
-            api.post("/api/v1/runs/plan", json=run_body(PS_BZ_GC, s, node_ids, ps_node_id, tag)), "plan preview")
+            api.post("/api/v1/runs/plan", json=run_body(PS_BZ_GC, s, node_ids, ps_node_id, tag, bundle)),
+            "plan preview")
         batch_by_node = {w["node_name"]: w["batch_size"] for w in plan["workers"] if w["role"] == "worker"}
         log(f"  ps-bz-gc plan at global batch {s.global_batch}: {batch_by_node}")
         return measure_ideal(state, state_dir, batch_by_node, s, log)
@@ -179,7 +189,8 @@ def _bench_on(
             left = tally.left_text()
             if left:
                 log(f"  {label}: {left}, this one included")
-            body = variant_body(run_body(strategy, replace(s, seed=seed), node_ids, ps_node_id, tag), variant)
+            body = variant_body(run_body(strategy, replace(s, seed=seed), node_ids, ps_node_id, tag, bundle),
+                                variant)
             with thread_placer.paused(placer_pause_file(state, variant)):
                 run = run_strategy(api, body, s.run_timeout_s, label=label)
             records = fetch_metrics(api, run["id"], target_metric)

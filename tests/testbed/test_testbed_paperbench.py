@@ -251,13 +251,25 @@ def test_the_ideal_is_measured_by_the_trainers_profiler_on_the_task() -> None:
     assert argv[argv.index("--batch") + 1] == "96" and argv[argv.index("--device") + 1] == "cpu"
 
 
+def test_a_workload_of_the_users_own_code_is_measured_and_run_from_its_directory() -> None:
+    from testbed.api_runs import run_body
+    from testbed.paper_workloads import CHARLM, workdir_of
+
+    argv = profile_argv(CHARLM, 64)
+    assert argv[argv.index("--code-dir") + 1] == str(workdir_of(CHARLM))
+    assert (workdir_of(CHARLM) / "charlm.py").is_file()
+    body = run_body("diloco", CHARLM, [1, 2], 3, "t", "ab" * 32)
+    assert body["bundle_sha256"] == "ab" * 32 and body["task"] == "charlm:task"
+    assert body["compression"] == {"sync_every": 20}
+
+
 def test_the_docs_section_has_a_subsection_per_workload_and_testbed_naming_task_and_target() -> None:
     parts = [{"workload": name, "results": {}, "settings": asdict(s), "testbed": {"name": tb, "description": "d"}}
              for tb in ("paper", "interc") for name, s in WORKLOADS.items()]
     doc = {"parts": parts, "machine": {"cpus": 2, "load_avg_at_end": [1.0]}}
     text = section(doc, [])
     heads = [line for line in text.splitlines() if line.startswith("### ")]
-    assert heads == ["### widecnn on paper", "### resnet18 on paper", "### widecnn on interc", "### resnet18 on interc"]
+    assert heads == [f"### {w} on {tb}" for tb in ("paper", "interc") for w in ("widecnn", "resnet18", "charlm")]
     assert "`hybridtrain.tasks.digits:widecnn` with args `{\"lr\": 0.1, \"holdout\": 0.6}`" in text
     assert "target `accuracy>=0.95`" in text and "target `accuracy>=0.93`" in text
 
@@ -270,7 +282,7 @@ def test_a_results_document_from_before_workloads_is_its_own_single_part() -> No
 
 def test_a_full_run_covers_every_workload_on_both_testbeds_and_a_quick_one_the_first_on_the_first() -> None:
     full = argparse.Namespace(quick=False, workloads=None, config=None)
-    assert [n for n, _ in workloads_of(full)] == ["widecnn", "resnet18"]
+    assert [n for n, _ in workloads_of(full)] == ["widecnn", "resnet18", "charlm"]
     assert configs_of(full) == ["bench/testbeds/paper.yaml", "bench/testbeds/intercontinental.yaml"]
     quick_run = argparse.Namespace(quick=True, workloads=None, config=None)
     assert [(n, s) for n, s in workloads_of(quick_run)] == [("widecnn", QUICK)]
