@@ -51,6 +51,9 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     where.add_argument("--nodes", type=ids, help="node ids, e.g. 1,2,3")
     where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name (`hybridtrain clusters list`)")
     create.add_argument("--strategy", choices=STRATEGIES, default=None, help="default ps-bz-gc")
+    create.add_argument("--config", default=None, metavar="FILE",
+                        help="a YAML or JSON file of the run's request fields (POST /api/v1/runs, e.g. "
+                             "compression: {pipeline_chunks: 4, density: 0.05}); flags given win")
     code = create.add_mutually_exclusive_group()
     code.add_argument("--workdir", default=None, metavar="DIR",
                       help="pack DIR (minus .hybridtrainignore / .gitignore) and run from that code bundle")

@@ -38,9 +38,37 @@ def cluster_ref(text: str) -> int | str:
     return int(text) if text.isdigit() else text
 
 
+def config_file(path: str | None) -> dict[str, Any]:
+    """`--config`: the request fields a YAML or JSON file holds (JSON is YAML); {} without one."""
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"--config {path}: {exc.strerror}") from None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--config {path}: not YAML or JSON ({str(exc).splitlines()[0]})") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise UsageError(f"--config {path}: expected a mapping of request fields, e.g. 'strategy: diloco'")
+    if "compression" in value and not isinstance(value["compression"], dict):
+        raise UsageError(f"--config {path}: compression must be a mapping, e.g. 'compression: {{density: 0.05}}'")
+    return value
+
+
 def run_body(args: argparse.Namespace) -> dict[str, Any]:
-    """The POST /runs body of a `runs create` command line; UsageError naming a bad flag."""
-    body: dict[str, Any] = {"name": args.name}
+    """The POST /runs body of a `runs create` command line (its --config file, the flags given
+    over it); UsageError naming a bad flag."""
+    body: dict[str, Any] = config_file(getattr(args, "config", None))
+    body["name"] = args.name
+    if args.nodes is not None or args.cluster is not None:
+        body.pop("node_ids", None)
+        body.pop("cluster_id", None)
     if args.nodes is not None:
         body["node_ids"] = args.nodes
     else:
@@ -69,7 +97,7 @@ def run_body(args: argparse.Namespace) -> dict[str, Any]:
         if v is not None
     }
     if compression:
-        body["compression"] = compression
+        body["compression"] = {**body.get("compression", {}), **compression}
     return body
 
 

@@ -77,3 +77,28 @@ def test_each_restart_is_counted_in_the_state_shown(api, online_node, dispatched
     second = api.get_run(run["id"])
 
     assert (status_text(first), status_text(second)) == ("restarting 1/3", "restarting 2/3")
+
+
+def test_a_config_file_gives_every_request_field_and_the_flags_given_win(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("strategy: ps-bz-gc\nglobal_batch_size: 240\nrebalance_every: 5\n"
+                      "compression: {pipeline_chunks: 4, density: 0.05, server_k_fraction: 0.125, warmup_steps: 1}\n")
+    body = _body("--config", str(config), "--global-batch", "128", "--density", "0.02", "--sync-every", "10")
+    assert body["global_batch_size"] == 128 and body["rebalance_every"] == 5 and body["strategy"] == "ps-bz-gc"
+    assert body["compression"] == {"pipeline_chunks": 4, "density": 0.02, "server_k_fraction": 0.125,
+                                   "warmup_steps": 1, "sync_every": 10}
+    assert body["node_ids"] == [1] and body["name"] == "r"
+
+
+@pytest.mark.parametrize("text, says", [("- a\n- b\n", "a mapping"), ("compression: 4\n", "compression must"),
+                                        ("{: nope", "not YAML")])
+def test_a_config_file_that_is_not_a_mapping_of_fields_is_a_usage_error(tmp_path, text, says):
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    with pytest.raises(run_flags.UsageError, match=says):
+        _body("--config", str(config))
+
+
+def test_a_missing_config_file_is_a_usage_error_naming_it(tmp_path):
+    with pytest.raises(run_flags.UsageError, match="--config .*missing.yaml"):
+        _body("--config", str(tmp_path / "missing.yaml"))

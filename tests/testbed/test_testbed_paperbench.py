@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -483,3 +484,33 @@ def test_results_are_written_into_a_folder_that_does_not_exist_yet_without_the_c
     out = tmp_path / "var" / "bench" / "results.json"
     write_results(doc, out)
     assert json.loads(out.read_text()) == {"parts": [{"results": {"ps": {"samples_per_s": 1.0}}}]}
+
+
+@pytest.mark.parametrize("strategy", ["ps-bz-gc", "diloco"])
+def test_the_run_configs_in_bench_hold_what_the_benchmark_runs(strategy) -> None:
+    # `runs create --config bench/configs/widecnn-STRATEGY.yaml` is the benchmarked run, nothing hidden
+    # (the global batch aside: the benchmark calibrates it to the host).
+    import yaml
+
+    from app.schemas.runs import RunCreate
+    from testbed.api_runs import run_body
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "configs" / f"widecnn-{strategy}.yaml"
+    config = yaml.safe_load(path.read_text())
+    bench = run_body(strategy, FULL, [1], 9, "t")
+    fields = {k: v for k, v in bench.items() if k not in ("name", "node_ids", "ps_node_id", "global_batch_size",
+                                                           "seed", "device")}
+    assert config == fields
+    RunCreate.model_validate({**config, "name": "r", "node_ids": [1]})
+
+
+def test_local_sgd_targets_compare_with_the_ideal_ps_bz_gc_and_allreduce() -> None:
+    results = {"ps-bz-gc": {"samples_per_s": 270.0, "tta_s": 40.0, "bytes_per_step": 4e6},
+               "allreduce": {"samples_per_s": 130.0, "tta_s": 80.0, "bytes_per_step": 5e8},
+               "diloco": {"samples_per_s": 298.0, "tta_s": 18.0, "bytes_per_step": 4e6},
+               "diloco-gc": {"samples_per_s": 300.0, "tta_s": 25.0, "bytes_per_step": 1e6}}
+    targets = check_targets(results, 310.0)
+    assert targets["diloco share of ideal"] == {"value": 0.961, "goal": ">= 95%", "met": True}
+    assert targets["diloco tta reduction vs ps-bz-gc"]["value"] == 0.55
+    assert targets["diloco bytes a step, allreduce's over its"] == {"value": 125.0, "goal": ">= 100x", "met": True}
+    assert targets["diloco-gc bytes a step, allreduce's over its"]["met"] is False
