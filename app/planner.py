@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hybridtrain.contract import ALLOCATIONS, PS_BZ_GC, STRATEGIES, is_ps, proportional_batch_sizes
+from hybridtrain.contract import ALLOCATIONS, PS_BZ_GC, STRATEGIES, is_local_sgd, is_ps, proportional_batch_sizes
 
 # Relative cost of moving a byte over each kind of link, roughly inverse bandwidth: the
 # paper's testbed has 1 Gbit/s inside a site and 100 Mbit/s between sites; seed 003 measured
@@ -106,12 +106,13 @@ class Plan:
 def default_allocation(
     strategy: str, nodes: Sequence[PlanNode] = (), task_speeds: Mapping[int, float] | None = None
 ) -> str:
-    """ps-bz-gc sizes batches by speed (its point), every other strategy splits equally.
+    """ps-bz-gc sizes batches by speed (its point), and so does local SGD, whose workers must
+    reach each outer step together; every other strategy splits equally.
 
-    ps-bz-gc uses the catalog's FLOPs when every node declares its GPUs, else measured speeds
+    They use the catalog's FLOPs when every node declares its GPUs, else measured speeds
     (a CPU-only laptop under `hybridtrain local` declares none).
     """
-    if strategy != PS_BZ_GC:
+    if strategy != PS_BZ_GC and not is_local_sgd(strategy):
         return "equal"
     if nodes and not all(n.gpus for n in nodes) and all(_measured(n, task_speeds) for n in nodes):
         return "measured"

@@ -73,9 +73,12 @@ def compresses(strategy: str, compressor: str = "topk") -> bool:
 
 
 def default_allocation(strategy: str) -> str:
-    """`ps-bz-gc` sizes batches by speed (its point), and so does local SGD, whose workers must
-    reach the outer step together; every baseline splits equally."""
-    return "flops" if strategy in (PS_BZ_GC, *LOCAL_SGD_STRATEGIES) else "equal"
+    """`ps-bz-gc` sizes batches by speed (its point); local SGD starts from that split and
+    re-splits it from the compute times measured over every round of inner steps, so that its
+    workers reach each outer step together; every baseline splits equally."""
+    if strategy in LOCAL_SGD_STRATEGIES:
+        return "measured"
+    return "flops" if strategy == PS_BZ_GC else "equal"
 
 
 def sync_due(step: int, every: int, max_steps: int) -> bool:

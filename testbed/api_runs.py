@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from hybridtrain import compat
 from hybridtrain.contract import (
     ALLREDUCE_POWERSGD,
     COMPRESSING_STRATEGIES,
@@ -78,7 +79,8 @@ def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, 
     if strategy in COMPRESSING_STRATEGIES and strategy not in LOCAL_SGD_STRATEGIES and s.compression:
         body["compression"] = dict(s.compression)
     if strategy in LOCAL_SGD_STRATEGIES and getattr(s, "local_sgd", None):
-        body["compression"] = dict(s.local_sgd)
+        # Only what this strategy takes (outer_density is diloco-gc's).
+        body["compression"] = {k: v for k, v in compat.for_strategy(strategy, s.local_sgd).items() if v is not None}
     if strategy in PS_STRATEGIES and s.pipeline_chunks:
         body["compression"] = body.get("compression", {}) | {"pipeline_chunks": s.pipeline_chunks}
     if strategy == PS_BZ_GC and s.rebalance_every:

@@ -23,6 +23,7 @@ from hybridtrain.contract import (
     VALUE_DTYPES,
     check_task_ref,
     default_allocation,
+    is_local_sgd,
     is_ps,
     parse_target,
 )
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--allocation", choices=ALLOCATIONS, default=None,
                      help="batch split: equal, flops (by --speeds), measured (re-balanced); "
                           "default flops for ps-bz-gc, equal otherwise")
-    run.add_argument("--rebalance-every", type=int, default=d.rebalance_every)
+    run.add_argument("--rebalance-every", type=int, default=None,
+                     help=f"with --allocation measured: re-split every N steps (default {d.rebalance_every}; "
+                          "local SGD: every outer step)")
     run.add_argument("--max-steps", type=int, default=d.max_steps)
     run.add_argument("--epochs", type=float, default=None,
                      help="train this many passes over the task's training data instead of --max-steps")
@@ -230,7 +233,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UsageError("need 0 < --density-min <= --density <= --density-max <= 1")
     if not 0 < args.server_k_fraction <= 1:
         raise UsageError(f"--server-k-fraction must be in (0, 1], got {args.server_k_fraction}")
-    if args.max_steps < 1 or args.eval_every < 1 or args.rebalance_every < 1:
+    rebalance_every = args.rebalance_every or (1 if is_local_sgd(args.strategy) else TrainConfig.rebalance_every)
+    if args.max_steps < 1 or args.eval_every < 1 or rebalance_every < 1:
         raise UsageError("--max-steps, --eval-every and --rebalance-every must be >= 1")
     if args.sites:
         if not ps:
@@ -271,7 +275,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         strategy=args.strategy, workers=workers, global_batch=global_batch,
         batch_sizes=tuple(args.batch_sizes), speeds=tuple(args.speeds),
         allocation=args.allocation or default_allocation(args.strategy),
-        rebalance_every=args.rebalance_every, max_steps=args.max_steps,
+        rebalance_every=rebalance_every, max_steps=args.max_steps,
         epochs=args.epochs, target=target, stop_at_target=args.stop_at_target, seed=args.seed,
         task=args.task, task_args=json.dumps(task_args, sort_keys=True), script=args.script,
         code_dir=args.code_dir,

@@ -155,7 +155,7 @@ def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
         with pytest.raises(UsageError, match=match):
             config_from_args(parser.parse_args(["--strategy", "diloco", *extra]))
     cfg = config_from_args(parser.parse_args(["--strategy", "diloco-gc", "--sync-every", "7"]))
-    assert (cfg.sync_every, cfg.allocation, cfg.compresses) == (7, "flops", True)
+    assert (cfg.sync_every, cfg.allocation, cfg.rebalance_every, cfg.compresses) == (7, "measured", 1, True)
 
 
 # -- whole runs in one process ----------------------------------------------------------------------
