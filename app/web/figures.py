@@ -202,16 +202,36 @@ def _spans_decades(traces: list[dict[str, Any]]) -> bool:
     return bool(values) and max(values) / min(values) > 100
 
 
-def compression_figure(series: Sequence[SeriesLike], t0: float, *, servers: Collection[int] = ()) -> Figure:
-    """Compression: the density each worker sent (1/density is its compression ratio)."""
+OUTER_COLOR = "#444444"
+
+
+def outer_norm_trace(points: Iterable[Point], t0: float, rank: int) -> dict[str, Any]:
+    """Local SGD's outer steps: the norm of the workers' mean change each applied (right axis)."""
+    return line(f"outer_norm:{rank}", "outer step: |mean change|", points, t0, OUTER_COLOR, yaxis="y2",
+                mode="lines+markers", marker={"size": 5},
+                hovertemplate="outer step %{customdata}: |mean change| %{y:.3g}")
+
+
+def compression_figure(series: Sequence[SeriesLike], t0: float, *, servers: Collection[int] = (),
+                       outer_steps: bool = False) -> Figure:
+    """Compression: the density each worker sent (1/density is its compression ratio), and under
+    local SGD (`outer_steps`) each outer step's norm of the mean change (every worker logs the same:
+    the first's), on a right axis that is there from the start for the live points to join."""
     density = by_name(series, "density", skip=servers)
     traces = [
         line(f"density:{s.rank}", worker_label(s.rank), s.points, t0, color(i),
              hovertemplate="density %{y:.3g} (step %{customdata})")
         for i, s in enumerate(density)
     ]
-    layout = base_layout("Compression: gradient density per worker", " s", "density (sent / dense)")
+    norms = by_name(series, "outer_norm", skip=servers)[:1]
+    traces += [outer_norm_trace(s.points, t0, s.rank) for s in norms]
+    outer_steps = outer_steps or bool(norms)
+    title = "Compression: density per worker" + ("; outer steps" if outer_steps else "")
+    layout = base_layout(title, " s", "density (sent / dense)")
     layout["yaxis"].update(type="log", rangemode="normal")
+    if outer_steps:
+        layout["yaxis2"] = {"title": {"text": "|mean change| at an outer step"}, "overlaying": "y", "side": "right",
+                            "rangemode": "tozero", "showgrid": False}
     if not traces:
         layout["annotations"] = [_no_data("no compression in this run (dense gradients)")]
     return {"data": traces, "layout": layout}

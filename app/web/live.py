@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from app.billing import egress_usd, round_usd
 from app.web.figures import (
     CLASS_COLORS,
+    OUTER_COLOR,
     TOTAL_COLOR,
     color,
     eval_color,
@@ -120,7 +121,12 @@ class LiveState:
             entry["customdata"].append(step)
 
         for row in sorted(rows, key=lambda r: (r.step, r.t, r.id)):
-            if row.name in _CHART_OF:
+            if row.name == "outer_norm":
+                # Every worker applies the same outer step: the first one's is the run's.
+                if self.worker_ranks and row.rank == min(self.worker_ranks):
+                    add("compression", f"outer_norm:{row.rank}", "outer step: |mean change|", OUTER_COLOR,
+                        row.step, row.t, row.value, yaxis="y2", mode="lines+markers")
+            elif row.name in _CHART_OF:
                 if row.rank in self.server_ranks and row.name != "loss":
                     continue  # the server's own rates would count its workers twice
                 chart, prefix = _CHART_OF[row.name]

@@ -20,10 +20,11 @@ from app.queries.metrics import metric_names
 from app.web import figures
 from app.web.egress import LinkBucket, cumulative_by_class, link_rates
 from app.web.live import LiveState, event_view, is_evaluation_metric
+from hybridtrain.contract import is_local_sgd
 
 # A chart of more points than a screen is wide shows nothing more and costs the browser time.
 MAX_POINTS = 600
-SERIES_NAMES = ("samples_per_s", "loss", "density", "batch_size")
+SERIES_NAMES = ("samples_per_s", "loss", "density", "batch_size", "outer_norm")
 # Byte counts are summed, not averaged, and feed the egress chart and the bill.
 SUMMED_NAMES = ("bytes_sent",)
 # A degraded or restarting run is still in flight: its page streams.
@@ -202,7 +203,8 @@ def run_charts(session: Session, run: Run) -> RunCharts:
         "throughput": figures.throughput_figure(data.series, t0, servers=servers),
         "loss": figures.loss_figure(data.series, t0, servers=servers),
         "evaluation": figures.evaluation_figure(data.series, t0, eval_names),
-        "compression": figures.compression_figure(data.series, t0, servers=servers),
+        "compression": figures.compression_figure(data.series, t0, servers=servers,
+                                                  outer_steps=is_local_sgd(run.strategy)),
         "egress": figures.egress_figure(egress_series, t0, unpriced=unpriced),
         "batch": figures.batch_figure(data.series, t0, planned, servers=servers),
     }

@@ -47,6 +47,7 @@
             line: { color: a.color, width: a.uid === "sps:total" ? 2.6 : 1.8 },
             hovertemplate: "%{y:.4g} (step %{customdata})" };
           if (a.mode) { trace.mode = a.mode; trace.marker = { size: 5 }; }
+          if (a.yaxis) trace.yaxis = a.yaxis;
           if (key === "egress" || key === "batch") trace.line.shape = "hv";
           Plotly.addTraces(div, trace);
           index = div.data.length - 1;

@@ -65,3 +65,13 @@ def test_comparison_figures_one_trace_or_bar_per_run() -> None:
     assert figures.time_to_target_figure(runs)["data"][0]["text"] == ["42 s", "not reached"]
     spend = figures.spend_figure(runs)
     assert [t["name"] for t in spend["data"]] == ["compute", "egress"] and spend["layout"]["barmode"] == "stack"
+
+
+def test_a_local_sgd_runs_compression_chart_draws_the_outer_steps_norm_on_its_own_axis() -> None:
+    norms = [Series("outer_norm", r, [(10, 10.0, 0.5), (20, 20.0, 0.25)]) for r in (1, 2)]
+    figure = figures.compression_figure(norms, t0=0.0, servers={0})
+    (trace,) = figure["data"]  # every worker logs the same norm: one trace
+    assert trace["uid"] == "outer_norm:1" and trace["yaxis"] == "y2" and trace["y"] == [0.5, 0.25]
+    assert figure["layout"]["yaxis2"]["overlaying"] == "y"
+    # Before the first outer step the axis is there already, for the live points to join.
+    assert "yaxis2" in figures.compression_figure([], t0=0.0, outer_steps=True)["layout"]

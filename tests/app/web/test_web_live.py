@@ -67,3 +67,11 @@ def test_live_state_sends_every_task_metric_to_the_evaluation_chart() -> None:
     assert {(a["chart"], a["uid"], a["name"]) for a in appends} == {
         ("evaluation", "eval:r2:1", "r2"), ("evaluation", "eval:accuracy:1", "accuracy")}
     assert state.eval_names == ["accuracy", "r2"]
+
+
+def test_live_outer_steps_go_to_the_compression_charts_right_axis_once() -> None:
+    state = LiveState(t0=100.0, worker_ranks=[1, 2], server_ranks={0})
+    appends = state.apply([MetricRow(1, "outer_norm", 1, -1, 20, 120.0, 0.5),
+                           MetricRow(2, "outer_norm", 2, -1, 20, 120.0, 0.5)])
+    (outer,) = appends
+    assert (outer["chart"], outer["uid"], outer["yaxis"], outer["y"]) == ("compression", "outer_norm:1", "y2", [0.5])
