@@ -113,8 +113,9 @@ def inputs_text(plan: dict[str, Any], *, now: datetime | None = None) -> str:
             continue
         seen.add(key)
         source = link.get("source") or "assumed"
-        when = f", measured {_age(_since(link.get('measured_at'), now))}" if source == "measured" else ""
-        lines.append(f"  link {key[0]} -> {key[1]}: {link['mbps']:.0f} Mbit/s, {link['rtt_ms']:.1f} ms ({source}{when})")
+        if source == "measured":
+            source = f"measured {_age(_since(link.get('measured_at'), now))}"
+        lines.append(f"  link {key[0]} -> {key[1]}: {link['mbps']:.0f} Mbit/s, {link['rtt_ms']:.1f} ms ({source})")
     return "inputs:\n" + "\n".join(lines) if lines else ""
 
 

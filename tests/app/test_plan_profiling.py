@@ -142,3 +142,12 @@ def test_optimize_without_profile_missing_still_refuses_unprofiled_nodes(client,
     node = online_node()
     response = client.post(f"{API}/plans/optimize", json={"node_ids": [node.id], "task": TASK})
     assert response.status_code == 422
+
+
+def test_a_pinned_servers_node_is_profiled_too(client, online_node, session, dispatched):
+    worker, server = online_node(), online_node()
+    add_profile(session, worker.id)
+    body = run_body([worker], task=TASK, strategy="ps", ps_node_id=server.id, profile_missing=True)
+    [waiting] = client.post(f"{API}/runs/plan", json=body).json()["profiling"]
+    assert waiting["node_id"] == server.id
+    assert [task for task, _ in dispatched.take(server.id)] == [PROFILE_TASK]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Response, status
 from sqlalchemy.exc import IntegrityError
@@ -17,9 +18,9 @@ from app.api.responses import CONFLICT, NOT_FOUND, NOT_FOUND_OR_CONFLICT
 from app import lifecycle
 from app.config import Settings
 from app.dispatch import Dispatcher, LaunchOrder
-from app.models import Run, RunStatus
+from app.models import Node, Run, RunStatus
 from app.queries import profiles as profile_queries
-from app.queries import profiling
+from app.queries import profiling as profiling_queries
 from app.queries import runs as queries
 from app.queries.bundles import get_bundle
 from app.schemas.common import Page
@@ -53,6 +54,9 @@ def plan_run(
     profiling: list[dict] = []
     if body.profile_missing and data.script is None:
         nodes = queries.load_plan_nodes(session, node_ids=data.node_ids, cluster_id=data.cluster_id)
+        if data.ps_node_id is not None and data.ps_node_id not in {n.id for n in nodes}:
+            # A pinned server's node is one of the model's inputs too.
+            nodes += queries.load_plan_nodes(session, node_ids=[data.ps_node_id], cluster_id=None)
         queries.check_usable(nodes)  # nothing is ordered for a plan that is refused
         profiling = order_profiles_for_plan(
             session, dispatcher, principal, nodes=nodes, task=data.task, task_args=data.task_args,
@@ -67,9 +71,9 @@ def plan_run(
 
 
 def order_profiles_for_plan(
-    session: Session, dispatcher: Dispatcher, principal: Principal, *, nodes: list, task: str,
-    task_args: dict, bundle_sha256: str | None, device: str,
-) -> list[dict]:
+    session: Session, dispatcher: Dispatcher, principal: Principal, *, nodes: Sequence[Node], task: str,
+    task_args: dict[str, Any], bundle_sha256: str | None, device: str,
+) -> list[dict[str, Any]]:
     """Order the task's profile from the nodes that lack one (committed, then sent, as POST
     /tasks/profiles does); every node the plan waits on, as `ProfilingPublic` dicts."""
     if principal.actions is not None:
@@ -78,7 +82,7 @@ def order_profiles_for_plan(
             raise HTTPException(status.HTTP_403_FORBIDDEN, f"profile_missing: {why}")
     if bundle_sha256 is not None:
         get_bundle(session, sha256=bundle_sha256, field="bundle_sha256")
-    ordered, waiting = profiling.order_missing_profiles(
+    ordered, waiting = profiling_queries.order_missing_profiles(
         session, nodes=nodes, task=task, task_args=task_args, bundle_sha256=bundle_sha256,
         device=device, created_by=principal.name,
     )
