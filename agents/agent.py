@@ -378,7 +378,9 @@ class Agent:
             profiling=profiles.Profiling(
                 client=self.client, cache=bundles, state_dir=self.state_dir,
                 command=self.settings.profile_command, timeout_s=self.settings.profile_timeout_s,
-                threads=self.settings.role_threads,
+                threads=self.settings.role_threads, lock_path=self.settings.profile_lock_path,
+                lock_wait_s=self.settings.profile_lock_wait_s, min_repeats=self.settings.profile_min_repeats,
+                max_repeats=self.settings.profile_max_repeats, stable_spread=self.settings.profile_stable_spread,
             ),
             client=self.client, node_id=state.node_id,
         ))

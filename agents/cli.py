@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help='JSON list that runs a role, default ["python", "-m", "trainer"]')
     parser.add_argument("--profile-command", type=json.loads,
                         help='JSON list that profiles a task, default ["python", "-m", "trainer.profile"]')
+    parser.add_argument("--profile-lock-path", type=Path, metavar="PATH",
+                        help="the host's profile lock, one file for every agent of a machine "
+                             "(default <tmp>/hybridtrain-profile.lock): their profiles run one at a time")
     parser.add_argument("--probe-port", type=int,
                         help="port of the link probe server; 0 picks a free one, -1 runs none")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")

@@ -7,6 +7,7 @@ environment, so it has its own settings object rather than sharing `app.config`.
 from __future__ import annotations
 
 import sys
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -73,6 +74,15 @@ class AgentSettings(BaseSettings):
         default_factory=lambda: [sys.executable, "-m", "trainer.profile"]
     )
     profile_timeout_s: float = Field(default=300.0, gt=0)
+    # One profile at a time per host: every agent of a machine takes this file's flock
+    # (agents.profiles.host_lock), so it must be the same path for all of them.
+    profile_lock_path: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "hybridtrain-profile.lock")
+    profile_lock_wait_s: float = Field(default=1800.0, gt=0)
+    # A profile runs the profiler at least min and at most max times, until the spread of
+    # its samples/s is within profile_stable_spread (agents.profiles.stable_measurement).
+    profile_min_repeats: int = Field(default=2, ge=1, le=20)
+    profile_max_repeats: int = Field(default=4, ge=1, le=20)
+    profile_stable_spread: float = Field(default=0.10, ge=0)
     # Sets OMP_NUM_THREADS/MKL_NUM_THREADS of every role when given (CPU nodes sharing cores).
     role_threads: int | None = Field(default=None, ge=1)
     http_timeout_s: float = Field(default=10.0, gt=0)

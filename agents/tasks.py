@@ -65,17 +65,27 @@ def profile_task(
     timeout_s: float = profiles.DEFAULT_TIMEOUT_S,
     report_retry_s: float = 30.0,
     threads: int | None = None,
+    lock_path: Path = profiles.DEFAULT_LOCK_PATH,
+    lock_wait_s: float = profiles.DEFAULT_LOCK_WAIT_S,
+    min_repeats: int = profiles.MIN_REPEATS,
+    max_repeats: int = profiles.MAX_REPEATS,
+    stable_spread: float = profiles.STABLE_SPREAD,
 ) -> dict[str, Any]:
     """Measure a task on this node (with the roles' `threads`) and report it; returns the body
     sent to the control plane.
 
     Fetches the bundle with the agent's own token, unpacks it into
-    `state_dir/profiles/<id>/code`, runs the profiler there as a child process and POSTs
-    {"status": "done", "result": ...} or {"status": "failed", "error": ...}.
+    `state_dir/profiles/<id>/code`, then, holding the host's profile lock (`lock_path`), runs
+    the profiler there as a child process until its samples/s are stable
+    (`profiles.stable_measurement`) and POSTs {"status": "done", "result": ...} (with `spread`
+    and `repeats`) or {"status": "failed", "error": ...}.
     """
     work = Path(state_dir) / "profiles" / str(int(profile_id))
+    repeat = {"min_repeats": min_repeats, "max_repeats": max_repeats, "tolerance": stable_spread}
     try:
-        body = {"status": "done", "result": _measure(work, spec, client, cache, command, timeout_s, threads)}
+        result = _measure(work, spec, client, cache, command, timeout_s, threads,
+                          lock=(Path(lock_path), lock_wait_s), repeat=repeat)
+        body = {"status": "done", "result": result}
     except ValidationError as exc:
         body = {"status": "failed", "error": f"invalid profile order: {_first_error(exc)}"}
     except AgentError as exc:
@@ -108,6 +118,7 @@ def profile_task(
 def _measure(
     work: Path, spec: dict[str, Any], client: ControlPlaneClient, cache: BundleCache,
     command: list[str] | None, timeout_s: float, threads: int | None,
+    *, lock: tuple[Path, float], repeat: dict[str, Any],
 ) -> dict[str, Any]:
     order = ProfileSpec.model_validate(spec)
     code = work / "code"
@@ -119,10 +130,18 @@ def _measure(
     else:
         code.mkdir(parents=True, exist_ok=True)
     argv = profiles.profile_argv(order, command or profiles.DEFAULT_COMMAND)
-    return profiles.run_profile(
-        argv, cwd=code, code_dir=code if order.bundle is not None else None, timeout_s=timeout_s,
-        threads=threads,
-    )
+
+    def once() -> dict[str, Any]:
+        return profiles.run_profile(
+            argv, cwd=code, code_dir=code if order.bundle is not None else None, timeout_s=timeout_s,
+            threads=threads,
+        )
+
+    lock_path, wait_s = lock
+    with profiles.host_lock(lock_path, wait_s=wait_s) as waited:
+        if waited > 1:
+            log.info("waited %.0f s for the host's profile lock %s", waited, lock_path)
+        return profiles.stable_measurement(once, **repeat)
 
 
 # Bounds of one probe order: a bulk send is capped so an order of many targets stays minutes long.
@@ -210,7 +229,9 @@ def profile_task_task(profile_id: int, spec: dict[str, Any]) -> dict[str, Any]:
     ctx = task_context.current().profiling
     return profile_task(
         profile_id, spec, client=ctx.client, cache=ctx.cache, state_dir=ctx.state_dir,
-        command=ctx.command, timeout_s=ctx.timeout_s, threads=ctx.threads,
+        command=ctx.command, timeout_s=ctx.timeout_s, threads=ctx.threads, lock_path=ctx.lock_path,
+        lock_wait_s=ctx.lock_wait_s, min_repeats=ctx.min_repeats, max_repeats=ctx.max_repeats,
+        stable_spread=ctx.stable_spread,
     )
 
 

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from app.cluster_commands import register_clusters
 
     register_clusters(sub)
+    from app.profile_commands import register_profiles
+
+    register_profiles(sub)
 
     register_testbed(sub)
 

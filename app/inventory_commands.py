@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from app.run_commands import (
-    EXIT_USAGE, _client, _connection_args, _guard, _print_json, prediction_table, resolve_cluster,
+    EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _connection_args, _guard, _print_json, prediction_table, resolve_cluster,
 )
 from app.run_flags import UsageError, bundle_flag, cluster_ref, ids, task_args_flag, task_flag
 
@@ -32,6 +32,9 @@ def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     opt.add_argument("--deadline-s", type=float, default=None, help="with --max-steps: finish within")
     opt.add_argument("--max-steps", type=int, default=None)
     opt.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+    from app.profile_commands import add_plan_profile_flags
+
+    add_plan_profile_flags(opt)
     opt.set_defaults(func=_plans_optimize)
 
 
@@ -160,13 +163,24 @@ def _plans_optimize(args: argparse.Namespace) -> int:
         except UsageError as exc:
             print(f"hybridtrain: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        answer = client.optimize_plan(body)
+        from app.profile_commands import inputs_text, wait_for_profiles
+
+        if args.profile:
+            body["profile_missing"] = True
+        answer, ended = wait_for_profiles(lambda: client.optimize_plan(body), client.optimize_plan(body),
+                                          wait_s=args.profile_wait, out=sys.stderr)
     if args.json:
         _print_json(answer)
-        return 0
+        return 0 if ended else EXIT_TIMEOUT
+    if "plan" not in answer:  # still profiling: the reason there is no plan yet
+        print(f"hybridtrain: no plan yet: {answer.get('detail')}", file=sys.stderr)
+        return EXIT_TIMEOUT if not ended else EXIT_RUN_FAILED
     plan = answer["plan"]
     print(answer["explanation"])
     print(prediction_table([plan]))
     print(f"nodes: {', '.join(str(w['node_id']) for w in plan['workers'] if w['role'] == 'worker')}; "
           f"server: {plan.get('ps_node_id') or 'none'}; strategy {plan['strategy']}")
+    inputs = inputs_text(plan)
+    if inputs:
+        print(inputs)
     return 0

@@ -108,6 +108,9 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                         help="print the plan and its predicted throughput and cost, launch nothing")
     create.add_argument("--all-strategies", action="store_true",
                         help="with --plan-only: predict every strategy, side by side, as a table")
+    from app.profile_commands import add_plan_profile_flags
+
+    add_plan_profile_flags(create)
     create.add_argument("--wait", action="store_true",
                         help="wait for the end; exit 0 only if the run succeeded")
     create.add_argument("--timeout", type=float, default=None, help="seconds to --wait at most")
@@ -218,11 +221,11 @@ def prediction_table(plans: list[dict[str, Any]]) -> str:
     """Each strategy's predicted throughput, step, granularity and cost, as a Markdown table."""
     rows = ["| strategy | samples/s | step s | granularity | egress $/h | compute $/h | $/1M samples | egress share |",
             "|---|---|---|---|---|---|---|---|"]
-    reasons = []
+    reasons: dict[str, list[str]] = {}  # one line per reason, however many strategies share it
     for plan in plans:
         p = plan.get("prediction")
         if p is None:
-            reasons.append(f"{plan['strategy']}: {plan.get('prediction_unavailable') or 'no prediction'}")
+            reasons.setdefault(plan.get("prediction_unavailable") or "no prediction", []).append(plan["strategy"])
             continue
         c = p["costs"]
 
@@ -232,7 +235,29 @@ def prediction_table(plans: list[dict[str, Any]]) -> str:
         rows.append(f"| {plan['strategy']} | {p['samples_per_s']:.1f} | {p['step_s']:.3f} | "
                     f"{num(p['granularity'], '.2f')} | {c['egress_usd_per_h']:.3f} | {c['compute_usd_per_h']:.3f} | "
                     f"{num(c['usd_per_million_samples'], '.3f')} | {num(c['egress_share'], '.0%')} |")
-    return "\n".join(rows + reasons)
+    why = [f"{', '.join(strategies) if len(strategies) < len(plans) or len(plans) == 1 else 'every strategy'}: "
+           f"{reason}" for reason, strategies in reasons.items()]
+    return "\n".join(rows + why)
+
+
+def _plan_only(client: Any, body: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print the plan (every strategy's with --all-strategies); first, unless --no-profile,
+    wait for the nodes that profile its task (bounded by --profile-wait)."""
+    from app.profile_commands import inputs_text, wait_for_profiles
+
+    request = {**body, **({"strategies": "all"} if args.all_strategies else {})}
+    if args.profile and body.get("script") is None:
+        request["profile_missing"] = True
+    answer, ended = wait_for_profiles(lambda: client.plan_run(request), client.plan_run(request),
+                                      wait_s=args.profile_wait, out=sys.stderr)
+    if args.all_strategies:
+        print(prediction_table(answer["plans"]))
+        inputs = inputs_text(answer["plans"][0]) if answer["plans"] else ""
+        if inputs:
+            print(inputs)
+    else:
+        _print_json(answer)
+    return 0 if ended else EXIT_TIMEOUT
 
 
 def _describe(run: dict[str, Any]) -> str:
@@ -265,11 +290,7 @@ def _runs_create(args: argparse.Namespace) -> int:
         if packed is not None:
             body["bundle_sha256"] = upload(client, packed, args.workdir)
         if args.plan_only:
-            if args.all_strategies:
-                print(prediction_table(client.plan_run({**body, "strategies": "all"})["plans"]))
-            else:
-                _print_json(client.plan_run(body))
-            return 0
+            return _plan_only(client, body, args)
         run = client.create_run(body, idempotency_key=args.idempotency_key)
         print(f"hybridtrain: {_describe(run)}", file=sys.stderr)
         if not args.wait:

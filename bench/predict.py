@@ -540,9 +540,10 @@ def probe_links_testbed(state: Any, config: Any, log: Log, seconds: float = 1.5)
 
 
 def profile_api(api: httpx.Client, s: TaskSettings, node_ids: list[int], batch: int, log: Log,
-                timeout_s: float = 300.0) -> dict[int, dict[str, Any]]:
+                timeout_s: float = 900.0) -> dict[int, dict[str, Any]]:
     """Profile the task on every node through POST /api/v1/tasks/profiles; node id -> the
-    profile (with "result", the trainer's whole JSON, where the control plane stores it)."""
+    profile (with "result", the trainer's whole JSON, where the control plane stores it).
+    The agents repeat each profile until it is stable (2 to 4 runs), hence the long bound."""
     created = check_response(api.post("/api/v1/tasks/profiles", json={
         "task": s.task, "task_args": s.task_args, "node_ids": node_ids, "batch_size": batch, "device": "cpu"}),
         "create profiles")  # fmt: skip

@@ -3,6 +3,7 @@
     TestbedError
     ├── NeedsRootError        not root: namespaces, tc and cgroups need it
     ├── ConfigError           the YAML config is invalid (the message names the field)
+    ├── NoCpuCgroupError      neither cgroup v1 nor v2 has the cpu controller; carries what was seen
     ├── CommandError          a system command (ip, tc) failed; carries its argv and stderr
     └── ServiceError          a process of the testbed (control plane, agent) did not come up
 """
@@ -29,6 +30,17 @@ class NeedsRootError(TestbedError):
 
 class ConfigError(TestbedError):
     """A testbed config file is invalid."""
+
+
+class NoCpuCgroupError(TestbedError):
+    """No mounted cgroup hierarchy (v1 or v2) has the cpu controller."""
+
+    FIX = ("mount cgroup2 with cpu in its cgroup.controllers (the default on current distributions) "
+           "or the v1 cpu controller at /sys/fs/cgroup/cpu")
+
+    def __init__(self, seen: str) -> None:
+        self.seen = seen
+        super().__init__(f"the testbed needs the cpu controller of cgroup v1 or v2; found {seen}: {self.FIX}")
 
 
 class CommandError(TestbedError):

@@ -109,6 +109,9 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
                 "--state-dir", str(work / "agents" / name),
                 "--advertise-address", ep.address, "--role-threads", "1", "--benchmark-seconds", "0",
                 "--trainer-command", json.dumps(trainer), "--profile-command", json.dumps(profiler),
+                # A lock of the node's own: its profiles run on its own quota, which keeps them
+                # apart from the other nodes' (the per-host lock is for agents sharing a CPU).
+                "--profile-lock-path", str(work / "agents" / name / "profile.lock"),
                 "--log-level", "WARNING"],
                 netns_name=ep.netns, cgroup=Path(state.endpoints[name]["host_cgroup"]),
             )  # fmt: skip

@@ -6,11 +6,8 @@ import os
 import shutil
 import subprocess
 from collections.abc import Sequence
-from pathlib import Path
 
 from testbed.errors import CommandError, NeedsRootError, TestbedError
-
-CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 
 
 def run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> str:
@@ -30,11 +27,10 @@ def require_root() -> None:
 
 
 def require_tools() -> None:
-    """Raise a clear error when `ip`, `tc` or the cgroup v1 cpu controller is missing."""
+    """Raise a clear error when `ip`, `tc` or a cgroup cpu controller (v1 or v2) is missing."""
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise TestbedError(f"the testbed needs `{tool}` (iproute2) on PATH")
-    if not (CGROUP_CPU_ROOT / "cpu.cfs_quota_us").exists():
-        raise TestbedError(
-            f"the testbed needs the cgroup v1 cpu controller mounted at {CGROUP_CPU_ROOT}"
-        )
+    from testbed.cgroup_fs import detect
+
+    detect()

@@ -8,8 +8,9 @@ upload, gloo's. On a real GPU machine those run on the host's CPUs beside the GP
 they took the forward pass's time (0.04-0.06 s a step on a 0.157-core node, docs/BENCHMARKS.md,
 "Apply-in-forward"), which the standalone measurement of the ideal never pays.
 
-cgroup v1 places single threads: a thread id written to a group's `tasks` moves that thread
-alone, and a new thread starts in its creator's group. So a process's main thread stays on the
+cgroups place single threads: a thread id written to a group's `tasks` (v1; `cgroup.threads`
+of a threaded group on v2, testbed/cgroup_fs.py) moves that thread alone, and a new thread
+starts in its creator's group. So a process's main thread stays on the
 quota with whatever it creates later, and the placer sweeps the quota every `PERIOD_S` for
 threads that are not a process's main one. The server's pod and the control plane are not
 swept: the paper limits the server to its 3 cores, all its work included.

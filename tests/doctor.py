@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.system import CGROUP_CPU_ROOT
+from testbed.cgroup_fs import detect
+from testbed.errors import NoCpuCgroupError
 from tests.conftest import POSTGRES_ADMIN_DSN, REDIS_URL
 
 CHROMIUM = Path("/usr/bin/chromium")  # tests/app/web/conftest.py's CHROMIUM (checked by tests/test_doctor.py)
@@ -45,17 +46,15 @@ def check_root() -> Check:
                  "run the suite as root: `sudo make test`")
 
 
-def check_cgroup(root: Path = CGROUP_CPU_ROOT) -> Check:
-    name = "cgroup v1 cpu controller (the testbed's CPU quotas)"
-    if (root / "cpu.cfs_quota_us").exists():
-        return Check(name, True, str(root))
-    unified = Path("/sys/fs/cgroup/cgroup.controllers")
-    seen = f"no {root}/cpu.cfs_quota_us"
-    if unified.exists():
-        seen += f"; this host runs cgroup v2 (controllers: {unified.read_text().strip() or 'none'})"
-    return Check(name, False, seen,
-                 "the testbed sets cpu.cfs_quota_us under /sys/fs/cgroup/cpu: boot with "
-                 "`systemd.unified_cgroup_hierarchy=0` (cgroup v1), or run the suite on a host that has it")
+def check_cgroup(mounts: str | None = None) -> Check:
+    """The cpu controller of cgroup v1 or v2, as the testbed detects it (`mounts`: the text of
+    /proc/self/mounts, read when None)."""
+    name = "cgroup cpu controller, v1 or v2 (the testbed's CPU quotas)"
+    try:
+        found = detect(mounts)
+    except NoCpuCgroupError as exc:
+        return Check(name, False, exc.seen, exc.FIX)
+    return Check(name, True, f"cgroup v{found.version} at {found.root}")
 
 
 def _tool(name: str, argv: Sequence[str], package: str) -> Check:

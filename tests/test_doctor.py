@@ -21,7 +21,7 @@ def test_doctor_finds_every_prerequisite_on_this_machine():
     assert lines[0] == "hybridtrain test prerequisites" and lines[-1] == "everything the suite needs is here"
     checks = lines[1:-1]
     assert len(checks) == len(doctor.CHECKS) and all(line.startswith("  ok       ") for line in checks)
-    for what in ("root", "cgroup v1 cpu controller", "`ip netns`", "`tc`", "Postgres at postgresql://",
+    for what in ("root", "cgroup cpu controller", "`ip netns`", "`tc`", "Postgres at postgresql://",
                  "Redis at redis://", "`redis-server` on PATH", "Chromium at /usr/bin/chromium"):
         assert any(what in line for line in checks), what
 
@@ -40,10 +40,22 @@ def test_a_postgres_that_refuses_the_role_is_reported_missing():
     assert not check.ok and "pg_hba.conf" in check.fix and "HYBRIDTRAIN_TEST_POSTGRES" in check.fix
 
 
-def test_a_host_without_the_cgroup_v1_cpu_controller_is_told_how_to_get_it(tmp_path):
-    check = doctor.check_cgroup(tmp_path)
-    assert not check.ok and check.detail.startswith(f"no {tmp_path}/cpu.cfs_quota_us")
-    assert "systemd.unified_cgroup_hierarchy=0" in check.fix
+def test_a_host_without_a_cgroup_cpu_controller_is_told_how_to_get_it(tmp_path):
+    (tmp_path / "cgroup.controllers").write_text("memory io\n")
+    check = doctor.check_cgroup(f"cgroup2 {tmp_path} cgroup2 rw,nosuid 0 0\n")
+    assert not check.ok and check.detail == f"cgroup2 at {tmp_path} (controllers: memory io)"
+    assert "cgroup2" in check.fix and "/sys/fs/cgroup/cpu" in check.fix
+
+
+def test_a_cgroup_v2_host_with_the_cpu_controller_is_fine(tmp_path):
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    check = doctor.check_cgroup(f"cgroup2 {tmp_path} cgroup2 rw,nosuid,nodev,noexec 0 0\n")
+    assert check.ok and check.detail == f"cgroup v2 at {tmp_path}"
+
+
+def test_a_cgroup_v1_host_with_the_cpu_controller_is_fine():
+    check = doctor.check_cgroup("cgroup /sys/fs/cgroup/cpu cgroup rw,relatime,cpu 0 0\n")
+    assert check.ok and check.detail == "cgroup v1 at /sys/fs/cgroup/cpu"
 
 
 def test_doctor_looks_for_chromium_where_the_browser_tests_start_it():

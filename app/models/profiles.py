@@ -47,6 +47,10 @@ class TaskProfile(Base):
     eval_samples: Mapped[int | None] = mapped_column(BigInteger)
     samples_per_s: Mapped[float | None] = mapped_column(Double)
     step_s: Mapped[float | None] = mapped_column(Double)
+    # (max - min) / median of the samples/s of the profiler's runs kept, and how many runs the
+    # agent made (agents.profiles.stable_measurement); null for a profile of one run.
+    spread: Mapped[float | None] = mapped_column(Double)
+    repeats: Mapped[int | None]
     # Evaluation metric name -> whether higher is better, as the task declares them.
     metrics: Mapped[dict[str, Any] | None]
     # The agent's whole result (trainer.profile's JSON): the performance model's inputs

@@ -95,11 +95,12 @@ def model_inputs(
 
     ids = list(dict.fromkeys(n.id for n in nodes))
     profiles = latest_profiles(session, task_key=task_key(task, task_args, bundle_sha256), node_ids=ids)
-    missing = [n for n in nodes if not _usable(profiles.get(n.id))]
+    missing = [n for n in nodes if not usable_profile(profiles.get(n.id))]
     if missing:
         names = ", ".join(f"{n.name} (id {n.id})" for n in missing)
         return (f"no finished profile of {task} with the model's inputs on node(s) {names}; "
-                f"measure it with {_profile_call(task, task_args, bundle_sha256, [n.id for n in missing])}")
+                f"measure it with {_profile_call(task, task_args, bundle_sha256, [n.id for n in missing])} "
+                f"(or plan with \"profile_missing\": true)")
     # The task's size is the same everywhere; the newest profile speaks for it.
     newest = max(profiles.values(), key=lambda p: (p.measured_at or datetime.min.replace(tzinfo=UTC), p.id))
     task_spec = TaskSpec.from_profile(newest.result)
@@ -118,7 +119,8 @@ def model_inputs(
     )
 
 
-def _usable(profile: Any) -> bool:
+def usable_profile(profile: Any) -> bool:
+    """Whether a finished profile carries every input the model needs."""
     result = getattr(profile, "result", None)
     return bool(result) and all(result.get(k) is not None for k in _REQUIRED) and result["samples_per_s"] > 0
 

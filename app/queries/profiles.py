@@ -191,6 +191,8 @@ def record_report(session: Session, *, profile: TaskProfile, report: ProfileRepo
         profile.eval_samples = result.eval_samples
         profile.samples_per_s = result.samples_per_s
         profile.step_s = result.step_s
+        profile.spread = result.spread
+        profile.repeats = result.repeats
         profile.metrics = dict(result.metrics)
         # The whole result: the performance model's inputs ride along (app.queries.predictions).
         profile.result = result.model_dump(mode="json")

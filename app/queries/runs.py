@@ -22,6 +22,7 @@ from app.queries.bundles import get_bundle
 from app.queries.common import paginate
 from app.queries import predictions
 from app.queries.profiles import latest_profiles
+from app.queries.profiling import SCRIPT_UNPROFILED
 from app.schemas.runs import RunCreate
 from app.run_secrets import METRICS_TOKEN_PREFIX, run_metrics_token
 from app.security import hash_secret, new_secret
@@ -82,6 +83,18 @@ def _check_usable(nodes: Iterable[Node]) -> None:
 
 
 @dataclass(frozen=True)
+class ProfileInput:
+    """One node's newest finished profile of a task, as a plan's input."""
+
+    node_id: int
+    profile_id: int
+    samples_per_s: float | None
+    spread: float | None
+    repeats: int | None
+    measured_at: datetime | None
+
+
+@dataclass(frozen=True)
 class TaskFacts:
     """What the nodes' finished task profiles say of a run's task (none: not profiled)."""
 
@@ -90,6 +103,8 @@ class TaskFacts:
     train_samples: int | None = None
     # node id -> samples/s of this task there, for allocation "measured".
     speeds: dict[int, float] = field(default_factory=dict)
+    # The profile behind each node's figures: how old and how noisy each input is.
+    inputs: tuple[ProfileInput, ...] = ()
 
     @property
     def profiled_nodes(self) -> list[int]:
@@ -110,6 +125,10 @@ def task_facts(session: Session, *, data: RunCreate, node_ids: Sequence[int]) ->
         params=next((p.params for p in known if p.params is not None), None),
         train_samples=next((p.train_samples for p in known if p.train_samples), None),
         speeds={node: p.samples_per_s for node, p in profiles.items() if p.samples_per_s},
+        inputs=tuple(
+            ProfileInput(node, p.id, p.samples_per_s, p.spread, p.repeats, p.measured_at)
+            for node, p in sorted(profiles.items())
+        ),
     )
 
 
@@ -179,8 +198,7 @@ def make_planned(session: Session, *, data: RunCreate) -> Planned:
 
     plan = planned(plan_node(ps_node) if ps_node else None)
     if data.script is not None:
-        return Planned(plan, facts, None, "a script run has no task profile to predict from: "
-                                         "the model needs one of a task")
+        return Planned(plan, facts, None, SCRIPT_UNPROFILED)
     inputs = predictions.model_inputs(
         session, nodes=list({n.id: n for n in [*nodes, *([ps_node] if ps_node else [])]}.values()),
         task=data.task, task_args=data.task_args, bundle_sha256=data.bundle_sha256,

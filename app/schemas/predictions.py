@@ -3,6 +3,7 @@ request and answer (POST /api/v1/plans/optimize), and a profile's full result as
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -104,11 +105,40 @@ class PredictionPublic(PublicSchema):
     costs: CostPredictionPublic
 
 
+class ProfilingPublic(PublicSchema):
+    """A node whose profile of the plan's task is under way (or failed lately)."""
+
+    node_id: int
+    node_name: str
+    profile_id: int
+    status: str = Field(description="pending: being measured; failed: see error (not ordered again for 10 min)")
+    requested_at: datetime
+    age_s: float
+    error: str | None = None
+
+
+class ProfileInputPublic(PublicSchema):
+    """The profile behind a node's figures in a plan: its age and its noise."""
+
+    node_id: int
+    node_name: str | None
+    profile_id: int
+    samples_per_s: float | None
+    spread: float | None = Field(description="(max - min) / median samples/s of the agent's runs; null: one run")
+    repeats: int | None
+    measured_at: datetime | None
+    age_s: float | None
+
+
 class PlanWithPrediction(PlanPublic):
     """A plan and what the model predicts of it (null, with the reason, when it cannot)."""
 
     prediction: PredictionPublic | None = None
     prediction_unavailable: str | None = Field(default=None, description="why there is no prediction")
+    profiling: list[ProfilingPublic] = Field(
+        default_factory=list, description="nodes being profiled for this plan (with profile_missing)")
+    inputs: list[ProfileInputPublic] = Field(
+        default_factory=list, description="each node's profile of the task: how old and how noisy")
 
 
 class PlanSetPublic(PublicSchema):
@@ -122,6 +152,9 @@ class PlanRequest(RunCreate):
 
     strategies: Literal["all"] | None = Field(
         default=None, description='"all": one plan with its prediction per strategy'
+    )
+    profile_missing: bool = Field(
+        default=False, description="order a profile of the task from each node that has none (see `profiling`)"
     )
 
 
@@ -145,6 +178,9 @@ class OptimizeRequest(Schema):
     )
     compression: CompressionOptions | None = None
     eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
+    profile_missing: bool = Field(
+        default=False, description="order a profile of the task from each candidate that has none: the "
+                                   "answer is then 202 with the nodes being profiled, until they are")
 
     @model_validator(mode="after")
     def _one_way(self) -> OptimizeRequest:

@@ -43,6 +43,11 @@ class ProfileMeasurement(Schema):
     metrics: dict[Annotated[str, Field(max_length=32)], bool] = Field(
         default_factory=dict, max_length=64
     )
+    # How much the agent's repeated runs disagreed ((max - min) / median samples/s), and how
+    # many it made; absent from an agent that runs the profiler once.
+    spread: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] | None = None
+    repeats: Annotated[int, Field(ge=1, le=1000, strict=True)] | None = None
+    samples_per_s_runs: Annotated[list[_Rate], Field(max_length=1000)] | None = None
 
 
 class ProfileReport(Schema):
@@ -69,6 +74,9 @@ class TaskProfilePublic(PublicSchema):
     eval_samples: int | None
     samples_per_s: float | None
     step_s: float | None
+    spread: float | None = Field(
+        default=None, description="(max - min) / median samples/s of the runs kept; null: one run")
+    repeats: int | None = Field(default=None, description="how many times the agent ran the profiler")
     metrics: dict[str, bool] | None
     result: dict[str, Any] | None = Field(
         default=None, description="everything the profiler measured (the performance model's inputs)")

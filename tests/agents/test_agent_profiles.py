@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from agent_testing import ROOT, FakeControlPlane, make_bundle, sha256_of
 from agents.bundles import BundleCache
 from agents.client import ControlPlaneClient
 from agents.errors import ProfileError
-from agents.profiles import profile_argv, run_profile
+from agents.profiles import host_lock, profile_argv, run_profile, stable_measurement
 from agents.spec import ProfileSpec
 from agents.tasks import profile_task
 
@@ -197,3 +198,98 @@ def test_profile_task_with_the_real_profiler_reports_a_measurement_the_control_p
     assert body["status"] == "done", body
     assert body["result"]["batch"] == 8 and body["result"]["params"] > 0
     assert control_plane.profiles == [(11, body)]
+
+
+# -- trustworthy profiles: stable repeats, one at a time per host -----------------------------
+
+
+def _rates(*rates: float):
+    it = iter(rates)
+    return lambda: {"samples_per_s": next(it), "step_s": 1.0}
+
+
+def test_a_stable_profile_stops_after_the_minimum_runs():
+    result = stable_measurement(_rates(100.0, 104.0, 999.0), min_repeats=2, max_repeats=4, tolerance=0.1)
+    assert result["repeats"] == 2 and result["samples_per_s_runs"] == [100.0, 104.0]
+    assert result["spread"] == pytest.approx(4 / 102)
+    assert result["samples_per_s"] == 100.0  # the lower middle run, whole
+
+
+def test_a_noisy_profile_runs_again_until_it_settles():
+    result = stable_measurement(_rates(42.0, 522.0, 422.0, 425.0, 1.0), min_repeats=2, max_repeats=6,
+                                tolerance=0.1)
+    # The first two disagree (a neighbour took the CPU), then two runs agree: those are kept.
+    assert result["repeats"] == 4 and result["samples_per_s"] == 422.0
+    assert result["samples_per_s_runs"] == [42.0, 522.0, 422.0, 425.0]
+    assert result["spread"] == pytest.approx(3 / 423.5)
+
+
+def test_a_profile_that_never_settles_reports_its_spread_at_the_cap():
+    result = stable_measurement(_rates(100.0, 200.0, 300.0, 400.0), min_repeats=2, max_repeats=3, tolerance=0.1)
+    assert result["repeats"] == 3 and result["samples_per_s"] == 200.0 and result["spread"] == pytest.approx(1.0)
+
+
+HOLD_LOCK = (
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "time.sleep(float(sys.argv[2]))\n"
+)
+
+
+def _holder(lock: Path, seconds: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock), str(seconds)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_profile_waits_while_another_agent_of_the_host_profiles(tmp_path):
+    lock = tmp_path / "profile.lock"
+    holder = _holder(lock, 1.0)
+    try:
+        with host_lock(lock, wait_s=30, poll_s=0.05) as waited:
+            assert holder.poll() is not None  # the other profile had finished first
+        assert waited >= 0.5
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_profile_gives_up_on_a_lock_held_past_its_wait(tmp_path):
+    lock = tmp_path / "profile.lock"
+    holder = _holder(lock, 30.0)
+    try:
+        with pytest.raises(ProfileError, match="another profile on this host held"):
+            with host_lock(lock, wait_s=0.3, poll_s=0.05):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# Prints the next rate of a list each time it runs (its state in a file beside the list).
+NOISY = (
+    "import json, sys, pathlib\n"
+    "state = pathlib.Path(sys.argv[1]); rates = json.loads(state.read_text())\n"
+    "state.write_text(json.dumps(rates[1:]))\n"
+    "print(json.dumps({'samples_per_s': rates[0], 'step_s': 16 / rates[0]}))\n"
+)
+
+
+def test_profile_task_repeats_the_profiler_under_the_host_lock_and_reports_the_spread(
+    control_plane, client, cache, tmp_path
+):
+    state = tmp_path / "rates.json"
+    lock = tmp_path / "profile.lock"
+    state.write_text(json.dumps([100.0, 150.0, 60.0, 102.0]))  # never two alike in a row
+    body = _run(11, _order(task="hybridtrain.tasks.digits:smallcnn"), client, cache, tmp_path,
+                command=[sys.executable, "-c", NOISY, str(state)], lock_path=lock,
+                min_repeats=2, max_repeats=3, stable_spread=0.1)
+    assert body["status"] == "done"
+    assert body["result"]["samples_per_s_runs"] == [100.0, 150.0, 60.0]
+    assert body["result"]["repeats"] == 3 and body["result"]["samples_per_s"] == 100.0
+    assert body["result"]["spread"] == pytest.approx(90 / 100)
+    assert control_plane.profiles == [(11, body)]
+    assert lock.exists()

@@ -174,8 +174,10 @@ def test_agent_profiles_a_task_sent_through_the_broker(sqlite_broker, control_pl
     # Registered without a run token: only the agent's own token fetches a profile's bundle.
     control_plane.files["/api/v1/agent/profiles/3/bundle"] = (None, data)
     standin = "import json, os; print(json.dumps({'cwd': os.getcwd(), 'samples_per_s': 9.5}))"
+    lock = tmp_path / "host-profile.lock"
     agent = start_agent(control_plane, sqlite_broker,
-                        extra=["--profile-command", json.dumps([sys.executable, "-c", standin])])
+                        extra=["--profile-command", json.dumps([sys.executable, "-c", standin]),
+                               "--profile-lock-path", str(lock)])
     wait_registered(control_plane, agent)
     spec = {"task": "usertask:task", "task_args": {}, "batch_size": 8, "device": "cpu",
             "bundle": {"sha256": sha256_of(data), "path": "/api/v1/agent/profiles/3/bundle"}}
@@ -186,4 +188,7 @@ def test_agent_profiles_a_task_sent_through_the_broker(sqlite_broker, control_pl
     assert profile_id == 3 and body["status"] == "done", body
     assert body["result"]["cwd"] == str(tmp_path / "agent-state" / "profiles" / "3" / "code")
     assert body["result"]["samples_per_s"] == 9.5
+    # Two runs that agree, under the host's lock named on the command line.
+    assert (body["result"]["repeats"], body["result"]["spread"]) == (2, 0.0)
+    assert lock.exists()
     assert agent.stop(signal.SIGTERM) == 0

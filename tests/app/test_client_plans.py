@@ -38,7 +38,9 @@ def test_plans_optimize_explains_the_plan_it_chose(server, trio, capsys):
                           "--global-batch", "64", "--goal", "fastest")
     assert code == 0, err
     assert "leaving out" in out.splitlines()[0]
-    assert "strategy " in out.splitlines()[-1] and str(trio[2].id) not in out.splitlines()[-1].split(";")[0]
+    [chosen] = [line for line in out.splitlines() if line.startswith("nodes: ")]
+    assert "strategy " in chosen and str(trio[2].id) not in chosen.split(";")[0]
+    assert "inputs:" in out and "samples/s noise unknown (one run), measured" in out
 
 
 def test_plans_optimize_refuses_an_unknown_node_naming_it(server, trio, capsys):

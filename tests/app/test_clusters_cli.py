@@ -125,7 +125,7 @@ def test_runs_create_takes_a_cluster_by_name(server, online_node, capsys):
     node = online_node()
     _cli(capsys, "clusters", "create", "--name", "lab", "--nodes", str(node.id), *server)
     code, out, err = _cli(capsys, "runs", "create", "--name", "r", "--cluster", "lab", "--device", "cpu",
-                          "--plan-only", *server)
+                          "--plan-only", "--no-profile", *server)
     assert code == 0, err
     assert {w["node_id"] for w in json.loads(out)["workers"]} == {node.id}
 

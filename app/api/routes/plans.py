@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, status
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
-from app.api.deps import CiDep, SessionDep
+from app.api.deps import CiDep, DispatcherDep, SessionDep
 from app.api.responses import NOT_FOUND_OR_CONFLICT
-from app.api.routes.runs import plan_public
+from app.api.routes.runs import order_profiles_for_plan, plan_public
 from app.errors import InvalidFieldError
 from app.optimize import NoPlanError
 from app.queries import predictions
@@ -25,8 +26,17 @@ NO_PLAN = {
 }
 
 
-@router.post("/optimize", response_model=OptimizeResultPublic, responses={**NOT_FOUND_OR_CONFLICT, **NO_PLAN})
-def optimize_plan(session: SessionDep, _: CiDep, body: OptimizeRequest) -> OptimizeResultPublic | JSONResponse:
+PROFILING = {
+    202: {"description": "with profile_missing, while candidates are being profiled: "
+                         '{"detail": why there is no plan yet, "profiling": [ProfilingPublic]}; ask again'},
+}
+
+
+@router.post("/optimize", response_model=OptimizeResultPublic,
+             responses={**NOT_FOUND_OR_CONFLICT, **NO_PLAN, **PROFILING})
+def optimize_plan(
+    session: SessionDep, principal: CiDep, dispatcher: DispatcherDep, body: OptimizeRequest
+) -> OptimizeResultPublic | JSONResponse:
     """Choose the nodes, the strategy and the server that best meet the goal, and say why."""
     field = "cluster_id" if body.cluster_id is not None else "node_ids"
     if body.bundle_sha256 is not None:
@@ -40,6 +50,14 @@ def optimize_plan(session: SessionDep, _: CiDep, body: OptimizeRequest) -> Optim
         session, nodes=nodes, task=body.task, task_args=body.task_args, bundle_sha256=body.bundle_sha256,
         compression=body.compression, eval_every=body.eval_every, max_steps=body.max_steps,
     )
+    if isinstance(inputs, str) and body.profile_missing:
+        profiling = order_profiles_for_plan(
+            session, dispatcher, principal, nodes=nodes, task=body.task, task_args=body.task_args,
+            bundle_sha256=body.bundle_sha256, device="auto",
+        )
+        if profiling:
+            return JSONResponse(status_code=status.HTTP_202_ACCEPTED,
+                                content=jsonable_encoder({"detail": inputs, "profiling": profiling}))
     if isinstance(inputs, str):
         raise InvalidFieldError(field, f"{field}: {inputs}")
     addressed = [n.id for n in nodes if run_queries.plan_node(n).address]

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header, Query, Response, status
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Response, status
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.api.deps import CiDep, DispatcherDep, IdPath, PaginationDep, ReadDep, SessionDep, SettingsDep
+from app.api.deps import (
+    CiDep, DispatcherDep, IdPath, PaginationDep, Principal, ReadDep, SessionDep, SettingsDep,
+)
 from app.api.responses import CONFLICT, NOT_FOUND, NOT_FOUND_OR_CONFLICT
 from app import lifecycle
 from app.config import Settings
 from app.dispatch import Dispatcher, LaunchOrder
-from app.models import Run, RunStatus
+from app.models import Node, Run, RunStatus
+from app.queries import profiles as profile_queries
+from app.queries import profiling as profiling_queries
 from app.queries import runs as queries
+from app.queries.bundles import get_bundle
 from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
 from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
+from app.token_limits import refusal
 from hybridtrain import compat
 from hybridtrain.contract import STRATEGIES, is_ps
 
@@ -36,16 +44,60 @@ IdempotencyKey = Annotated[
 
 
 @router.post("/plan", response_model=PlanWithPrediction | PlanSetPublic, responses=NOT_FOUND_OR_CONFLICT)
-def plan_run(session: SessionDep, _: CiDep, body: PlanRequest) -> PlanWithPrediction | PlanSetPublic:
+def plan_run(
+    session: SessionDep, principal: CiDep, dispatcher: DispatcherDep, body: PlanRequest
+) -> PlanWithPrediction | PlanSetPublic:
     """Preview the plan of a run (ranks, server, batch sizes) and its predicted throughput and
-    cost without launching it; "strategies": "all" plans every strategy side by side."""
-    data = RunCreate.model_validate(body.model_dump(exclude={"strategies"}))
+    cost without launching it; "strategies": "all" plans every strategy side by side;
+    "profile_missing" orders the task's profile from the nodes that have none."""
+    data = RunCreate.model_validate(body.model_dump(exclude={"strategies", "profile_missing"}))
+    profiling: list[dict] = []
+    if body.profile_missing and data.script is None:
+        nodes = queries.load_plan_nodes(session, node_ids=data.node_ids, cluster_id=data.cluster_id)
+        if data.ps_node_id is not None and data.ps_node_id not in {n.id for n in nodes}:
+            # A pinned server's node is one of the model's inputs too.
+            nodes += queries.load_plan_nodes(session, node_ids=[data.ps_node_id], cluster_id=None)
+        queries.check_usable(nodes)  # nothing is ordered for a plan that is refused
+        profiling = order_profiles_for_plan(
+            session, dispatcher, principal, nodes=nodes, task=data.task, task_args=data.task_args,
+            bundle_sha256=data.bundle_sha256, device=data.device,
+        )
     if body.strategies == "all":
         return PlanSetPublic(plans=[
-            plan_public(data, queries.make_planned(session, data=variant))
+            plan_public(data, queries.make_planned(session, data=variant), profiling=profiling)
             for variant in strategy_variants(data)
         ])
-    return plan_public(data, queries.make_planned(session, data=data))
+    return plan_public(data, queries.make_planned(session, data=data), profiling=profiling)
+
+
+def order_profiles_for_plan(
+    session: Session, dispatcher: Dispatcher, principal: Principal, *, nodes: Sequence[Node], task: str,
+    task_args: dict[str, Any], bundle_sha256: str | None, device: str,
+) -> list[dict[str, Any]]:
+    """Order the task's profile from the nodes that lack one (committed, then sent, as POST
+    /tasks/profiles does); every node the plan waits on, as `ProfilingPublic` dicts."""
+    if principal.actions is not None:
+        why = refusal(principal.name, principal.actions, "profiles:write")
+        if why is not None:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"profile_missing: {why}")
+    if bundle_sha256 is not None:
+        get_bundle(session, sha256=bundle_sha256, field="bundle_sha256")
+    ordered, waiting = profiling_queries.order_missing_profiles(
+        session, nodes=nodes, task=task, task_args=task_args, bundle_sha256=bundle_sha256,
+        device=device, created_by=principal.name,
+    )
+    if ordered:
+        session.commit()
+        try:
+            dispatcher.send(profile_queries.profile_orders(ordered))
+        except Exception as exc:  # noqa: BLE001 - any broker failure fails the profiles, with its cause
+            log.error("could not send profile orders: %s", exc)
+            profile_queries.fail_profiles(
+                session, profiles=ordered, error=f"could not send the profile order to the broker: {exc}"
+            )
+            session.commit()
+    now = datetime.now(UTC)
+    return [w.public(now) for w in waiting]
 
 
 def strategy_variants(data: RunCreate) -> list[RunCreate]:
@@ -65,9 +117,18 @@ def strategy_variants(data: RunCreate) -> list[RunCreate]:
     return variants
 
 
-def plan_public(data: RunCreate, planned: queries.Planned) -> PlanWithPrediction:
-    """The API's view of a plan, with its prediction."""
+def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[dict] | None = None) -> PlanWithPrediction:
+    """The API's view of a plan, with its prediction, the profiles it rests on (their age and
+    spread) and those it waits on."""
     plan, facts = planned.plan, planned.facts
+    now = datetime.now(UTC)
+    names = {w.node_id: w.node_name for w in plan.workers}
+    inputs = [
+        {"node_id": i.node_id, "node_name": names.get(i.node_id), "profile_id": i.profile_id,
+         "samples_per_s": i.samples_per_s, "spread": i.spread, "repeats": i.repeats, "measured_at": i.measured_at,
+         "age_s": None if i.measured_at is None else max(0.0, (now - _aware(i.measured_at)).total_seconds())}
+        for i in (facts.inputs if facts else ())
+    ]
     return PlanWithPrediction(
         strategy=plan.strategy, allocation=plan.allocation,
         global_batch_size=plan.global_batch_size,
@@ -80,7 +141,13 @@ def plan_public(data: RunCreate, planned: queries.Planned) -> PlanWithPrediction
         ) if facts else None,
         prediction=planned.prediction,
         prediction_unavailable=planned.prediction_unavailable,
+        profiling=profiling or [],
+        inputs=inputs,
     )
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 @router.post(

@@ -107,19 +107,20 @@ def read_launch_form(request: Request, session: SessionDep, viewer: CiViewerDep)
 
 
 @router.post("/runs/plan")
-def preview_plan(session: SessionDep, viewer: CiViewerDep, form: FormDep) -> JSONResponse:
+def preview_plan(session: SessionDep, viewer: CiViewerDep, dispatcher: DispatcherDep, form: FormDep) -> JSONResponse:
     """The plan the form would launch (batch split, server placement) with every strategy's
     prediction side by side, or its errors, as JSON."""
     body, errors = run_form.run_create(run_form.echoed(form))
     if body is None:
         return JSONResponse({"errors": errors}, status_code=422)
     try:
-        plan = runs_api.plan_run(session=session, _=viewer.principal, body=PlanRequest.model_validate(body.model_dump()))
+        plan = runs_api.plan_run(session=session, principal=viewer.principal, dispatcher=dispatcher,
+                                 body=PlanRequest.model_validate(body.model_dump()))
     except HybridtrainError as exc:
         return JSONResponse({"errors": run_form.launch_errors(exc)}, status_code=422)
     out: dict[str, Any] = {"plan": plan.model_dump(mode="json")}
     try:
-        every = runs_api.plan_run(session=session, _=viewer.principal,
+        every = runs_api.plan_run(session=session, principal=viewer.principal, dispatcher=dispatcher,
                                   body=PlanRequest.model_validate(body.model_dump() | {"strategies": "all"}))
     except HybridtrainError as exc:
         # The chosen strategy plans; another (a server without an address, say) may not.
@@ -130,14 +131,15 @@ def preview_plan(session: SessionDep, viewer: CiViewerDep, form: FormDep) -> JSO
 
 
 @router.post("/runs/suggest")
-def suggest_plan(session: SessionDep, viewer: CiViewerDep, form: FormDep) -> JSONResponse:
+def suggest_plan(session: SessionDep, viewer: CiViewerDep, dispatcher: DispatcherDep, form: FormDep) -> JSONResponse:
     """The optimizer's plan for the form's nodes, task and batch under the chosen goal (and
     budget), as the fields to fill in and the explanation; or the errors by field."""
     request, errors = run_form.optimize_request(run_form.echoed(form))
     if request is None:
         return JSONResponse({"errors": errors}, status_code=422)
     try:
-        answer = plans_api.optimize_plan(session=session, _=viewer.principal, body=request)
+        answer = plans_api.optimize_plan(session=session, principal=viewer.principal, dispatcher=dispatcher,
+                                         body=request)
     except HybridtrainError as exc:
         return JSONResponse({"errors": run_form.launch_errors(exc)}, status_code=422)
     if isinstance(answer, JSONResponse):  # no plan within the budget: the cheapest there is
