@@ -90,6 +90,8 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     create.add_argument("--outer-lr", type=float, default=None, help="diloco, diloco-gc: default 1")
     create.add_argument("--outer-momentum", type=float, default=None, help="diloco, diloco-gc: default 0")
     create.add_argument("--outer-density", type=float, default=None, help="diloco-gc: default 0.1")
+    create.add_argument("--outer-delay", type=int, default=None, metavar="STEPS",
+                        help="diloco, diloco-gc: overlap the outer exchange with this many inner steps")
     life = create.add_argument_group("checkpoints, restarts, membership")
     life.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="default 100 (0: never)")
     life.add_argument("--checkpoint-every-s", type=float, default=None, metavar="S", help="default 600 (0: off)")

@@ -93,7 +93,7 @@ def run_body(args: argparse.Namespace) -> dict[str, Any]:
         k: v for k, v in [("compressor", args.compressor), ("density", args.density),
                           ("value_dtype", args.value_dtype), ("sync_every", args.sync_every),
                           ("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum),
-                          ("outer_density", args.outer_density)]
+                          ("outer_density", args.outer_density), ("outer_delay", args.outer_delay)]
         if v is not None
     }
     if compression:

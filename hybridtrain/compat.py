@@ -38,6 +38,7 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
     "outer_lr": (LOCAL_SGD_STRATEGIES, "sets local SGD's outer learning rate"),
     "outer_momentum": (LOCAL_SGD_STRATEGIES, "sets local SGD's outer momentum"),
     "outer_density": ((DILOCO_GC,), "sets the top-k density of diloco-gc's parameter change"),
+    "outer_delay": (LOCAL_SGD_STRATEGIES, "overlaps local SGD's outer exchange with inner steps"),
     "powersgd_rank": ((ALLREDUCE_POWERSGD,), "sets PowerSGD's rank"),
 }
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.contract import COMPRESSING_STRATEGIES, PS_STRATEGIES
+from hybridtrain.contract import COMPRESSING_STRATEGIES, LOCAL_SGD_STRATEGIES, PS_STRATEGIES
 from testbed.errors import TestbedError
 
 
@@ -253,8 +253,15 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # (`compression.apply_in_forward`); `+quotaio`, any strategy with each node's communication
 # threads left on its GPU quota (the testbed's thread placer paused for the run: the emulation
 # before 2026-12-01, testbed/thread_placer.py); `+chunksN`, a PS strategy with its step
-# pipelined in N chunks instead of the workload's `pipeline_chunks`.
-VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward", "quotaio", "chunksN")
+# pipelined in N chunks instead of the workload's `pipeline_chunks`; `+delayN`, a local SGD strategy
+# applying each outer step N inner steps after its exchange began (`compression.outer_delay`).
+VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward", "quotaio", "chunksN", "delayN")
+
+
+def delay_of(variant: str) -> int | None:
+    """N of a `delayN` variant (None for any other)."""
+    digits = variant.removeprefix("delay")
+    return int(digits) if variant.startswith("delay") and digits.isdigit() and int(digits) >= 1 else None
 
 
 def chunks_of(variant: str) -> int | None:
@@ -266,10 +273,12 @@ def chunks_of(variant: str) -> int | None:
 def strategy_variant(entry: str) -> tuple[str, str]:
     """`ps-bz-gc+sites` -> (ps-bz-gc, "sites"); a plain strategy's variant is ""."""
     strategy, variant = split_entry(entry)
-    if variant and variant not in VARIANTS and chunks_of(variant) is None:
+    if variant and variant not in VARIANTS and chunks_of(variant) is None and delay_of(variant) is None:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if (variant in ("sites", "overlap", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
+    if delay_of(variant) and strategy not in LOCAL_SGD_STRATEGIES:
+        raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
                            f"({', '.join(COMPRESSING_STRATEGIES)})")
@@ -294,6 +303,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
                        "compression": body.get("compression", {}) | {"apply_in_forward": True}}
     if variant == "quotaio":
         return body | {"name": f"{body['name']}-quotaio"}
+    if delay := delay_of(variant):
+        return body | {"name": f"{body['name']}-{variant}",
+                       "compression": body.get("compression", {}) | {"outer_delay": delay}}
     if chunks := chunks_of(variant):
         return body | {"name": f"{body['name']}-{variant}",
                        "compression": body.get("compression", {}) | {"pipeline_chunks": chunks}}

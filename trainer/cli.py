@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--outer-lr", type=float, default=None,
                        help=f"the outer Nesterov SGD's learning rate on the workers' mean parameter change "
                             f"(default {d.outer_lr})")
+    local.add_argument("--outer-delay", type=int, default=None,
+                       help="apply each outer step this many inner steps after the change was sent, so the "
+                            "exchange overlaps them (0, the default: wait; below --sync-every)")
     local.add_argument("--outer-density", type=float, default=None,
                        help=f"diloco-gc: the change's top-k density, adapted within half to twice it; the "
                             f"server keeps 2.5 times it (default {d.outer_density})")
@@ -299,7 +302,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         threads=args.threads, device=args.device, timeout_s=args.timeout_s,
         link_mbps=tuple(args.link_mbps), sites=tuple(args.sites), emulate_speeds=args.emulate_speeds,
         powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
-        **{k: getattr(args, k) for k in ("sync_every", "outer_lr", "outer_momentum", "outer_density")
+        **{k: getattr(args, k) for k in ("sync_every", "outer_lr", "outer_momentum", "outer_density", "outer_delay")
            if getattr(args, k) is not None},
     )
 
@@ -312,7 +315,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
     """The options against the strategy and each other: hybridtrain.compat's one table."""
     options = {k: getattr(args, k) for k in ("pipeline_chunks", "overlap", "delayed_updates", "aggregate_at_sites",
                                              "apply_in_forward", "sync_every", "outer_lr", "outer_momentum",
-                                             "outer_density",
+                                             "outer_density", "outer_delay",
                                              "momentum_correction", "compressor")}
     found = problems(args.strategy, options)
     if found:
@@ -325,6 +328,11 @@ def _check_outer(args: argparse.Namespace) -> None:
         raise UsageError(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.outer_lr is not None and not args.outer_lr > 0:
         raise UsageError(f"--outer-lr must be > 0, got {args.outer_lr}")
+    if args.outer_delay is not None:
+        every = args.sync_every or TrainConfig.sync_every
+        if not 0 <= args.outer_delay < every:
+            raise UsageError(f"--outer-delay must be in 0..{every - 1} (below --sync-every {every}), "
+                             f"got {args.outer_delay}")
     if args.outer_density is not None and not 0 < args.outer_density <= 1:
         raise UsageError(f"--outer-density must be in (0, 1], got {args.outer_density}")
     if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:

@@ -160,6 +160,9 @@ class TrainConfig:
     # diloco-gc: the pseudo-gradient's top-k density, from which its bounds and the server's k
     # follow (hybridtrain.contract.outer_density_plan); the --density flags are the PS strategies'.
     outer_density: float = DEFAULT_OUTER_DENSITY
+    # Local SGD: apply each outer step this many inner steps after its change was sent, so the
+    # exchange overlaps them (0: wait for it; below sync_every). trainer.local_sgd.
+    outer_delay: int = 0
 
     @property
     def is_ps(self) -> bool:

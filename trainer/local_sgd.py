@@ -90,6 +90,9 @@ class LocalSGD:
         # The step of the last outer step: the common parameters are the run's model as of it.
         self.synced_step = 0
         self.progress = Progress()
+        # Overlapped outer steps (--outer-delay): this worker's parameters when it sent the change
+        # whose outer step is still on its way; the inner steps since then are kept on top of it.
+        self.drift_from: torch.Tensor | None = None
 
     def due(self, step: int, max_steps: int) -> bool:
         """Whether the outer step follows inner step `step`."""
@@ -104,17 +107,34 @@ class LocalSGD:
         self.common.copy_(params)
         self.synced_step = step
         self.progress = Progress()
+        self.drift_from = None
 
     def delta(self, local: torch.Tensor, out: torch.Tensor) -> None:
         """Write this worker's pseudo-gradient for its `local` parameters into `out`."""
         pseudo_gradient(self.common, local, out=out)
 
+    def sent(self, local: torch.Tensor | None) -> None:
+        """The round's change has left: a new round of inner steps begins. `local`: this worker's
+        parameters then, kept while the outer step is applied later (overlapped); None: it is
+        applied before the next inner step."""
+        self.progress = Progress()
+        self.drift_from = None if local is None else local.clone()
+
     def apply(self, mean_delta: torch.Tensor, step: int) -> float:
         """The outer step on the workers' mean change; returns that change's norm."""
         outer_step(self.common, self.velocity, mean_delta, lr=self.lr, momentum=self.momentum)
         self.synced_step = step
-        self.progress = Progress()
         return float(mean_delta.norm())
+
+    def parameters_after(self, local: torch.Tensor) -> torch.Tensor:
+        """Where a worker's parameters go after an outer step: the common ones; overlapped, the
+        common ones plus the inner steps taken since the change was sent (a delayed outer step,
+        as Streaming DiLoCo overlaps its exchange: those steps' gradients saw the older model)."""
+        if self.drift_from is None:
+            return self.common
+        moved = self.common + (local - self.drift_from)
+        self.drift_from = None
+        return moved
 
     def state_dict(self) -> dict:
         """The outer optimizer's state (the common parameters travel as the model's)."""

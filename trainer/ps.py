@@ -168,6 +168,9 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         # step's push_pull: a schedule steps them before the update is applied, and the update
         # of step t must move the weights with step t's learning rate, as it would without delay.
         self._pending: int | None = None
+        # Local SGD with --outer-delay: the outer step whose change was sent but whose update is
+        # applied a few inner steps later (trainer.local_sgd.LocalSGD.parameters_after).
+        self._outer_pending: int | None = None
         self._pending_hyper: list[dict] | None = None
         self._applying_hyper: list[dict] | None = None
         # Apply-in-forward: step() applies the update's first chunk and leaves the rest pending
@@ -282,7 +285,7 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         if self.local is not None:
             # The flat buffer holds the workers' mean pseudo-gradient: the outer step.
             norm = self.local.apply(self.flat_grad, update.step)
-            self._set_params(self.local.common)
+            self._set_params(self.local.parameters_after(self._flat_params()))
             self.metrics.log(update.step, "outer_norm", norm)
         else:
             self._optimizer_step()
@@ -356,12 +359,19 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         self.collect_grads(sending.ready)
         # What the frame reports: this step's own figures, or under local SGD the whole round's.
         sent_loss, sent_compute_s = loss, compute_s
+        outer_later = False
         if self.local is not None:
             if not self._inner_step(step, loss=loss, samples=samples, compute_s=compute_s):
                 return
+            self._apply_outer()  # an overlapped one still on its way (--outer-delay >= H: none)
             round_ = self.local.progress
             sending.samples, sent_loss, sent_compute_s = round_.samples, round_.loss, round_.compute_s
-            self.local.delta(self._flat_params(), out=self.flat_grad)
+            local = self._flat_params()
+            self.local.delta(local, out=self.flat_grad)
+            # Overlapped: the outer step is applied --outer-delay inner steps later; the run's
+            # last one at once, so that the run ends on the common model.
+            outer_later = self.cfg.outer_delay > 0 and step < self.max_steps
+            self.local.sent(local if outer_later else None)
         density = self.densities[self.index] if not self.dense_step(step) else 1.0
         self._forward_s = 0.0
         # Chunks sent from the backward pass spent that time compressing and posting, not
@@ -388,6 +398,8 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
             return
         if self.cfg.delayed_updates and step < self.max_steps:
             self._pending, self._pending_hyper = step, hyperparameter_values(self.optimizer)
+        elif outer_later:
+            self._outer_pending = step
         elif self._in_forward and step < self.max_steps:
             # The first chunk brings the dense part and the next step's batch split; the rest
             # is applied during the next forward pass (the run's last step takes all at once).
@@ -429,6 +441,11 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         self.local.progress.note(loss, samples, compute_s)
         if self.local.due(step, self.max_steps):
             return True
+        if self._outer_pending is not None and step >= self._outer_pending + self.cfg.outer_delay:
+            t0 = time.perf_counter()
+            self._apply_outer()
+            # Waiting for an outer step that is late is communication, not compute.
+            self.metrics.log(step, "wait_s", time.perf_counter() - t0)
         self.step = step
         self._step_times.append(compute_s)
         mlog = self.metrics.log
@@ -439,6 +456,13 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         mlog(step, "compute_s", compute_s)
         mlog(step, "comm_s", 0.0)
         return False
+
+    def _apply_outer(self) -> None:
+        """Read and apply the overlapped outer step still on its way (a no-op without one)."""
+        if self._outer_pending is None or self.ended_by_server:
+            return
+        step, self._outer_pending = self._outer_pending, None
+        self._read_updates(step)
 
     @contextmanager
     def global_model(self) -> Iterator[None]:
@@ -457,7 +481,9 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
     def drain(self) -> None:
         """Apply the update still pending (under --delayed-updates; under apply-in-forward, the
         chunks not applied yet; a no-op otherwise), so that the model is the run's current one:
-        before an evaluation, a checkpoint, leaving, the end."""
+        before an evaluation, a checkpoint, leaving, the end. Under local SGD, an overlapped
+        outer step still on its way."""
+        self._apply_outer()
         if self._pending is None or self.ended_by_server:
             return
         if self._in_forward:

@@ -97,6 +97,11 @@ class CompressionOptions(Schema):
         description=f"local SGD: the outer Nesterov SGD's learning rate on the workers' mean change "
         f"(default {contract.DEFAULT_OUTER_LR})",
     )
+    outer_delay: Annotated[int, Field(ge=0, le=1_000_000, strict=True)] | None = Field(
+        default=None,
+        description="local SGD: apply each outer step this many inner steps after the change was sent, so "
+        "the exchange overlaps them (below sync_every; default 0, wait for it)",
+    )
     outer_density: Fraction | None = Field(
         default=None,
         description=f"diloco-gc: the top-k density of each worker's parameter change, adapted within half "
@@ -114,6 +119,9 @@ class CompressionOptions(Schema):
         known = [v for v in (lo, mid, hi) if v is not None]
         if known != sorted(known):
             raise ValueError("need density_min <= density <= density_max")
+        every = self.sync_every or contract.DEFAULT_SYNC_EVERY
+        if self.outer_delay is not None and self.outer_delay >= every:
+            raise ValueError(f"outer_delay {self.outer_delay} must be below sync_every {every}")
         return self
 
 

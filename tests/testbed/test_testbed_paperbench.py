@@ -526,3 +526,15 @@ def test_wan_bytes_count_only_what_crosses_between_sites_per_sample() -> None:
                         site_of={"ps": "onprem", "a": "onprem", "b": "cloud"})
     # Steps 2-4: b's 5000 up and the server's 3000 down cross; a's 1000 stays on-prem.
     assert figures["wan_bytes_per_sample"] == 800.0
+
+
+def test_a_delay_variant_overlaps_a_local_sgd_strategys_outer_exchange() -> None:
+    from testbed.api_runs import run_body
+    from testbed.errors import TestbedError
+    from testbed.paper_workloads import strategy_variant, variant_body
+
+    assert strategy_variant("diloco+delay3") == ("diloco", "delay3")
+    body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay3")
+    assert body["compression"] == {"pipeline_chunks": 4, "sync_every": 10, "outer_delay": 3}
+    with pytest.raises(TestbedError, match="local SGD"):
+        strategy_variant("ps-bz-gc+delay3")

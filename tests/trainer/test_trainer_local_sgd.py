@@ -106,6 +106,18 @@ def test_a_round_reports_its_samples_and_mean_loss():
     assert progress.compute_s == pytest.approx(0.3)
 
 
+def test_an_overlapped_outer_step_keeps_the_inner_steps_taken_since_the_change_was_sent():
+    local = LocalSGD(4, lr=1.0, momentum=0.0, numel=2)
+    local.reset(torch.tensor([1.0, 1.0]), 0)
+    local.sent(torch.tensor([0.5, 1.5]))  # delta (0.5, -0.5) left at step 4
+    moved_since = torch.tensor([0.4, 1.7])  # two inner steps later
+    local.apply(torch.tensor([0.2, -0.2]), 4)  # the mean change arrives
+    assert local.common.tolist() == pytest.approx([0.8, 1.2])
+    # theta' plus the drift since the send: (0.8 - 0.1, 1.2 + 0.2)
+    assert local.parameters_after(moved_since).tolist() == pytest.approx([0.7, 1.4])
+    assert local.drift_from is None and torch.equal(local.parameters_after(moved_since), local.common)
+
+
 @pytest.mark.parametrize("strategy", ["diloco", "diloco-gc"])
 def test_error_feedback_conserves_the_pseudo_gradients_mass(strategy):
     # What was sent plus what is held back equals every pseudo-gradient given (one fp32 rounding).
@@ -151,7 +163,7 @@ def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
     parser = build_parser()
     for extra, match in ((["--overlap"], "--overlap"), (["--delayed-updates"], "--delayed-updates"),
                          (["--sync-every", "0"], "--sync-every"), (["--outer-momentum", "1"], "--outer-momentum"),
-                         (["--outer-lr", "0"], "--outer-lr")):
+                         (["--outer-lr", "0"], "--outer-lr"), (["--outer-delay", "20"], "--outer-delay")):
         with pytest.raises(UsageError, match=match):
             config_from_args(parser.parse_args(["--strategy", "diloco", *extra]))
     cfg = config_from_args(parser.parse_args(["--strategy", "diloco-gc", "--sync-every", "7"]))
@@ -190,14 +202,38 @@ def test_replicas_leave_every_outer_step_identical_and_drift_apart_between(strat
     assert all(c.local.synced_step == 10 for c in run.clients)
 
 
+def test_overlapped_outer_steps_keep_the_common_model_identical_and_end_on_it():
+    cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=4, max_steps=10, outer_delay=2)
+    snapshots: dict[tuple[int, int], torch.Tensor] = {}
+    run = run_in_process(cfg, 10, optimizer=_adamw,
+                         after_step=lambda rank, step, run: snapshots.__setitem__((rank, step),
+                                                                                  run.clients[rank - 1].local.common.clone()))
+    # The outer step of step 4 lands at step 6 on every worker, step 8's at 10 with the last.
+    for step in (5, 6, 7, 10):
+        assert all(torch.equal(snapshots[(1, step)], snapshots[(r, step)]) for r in (2, 3))
+    assert torch.equal(snapshots[(1, 5)], snapshots[(1, 4)]) and not torch.equal(snapshots[(1, 6)], snapshots[(1, 5)])
+    flats = [_flat(m) for m in run.models]
+    assert all(torch.equal(flats[0], f) for f in flats[1:])
+    plain = run_in_process(replace_cfg(cfg, outer_delay=0), 10, optimizer=_adamw)
+    assert not torch.equal(_flat(plain.models[0]), flats[0])  # the overlap changes the arithmetic
+
+
+def replace_cfg(cfg, **changes):
+    from dataclasses import replace
+
+    return replace(cfg, **changes)
+
+
 # -- real processes -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "diloco-gc"])
-def test_a_local_sgd_run_trains_the_digits_and_sends_a_fraction_of_a_ps_runs_bytes(tmp_path, strategy):
+@pytest.mark.parametrize("strategy, extra", [("diloco", []), ("diloco-gc", []),
+                                             # evaluations (every 15) while an outer step is on its way
+                                             ("diloco", ["--outer-delay", "3", "--eval-every", "15"])])
+def test_a_local_sgd_run_trains_the_digits_and_sends_a_fraction_of_a_ps_runs_bytes(tmp_path, strategy, extra):
     out = tmp_path / "m.jsonl"
     result = run_cli(*DIGITS, "--strategy", strategy, "--workers", "2", "--max-steps", "120", "--sync-every", "10",
-                     "--eval-every", "60", "--metrics-out", str(out))
+                     "--eval-every", "60", *extra, "--metrics-out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(out)
     # 1 % of each change a round, the rest fed back: the sparse run learns more slowly.
@@ -259,7 +295,9 @@ def _diloco_run(tmp_path, steps: int, *extra: str, name: str) -> list[dict]:
     args = ["--task", "hybridtrain.tasks.digits:smallcnn", "--global-batch", "48",
             "--task-args", '{"lr": 0.1, "momentum": 0.0, "schedule": "constant"}',
             "--strategy", "diloco", "--workers", "2", "--sync-every", "5", "--outer-momentum", "0.5",
-            "--eval-every", "1000", "--checkpoint-every", "7", "--value-dtype", "fp32", "--max-steps", str(steps)]
+            "--eval-every", "1000", "--checkpoint-every", "7", "--value-dtype", "fp32", "--max-steps", str(steps),
+            # A fixed split: local SGD's default re-splits from measured (so timing-dependent) compute.
+            "--allocation", "equal"]
     proc = run_cli(*args, *extra, "--metrics-out", str(tmp_path / f"{name}.jsonl"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_metrics(tmp_path / f"{name}.jsonl")
