@@ -252,7 +252,7 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
                         server_k_fraction=server_k)
         rounds = _ps_phases(workers, server, links, task, outer, relay, strategy, densities)
         share = 1.0 if contract_compresses(strategy, comp.compressor) else comp.value_bytes / 4
-        phases = [_Phase(1, None, local_sgd_step(rounds[-1].step, comp.sync_every, share))]
+        phases = [_Phase(1, None, local_sgd_step(rounds[-1].step, comp.sync_every, share, comp.outer_delay))]
         notes.append(f"an outer step every {comp.sync_every} steps: each step pays its compute and 1/"
                      f"{comp.sync_every} of a PS step's exchange of the pseudo-gradient")
     else:

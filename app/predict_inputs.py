@@ -141,6 +141,7 @@ class CompressionSpec:
     # Local SGD: the inner steps between outer steps (H).
     sync_every: int = DEFAULT_SYNC_EVERY
     outer_density: float = DEFAULT_OUTER_DENSITY
+    outer_delay: int = 0
 
 
 @dataclass(frozen=True)

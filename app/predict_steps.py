@@ -413,15 +413,17 @@ def allreduce_step(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[tuple
     return Step(step_s, breakdown, rows, transfers)
 
 
-def local_sgd_step(round_: Step, every: int, value_share: float = 1.0) -> Step:
+def local_sgd_step(round_: Step, every: int, value_share: float = 1.0, delay: int = 0) -> Step:
     """Local SGD's mean step: its compute, and 1/`every` of an outer step's exchange, the PS step
     `round_` less its compute (the pseudo-gradient travels as a gradient would, and the outer
     step's arithmetic is the same elementwise work as an update's). `value_share` scales the
     exchange's bytes and time, for a dense change sent narrower than the dense frames `round_`
-    was sized with (fp16 is half of fp32)."""
+    was sized with (fp16 is half of fp32); an overlapped exchange (`delay` inner steps) hides up
+    to that many steps' compute of it."""
     compute = round_.breakdown["compute_s"]
     share = value_share / every
-    exchange = (round_.step_s - compute) * share
+    whole = (round_.step_s - compute) * value_share
+    exchange = max(0.0, whole - delay * compute) / every
     breakdown = {"compute_s": compute, "outer_exchange_s": exchange}
     scaled = ("compress_s", "upload_s", "download_s", "decode_s", "comm_s", "upload_bytes", "download_bytes")
     rows = []
@@ -430,4 +432,4 @@ def local_sgd_step(round_: Step, every: int, value_share: float = 1.0) -> Step:
         row["granularity"] = ratio(row["compute_s"], row["comm_s"])
         rows.append(row)
     transfers = [replace(t, nbytes=t.nbytes * share) for t in round_.transfers]
-    return Step(compute + exchange, breakdown, rows, transfers)
+    return Step(compute + exchange, breakdown, rows, transfers)  # bytes: all of them, hidden or not

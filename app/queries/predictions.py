@@ -59,7 +59,7 @@ def compression_spec(options: CompressionOptions | None, *, eval_every: int | No
     if options is not None:
         for name in ("density", "density_min", "density_max", "server_k_fraction", "warmup_steps",
                      "pipeline_chunks", "compressor", "powersgd_rank", "sync_every",
-                     "outer_density"):
+                     "outer_density", "outer_delay"):
             value = getattr(options, name)
             if value is not None:
                 changes[name] = value

@@ -29,14 +29,14 @@ TEXT_FIELDS = (
     "compression_density_min", "compression_density_max", "compression_server_k_fraction",
     "compression_error_feedback", "compression_momentum_correction", "compression_warmup_steps",
     "compression_pipeline_chunks", "compression_powersgd_rank", "compression_sync_every",
-    "compression_outer_lr", "compression_outer_momentum", "compression_outer_density",
+    "compression_outer_lr", "compression_outer_momentum", "compression_outer_density", "compression_outer_delay",
     "idempotency_key", "suggest_goal", "suggest_budget",
     "checkpoint_every", "checkpoint_every_s", "max_restarts", "min_workers", "min_workers_wait_s",
 )
 # Checkpoints, restarts and membership: on by default, as for runs from the API.
 LIFECYCLE_INTS = ("checkpoint_every", "max_restarts", "min_workers")
 LIFECYCLE_FLOATS = ("checkpoint_every_s", "min_workers_wait_s")
-COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank", "sync_every")
+COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank", "sync_every", "outer_delay")
 COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction", "outer_lr", "outer_momentum",
                       "outer_density")
 DEFAULTS = {

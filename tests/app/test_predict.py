@@ -6,6 +6,7 @@ it priced through the bill."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 
@@ -414,3 +415,17 @@ def test_local_sgd_pays_its_compute_and_an_h_th_of_a_ps_steps_exchange_each_step
                    compression=CompressionSpec(sync_every=10))
     assert fp16.bytes_per_step[0][2] == round(ps.bytes_per_step[0][2] / 20)
     assert any("every 10 steps" in note for note in local.assumptions)
+
+
+def test_an_overlapped_outer_exchange_hides_up_to_its_delays_compute():
+    w, s = node(1, sps=10.0), node(2)
+    link = LinkSpec(1, 10.0, "measured")  # slow: the exchange outlasts a step's compute
+    links = {(1, 2): link, (2, 1): link}
+    spec = CompressionSpec(value_bytes=4, sync_every=10)
+    waits = predict("diloco", workers=[(w, 10)], server=s, links=links, task=TASK, compression=spec)
+    overlapped = predict("diloco", workers=[(w, 10)], server=s, links=links, task=TASK,
+                         compression=replace(spec, outer_delay=2))
+    compute = waits.breakdown["compute_s"]
+    exchange = waits.breakdown["outer_exchange_s"] * 10
+    assert overlapped.breakdown["outer_exchange_s"] == pytest.approx(max(0.0, exchange - 2 * compute) / 10)
+    assert overlapped.step_s < waits.step_s and overlapped.bytes_per_step == waits.bytes_per_step
