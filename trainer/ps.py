@@ -419,20 +419,27 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
             self.step = step
         total = step_s + time.perf_counter() - t0
         self._step_times.append(total)
-        mlog = self.metrics.log
-        if math.isfinite(loss):
-            mlog(step, "loss", loss)
-        mlog(step, "batch_size", samples)
-        mlog(step, "samples_per_s", samples / max(total, 1e-9))
-        mlog(step, "compute_s", compute_s)
-        mlog(step, "compress_s", topk_s + encode_s)
         # Communication is all of the step this worker did not spend computing or compressing:
         # its sends, the server's work and the update's way back (the bill's granularity is
         # compute_s / comm_s). The send alone, at the link's rate (trainer.linkclock), is what
         # the density rule reads.
-        mlog(step, "comm_s", max(0.0, total - compute_s - topk_s - encode_s))
+        self._log_step(step, loss=loss, samples=samples, total_s=total, compute_s=compute_s,
+                       comm_s=max(0.0, total - compute_s - topk_s - encode_s))
+        mlog = self.metrics.log
+        mlog(step, "compress_s", topk_s + encode_s)
         mlog(step, "wait_s", max(0.0, last_arrival - sent) + blocked)
         mlog(step, "density", density)
+
+    def _log_step(self, step: int, *, loss: float, samples: int, total_s: float, compute_s: float,
+                  comm_s: float) -> None:
+        """A step's own figures, as every strategy reports them."""
+        mlog = self.metrics.log
+        if math.isfinite(loss):
+            mlog(step, "loss", loss)
+        mlog(step, "batch_size", samples)
+        mlog(step, "samples_per_s", samples / max(total_s, 1e-9))
+        mlog(step, "compute_s", compute_s)
+        mlog(step, "comm_s", comm_s)
 
     def _inner_step(self, step: int, *, loss: float, samples: int, compute_s: float) -> bool:
         """Local SGD: the task's optimizer steps on this worker's gradient alone. True when the
@@ -441,20 +448,17 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         self.local.progress.note(loss, samples, compute_s)
         if self.local.due(step, self.max_steps):
             return True
+        waited = 0.0
         if self._outer_pending is not None and step >= self._outer_pending + self.cfg.outer_delay:
             t0 = time.perf_counter()
             self._apply_outer()
             # Waiting for an outer step that is late is communication, not compute.
-            self.metrics.log(step, "wait_s", time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            self.metrics.log(step, "wait_s", waited)
         self.step = step
-        self._step_times.append(compute_s)
-        mlog = self.metrics.log
-        if math.isfinite(loss):
-            mlog(step, "loss", loss)
-        mlog(step, "batch_size", samples)
-        mlog(step, "samples_per_s", samples / max(compute_s, 1e-9))
-        mlog(step, "compute_s", compute_s)
-        mlog(step, "comm_s", 0.0)
+        self._step_times.append(compute_s + waited)
+        self._log_step(step, loss=loss, samples=samples, total_s=compute_s + waited, compute_s=compute_s,
+                       comm_s=waited)
         return False
 
     def _apply_outer(self) -> None:
