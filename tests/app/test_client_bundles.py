@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.client import ApiError, HybridtrainClient
-from app.packing import PackedBundle, pack_workdir
-from app.run_flags import upload
+from app.cli.client import ApiError, HybridtrainClient
+from app.cli.packing import PackedBundle, pack_workdir
+from app.cli.run_flags import upload
 from tests.app.conftest import ADMIN_TOKEN
 
 

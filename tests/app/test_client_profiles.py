@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from runs_testing import dispatched_fixture, online_node_fixture, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
-from app.client import HybridtrainClient
+from app.cli.client import HybridtrainClient
 from hybridtrain.contract import PROFILE_TASK
 from tests.app.conftest import ADMIN_TOKEN
 

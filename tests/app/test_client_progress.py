@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
 from agents.celery_app import LAUNCH_ROLE
-from app.client import HybridtrainClient
-from app.run_progress import run_progress
+from app.cli.client import HybridtrainClient
+from app.cli.run_progress import run_progress
 from hybridtrain.progress import RunProgress
 from testbed.api_runs import metrics_reader
 from tests.app.conftest import ADMIN_TOKEN

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from app.cli import main
-from app.client import ApiError, HybridtrainClient, RunTimeout
-from app.run_commands import EXIT_UNREACHABLE
+from app.cli.client import ApiError, HybridtrainClient, RunTimeout
+from app.cli.run_commands import EXIT_UNREACHABLE
 
 
 def _run(status: str) -> dict:

@@ -16,7 +16,7 @@ from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
 from app.cli import main
-from app.local import LOCAL_CLUSTER, ensure_local_node
+from app.cli.local import LOCAL_CLUSTER, ensure_local_node
 from app.models import Cluster, Node
 from tests.app.serving import cli_server
 

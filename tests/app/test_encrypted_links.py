@@ -67,8 +67,8 @@ def test_a_run_that_opts_out_gets_no_link_secret(online_node, client, dispatched
 def test_plain_links_on_the_command_line_reach_the_request_and_are_left_out_otherwise():
     import argparse
 
-    from app.run_commands import register
-    from app import run_flags
+    from app.cli.run_commands import register
+    from app.cli import run_flags
 
     def body(*argv: str) -> dict:
         parser = argparse.ArgumentParser()

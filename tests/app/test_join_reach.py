@@ -7,7 +7,7 @@ import pytest
 
 from app.config import Settings
 from app.join_reach import is_local_only, join_obstacles
-from app.local import join_hint
+from app.cli.local import join_hint
 
 
 def _settings(**fields: str) -> Settings:
@@ -58,7 +58,7 @@ def test_a_reachable_setup_says_where_machines_join():
 
 
 def test_local_serves_with_the_public_url_that_was_set_and_else_its_own(monkeypatch):
-    from app.local import local_settings
+    from app.cli.local import local_settings
 
     monkeypatch.setenv("HYBRIDTRAIN_PUBLIC_URL", "http://10.0.0.5:8000")
     assert local_settings(_settings(), "http://127.0.0.1:8000").public_url == "http://10.0.0.5:8000"

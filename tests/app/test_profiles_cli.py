@@ -12,8 +12,8 @@ from predictions_testing import RESULT, TASK, add_profile
 from runs_testing import API, dispatched_fixture, online_node_fixture, runs_redis_url_fixture  # noqa: F401 (fixtures)
 from test_client_cli import _cli, server  # noqa: F401 (fixture)
 
-from app import profile_commands
-from app.run_commands import EXIT_TIMEOUT
+from app.cli import profile_commands
+from app.cli.run_commands import EXIT_TIMEOUT
 from hybridtrain.contract import PROFILE_TASK
 
 

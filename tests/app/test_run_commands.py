@@ -8,8 +8,8 @@ import argparse
 import pytest
 
 from app.cli import main
-from app.run_commands import EXIT_USAGE, register
-from app.run_flags import run_body
+from app.cli.run_commands import EXIT_USAGE, register
+from app.cli.run_flags import run_body
 
 # Nothing listens here: a test that got past the local checks would fail with exit 4, not 2.
 NOWHERE = ["--server", "http://127.0.0.1:9", "--token", "t"]

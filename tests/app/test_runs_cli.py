@@ -10,10 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 from runs_testing import run_body, dispatched_fixture, online_node_fixture, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
-from app import run_flags
-from app.client import HybridtrainClient
-from app.run_commands import register
-from app.run_progress import describe_run
+from app.cli import run_flags
+from app.cli.client import HybridtrainClient
+from app.cli.run_commands import register
+from app.cli.run_progress import describe_run
 from hybridtrain.progress import status_text
 from tests.app.conftest import ADMIN_TOKEN
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from app.run_commands import _describe, register
-from app.run_flags import run_body
+from app.cli.run_commands import _describe, register
+from app.cli.run_flags import run_body
 
 
 def _body(*argv: str) -> dict:

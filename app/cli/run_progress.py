@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from app.client import ApiError, HybridtrainClient
+from app.cli.client import ApiError, HybridtrainClient
 from hybridtrain.progress import RunProgress, status_text
 
 

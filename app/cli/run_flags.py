@@ -1,8 +1,8 @@
 """Command-line flags into request fields: the `POST /runs` body of `hybridtrain runs create` and
 the checks of each flag that can be wrong (a task reference, JSON task args, a target, a bundle's
 sha256, a script inside the work dir), and the work dir packed and uploaded as a bundle. A bad
-flag raises `UsageError` naming it; the commands (app/run_commands.py,
-app/inventory_commands.py) turn that into exit status 2."""
+flag raises `UsageError` naming it; the commands (app/cli/run_commands.py,
+app/cli/inventory_commands.py) turn that into exit status 2."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def script_flag(args: argparse.Namespace, bundle_sha256: str | None) -> str | No
 
 def pack(args: argparse.Namespace) -> Any:
     """Pack --workdir; the script, when given, must be one of the packed files."""
-    from app.packing import PackError, pack_workdir
+    from app.cli.packing import PackError, pack_workdir
 
     try:
         packed = pack_workdir(args.workdir, max_bytes=int(args.max_bundle_mb * MIB))
@@ -181,7 +181,7 @@ def pack(args: argparse.Namespace) -> Any:
 
 def upload(client: Any, packed: Any, workdir: str) -> str:
     """Upload a packed work dir unless the server has it already; its sha256."""
-    from app.client import ApiError
+    from app.cli.client import ApiError
 
     try:
         client.get_bundle(packed.sha256)

@@ -1,6 +1,6 @@
 """`hybridtrain profiles list|request`, and what plans print about profiles: the wait while
 nodes profile a plan's task, and how old and how noisy each input of a plan is (exit statuses
-as in app.run_commands)."""
+as in app.cli.run_commands)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from app.inventory_commands import _node_id
-from app.run_commands import (
+from app.cli.inventory_commands import _node_id
+from app.cli.run_commands import (
     EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _connection_args, _guard, _print_json, resolve_cluster,
 )
-from app.run_flags import UsageError, bundle_flag, cluster_ref, ids, task_args_flag, task_flag
+from app.cli.run_flags import UsageError, bundle_flag, cluster_ref, ids, task_args_flag, task_flag
 
 # How long a plan waits for its nodes' profiles by default: a profile is 2-4 runs of the
 # profiler, one host at a time, each a few seconds to a minute on a CPU.

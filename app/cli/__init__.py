@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("launch", help="run your own training script on local workers: "
                                   "`hybridtrain launch --workers 4 train.py ARGS`")
     sub.add_parser("agent", help="run a node agent (see `hybridtrain agent --help`)")
-    from app import commands, event_commands, token_commands
+    from app.cli import commands, event_commands, token_commands
 
     commands.register(sub)
     event_commands.register(sub)
@@ -52,7 +52,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(args_list)
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """`hybridtrain runs ...`, `hybridtrain bundles ...`, `hybridtrain nodes list` and
 `hybridtrain local`: the commands a CI pipeline or a laptop user runs against a control plane
-(their flags become request fields in app/run_flags.py).
+(their flags become request fields in app/cli/run_flags.py).
 
 Exit status: 0 success; 1 the run failed or was cancelled (`runs create --wait`), or the
 control plane refused the request; 2 bad usage; 3 `--wait` timed out; 4 unreachable (for
@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from app.run_flags import UsageError, cluster_ref, ids, pack, run_body, upload
+from app.cli.run_flags import UsageError, cluster_ref, ids, pack, run_body, upload
 from hybridtrain.contract import ALLOCATIONS, COMPRESSORS, DEVICES, STRATEGIES, VALUE_DTYPES
 
 EXIT_RUN_FAILED = 1
@@ -26,11 +26,11 @@ EXIT_INTERRUPTED = 130
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add `runs`, `nodes` and `local` to the `hybridtrain` parser."""
-    from app.inventory_commands import add_nodes_command
+    from app.cli.inventory_commands import add_nodes_command
 
     _add_runs(sub)
     add_nodes_command(sub)
-    from app.local import add_local_command
+    from app.cli.local import add_local_command
 
     add_local_command(sub)
 
@@ -110,7 +110,7 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                         help="print the plan and its predicted throughput and cost, launch nothing")
     create.add_argument("--all-strategies", action="store_true",
                         help="with --plan-only: predict every strategy, side by side, as a table")
-    from app.profile_commands import add_plan_profile_flags
+    from app.cli.profile_commands import add_plan_profile_flags
 
     add_plan_profile_flags(create)
     create.add_argument("--wait", action="store_true",
@@ -169,15 +169,15 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 
 def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `plans optimize` to the `hybridtrain` parser (app.inventory_commands)."""
-    from app.inventory_commands import register_plans as register
+    """Add `plans optimize` to the `hybridtrain` parser (app.cli.inventory_commands)."""
+    from app.cli.inventory_commands import register_plans as register
 
     register(sub)
 
 
 def register_bundles(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `bundles list` and `bundles delete` to the `hybridtrain` parser (app.inventory_commands)."""
-    from app.inventory_commands import register_bundles as register
+    """Add `bundles list` and `bundles delete` to the `hybridtrain` parser (app.cli.inventory_commands)."""
+    from app.cli.inventory_commands import register_bundles as register
 
     register(sub)
 
@@ -186,7 +186,7 @@ def register_bundles(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from app.client import HybridtrainClient
+    from app.cli.client import HybridtrainClient
     from app.config import get_client_settings
 
     settings = get_client_settings()
@@ -196,7 +196,7 @@ def _client(args: argparse.Namespace) -> Any:
 def resolve_cluster(client: Any, body: dict[str, Any]) -> None:
     """Replace a `cluster_id` given by name with the cluster's id (UsageError when unknown)."""
     if isinstance(body.get("cluster_id"), str):
-        from app.cluster_commands import cluster_id
+        from app.cli.cluster_commands import cluster_id
 
         body["cluster_id"] = cluster_id(client, body["cluster_id"])
 
@@ -208,7 +208,7 @@ def _print_json(data: Any) -> None:
 def _guard(fn: Any) -> Any:
     # Errors of the API become one line on stderr and an exit status, never a traceback.
     def run(args: argparse.Namespace) -> int:
-        from app.client import ApiError
+        from app.cli.client import ApiError
 
         try:
             return int(fn(args) or 0)
@@ -245,7 +245,7 @@ def prediction_table(plans: list[dict[str, Any]]) -> str:
 def _plan_only(client: Any, body: dict[str, Any], args: argparse.Namespace) -> int:
     """Print the plan (every strategy's with --all-strategies); first, unless --no-profile,
     wait for the nodes that profile its task (bounded by --profile-wait)."""
-    from app.profile_commands import inputs_text, wait_for_profiles
+    from app.cli.profile_commands import inputs_text, wait_for_profiles
 
     request = {**body, **({"strategies": "all"} if args.all_strategies else {})}
     if args.profile and body.get("script") is None:
@@ -275,7 +275,7 @@ def _describe(run: dict[str, Any]) -> str:
 
 @_guard
 def _runs_create(args: argparse.Namespace) -> int:
-    from app.client import RunTimeout
+    from app.cli.client import RunTimeout
 
     try:
         body = run_body(args)  # every flag checked before anything is packed or sent
@@ -298,7 +298,7 @@ def _runs_create(args: argparse.Namespace) -> int:
         if not args.wait:
             _print_json(run)
             return 0
-        from app.run_progress import run_progress
+        from app.cli.run_progress import run_progress
 
         progress = run_progress(client, sys.stderr)
         try:
@@ -332,7 +332,7 @@ def _runs_get(args: argparse.Namespace) -> int:
 
 @_guard
 def _runs_show(args: argparse.Namespace) -> int:
-    from app.run_progress import describe_run
+    from app.cli.run_progress import describe_run
 
     with _client(args) as client:
         print(describe_run(client.get_run(args.run_id)))

@@ -1,5 +1,5 @@
 """`hybridtrain plans optimize`, `hybridtrain bundles ...` and `hybridtrain nodes list/drain`: the
-commands about what runs are made of (exit statuses as in app.run_commands)."""
+commands about what runs are made of (exit statuses as in app.cli.run_commands)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import sys
 from typing import Any
 
-from app.run_commands import (
+from app.cli.run_commands import (
     EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _connection_args, _guard, _print_json, prediction_table, resolve_cluster,
 )
-from app.run_flags import UsageError, bundle_flag, cluster_ref, ids, task_args_flag, task_flag
+from app.cli.run_flags import UsageError, bundle_flag, cluster_ref, ids, task_args_flag, task_flag
 
 
 def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -32,7 +32,7 @@ def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     opt.add_argument("--deadline-s", type=float, default=None, help="with --max-steps: finish within")
     opt.add_argument("--max-steps", type=int, default=None)
     opt.add_argument("--json", action="store_true", help="print the whole answer as JSON")
-    from app.profile_commands import add_plan_profile_flags
+    from app.cli.profile_commands import add_plan_profile_flags
 
     add_plan_profile_flags(opt)
     opt.set_defaults(func=_plans_optimize)
@@ -113,7 +113,7 @@ def _node_id(client: Any, ref: str) -> int:
 
 @_guard
 def _bundles_list(args: argparse.Namespace) -> int:
-    from app.packing import human_bytes
+    from app.cli.packing import human_bytes
 
     with _client(args) as client:
         page = client.list_bundles(limit=args.limit)
@@ -163,7 +163,7 @@ def _plans_optimize(args: argparse.Namespace) -> int:
         except UsageError as exc:
             print(f"hybridtrain: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        from app.profile_commands import inputs_text, wait_for_profiles
+        from app.cli.profile_commands import inputs_text, wait_for_profiles
 
         if args.profile:
             body["profile_missing"] = True

@@ -10,7 +10,7 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `events` under the `runs` command (which app.run_commands has added already)."""
+    """Add `events` under the `runs` command (which app.cli.run_commands has added already)."""
     runs = sub.choices["runs"]
     runs_sub = next(a for a in runs._actions if isinstance(a, argparse._SubParsersAction))
     events = runs_sub.add_parser("events", help="a run's events: workers lost, left or joined, restarts")
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _runs_events(args: argparse.Namespace) -> int:
-    from app.run_commands import _client, _guard
+    from app.cli.run_commands import _client, _guard
 
     @_guard
     def show(args: argparse.Namespace) -> int:

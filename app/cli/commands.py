@@ -14,16 +14,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _add_server(sub)
     _add_db(sub)
     from testbed.cli import register as register_testbed  # testbed, bench paper
-    from app.run_commands import register as register_runs  # runs, nodes, local
-    from app.run_commands import register_bundles, register_plans
+    from app.cli.run_commands import register as register_runs  # runs, nodes, local
+    from app.cli.run_commands import register_bundles, register_plans
 
     register_runs(sub)
     register_bundles(sub)
     register_plans(sub)
-    from app.cluster_commands import register_clusters
+    from app.cli.cluster_commands import register_clusters
 
     register_clusters(sub)
-    from app.profile_commands import register_profiles
+    from app.cli.profile_commands import register_profiles
 
     register_profiles(sub)
 

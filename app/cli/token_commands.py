@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add `tokens` (and `token`, when no other command holds that name)."""
     from app.token_limits import ACTIONS
 
-    # `token create` (app/commands.py) came first; it keeps its name until it goes.
+    # `token create` (app/cli/commands.py) came first; it keeps its name until it goes.
     aliases = [] if "token" in sub.choices else ["token"]
     parser = sub.add_parser("tokens", aliases=aliases, help="manage API tokens (on the server's host)")
     tokens = parser.add_subparsers(dest="tokens_command", required=True)

@@ -1,5 +1,5 @@
 """`hybridtrain clusters list|create|show|delete`: the named sets of nodes that `runs create
---cluster` and `plans optimize --cluster` take (exit statuses as in app.run_commands)."""
+--cluster` and `plans optimize --cluster` take (exit statuses as in app.cli.run_commands)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import argparse
 import sys
 from typing import Any
 
-from app.inventory_commands import _node_id
-from app.run_commands import EXIT_USAGE, _client, _connection_args, _guard, _print_json
-from app.run_flags import UsageError
+from app.cli.inventory_commands import _node_id
+from app.cli.run_commands import EXIT_USAGE, _client, _connection_args, _guard, _print_json
+from app.cli.run_flags import UsageError
 
 
 def register_clusters(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
