@@ -1,4 +1,4 @@
-"""Predicted against measured: the performance model (app/predict.py) on the in-box testbed.
+"""Predicted against measured: the performance model (app/perfmodel/predict.py) on the in-box testbed.
 
 For each testbed (bench/testbeds/paper.yaml, intercontinental.yaml) and each task (the paper
 benchmark's widecnn on digits, ResNet-18 on shapes' 32x32 images), in one invocation:
@@ -18,7 +18,7 @@ benchmark's widecnn on digits, ResNet-18 on shapes' 32x32 images), in one invoca
 Where the control plane does not answer yet (an endpoint 404s, or the plan has no
 "prediction"), the harness says so and falls back, each fallback recorded in the JSON:
 links from the testbed's own TCP probe (`testbed.probe`), profiles from `trainer.profile` run in
-each node's namespace and cgroup, and the prediction from `app.predict.predict` on those.
+each node's namespace and cgroup, and the prediction from `app.perfmodel.predict.predict` on those.
 
     sudo .venv/bin/python bench/predict.py --out var/bench/predict.json        # 3 runs a cell, ~2 h
     sudo .venv/bin/python bench/predict.py --quick --out var/bench/predict-quick.json   # < 8 min
@@ -608,10 +608,10 @@ def model_prediction(strategy: str, *, profiles: Mapping[str, Mapping[str, Any]]
                      server: str | None, links: Mapping[tuple[str, str], tuple[float, float]],
                      site_of_name: Mapping[str, str], compression: Mapping[str, Any] | None,
                      eval_every: int | None, max_steps: int | None) -> tuple[dict[str, Any], dict[int, str]]:
-    """`app.predict.predict` here, on nodes named as the testbed names them: the workers (in
+    """`app.perfmodel.predict.predict` here, on nodes named as the testbed names them: the workers (in
     rank order) with their batch shares, each node's profile, links (name pair -> (Mbit/s, RTT
     ms)); the prediction as JSON and the site of each node id it uses."""
-    from app.predict import LinkSpec, NodeSpec, TaskSpec, predict
+    from app.perfmodel.predict import LinkSpec, NodeSpec, TaskSpec, predict
     from app.queries.predictions import compression_spec
     from app.schemas.runs import CompressionOptions
 
@@ -635,7 +635,7 @@ def model_prediction(strategy: str, *, profiles: Mapping[str, Mapping[str, Any]]
 def local_prediction(strategy: str, body: Mapping[str, Any], plan: Mapping[str, Any], *,
                      profiles: Mapping[str, Mapping[str, Any]], site_rates: Mapping[tuple[str, str], float],
                      name_of: Mapping[int, str], site_of_name: Mapping[str, str]) -> dict[str, Any]:
-    """The model's prediction computed here (app.predict), from the plan's batch shares, local
+    """The model's prediction computed here (app.perfmodel.predict), from the plan's batch shares, local
     profiles and the testbed probe's rates: the fallback while the API has no "prediction"."""
     names = list(name_of.values())
     links = {(a, b): (site_rates[(site_of_name[a], site_of_name[b])], 0.3) for a in names for b in names if a != b}
@@ -678,7 +678,7 @@ def _repredict_run(doc: Mapping[str, Any], cell: dict[str, Any]) -> dict[str, An
                 "egress_bytes_per_step": cell["measured_egress_bytes_per_step"],
                 "profile": cell.get("measured_profile")}
     return (cell | compare(pred, measured, site_of, tuple(inputs["window"]))
-            | {"prediction_source": "repredicted (app.predict now)", "prediction": pred})
+            | {"prediction_source": "repredicted (app.perfmodel.predict now)", "prediction": pred})
 
 
 def run_and_wait(api: httpx.Client, body: dict[str, Any], timeout_s: float, progress: Progress,
@@ -804,7 +804,7 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
             on_probe = local_prediction(strategy, body, plan, profiles=local_profiles, site_rates=site_rates,
                                         name_of=name_of, site_of_name=site_of_name)  # fmt: skip
             if pred is None:
-                source = "local (app.predict)"
+                source = "local (app.perfmodel.predict)"
                 note = f"{s.key}: prediction computed locally (the plan had no 'prediction')"
                 if note not in info["fallbacks"]:
                     log(f"  {note}")
@@ -869,10 +869,10 @@ def docs_section(doc: dict[str, Any]) -> str:
     counts = summary_counts(cells)
     n = sum(v for k, v in counts.items() if k != "-")
     lines = [SECTION, "",
-             "The performance model (app/predict.py, docs/predict.md) against real runs on the in-box testbed",
+             "The performance model (app/perfmodel/predict.py, docs/predict.md) against real runs on the in-box testbed",
              "(docs/testbed.md): rank 0's median samples/s over the steady steps, and the bytes per step on",
              "links that cross sites, predicted by POST /api/v1/runs/plan against measured. Goal within 10 %,",
-             "bar 15 %. \"on probe links\" is the same model (app.predict, the control plane's task profiles)",
+             "bar 15 %. \"on probe links\" is the same model (app.perfmodel.predict, the control plane's task profiles)",
              "on the testbed's own TCP probe of each site pair, one direction at a time: where it is close and",
              "the API's prediction is not, the links the agents measured are at fault, not the model.",
              f"Each cell is the median of {doc.get('repeats', 1)} run(s), each profiled and predicted afresh just",

@@ -3,7 +3,7 @@
 Mirrors `trainer.wire` (header, float64 scalars, text, per-payload header, the index encoding
 the encoder picks), `trainer.frames` (which scalars each frame carries) and
 `trainer.transport` (an 8-byte length prefix per frame), so the control plane's performance
-model (app/predict.py) counts the bytes a run will send. Every size is exact except the delta
+model (app/perfmodel/predict.py) counts the bytes a run will send. Every size is exact except the delta
 index encodings, whose length depends on where the kept elements lie: there the size is the
 expectation for k positions drawn uniformly at random from n (`expected_fillers`), and the
 encoding chosen is the cheapest in expectation. Top-k of a real gradient clusters more than

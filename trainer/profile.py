@@ -20,7 +20,7 @@ by its `*_per_kept` per element kept beyond; what a dense frame costs per elemen
 and adding one worker's, `dense_aggregate_s_per_element`; encoding one,
 `dense_encode_s_per_element`), and PowerSGD's work on a worker per step at the default rank
 (`powersgd_s`), each the median of a few repeats. The control plane's performance model
-(app/predict.py) reads these. A task that cannot be loaded exits 1 with the reason on stderr.
+(app/perfmodel/predict.py) reads these. A task that cannot be loaded exits 1 with the reason on stderr.
 Node agents run this in a child process, so the agent itself never imports torch.
 """
 

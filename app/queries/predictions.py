@@ -1,10 +1,11 @@
 """Predictions from what the database holds: the model's inputs for a set of nodes, a plan's
 predicted step and hour, the server placement the model prefers, and the optimizer's choice.
 
-The model itself is pure (`app.predict`, `app.optimize`); this module gathers its figures: each
-node's newest finished profile of the task (`result` JSON), the links between the nodes
-(`app.queries.links.link_estimates`: measured, declared or assumed), and the prices in force
-(`DbPriceLookup`, with each node priced as its bill prices it, `app.queries.costs.node_usage`).
+The model itself is pure (`app.perfmodel.predict`, `app.perfmodel.optimize`); this module
+gathers its figures: each node's newest finished profile of the task (`result` JSON), the links
+between the nodes (`app.queries.links.link_estimates`: measured, declared or assumed), and the
+prices in force (`DbPriceLookup`, with each node priced as its bill prices it,
+`app.queries.costs.node_usage`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from sqlalchemy.orm import Session
 from app.billing import NodeUsage, PriceLookup
 from app.errors import InvalidFieldError
 from app.models import Node
-from app.optimize import Candidate, OptimizeResult, optimize
+from app.perfmodel.optimize import Candidate, OptimizeResult, optimize
 from app.planner import Plan, PlanNode
-from app.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict, predict_costs
+from app.perfmodel.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict, predict_costs
 from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
 from app.queries.profiles import latest_profiles, task_key
 from app.schemas.runs import CompressionOptions
@@ -193,7 +194,7 @@ def best_server(inputs: ModelInputs, plan: Plan, candidates: Sequence[PlanNode])
 def run_optimizer(inputs: ModelInputs, *, node_ids: Sequence[int], servers: Sequence[int],
                   global_batch: int, goal: str, budget_usd_per_h: float | None,
                   deadline_s: float | None, strategies: Sequence[str] | None) -> OptimizeResult:
-    """`app.optimize.optimize` over the nodes of `inputs`; raises its `InvalidFieldError`s
+    """`app.perfmodel.optimize.optimize` over the nodes of `inputs`; raises its `InvalidFieldError`s
     (NoPlanError for a budget or deadline nobody meets)."""
     candidates = [Candidate(inputs.specs[i], inputs.usages[i]) for i in node_ids]
     kwargs: dict[str, Any] = {}

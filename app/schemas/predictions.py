@@ -1,4 +1,4 @@
-"""Schemas of predictions: a plan's predicted step and hour (app.predict), the optimizer's
+"""Schemas of predictions: a plan's predicted step and hour (app.perfmodel.predict), the optimizer's
 request and answer (POST /api/v1/plans/optimize), and a profile's full result as agents send it."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _Count = Annotated[int, Field(ge=0, le=2**62, strict=True)]
 _Seconds = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
 _Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 
-# The optimizer tries every subset up to app.optimize.EXHAUSTIVE_MAX candidates (1023 subsets at
+# The optimizer tries every subset up to app.perfmodel.optimize.EXHAUSTIVE_MAX candidates (1023 subsets at
 # 10, ~10 s) and greedy removal beyond; more than this many would keep a request waiting too long.
 MAX_OPTIMIZE_CANDIDATES = 12
 
@@ -67,7 +67,7 @@ class LinkBytesPublic(PublicSchema):
 
 
 class CostPredictionPublic(PublicSchema):
-    """An hour of the predicted run, priced (app.predict.CostPrediction)."""
+    """An hour of the predicted run, priced (app.perfmodel.predict.CostPrediction)."""
 
     samples_per_hour: float
     bytes_by_class_per_hour: dict[str, int]
@@ -80,7 +80,7 @@ class CostPredictionPublic(PublicSchema):
 
 
 class PredictionPublic(PublicSchema):
-    """One strategy's predicted step (app.predict.Prediction) and the cost of an hour of it."""
+    """One strategy's predicted step (app.perfmodel.predict.Prediction) and the cost of an hour of it."""
 
     model_config = ConfigDict(extra="allow")
 

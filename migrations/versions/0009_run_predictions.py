@@ -1,6 +1,6 @@
 """Runs keep the prediction made when they were created; task profiles keep their whole result.
 
-A run's prediction (app.predict, priced) is what its page and GET /runs/{id}/cost set beside
+A run's prediction (app.perfmodel.predict, priced) is what its page and GET /runs/{id}/cost set beside
 what it measured. A profile's result carries the model's inputs (dense_params, buffer_numel,
 worker_compress_s, server_compress_s, aggregate_s) that have no columns of their own.
 

@@ -11,8 +11,8 @@ import pytest
 
 from app.billing import EgressKey, InstanceKey, InstancePrice, NodeUsage, Provider, Site, StaticPriceTable, TrafficClass
 from app.errors import InvalidFieldError
-from app.optimize import Candidate, Goal, NoPlanError, optimize
-from app.predict import LinkSpec, NodeSpec, TaskSpec, predict
+from app.perfmodel.optimize import Candidate, Goal, NoPlanError, optimize
+from app.perfmodel.predict import LinkSpec, NodeSpec, TaskSpec, predict
 from hybridtrain.contract import proportional_batch_sizes
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -169,7 +169,7 @@ def test_a_server_outside_the_candidates_is_refused():
 
 
 def test_more_candidates_than_exhaustive_search_fall_back_to_greedy_removal(monkeypatch):
-    import app.optimize as opt
+    import app.perfmodel.optimize as opt
 
     monkeypatch.setattr(opt, "EXHAUSTIVE_MAX", 2)
     cands = [cand(1, CLOUD), cand(2, CLOUD), cand(3, FAR)]

@@ -13,7 +13,7 @@ from decimal import Decimal
 import pytest
 
 from app.billing import EgressKey, InstanceKey, InstancePrice, NodeUsage, Provider, Site, StaticPriceTable, TrafficClass
-from app.predict import (
+from app.perfmodel.predict import (
     BACKWARD_SHARE,
     DDP_OVERLAP,
     PIPELINE_EFFICIENCY,
@@ -25,7 +25,7 @@ from app.predict import (
     predict,
     predict_costs,
 )
-from app.predict_steps import chunk_pipeline
+from app.perfmodel.steps import chunk_pipeline
 from hybridtrain.wiresize import grad_frame_bytes, kept_for, update_frame_bytes
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)

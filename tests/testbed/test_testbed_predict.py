@@ -225,7 +225,7 @@ def _recorded_run(**cell) -> dict:
 
 
 def test_repredict_predicts_each_recorded_run_again_with_the_model_as_it_is() -> None:
-    from app.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict
+    from app.perfmodel.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict
 
     doc = bp.repredict(_recorded_run())
     cell = doc["cells"][0]

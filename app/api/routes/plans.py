@@ -10,7 +10,7 @@ from app.api.deps import CiDep, DispatcherDep, SessionDep
 from app.api.responses import NOT_FOUND_OR_CONFLICT
 from app.api.routes.runs import order_profiles_for_plan, plan_public
 from app.errors import InvalidFieldError
-from app.optimize import NoPlanError
+from app.perfmodel.optimize import NoPlanError
 from app.queries import predictions
 from app.queries import runs as run_queries
 from app.queries.bundles import get_bundle

@@ -3,7 +3,7 @@
 `optimize` tries every subset of the candidate nodes (greedy removal beyond `EXHAUSTIVE_MAX`),
 every strategy asked for and, for parameter-server strategies, every candidate as the server
 (for ps-gc; ps and ps-bz-gc try the SERVER_SHORTLIST servers best for ps-gc on the same nodes),
-predicts each plan (`app.predict.predict`) and prices an hour of it (`predict_costs`), and keeps
+predicts each plan (`app.perfmodel.predict.predict`) and prices an hour of it (`predict_costs`), and keeps
 the best under the goal:
 
 - `Goal.cost`: the lowest $/1M samples (ties: more samples/s);
@@ -36,7 +36,7 @@ from enum import StrEnum
 
 from app.billing import NodeUsage, PriceLookup, Site
 from app.errors import InvalidFieldError
-from app.predict import (
+from app.perfmodel.predict import (
     CompressionSpec,
     CostPrediction,
     LinkSpec,

@@ -1,5 +1,5 @@
 """The performance model's inputs: a node, the task, the compression settings and a link, as
-plain frozen dataclasses read from task profiles, probes and run options (app/predict.py)."""
+plain frozen dataclasses read from task profiles, probes and run options (app/perfmodel/predict.py)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Pure functions over plain figures (no database, no torch): a node's speed and compression
 costs come from its task profile, a link's bandwidth and round trip from probes (or declared or
 assumed values), the bytes from `hybridtrain.wiresize`, the prices through
-`app.billing.compute_bill`. The inputs are `app.predict_inputs`, one step of each strategy
-`app.predict_steps`. docs/predict.md writes out every equation and assumption; in short:
+`app.billing.compute_bill`. The inputs are `app.perfmodel.inputs`, one step of each strategy
+`app.perfmodel.steps`. docs/predict.md writes out every equation and assumption; in short:
 
 1. compute_m = n_m / samples_per_s_m (the profile's rate, linear in the batch).
 2. PS strategies: the step is max_m(compute_m + compress_m + upload_m) + server + max_m(download_m
@@ -37,7 +37,7 @@ from app.billing import (
     compute_bill,
     granularity,
 )
-from app.predict_inputs import (
+from app.perfmodel.inputs import (
     LOOPBACK,
     LOOPBACK_MBPS,
     LOOPBACK_RTT_MS,
@@ -47,7 +47,7 @@ from app.predict_inputs import (
     PredictError,
     TaskSpec,
 )
-from app.predict_steps import (
+from app.perfmodel.steps import (
     BACKWARD_SHARE,
     DDP_OVERLAP,
     PIPELINE_EFFICIENCY,

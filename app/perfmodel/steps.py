@@ -1,6 +1,6 @@
-"""One step of each strategy under the performance model (app/predict.py): transfers sharing
+"""One step of each strategy under the performance model (app/perfmodel/predict.py): transfers sharing
 pipes, the parameter-server step (pipelined or not), the adaptive densities' path, the ring
-all-reduce and PowerSGD. Pure functions over `app.predict_inputs`; docs/predict.md has the
+all-reduce and PowerSGD. Pure functions over `app.perfmodel.inputs`; docs/predict.md has the
 equations."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from app.predict_inputs import LOOPBACK, CompressionSpec, LinkSpec, NodeSpec, PredictError, TaskSpec
+from app.perfmodel.inputs import LOOPBACK, CompressionSpec, LinkSpec, NodeSpec, PredictError, TaskSpec
 from hybridtrain.contract import adapt_densities
 from hybridtrain.wiresize import grad_frame_bytes, kept_for, update_frame_bytes
 
