@@ -189,7 +189,7 @@ SYSTEM_METRICS = frozenset(
      "outer_norm"}
 )
 # Seconds an evaluation held the run up (logged at its step). time_to_target_s counts them, as
-# the bill does; a comparison of training algorithms subtracts them (testbed/paper_figures.py).
+# the bill does; a comparison of training algorithms subtracts them (testbed/bench/paper_figures.py).
 EVAL_S = "eval_s"
 VAL_LOSS = "val_loss"
 # The metric name of runs stored before task metrics existed (read, never written).

@@ -238,12 +238,12 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _bench_paper(args: argparse.Namespace) -> int:
-    from testbed import paperbench
+    from testbed.bench import paperbench
 
     return paperbench.main(args)
 
 
 def _bench_faults(args: argparse.Namespace) -> int:
-    from testbed import faults
+    from testbed.bench import faults
 
     return faults.main(args)

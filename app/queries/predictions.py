@@ -23,8 +23,8 @@ from app.billing import NodeUsage, PriceLookup
 from app.errors import InvalidFieldError
 from app.models import Node
 from app.perfmodel.optimize import Candidate, OptimizeResult, optimize
-from app.planner import Plan, PlanNode
 from app.perfmodel.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict, predict_costs
+from app.planner import Plan, PlanNode
 from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
 from app.queries.profiles import latest_profiles, task_key
 from app.schemas.runs import CompressionOptions

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
 from app.cli import main
-from app.errors import InvalidFieldError
 from app.cli.event_commands import timeline
+from app.errors import InvalidFieldError
 from app.models import Node, Run, RunStatus, RunWorker, Site, WorkerStatus
 from app.models.enums import Continent, Provider, SiteKind
 from app.queries.events import list_events, record_event

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from app.cli.local import join_hint
 from app.config import Settings
 from app.join_reach import is_local_only, join_obstacles
-from app.cli.local import join_hint
 
 
 def _settings(**fields: str) -> Settings:

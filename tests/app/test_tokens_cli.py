@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from app.cli.token_commands import parse_duration
 from app.config import Settings
 from app.main import create_app
-from app.cli.token_commands import parse_duration
 
 REPO = Path(__file__).resolve().parents[2]
 HYBRIDTRAIN = str(Path(sys.executable).with_name("hybridtrain"))

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from testbed import processes
+from testbed.bench.paper_workloads import BenchSettings, calibrate, workdir_of
 from testbed.errors import TestbedError
-from testbed.paper_workloads import BenchSettings, calibrate, workdir_of
 from testbed.state import TestbedState
 
 Log = Callable[[str], None]

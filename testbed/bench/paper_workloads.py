@@ -81,7 +81,7 @@ FULL = BenchSettings(
     max_steps=50,
     target="accuracy>=0.95",
     # Time to target is read this finely; the evaluations' own time is left out of it
-    # (testbed/paper_figures.py), and of the throughput.
+    # (testbed/bench/paper_figures.py), and of the throughput.
     eval_every=2,
     stop_at_target=False,
     pipeline_chunks=4,
@@ -171,7 +171,7 @@ QUICK = quick(FULL)
 
 def workdir_of(s: BenchSettings) -> Path | None:
     """The workload's own code directory, resolved against the repository (None: built-in task)."""
-    return Path(__file__).resolve().parents[1] / s.workdir if s.workdir else None
+    return Path(__file__).resolve().parents[2] / s.workdir if s.workdir else None
 
 
 def seeds_of(s: BenchSettings) -> list[int]:
