@@ -17,9 +17,11 @@ Per outer step (DiLoCo, Douillard et al. 2023, algorithm 1; the numbers are the 
 Choices (the paper is silent, docs/trainer.md says more): the outer optimizer runs on every worker,
 not on the server, so that the server's reply is the (compressible) mean change rather than the
 whole model; heterogeneous workers all take the same H inner steps with batches sized to their
-speed (`allocation flops`, the paper's rule), so they reach the outer step together and the
-global batch of every inner step is the run's, whereas a timed outer step would give each worker
-its own step count and break the sharding of each global batch.
+speed (the paper's rule: FLOPs first, then re-split from each round's measured compute), so they
+reach the outer step together and the global batch of every inner step is the run's, whereas a
+timed outer step would give each worker its own step count and break the sharding of each global
+batch. With --outer-delay the outer step lands a few inner steps after its exchange began
+(`LocalSGD.parameters_after`).
 """
 
 from __future__ import annotations
