@@ -10,6 +10,7 @@ from agents.spec import RoleSpec, trainer_argv
 from app.models import Run, RunWorker
 from app.lifecycle.orders import launch_orders
 from app.schemas.runs import RunCreate
+from hybridtrain.contract import is_ps
 from trainer import cli as trainer_cli
 
 SHA = "ab" * 32
@@ -26,7 +27,7 @@ def _config(order):
 
 
 def _run(strategy: str, compression: dict) -> Run:
-    ps = strategy.startswith("ps")
+    ps = is_ps(strategy)
     workers = ([RunWorker(rank=0, role="ps", node_id=1, node_name="a")] if ps else []) + [
         RunWorker(rank=i + int(ps), role="worker", node_id=1 + i, node_name=f"n{i}", batch_size=b, gpu_index=0)
         for i, b in enumerate([30, 20, 14])
@@ -47,6 +48,8 @@ def _run(strategy: str, compression: dict) -> Run:
                       "momentum_correction": False}),
         ("ps", {}),
         ("allreduce-powersgd", {"powersgd_rank": 4}),
+        ("diloco-gc", {"sync_every": 10, "outer_lr": 0.5, "outer_momentum": 0.3, "outer_density": 0.05,
+                       "outer_delay": 2}),
     ],
 )
 def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compression):
@@ -67,6 +70,9 @@ def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compressio
             assert cfg.pipeline_chunks == 4 and cfg.momentum_correction is False
         if strategy == "allreduce-powersgd":
             assert cfg.powersgd_rank == 4
+        if strategy == "diloco-gc":
+            assert (cfg.sync_every, cfg.outer_lr, cfg.outer_momentum, cfg.outer_density, cfg.outer_delay) == (
+                10, 0.5, 0.3, 0.05, 2)
 
 
 def test_run_request_compression_fields_map_to_trainer_flags():
