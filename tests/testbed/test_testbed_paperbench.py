@@ -536,5 +536,6 @@ def test_a_delay_variant_overlaps_a_local_sgd_strategys_outer_exchange() -> None
     assert strategy_variant("diloco+delay3") == ("diloco", "delay3")
     body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay3")
     assert body["compression"] == {"pipeline_chunks": 4, "sync_every": 10, "outer_delay": 3}
+    assert variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay5")["compression"]["outer_delay"] == 5
     with pytest.raises(TestbedError, match="local SGD"):
         strategy_variant("ps-bz-gc+delay3")
