@@ -11,13 +11,15 @@ from typing import Any
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.api.main import api_router
 from app.agent_wheel import AgentWheel, source_tree
 from app.api.routes import dist, health, prometheus
 from app.config import Settings, get_settings
-from app.db import make_engine, make_sessionmaker
+from app.capacity import RETRY_AFTER_S, AdmissionMiddleware
+from app.db import make_engine, make_health_engine, make_sessionmaker
 from app.errors import (
     ConflictError,
     HybridtrainError,
@@ -75,6 +77,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         logger.warning("database unavailable: %s", exc.orig)
         return _error(status.HTTP_503_SERVICE_UNAVAILABLE, "the database is unavailable")
 
+    @app.exception_handler(PoolTimeoutError)
+    def pool_exhausted(_: Request, exc: PoolTimeoutError) -> JSONResponse:
+        # Admission keeps a connection for every admitted request; this is a bug's symptom.
+        logger.error("no pooled connection in time: %s", exc)
+        response = _error(status.HTTP_503_SERVICE_UNAVAILABLE, "the server is at capacity; retry")
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
     @app.exception_handler(DBAPIError)
     def database_error(_: Request, exc: DBAPIError) -> JSONResponse:
         logger.error("database error: %s", exc.orig)
@@ -85,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """A control-plane app on `settings` (default: the environment's). It does not migrate."""
     settings = settings or get_settings()
     engine = make_engine(settings)
+    health_engine = make_health_engine(settings, engine)
     factory = make_sessionmaker(engine)
     # Runs: orders to the agents, and the periodic check for silent nodes (app/monitor.py).
     dispatcher = Dispatcher(settings.celery_broker_url)
@@ -102,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         monitor.stop()
         dispatcher.close()
         engine.dispose()
+        health_engine.dispose()
 
     app = FastAPI(
         title="hybridtrain control plane",
@@ -111,6 +123,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.engine = engine
+    app.state.health_engine = health_engine
     app.state.sessionmaker = factory
     app.state.dispatcher = dispatcher
     app.state.monitor = monitor
@@ -119,9 +132,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router, tags=["health"])
     app.include_router(prometheus.router, tags=["operations"])
     app.include_router(dist.router, tags=["operations"])
-    install_telemetry(app)
     app.include_router(api_router, prefix=API_PREFIX)
     install_dashboard(app)
+    # Inside the request metrics, so that its 503s are counted with the rest.
+    app.add_middleware(AdmissionMiddleware, settings=settings)
+    install_telemetry(app)
     if settings.trusted_proxies:
         # Added last, so outermost: everything inside sees the client and scheme it forwarded.
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.trusted_proxies)
