@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     # Largest JSON (or form) body any route reads, in bytes; bundles and checkpoints have
     # their own limits below. Larger bodies get 413 while being read.
     json_max_bytes: int = Field(default=1024 * 1024, gt=0)
+    # Largest body of an agent's report (heartbeat, logs, spooled metrics) or a trainer's
+    # metrics batch: 10,000 records of a few hundred bytes each fit.
+    report_max_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     # Largest accepted bundle of users' code (a gzipped tar), in bytes; larger uploads get 413.
     bundle_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     # Where bundles are kept as <sha256>.tar.gz; None keeps them in the database.
