@@ -61,8 +61,8 @@ _REPR.maxstring = _REPR.maxother = EXCERPT_CHARS
 
 
 def excerpt(value: Any) -> Any:
-    """`value` as a validation error may show it: scalars as they are, anything long or
-    nested as the start of its JSON text."""
+    """`value` as a validation error may show it: numbers and short text as they are (NaN and
+    Infinity as text, which JSON can carry), anything longer or nested as a bounded repr."""
     if value is None or isinstance(value, bool | int):
         return value
     if isinstance(value, float):

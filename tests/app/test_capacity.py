@@ -123,14 +123,16 @@ def test_a_crowd_of_readers_gets_answers_or_fast_503s_while_heartbeats_and_healt
     assert set(reads.statuses) <= {200, 503}, sorted(set(reads.statuses))
     assert 200 in reads.statuses
     refused = [lat for status, lat in zip(reads.statuses, reads.latencies) if status == 503]
+    # The bounds leave seconds for the client, which shares this process and two CPUs with the
+    # server; before admission, every read and heartbeat here waited for the pool's 30 s.
     # A refusal comes at the latest after the admission wait, with a hint when to come back.
-    assert all(lat < small_settings.admission_wait_s + 2.0 for lat in refused), max(refused)
+    assert all(lat < small_settings.admission_wait_s + 4.0 for lat in refused), max(refused)
     assert all(r is not None for s, r in zip(reads.statuses, reads.retry_after) if s == 503)
     # Heartbeats have lanes of their own: every one lands, none waits for the readers.
     assert beats.statuses and set(beats.statuses) == {200}, beats.statuses
-    assert max(beats.latencies) < 3.0, max(beats.latencies)
+    assert max(beats.latencies) < 4.0, max(beats.latencies)
     assert health.statuses and set(health.statuses) == {200}, health.statuses
-    assert max(health.latencies) < 3.0, max(health.latencies)
+    assert max(health.latencies) < 4.0, max(health.latencies)
 
     # Once the crowd has gone the server answers at once, and no node looks dead.
     with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5) as admin:
