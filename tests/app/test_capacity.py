@@ -10,11 +10,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+import anyio
 import httpx
 import pytest
 
 from app import db
+from app.capacity import Lane, lane_of
 from app.config import Settings
 from app.main import create_app
 from tests.app.conftest import ADMIN_TOKEN, API, make_settings
@@ -143,3 +146,42 @@ def test_a_crowd_of_readers_gets_answers_or_fast_503s_while_heartbeats_and_healt
           f"read p50 {sorted(reads.latencies)[len(reads.latencies) // 2]:.3f} s, max {max(reads.latencies):.3f} s; "
           f"heartbeats: {len(beats.latencies)}, max {max(beats.latencies):.3f} s; "
           f"healthz: {len(health.latencies)}, max {max(health.latencies):.3f} s")
+
+
+@pytest.mark.parametrize(("method", "path", "lane"), [
+    ("POST", f"{API}/agent/heartbeat", "agent"),
+    ("POST", f"{API}/agent/runs/7/logs", "agent"),
+    ("POST", f"{API}/runs/7/metrics", "agent"),
+    ("GET", f"{API}/runs/7/metrics", "api"),
+    ("POST", f"{API}/bundles", "upload"),
+    ("PUT", f"{API}/runs/7/checkpoint", "upload"),
+    ("GET", f"{API}/runs", "api"),
+    ("GET", "/runs/7/stream", "api"),
+    ("GET", "/healthz", None),
+    ("GET", "/static/plotly.min.js", None),
+])
+def test_each_request_is_admitted_in_its_lane(method: str, path: str, lane: str | None) -> None:
+    assert lane_of(method, path) == lane
+
+
+def test_a_full_lane_queues_a_bounded_number_for_a_bounded_time() -> None:
+    async def scenario() -> tuple[bool, bool, bool, float]:
+        lane = Lane("api", slots=1, queue=1, wait_s=0.3)
+        first = await lane.enter()
+        outcomes: list[bool] = []
+        started = time.monotonic()
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: _append(outcomes, lane.enter()))
+            await anyio.sleep(0.05)
+            queue_full = await lane.enter()  # one is already waiting: refused at once
+            assert time.monotonic() - started < 0.2
+        waited = time.monotonic() - started
+        return first, outcomes[0], queue_full, waited
+
+    first, waiter, queue_full, waited = anyio.run(scenario)
+    assert (first, waiter, queue_full) == (True, False, False)
+    assert 0.3 <= waited < 1.0
+
+
+async def _append(into: list[bool], entering: Any) -> None:
+    into.append(await entering)
