@@ -9,11 +9,12 @@ requests, the pool has a connection for every slot and the thread limiter a thre
 slot, so an admitted request never waits for either; a request that finds its lane full waits
 a bounded time in a bounded queue, then gets 503 with Retry-After.
 
-    lane     routes                                              slots
-    agent    /api/v1/agent/*, POST /api/v1/runs/{id}/metrics     agent_slots
-    upload   POST /api/v1/bundles, PUT /api/v1/runs/{id}/checkpoint   upload_slots
-    api      everything else (REST, pages, /metrics)            api_slots
-    -        /healthz (own engine and thread), /static/*         not admitted
+    lane       routes                                              slots
+    heartbeat  POST /api/v1/agent/heartbeat                        heartbeat_slots
+    agent      /api/v1/agent/*, POST /api/v1/runs/{id}/metrics     agent_slots
+    upload     POST /api/v1/bundles, PUT /api/v1/runs/{id}/checkpoint   upload_slots
+    api        everything else (REST, pages, /metrics)            api_slots
+    -          /healthz (own engine and thread), /static/*         not admitted
 
 A run page's live stream is admitted in the api lane until its answer starts, then counted
 against `max_streams`; its polls share `stream_threads` threads (`stream_limiter`).
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 _AGENT_PATH = re.compile(r"^/api/v1/agent/")
+_HEARTBEAT_PATH = re.compile(r"^/api/v1/agent/heartbeat/?$")
 _RUN_METRICS_PATH = re.compile(r"^/api/v1/runs/[^/]+/metrics$")
 _UPLOAD_PATHS = (
     ("POST", re.compile(r"^/api/v1/bundles/?$")),
@@ -51,6 +53,8 @@ def lane_of(method: str, path: str) -> str | None:
     """The lane a request is admitted in; None for those that take no slot."""
     if _EXEMPT_PATHS.match(path):
         return None
+    if method == "POST" and _HEARTBEAT_PATH.match(path):
+        return "heartbeat"
     if _AGENT_PATH.match(path) or (method == "POST" and _RUN_METRICS_PATH.match(path)):
         return "agent"
     if any(method == m and p.match(path) for m, p in _UPLOAD_PATHS):
@@ -119,6 +123,7 @@ def _gates(settings: Settings) -> _Gates:
         gates = _Gates(lanes={
             "api": Lane("api", settings.api_slots, queue, wait),
             "agent": Lane("agent", settings.agent_slots, queue, wait),
+            "heartbeat": Lane("heartbeat", settings.heartbeat_slots, queue, wait),
             "upload": Lane("upload", settings.upload_slots, queue, wait),
         })
         per_settings[id(settings)] = gates

@@ -58,10 +58,12 @@ class Settings(BaseSettings):
     # lane. An admitted request holds at most one pooled connection and one worker thread at a
     # time, so the pool and AnyIO's thread limiter are sized from these (`db_pool_size`,
     # `worker_threads`) and an admitted request never waits for either. Readers, pages and CI
-    # share the api lane; agents and trainers' metrics have their own, so a crowd of readers
-    # cannot make nodes look dead; uploads of bundles and checkpoints theirs.
+    # share the api lane; agents' reports and trainers' metrics have their own, heartbeats
+    # theirs, so no crowd can make nodes look dead; uploads of bundles and checkpoints theirs.
     api_slots: int = Field(default=8, ge=1, le=1000)
     agent_slots: int = Field(default=4, ge=1, le=1000)
+    # Heartbeats alone: neither readers nor agents' logs and metrics can make a node look dead.
+    heartbeat_slots: int = Field(default=2, ge=1, le=1000)
     upload_slots: int = Field(default=2, ge=1, le=100)
     # A request that finds its lane full waits for a slot, this many at most per lane and this
     # long at most; beyond either it is answered 503 with Retry-After at once.
@@ -146,12 +148,17 @@ class Settings(BaseSettings):
     def db_pool_size(self) -> int:
         """Connections the pool keeps: one per lane slot and stream thread, one for the
         liveness monitor (/healthz has an engine of its own)."""
-        return self.api_slots + self.agent_slots + self.upload_slots + self.stream_threads + 1
+        return self.lane_slots + self.stream_threads + 1
 
     @property
     def worker_threads(self) -> int:
         """Tokens of AnyIO's default thread limiter, which runs sync handlers and dependencies."""
-        return self.api_slots + self.agent_slots + self.upload_slots + self.spare_threads
+        return self.lane_slots + self.spare_threads
+
+    @property
+    def lane_slots(self) -> int:
+        """Requests admitted at once, all lanes together."""
+        return self.api_slots + self.agent_slots + self.heartbeat_slots + self.upload_slots
 
     @property
     def is_sqlite(self) -> bool:

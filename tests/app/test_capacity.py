@@ -44,10 +44,10 @@ class Timings:
 
 @pytest.fixture
 def small_settings(scratch_postgres_url: str, redis_url: str) -> Settings:
-    """A control plane with 3 reader slots, 2 agent slots and a pool sized from them."""
+    """A control plane with 3 reader slots, 2 agent and 1 heartbeat slots, a pool sized from them."""
     db.upgrade(scratch_postgres_url)
     return make_settings(
-        scratch_postgres_url, celery_broker_url=redis_url, api_slots=3, agent_slots=2, stream_threads=1,
+        scratch_postgres_url, celery_broker_url=redis_url, api_slots=3, agent_slots=2, heartbeat_slots=1, upload_slots=1, stream_threads=1,
         admission_queue=16, admission_wait_s=1.0,
     )
 
@@ -149,7 +149,8 @@ def test_a_crowd_of_readers_gets_answers_or_fast_503s_while_heartbeats_and_healt
 
 
 @pytest.mark.parametrize(("method", "path", "lane"), [
-    ("POST", f"{API}/agent/heartbeat", "agent"),
+    ("POST", f"{API}/agent/heartbeat", "heartbeat"),
+    ("POST", f"{API}/agent/register", "agent"),
     ("POST", f"{API}/agent/runs/7/logs", "agent"),
     ("POST", f"{API}/runs/7/metrics", "agent"),
     ("GET", f"{API}/runs/7/metrics", "api"),
