@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     # Largest JSON (or form) body any route reads, in bytes; bundles and checkpoints have
     # their own limits below. Larger bodies get 413 while being read.
     json_max_bytes: int = Field(default=1024 * 1024, gt=0)
+    # How long a client may take to send a JSON (or form) body or a report, in all: a client
+    # that trickles its body must not hold its admission slot for long (uploads excepted).
+    body_timeout_s: float = Field(default=10.0, gt=0, le=600)
     # Largest body of an agent's report (heartbeat, logs, spooled metrics) or a trainer's
     # metrics batch: 10,000 records of a few hundred bytes each fit.
     report_max_bytes: int = Field(default=8 * 1024 * 1024, gt=0)

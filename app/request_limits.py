@@ -5,6 +5,9 @@
   checkpoints their configured limits. A declared Content-Length above the limit is refused
   before a byte is read, a chunked body as soon as it passes the limit: 413 either way.
 
+- **Time**: a JSON or form body, or a report, must arrive whole within `body_timeout_s`, or
+  the request gets 408: a client trickling its body holds its admission slot that long at most.
+
 Authentication of the large uploads happens in their dependencies, before they read the body
 (app/api/routes/checkpoints.py, bundles.py).
 """
@@ -13,8 +16,11 @@ from __future__ import annotations
 
 import re
 
+import anyio
+from fastapi import HTTPException
+
 from starlette.middleware.body_limit import RequestBodyLimitResponder
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.config import Settings
 
@@ -23,6 +29,12 @@ MULTIPART_OVERHEAD = 64 * 1024
 _REPORT_PATH = re.compile(r"^/api/v1/(agent/.*|runs/[^/]+/metrics)$")
 _BUNDLE_PATHS = re.compile(r"^(/api/v1/bundles/?|/runs)$")
 _CHECKPOINT_PATH = re.compile(r"^/api/v1/runs/[^/]+/checkpoint$")
+
+
+def is_upload(method: str, path: str) -> bool:
+    """Whether `method path` takes a bundle or a checkpoint (held to its size, not a time)."""
+    return (method == "PUT" and bool(_CHECKPOINT_PATH.match(path))) or (
+        method == "POST" and bool(_BUNDLE_PATHS.match(path)))
 
 
 def body_limit(settings: Settings, method: str, path: str) -> int:
@@ -47,5 +59,30 @@ class RequestLimitsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = body_limit(self.settings, scope["method"], scope["path"])
+        method, path = scope["method"], scope["path"]
+        limit = body_limit(self.settings, method, path)
+        if not is_upload(method, path):
+            receive = _within(receive, self.settings.body_timeout_s)
         await RequestBodyLimitResponder(self.app, limit)(scope, receive, send)
+
+
+def _within(receive: Receive, timeout_s: float) -> Receive:
+    """`receive` that raises 408 if the body is not whole `timeout_s` after the first call;
+    once it is, later calls (waiting for a disconnect) wait as long as they like."""
+    deadline: float | None = None
+    whole = False
+
+    async def receive_within() -> Message:
+        nonlocal deadline, whole
+        if whole:
+            return await receive()
+        if deadline is None:
+            deadline = anyio.current_time() + timeout_s
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                whole = True
+            return message
+        raise HTTPException(408, f"the request body did not arrive within {timeout_s:g} s")
+
+    return receive_within

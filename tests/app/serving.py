@@ -45,8 +45,11 @@ def cli_server(app: FastAPI, name: str) -> Iterator[list[str]]:
         yield ["--server", url, "--token", ADMIN_TOKEN]
 
 
-def drive_asgi(app: FastAPI, method: str, path: str, headers: dict[str, str], chunks: Iterator[bytes]) -> tuple[int, bytes, int]:
-    """Drive the app directly: its status, its body, and how many body bytes it pulled."""
+def drive_asgi(
+    app: FastAPI, method: str, path: str, headers: dict[str, str], chunks: Iterator[bytes | float]
+) -> tuple[int, bytes, int]:
+    """Drive the app directly: its status, its body, and how many body bytes it pulled (a
+    float among the chunks is a pause of the client's, in seconds)."""
     pulled = 0
     status = 0
     answer = bytearray()
@@ -55,6 +58,9 @@ def drive_asgi(app: FastAPI, method: str, path: str, headers: dict[str, str], ch
     async def receive() -> dict[str, Any]:
         nonlocal pulled
         chunk = next(chunks, None)
+        while isinstance(chunk, float):  # a pause of the client's, in seconds
+            await asyncio.sleep(chunk)
+            chunk = next(chunks, None)
         if chunk is None:
             return {"type": "http.request", "body": b"", "more_body": False}
         pulled += len(chunk)

@@ -18,7 +18,8 @@ from app.config import Settings
 from app.main import EXCERPT_CHARS
 from runs_testing import online_node_fixture  # noqa: F401 (fixture)
 
-from tests.app.conftest import API
+from app.main import create_app
+from tests.app.conftest import API, make_settings
 from tests.app.serving import MiB, body_chunks, drive_asgi
 
 
@@ -148,3 +149,17 @@ def test_an_agent_report_may_be_larger_than_a_json_body_up_to_its_own_limit(sett
     assert body_limit(settings, "POST", f"{API}/runs/7/metrics") == settings.report_max_bytes
     assert body_limit(settings, "PUT", f"{API}/runs/7/checkpoint") == settings.checkpoint_max_bytes
     assert json.dumps(settings.json_max_bytes)
+
+
+def test_a_body_trickled_slower_than_the_timeout_gets_408(migrated_postgres_url: str) -> None:
+    slow = create_app(make_settings(migrated_postgres_url, body_timeout_s=0.5))
+
+    def trickle() -> Iterator[bytes | float]:
+        yield b'{"name": '
+        yield 1.0  # the client pauses past the deadline
+        yield b'"x"}'
+
+    started = time.monotonic()
+    status, body, _ = drive_asgi(slow, "POST", f"{API}/sites", {"content-type": "application/json"}, trickle())
+    assert status == 408, body
+    assert time.monotonic() - started < 3
