@@ -316,7 +316,6 @@ class _Stream:
 
     def __init__(self, request: Request, run_id: int, metrics_after: int, logs_after: int, events_after: int = 0) -> None:
         self.factory = request.app.state.sessionmaker
-        self.limiter = stream_limiter(request.app.state.settings)
         self.run_id = run_id
         self.metrics = IdCursor(metrics_after)
         self.logs = IdCursor(logs_after)
@@ -367,11 +366,13 @@ def open_stream(
 
 
 @router.get("/runs/{run_id}/stream", response_class=EventSourceResponse)
-async def stream_run(stream: Annotated[_Stream, Depends(open_stream)]) -> AsyncIterator[ServerSentEvent]:
+async def stream_run(request: Request, stream: Annotated[_Stream, Depends(open_stream)]) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events of a run: `metrics` (points to append), `logs`, `status`, `end`."""
+    # The polls of every open stream share a few threads (each holds a connection meanwhile).
+    limiter = stream_limiter(request.app.state.settings)
     ended_at: float | None = None
     while True:
-        appends, lines, status, finished = await anyio.to_thread.run_sync(stream.poll, limiter=stream.limiter)
+        appends, lines, status, finished = await anyio.to_thread.run_sync(stream.poll, limiter=limiter)
         if appends:
             yield ServerSentEvent(event="metrics", data={"appends": appends, "after": stream.sent_metrics})
         if lines:
