@@ -33,15 +33,17 @@ from agents.errors import (
     ControlPlaneUnavailable,
 )
 from agents.spec import BundleRef
+from hybridtrain import bundle_limits
 
 log = logging.getLogger(__name__)
 
 # The control plane refuses uploads above its own limit (64 MiB by default, configurable);
 # the agent's bound only has to stop a runaway stream, so it sits well above that.
 DEFAULT_MAX_BYTES = 1 << 30
-# A small archive can expand enormously (a "zip bomb"); the unpacked tree is bounded too.
-DEFAULT_MAX_UNPACKED_BYTES = 8 << 30
-DEFAULT_MAX_MEMBERS = 100_000
+# A small archive can expand enormously (a "zip bomb"); the unpacked tree is bounded too, by
+# the limits the control plane also holds uploads to (hybridtrain/bundle_limits.py).
+DEFAULT_MAX_UNPACKED_BYTES = bundle_limits.MAX_UNPACKED_BYTES
+DEFAULT_MAX_MEMBERS = bundle_limits.MAX_MEMBERS
 # Below the control plane's launch timeout (180 s by default): a launch still downloading
 # when the run has already been failed for not starting would only start to be stopped.
 DEFAULT_DOWNLOAD_DEADLINE_S = 150.0
@@ -187,14 +189,14 @@ class BundleCache:
         try:
             with tarfile.open(archive, "r:gz") as tar:
                 members = tar.getmembers()
-                self._check_members(members, label)
+                self._check_members(members, label, archive_bytes=archive.stat().st_size)
                 tar.extractall(into, members=members, filter="data")
         except tarfile.FilterError as exc:
             raise BundleError(f"bundle {label}: unsafe member refused: {exc}") from exc
         except (tarfile.TarError, EOFError, zlib.error) as exc:
             raise BundleError(f"bundle {label}: not a readable gzip tar: {exc}") from exc
 
-    def _check_members(self, members: list[tarfile.TarInfo], label: str) -> None:
+    def _check_members(self, members: list[tarfile.TarInfo], label: str, *, archive_bytes: int) -> None:
         if len(members) > self.max_members:
             raise BundleError(f"bundle {label}: more than {self.max_members} members")
         total = 0
@@ -203,6 +205,9 @@ class BundleCache:
             total += member.size
             if total > self.max_unpacked_bytes:
                 raise BundleError(f"bundle {label}: unpacks to more than {self.max_unpacked_bytes} bytes")
+        refused = bundle_limits.expansion_refusal(unpacked_bytes=total, archive_bytes=archive_bytes)
+        if refused is not None:
+            raise BundleError(f"bundle {label}: {refused}")
 
 
 def check_member(member: tarfile.TarInfo, label: str) -> None:

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from app.errors import HybridtrainError, InvalidFieldError, NotFoundError
 from app.models import Bundle, BundleStorage
+from hybridtrain.bundle_limits import unpack_refusal
 
 CHUNK = 1024 * 1024
 # Uploads up to this size stay in memory while they are checked; larger ones spill to disk.
@@ -132,15 +133,23 @@ def unsafe_member_reason(member: tarfile.TarInfo) -> str | None:
 
 
 def count_files(fileobj: IO[bytes]) -> int:
-    """The regular files in a gzipped tar; InvalidFieldError('file') for anything unsafe."""
+    """The regular files in a gzipped tar; InvalidFieldError('file') for anything unsafe, or
+    for an archive the agents would refuse to unpack (hybridtrain/bundle_limits.py), found
+    from the members' headers before their contents are decompressed."""
+    archive_bytes = fileobj.seek(0, os.SEEK_END)
     fileobj.seek(0)
-    files = 0
+    files = members = unpacked = 0
     try:
         with tarfile.open(fileobj=fileobj, mode="r:gz") as archive:
             for member in archive:
                 reason = unsafe_member_reason(member)
                 if reason is not None:
                     raise InvalidFieldError("file", f"unsafe archive member: {reason}")
+                members += 1
+                unpacked += member.size
+                refused = unpack_refusal(members=members, unpacked_bytes=unpacked, archive_bytes=archive_bytes)
+                if refused is not None:
+                    raise InvalidFieldError("file", f"the agents would refuse to unpack this bundle: {refused}")
                 files += member.isfile()
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         raise InvalidFieldError("file", f"not a gzipped tar archive: {exc}") from None

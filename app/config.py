@@ -54,7 +54,40 @@ class Settings(BaseSettings):
     launch_timeout_s: float = 180.0
     # How often the control plane looks for silent nodes and stuck launches.
     monitor_interval_s: float = 5.0
-    db_pool_size: int = 10
+    # Capacity (docs/control-plane.md, "Capacity"): how many requests are worked on at once, per
+    # lane. An admitted request holds at most one pooled connection and one worker thread at a
+    # time, so the pool and AnyIO's thread limiter are sized from these (`db_pool_size`,
+    # `worker_threads`) and an admitted request never waits for either. Readers, pages and CI
+    # share the api lane; agents' reports and trainers' metrics have their own, heartbeats
+    # theirs, so no crowd can make nodes look dead; uploads of bundles and checkpoints theirs.
+    api_slots: int = Field(default=8, ge=1, le=1000)
+    agent_slots: int = Field(default=4, ge=1, le=1000)
+    # Heartbeats alone: neither readers nor agents' logs and metrics can make a node look dead.
+    heartbeat_slots: int = Field(default=2, ge=1, le=1000)
+    upload_slots: int = Field(default=2, ge=1, le=100)
+    # A request that finds its lane full waits for a slot, this many at most per lane and this
+    # long at most; beyond either it is answered 503 with Retry-After at once.
+    admission_queue: int = Field(default=64, ge=0, le=100_000)
+    admission_wait_s: float = Field(default=2.0, ge=0, le=60)
+    # Live run pages: how many may be open, and the threads (each with its connection) their
+    # polls share.
+    max_streams: int = Field(default=200, ge=1, le=100_000)
+    stream_threads: int = Field(default=2, ge=1, le=100)
+    # Threads beyond the lanes' slots, for work that holds no connection (static files, the
+    # exit of a request's dependencies).
+    spare_threads: int = Field(default=8, ge=1, le=1000)
+    # How long a checkout waits for a pooled connection before the request gets a 503; with
+    # the pool sized as above it never should.
+    db_pool_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    # Largest JSON (or form) body any route reads, in bytes; bundles and checkpoints have
+    # their own limits below. Larger bodies get 413 while being read.
+    json_max_bytes: int = Field(default=1024 * 1024, gt=0)
+    # How long a client may take to send a JSON (or form) body or a report, in all: a client
+    # that trickles its body must not hold its admission slot for long (uploads excepted).
+    body_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    # Largest body of an agent's report (heartbeat, logs, spooled metrics) or a trainer's
+    # metrics batch: 10,000 records of a few hundred bytes each fit.
+    report_max_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     # Largest accepted bundle of users' code (a gzipped tar), in bytes; larger uploads get 413.
     bundle_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     # Where bundles are kept as <sha256>.tar.gz; None keeps them in the database.
@@ -113,6 +146,22 @@ class Settings(BaseSettings):
                 stacklevel=2,
             )
         return self
+
+    @property
+    def db_pool_size(self) -> int:
+        """Connections the pool keeps: one per lane slot and stream thread, one for the
+        liveness monitor (/healthz has an engine of its own)."""
+        return self.lane_slots + self.stream_threads + 1
+
+    @property
+    def worker_threads(self) -> int:
+        """Tokens of AnyIO's default thread limiter, which runs sync handlers and dependencies."""
+        return self.lane_slots + self.spare_threads
+
+    @property
+    def lane_slots(self) -> int:
+        """Requests admitted at once, all lanes together."""
+        return self.api_slots + self.agent_slots + self.heartbeat_slots + self.upload_slots
 
     @property
     def is_sqlite(self) -> bool:

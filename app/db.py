@@ -40,13 +40,30 @@ def make_engine(settings: Settings) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False})
         event.listen(engine, "connect", _enable_sqlite_foreign_keys)
         return engine
+    # Sized with the admission lanes (app/capacity.py): an admitted request never waits here.
     return create_engine(
         url,
         pool_size=settings.db_pool_size,
-        max_overflow=settings.db_pool_size,
+        max_overflow=0,
+        pool_timeout=settings.db_pool_timeout_s,
+        pool_pre_ping=True,
+        connect_args={"connect_timeout": 5},
+    )
+
+
+def make_health_engine(settings: Settings, main: Engine) -> Engine:
+    """The engine /healthz probes with: one connection of its own, so a busy pool cannot make
+    the health check wait (SQLite: the main engine)."""
+    if settings.is_sqlite:
+        return main
+    return create_engine(
+        settings.database_url,
+        pool_size=1,
+        max_overflow=0,
+        pool_timeout=2,
         pool_pre_ping=True,
         # A dead server should make /healthz answer 503 promptly, not hang on TCP.
-        connect_args={"connect_timeout": 5},
+        connect_args={"connect_timeout": 2},
     )
 
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
-from app.schemas.common import PublicSchema, Schema
+from app.schemas.common import JsonObject, PublicSchema, Schema, plain_json
 
 Secret = Annotated[str, Field(min_length=16, max_length=256, pattern=r"^[A-Za-z0-9_\-.~+/=]+$")]
 Rank = Annotated[int, Field(ge=0, le=1_000_000)]
 Seconds = Annotated[float, Field(ge=0, le=7.3e9, allow_inf_nan=False)]
 SmallText = Annotated[str, Field(max_length=255)]
 MAX_LINE = 4000
+# What an agent may report about its node, kept whole on the node and served with it: the
+# agents' own reports are a few kilobytes (64 GPUs' devices included).
+MAX_HARDWARE_BYTES = 64 * 1024
+MAX_LOAD_BYTES = 4 * 1024
 
 
 def _clean_line(value: object) -> object:
@@ -51,6 +55,12 @@ class HardwareReport(Schema):
     memory_gb: Annotated[float, Field(ge=0, le=1e9)] | None = None
     gpus: Annotated[list[DetectedGpu], Field(max_length=64)] = []
     benchmark: Benchmark | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> HardwareReport:
+        # The known fields are bounded one by one; the rest (a newer agent's) only as a whole.
+        plain_json(self.model_dump(mode="python"), max_bytes=MAX_HARDWARE_BYTES, what="the hardware report")
+        return self
 
 
 class AgentRegister(Schema):
@@ -108,7 +118,7 @@ class Heartbeat(Schema):
 
     t: Seconds | None = None
     hardware: HardwareReport | None = None
-    load: dict[str, Any] | None = None
+    load: JsonObject(MAX_LOAD_BYTES) | None = None
     roles: Annotated[list[RoleState], Field(max_length=1024)] = []
     # The agent consumes with the broker user the control plane handed it, which a restarted
     # Redis may have forgotten: the control plane re-creates it.

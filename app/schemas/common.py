@@ -8,9 +8,10 @@ that names the field, and publishes the bound in /openapi.json.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 from pydantic import AfterValidator, AwareDatetime, BeforeValidator, BaseModel, ConfigDict, Field
 
@@ -24,6 +25,8 @@ Id = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
 Flag = Annotated[bool, Field(strict=True)]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=_PRINTABLE)]
 ShortText = Annotated[str, Field(min_length=1, max_length=64, pattern=_PRINTABLE)]
+# For the String(32) columns (a GPU model's vendor and form factor).
+TinyText = Annotated[str, Field(min_length=1, max_length=32, pattern=_PRINTABLE)]
 LongText = Annotated[str, Field(max_length=4000, pattern=r"^[^\x00]*$")]
 Count = Annotated[int, Field(ge=1, le=100_000, strict=True)]
 UsdPerHour = Annotated[float, Field(ge=0, le=1_000_000, allow_inf_nan=False, strict=True)]
@@ -63,9 +66,28 @@ Limit = Annotated[int, Field(ge=1, le=1000, description="rows to return (at most
 
 
 class Schema(BaseModel):
-    """Base of request schemas: unknown fields are errors, not silently dropped."""
+    """Base of request schemas: unknown fields are errors, not silently dropped, and NaN or
+    Infinity (which Python's JSON parser takes) is no number (a field that means to take one,
+    as a diverged loss, turns it into None before the float is checked)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def plain_json(value: Any, *, max_bytes: int, what: str = "the value") -> Any:
+    """`value` if it is plain JSON (no NaN or Infinity) of at most `max_bytes`; ValueError
+    otherwise, for a validator to report on its field."""
+    try:
+        size = len(json.dumps(value, allow_nan=False, separators=(",", ":")).encode())
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be plain JSON: {exc}") from None
+    if size > max_bytes:
+        raise ValueError(f"{what} is {size} bytes of JSON; at most {max_bytes}")
+    return value
+
+
+def JsonObject(max_bytes: int) -> Any:  # noqa: N802 - used as a type: `args: JsonObject(4096)`
+    """A JSON object field of plain JSON, at most `max_bytes` long once encoded."""
+    return Annotated[dict[str, Any], AfterValidator(lambda value: plain_json(value, max_bytes=max_bytes))]
 
 
 class PublicSchema(BaseModel):

@@ -6,13 +6,13 @@ from datetime import datetime
 
 from pydantic import Field
 
-from app.schemas.common import LongText, Positive, PublicSchema, Schema, ShortText
+from app.schemas.common import LongText, Positive, PublicSchema, Schema, ShortText, TinyText
 
 
 class GpuModelCreate(Schema):
     name: ShortText
-    vendor: ShortText = "NVIDIA"
-    form_factor: ShortText | None = None
+    vendor: TinyText = "NVIDIA"
+    form_factor: TinyText | None = None
     memory_gb: Positive
     fp32_tflops: Positive = Field(description="peak non-tensor FP32 TFLOPS")
     fp16_tflops: Positive = Field(
@@ -23,8 +23,8 @@ class GpuModelCreate(Schema):
 
 class GpuModelUpdate(Schema):
     name: ShortText | None = None
-    vendor: ShortText | None = None
-    form_factor: ShortText | None = None
+    vendor: TinyText | None = None
+    form_factor: TinyText | None = None
     memory_gb: Positive | None = None
     fp32_tflops: Positive | None = None
     fp16_tflops: Positive | None = None

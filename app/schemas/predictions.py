@@ -8,9 +8,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from app.schemas.common import Id, PublicSchema, Schema
+from app.schemas.common import Id, JsonObject, PublicSchema, Schema
 from app.schemas.profiles import ProfileMeasurement, ProfileReport
 from app.schemas.runs import (
+    MAX_TASK_ARGS_BYTES,
     CompressionOptions,
     PlanPublic,
     RunCreate,
@@ -164,7 +165,7 @@ class OptimizeRequest(Schema):
     node_ids: Annotated[list[Id], Field(min_length=1, max_length=256)] | None = None
     cluster_id: Id | None = None
     task: Annotated[str, Field(max_length=255)] = contract.DEFAULT_TASK
-    task_args: dict[str, Any] = Field(default_factory=dict)
+    task_args: JsonObject(MAX_TASK_ARGS_BYTES) = Field(default_factory=dict)
     bundle_sha256: Sha256 | None = None
     global_batch_size: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = 64
     goal: Literal["cost", "fastest"] = Field(

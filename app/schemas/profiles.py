@@ -8,11 +8,12 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field
 
 from app.models import ProfileStatus
-from app.schemas.common import Id, PublicSchema, Schema
+from app.schemas.common import Id, JsonObject, PublicSchema, Schema
+from app.schemas.runs import MAX_TASK_ARGS_BYTES
 from hybridtrain.contract import DEFAULT_TASK
 
 TaskRef = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]*$")]
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Sha256 = Annotated[str, Field(max_length=64, pattern=r"^[0-9a-f]{64}$")]
 Device = Literal["cpu", "cuda", "auto"]
 _Count = Annotated[int, Field(ge=0, le=2**62, strict=True)]
 _Rate = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
@@ -20,7 +21,7 @@ _Rate = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 
 class ProfileCreate(Schema):
     task: TaskRef = DEFAULT_TASK
-    task_args: dict[str, Any] = Field(default_factory=dict)
+    task_args: JsonObject(MAX_TASK_ARGS_BYTES) = Field(default_factory=dict)
     bundle_sha256: Sha256 | None = None
     node_ids: list[Id] = Field(min_length=1, max_length=256)
     batch_size: int = Field(default=32, ge=1, le=65536, strict=True)

@@ -32,7 +32,7 @@ Allocation = Literal[contract.ALLOCATIONS]  # type: ignore[valid-type]
 Device = Literal[contract.DEVICES]  # type: ignore[valid-type]
 Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False, strict=True)]
 SmallCount = Annotated[int, Field(ge=0, le=1_000_000, strict=True)]
-Sha256 = Annotated[str, Field(pattern=contract.SHA256.pattern, description="sha256 of a bundle, 64 lower-case hex")]
+Sha256 = Annotated[str, Field(max_length=64, pattern=contract.SHA256.pattern, description="sha256 of a bundle, 64 lower-case hex")]
 ScriptArg = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
 
 

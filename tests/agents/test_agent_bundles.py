@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -189,6 +190,19 @@ def test_unpack_refuses_an_archive_that_expands_beyond_the_limit(control_plane, 
 
     with pytest.raises(BundleError, match="unpacks to more than 10000 bytes"):
         cache.unpack(cache.ensure(ref, TOKEN), tmp_path / "code")
+
+
+def test_unpack_refuses_an_archive_that_expands_beyond_the_shared_ratio(cache, tmp_path):
+    # 64 MiB of zeros gzips to ~64 KiB: a thousandfold, beyond bundle_limits' 200.
+    archive = tmp_path / "bomb.tar.gz"
+    with tarfile.open(archive, mode="w:gz") as tar:
+        info = tarfile.TarInfo("zeros.bin")
+        info.size = 64 << 20
+        tar.addfile(info, io.BytesIO(bytes(info.size)))
+
+    with pytest.raises(BundleError, match="unpacks to more than 200 times"):
+        cache.unpack(archive, tmp_path / "code")
+    assert not (tmp_path / "code").exists()
 
 
 def test_ensure_reports_a_cache_directory_it_cannot_write(control_plane, cache, tmp_path):

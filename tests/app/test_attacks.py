@@ -8,6 +8,7 @@ broker: test_agent_broker.py."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -260,3 +261,21 @@ def test_an_agent_cannot_deliver_spooled_records_of_a_rank_on_another_node(run_o
 
     assert response.status_code == 409 and f"rank 1 of run {rid} is not planned on node" in response.json()["detail"]
     assert client.get(f"{API}/runs/{rid}/metrics", params={"name": "bytes_sent"}).json()["series"] == []
+
+
+def test_an_agent_cannot_bloat_its_node_with_a_heartbeat(online_node, client):
+    a = online_node()
+    huge = "x" * (5 << 20)
+    for body, field in (
+        ({"roles": [], "hardware": {"hostname": "h", "cpu_cores": 4, "notes": huge}}, "hardware"),
+        ({"roles": [], "hardware": {"hostname": "h", "gpus": [{"model": "T4", "count": 1, "x": huge}]}}, "hardware"),
+        ({"roles": [], "load": {"cpu_percent": 5, "notes": huge}}, "load"),
+        ({"roles": [], "load": {"cpu_percent": float("nan")}}, "load"),
+    ):
+        beat = a.agent.post(f"{API}/agent/heartbeat", content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert beat.status_code == 422, beat.text[:300]
+        assert beat.json()["detail"][0]["loc"][:2] == ["body", field]
+        assert len(beat.content) < 4000
+    assert a.agent.post(f"{API}/agent/heartbeat", json={"roles": [], "load": {"cpu_percent": 5.0}}).status_code == 200
+    node = client.get(f"{API}/nodes/{a.id}").json()
+    assert len(json.dumps(node)) < 10_000

@@ -8,6 +8,7 @@ import hashlib
 import io
 import secrets
 import tarfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from app.config import Settings
 from app.models import Run, RunStatus, TokenScope
 from app.run_secrets import run_metrics_token
 from app.security import hash_secret
+from hybridtrain import bundle_limits
 
 API = "/api/v1"
 GZIP = {"Content-Type": "application/gzip"}
@@ -366,3 +368,30 @@ def test_run_without_a_bundle_is_404(make_client, make_run) -> None:
     response = make_client(token).get(f"{API}/runs/{run_id}/bundle")
     assert response.status_code == 404
     assert "has no bundle" in response.json()["detail"]
+
+
+def test_a_bundle_with_more_members_than_the_agents_unpack_gets_422(client: TestClient) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as archive:
+        for i in range(bundle_limits.MAX_MEMBERS + 1):
+            archive.addfile(tarfile.TarInfo(f"d/{i}.py"), io.BytesIO(b""))
+    response = upload(client, buffer.getvalue())
+    assert response.status_code == 422, response.text
+    assert field_of(response) == "file"
+    assert f"more than {bundle_limits.MAX_MEMBERS} members" in response.text
+
+
+def test_a_bundle_that_expands_beyond_the_agents_ratio_gets_422_before_it_is_unpacked(client: TestClient) -> None:
+    # 64 MiB of zeros gzips to ~64 KiB; the member's header alone says it is too much.
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.addfile(tarfile.TarInfo("train.py"), io.BytesIO(b""))
+        big = tarfile.TarInfo("zeros.bin")
+        big.size = 64 << 20
+        archive.addfile(big, io.BytesIO(bytes(big.size)))
+    started = time.monotonic()
+    response = upload(client, buffer.getvalue())
+    assert response.status_code == 422, response.text
+    assert field_of(response) == "file"
+    assert f"more than {bundle_limits.MAX_EXPANSION_RATIO} times" in response.text
+    assert time.monotonic() - started < 2

@@ -5,6 +5,7 @@ directory that another control-plane host could read."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from runs_testing import API, dispatched_fixture, online_node_fixture, run_body,
 from app.api.deps import get_settings
 from app.models import TokenScope
 from app.run_secrets import run_metrics_token
+from tests.app.serving import MiB, body_chunks, drive_asgi
 
 
 @pytest.fixture(params=["db", "dir"])
@@ -123,3 +125,14 @@ def test_a_run_without_checkpoints_answers_404(make_client, run_and_token):
     rid, token = run_and_token
 
     assert _get(make_client(None), rid, token).status_code == 404
+
+
+def test_a_checkpoint_with_a_bad_token_is_refused_before_its_body_is_read(app, run_and_token):
+    rid, _ = run_and_token
+    headers = {"content-type": "application/octet-stream", "authorization": "Bearer not-this-runs-token",
+               "x-content-sha256": "0" * 64}
+    started = time.monotonic()
+    status, body, pulled = drive_asgi(app, "PUT", f"{API}/runs/{rid}/checkpoint?step=1", headers, body_chunks(200 * MiB))
+    assert status == 401, body
+    assert pulled == 0
+    assert time.monotonic() - started < 5

@@ -83,3 +83,12 @@ def test_delete_unused_gpu_model_removes_it(client: TestClient) -> None:
     ).json()
     assert client.delete(f"{API}/gpu-models/{created['id']}").status_code == 204
     assert client.get(f"{API}/gpu-models/{created['id']}").status_code == 404
+
+
+def test_a_vendor_or_form_factor_longer_than_its_column_gets_422_naming_it(client: TestClient) -> None:
+    body = {"name": "Long", "memory_gb": 24, "fp32_tflops": 1, "fp16_tflops": 2}
+    for field in ("vendor", "form_factor"):
+        response = client.post(f"{API}/gpu-models", json=body | {field: "v" * 33})
+        assert response.status_code == 422, response.text
+        assert response.json()["detail"][0]["loc"] == ["body", field]
+        assert client.post(f"{API}/gpu-models", json=body | {"name": f"ok-{field}", field: "v" * 32}).status_code == 201

@@ -32,6 +32,7 @@ from app.errors import InvalidFieldError
 from app.models import Bundle
 from app.queries import bundles as queries
 from app.queries.metrics import metrics_token_valid
+from app.request_limits import MULTIPART_OVERHEAD
 from app.schemas.bundles import UPLOAD_BODY, BundlePublic, Sha256Path
 from app.schemas.common import ErrorMessage, Page
 from hybridtrain.contract import BUNDLE_MEDIA_TYPE
@@ -40,8 +41,6 @@ router = APIRouter()
 run_router = APIRouter()
 
 RAW_TYPES = frozenset({BUNDLE_MEDIA_TYPE, "application/x-gzip", "application/octet-stream"})
-# Room for a multipart body's boundaries and part headers on top of the archive itself.
-_MULTIPART_OVERHEAD = 64 * 1024
 
 TOO_LARGE: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorMessage, "description": "The archive is larger than bundle_max_bytes"},
@@ -67,14 +66,14 @@ def _check_length(request: Request, limit: int) -> None:
 
 
 async def _read_multipart(request: Request, limit: int) -> storage.Upload:
-    _check_length(request, limit + _MULTIPART_OVERHEAD)
+    _check_length(request, limit + MULTIPART_OVERHEAD)
     received = 0
 
     async def limited() -> AsyncIterator[bytes]:
         nonlocal received
         async for chunk in request.stream():
             received += len(chunk)
-            if received > limit + _MULTIPART_OVERHEAD:
+            if received > limit + MULTIPART_OVERHEAD:
                 raise storage.BundleTooLargeError(limit)
             yield chunk
 

@@ -46,10 +46,20 @@ def _unauthorized() -> HTTPException:
                          headers={"WWW-Authenticate": "Bearer"})
 
 
+def checked_run_token(session: SessionDep, settings: SettingsDep, token: MetricsTokenDep, run_id: IdPath) -> str:
+    """The run's own token, checked before a byte of the upload is read; 401 otherwise."""
+    if not metrics_token_valid(session, run_id=run_id, token=token, secret_key=settings.secret_key):
+        raise _unauthorized()
+    return token
+
+
+RunTokenDep = Annotated[str, Depends(checked_run_token)]
+
+
 async def read_checkpoint(
-    request: Request, settings: SettingsDep, digest: ContentSha256,
+    _: RunTokenDep, request: Request, settings: SettingsDep, digest: ContentSha256,
 ) -> AsyncIterator[Upload]:
-    """The uploaded checkpoint, read within the size limit (before any database work)."""
+    """The uploaded checkpoint, read within the size limit once the run's token is checked."""
     limit = settings.checkpoint_max_bytes
     length = request.headers.get("content-length")
     too_large = HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, store.CheckpointTooLargeError(limit).message)
@@ -75,14 +85,12 @@ async def read_checkpoint(
 def upload_checkpoint(
     session: SessionDep,
     settings: SettingsDep,
-    token: MetricsTokenDep,
+    _: RunTokenDep,
     run_id: IdPath,
     step: Annotated[int, Query(ge=0, le=2**31 - 1, description="the training step it holds")],
     upload: Annotated[Upload, Depends(read_checkpoint)],
 ) -> CheckpointPublic:
     """Store a checkpoint of an active run (the run's token); the newest two are kept."""
-    if not metrics_token_valid(session, run_id=run_id, token=token, secret_key=settings.secret_key):
-        raise _unauthorized()
     with run_state_lock(settings.is_sqlite):
         run = get_run(session, run_id=run_id, lock=True)
         if run.status.finished:

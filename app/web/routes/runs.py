@@ -14,8 +14,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, Path, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
@@ -26,6 +26,7 @@ from starlette.responses import Response
 from app import bundles as bundle_storage
 from app import lifecycle
 from app.api.deps import DispatcherDep, SessionDep, SettingsDep
+from app.capacity import stream_limiter
 from app.config import Settings
 from app.api.routes import plans as plans_api
 from app.api.routes import runs as runs_api
@@ -367,11 +368,13 @@ def open_stream(
 
 
 @router.get("/runs/{run_id}/stream", response_class=EventSourceResponse)
-async def stream_run(stream: Annotated[_Stream, Depends(open_stream)]) -> AsyncIterator[ServerSentEvent]:
+async def stream_run(request: Request, stream: Annotated[_Stream, Depends(open_stream)]) -> AsyncIterator[ServerSentEvent]:
     """Server-sent events of a run: `metrics` (points to append), `logs`, `status`, `end`."""
+    # The polls of every open stream share a few threads (each holds a connection meanwhile).
+    limiter = stream_limiter(request.app.state.settings)
     ended_at: float | None = None
     while True:
-        appends, lines, status, finished = await run_in_threadpool(stream.poll)
+        appends, lines, status, finished = await anyio.to_thread.run_sync(stream.poll, limiter=limiter)
         if appends:
             yield ServerSentEvent(event="metrics", data={"appends": appends, "after": stream.sent_metrics})
         if lines:
