@@ -1,7 +1,7 @@
 """A Python client of the control plane's REST API (httpx), for CI pipelines and the CLI.
 
     client = HybridtrainClient("http://cp:8000", token)
-    packed = pack_workdir(".")  # app.cli.packing
+    packed = pack_workdir(".")  # hybridtrain.packing
     client.upload_bundle(packed.data, packed.sha256, "work.tar.gz")
     run = client.create_run({"name": "nightly", "node_ids": [1, 2, 3], "bundle_sha256": packed.sha256,
                              "task": "mytask:task"}, idempotency_key="build-42")

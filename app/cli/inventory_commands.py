@@ -113,7 +113,7 @@ def _node_id(client: Any, ref: str) -> int:
 
 @_guard
 def _bundles_list(args: argparse.Namespace) -> int:
-    from app.cli.packing import human_bytes
+    from hybridtrain.packing import human_bytes
 
     with _client(args) as client:
         page = client.list_bundles(limit=args.limit)

@@ -163,7 +163,7 @@ def script_flag(args: argparse.Namespace, bundle_sha256: str | None) -> str | No
 
 def pack(args: argparse.Namespace) -> Any:
     """Pack --workdir; the script, when given, must be one of the packed files."""
-    from app.cli.packing import PackError, pack_workdir
+    from hybridtrain.packing import PackError, pack_workdir
 
     try:
         packed = pack_workdir(args.workdir, max_bytes=int(args.max_bundle_mb * MIB))

@@ -58,7 +58,7 @@ def run_body(
 def upload_workdir(api: httpx.Client, workdir: Path) -> str:
     """Pack `workdir` as `runs create --workdir` does and upload it (unless the control plane
     has it already); its sha256."""
-    from app.cli.packing import pack_workdir
+    from hybridtrain.packing import pack_workdir
     from hybridtrain.contract import BUNDLE_MEDIA_TYPE
 
     packed = pack_workdir(workdir)

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.cli.client import ApiError, HybridtrainClient
-from app.cli.packing import PackedBundle, pack_workdir
+from hybridtrain.packing import PackedBundle, pack_workdir
 from app.cli.run_flags import upload
 from tests.app.conftest import ADMIN_TOKEN
 

@@ -1,4 +1,4 @@
-"""`app.cli.packing`: a work dir becomes a deterministic, safe, size-limited code bundle."""
+"""`hybridtrain.packing`: a work dir becomes a deterministic, safe, size-limited code bundle."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli.packing import PackError, pack_workdir
+from hybridtrain.packing import PackError, pack_workdir
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:

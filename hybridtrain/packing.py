@@ -4,6 +4,8 @@ The same tree always gives the same bytes (sorted members, mtime 0, owner 0, mod
 gzip header without name or time), so an unchanged work dir has the same sha256 and is not
 uploaded twice. Ignore rules come from `.hybridtrainignore`, else `.gitignore` (the work dir's
 top-level file, gitignore semantics); VCS data, caches and virtual environments never travel.
+Shared by the command-line client (`runs create --workdir`) and the paper benchmark, which
+uploads a workload of the user's own code the same way (the testbed never imports app/).
 """
 
 from __future__ import annotations
