@@ -515,6 +515,8 @@ def test_local_sgd_targets_compare_with_the_ideal_ps_bz_gc_and_allreduce() -> No
     assert targets["diloco WAN bytes a sample, allreduce's over its"] == {"value": 125.0, "goal": ">= 100x",
                                                                            "met": True}
     assert targets["diloco-gc WAN bytes a sample, allreduce's over its"]["met"] is False
+    with_variant = check_targets({**results, "diloco+delay3": {"samples_per_s": 345.0}}, 359.0)
+    assert with_variant["diloco+delay3 share of ideal"] == {"value": 0.961, "goal": ">= 95%", "met": True}
 
 
 def test_wan_bytes_count_only_what_crosses_between_sites_per_sample() -> None:
