@@ -14,6 +14,7 @@ from typing import Any
 
 from hybridtrain.contract import (
     ALLREDUCE_POWERSGD,
+    DEFAULT_SYNC_EVERY,
     DILOCO_GC,
     LOCAL_SGD_STRATEGIES,
     PS,
@@ -83,6 +84,11 @@ def problems(strategy: str, options: Mapping[str, Any]) -> list[Problem]:
     found = [Problem("strategy", k, TAKES[k][1]) for k in sorted(on & TAKES.keys()) if strategy not in TAKES[k][0]]
     found += [Problem("clash", a, why, b) for a, b, why in CLASHES if a in on and b in on]
     found += [Problem("needs", a, why, b) for a, b, test, why in NEEDS if a in on and not test(options.get(b))]
+    # An overlapped outer step must land before the next one is due.
+    every = options.get("sync_every") or DEFAULT_SYNC_EVERY
+    if "outer_delay" in on and options["outer_delay"] >= every:
+        found.append(Problem("needs", "outer_delay", f"more than the delay {options['outer_delay']} (H is {every})",
+                             "sync_every"))
     return found
 
 

@@ -328,11 +328,8 @@ def _check_outer(args: argparse.Namespace) -> None:
         raise UsageError(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.outer_lr is not None and not args.outer_lr > 0:
         raise UsageError(f"--outer-lr must be > 0, got {args.outer_lr}")
-    if args.outer_delay is not None:
-        every = args.sync_every or TrainConfig.sync_every
-        if not 0 <= args.outer_delay < every:
-            raise UsageError(f"--outer-delay must be in 0..{every - 1} (below --sync-every {every}), "
-                             f"got {args.outer_delay}")
+    if args.outer_delay is not None and args.outer_delay < 0:
+        raise UsageError(f"--outer-delay must be >= 0 (and below --sync-every), got {args.outer_delay}")
     if args.outer_density is not None and not 0 < args.outer_density <= 1:
         raise UsageError(f"--outer-density must be in (0, 1], got {args.outer_density}")
     if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:

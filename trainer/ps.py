@@ -285,7 +285,9 @@ class PSClient(OverlapHooks, ApplyInForward, InPlaceUpdates, SiteRelay, Session)
         if self.local is not None:
             # The flat buffer holds the workers' mean pseudo-gradient: the outer step.
             norm = self.local.apply(self.flat_grad, update.step)
-            self._set_params(self.local.parameters_after(self._flat_params()))
+            # Overlapped, the inner steps since the send stay on top (a copy of the parameters only then).
+            overlapped = self.local.drift_from is not None
+            self._set_params(self.local.parameters_after(self._flat_params()) if overlapped else self.local.common)
             self.metrics.log(update.step, "outer_norm", norm)
         else:
             self._optimizer_step()

@@ -119,9 +119,6 @@ class CompressionOptions(Schema):
         known = [v for v in (lo, mid, hi) if v is not None]
         if known != sorted(known):
             raise ValueError("need density_min <= density <= density_max")
-        every = self.sync_every or contract.DEFAULT_SYNC_EVERY
-        if self.outer_delay is not None and self.outer_delay >= every:
-            raise ValueError(f"outer_delay {self.outer_delay} must be below sync_every {every}")
         return self
 
 

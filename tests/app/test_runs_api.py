@@ -493,6 +493,9 @@ def test_a_diloco_run_tells_the_trainers_its_outer_steps(online_node, client, di
     ("allreduce", {"outer_lr": 0.5}, "compression.outer_lr"),
     ("diloco", {"overlap": True, "pipeline_chunks": 2}, "compression.overlap"),
     ("diloco-gc", {"delayed_updates": True}, "compression.delayed_updates"),
+    # An overlapped outer step must land before the next is due.
+    ("diloco", {"sync_every": 5, "outer_delay": 5}, "compression.outer_delay needs compression.sync_every"),
+    ("diloco", {"outer_delay": 20}, "compression.outer_delay"),
     # Accepted once, and then every rank refused it at start: ps compresses nothing.
     ("ps", {"apply_in_forward": True, "pipeline_chunks": 4}, "compression.apply_in_forward"),
     ("ps-gc", {"apply_in_forward": True, "pipeline_chunks": 4, "compressor": "none"}, "compression.compressor"),
