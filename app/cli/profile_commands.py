@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from app.cli.inventory_commands import _node_id
+from app.perfmodel.provenance import age_text, input_lines, noise_text, since_s
 from app.cli.run_commands import (
     EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _connection_args, _guard, _print_json, resolve_cluster,
 )
@@ -69,63 +70,10 @@ def add_plan_profile_flags(parser: argparse.ArgumentParser) -> None:
 # -- printing -------------------------------------------------------------------------------------
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "at an unknown time"
-    if seconds < 90:
-        return f"{seconds:.0f} s ago"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min ago"
-    if seconds < 172_800:
-        return f"{seconds / 3600:.1f} h ago"
-    return f"{seconds / 86400:.0f} days ago"
-
-
-def _since(iso: str | None, now: datetime) -> float | None:
-    if not iso:
-        return None
-    when = datetime.fromisoformat(iso)
-    when = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-    return max(0.0, (now - when).total_seconds())
-
-
-def _noise(spread: float | None, repeats: int | None, *, unit: str = "runs") -> str:
-    if spread is None:
-        return "noise unknown (one run)"
-    runs = f" over {repeats} {unit}" if repeats else ""
-    return f"±{100 * spread / 2:.1f} % (spread {100 * spread:.1f} %{runs})"
-
-
-def _origin(given: dict[str, Any]) -> str:
-    if given.get("source") == "run":
-        return f"by run {given.get('run_id')}'s steps"
-    return f"by the profiler (profile {given['profile_id']})"
-
-
 def inputs_text(plan: dict[str, Any], *, now: datetime | None = None) -> str:
     """How old and how noisy each input of `plan` is: its nodes' profiles and its links."""
-    now = now or datetime.now(UTC)
-    lines = []
-    for given in plan.get("inputs") or []:
-        rate = given.get("samples_per_s")
-        name = given.get("node_name") or f"node {given['node_id']}"
-        unit = "steps" if given.get("source") == "run" else "runs"
-        lines.append(
-            f"  profile of {name} (id {given['node_id']}): {'n/a' if rate is None else f'{rate:.1f}'} samples/s "
-            f"{_noise(given.get('spread'), given.get('repeats'), unit=unit)}, measured {_age(given.get('age_s'))} "
-            f"{_origin(given)}"
-        )
-    seen = set()
-    for link in (plan.get("prediction") or {}).get("links") or []:
-        key = (link["src_node_id"], link["dst_node_id"])
-        if key in seen:
-            continue
-        seen.add(key)
-        source = link.get("source") or "assumed"
-        if source == "measured":
-            source = f"measured {_age(_since(link.get('measured_at'), now))}"
-        lines.append(f"  link {key[0]} -> {key[1]}: {link['mbps']:.0f} Mbit/s, {link['rtt_ms']:.1f} ms ({source})")
-    return "inputs:\n" + "\n".join(lines) if lines else ""
+    lines = input_lines(plan, now=now)
+    return "inputs:\n" + "\n".join(f"  {line}" for line in lines) if lines else ""
 
 
 def profiling_of(answer: dict[str, Any]) -> list[dict[str, Any]]:
@@ -202,10 +150,10 @@ def _profile_line(p: dict[str, Any], now: datetime) -> str:
     rate = "-" if p.get("samples_per_s") is None else f"{p['samples_per_s']:.1f}"
     if p["status"] == "done":
         by_run = str(p.get("created_by") or "").startswith("run ")
-        state = f"{rate} samples/s {_noise(p.get('spread'), p.get('repeats'), unit='steps' if by_run else 'runs')}, " \
-                f"measured {_age(_since(p.get('measured_at'), now))}" + (f" by {p['created_by']}" if by_run else "")
+        state = f"{rate} samples/s {noise_text(p.get('spread'), p.get('repeats'), unit='steps' if by_run else 'runs')}, " \
+                f"measured {age_text(since_s(p.get('measured_at'), now))}" + (f" by {p['created_by']}" if by_run else "")
     elif p["status"] == "pending":
-        state = f"measuring, asked {_age(_since(p.get('created_at'), now))}"
+        state = f"measuring, asked {age_text(since_s(p.get('created_at'), now))}"
     else:
         state = f"failed: {((p.get('error') or '?').strip().splitlines() or ['?'])[-1]}"
     task = p["task"] + (f" {p['task_args']}" if p.get("task_args") else "")
