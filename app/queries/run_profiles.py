@@ -37,6 +37,9 @@ WARMUP_STEPS = 3
 # Fewer measured steps than this say too little to replace a profile.
 MIN_STEPS = 3
 SOURCE_RUN = "run"
+# The fields of a profile's result that its measurement sets, not the task's size.
+_MEASUREMENT = frozenset({"samples_per_s", "step_s", "spread", "repeats", "samples_per_s_runs", "batch",
+                          "batch_size", "source", "run_id"})
 
 
 def run_marker(run_id: int) -> str:
@@ -66,7 +69,8 @@ def _rates(session: Session, run_id: int, ranks: list[int]) -> dict[int, list[tu
 def _size(session: Session, run: Run, base: TaskProfile | None) -> dict[str, Any]:
     """The task's size for a profile of `run`: the base profile's, or the run's params metric."""
     if base is not None and base.result:
-        return dict(base.result)
+        # The profiler's own runs measured another thing than this run's steps.
+        return {k: v for k, v in base.result.items() if k not in _MEASUREMENT}
     params = session.scalar(
         select(func.max(RunMetric.value)).where(RunMetric.run_id == run.id, RunMetric.name == "params"))
     if params is None:
@@ -91,7 +95,8 @@ def profiles_from_run(session: Session, *, run: Run, now: datetime | None = None
         return []
     rates = _rates(session, run.id, [w.rank for w in workers])
     previous = latest_profiles(session, task_key=key, node_ids=[w.node_id for w in run.workers if w.node_id])
-    newest = max(previous.values(), key=lambda p: (p.measured_at or now, p.id), default=None)
+    # The task's size is the same on every node: any node's newest profile speaks for it.
+    newest = max(previous.values(), key=lambda p: p.id, default=None)
     made: list[TaskProfile] = []
     for worker in workers:
         measured = rates.get(worker.rank, [])
@@ -105,7 +110,7 @@ def profiles_from_run(session: Session, *, run: Run, now: datetime | None = None
         spread = (deciles[-1] - deciles[0]) / median
         result = {**_size(session, run, base), "samples_per_s": median,
                   "step_s": statistics.median(c for _, c in measured), "spread": spread,
-                  "repeats": len(measured), "batch_size": batch, "source": SOURCE_RUN, "run_id": run.id}
+                  "repeats": len(measured), "batch": batch, "source": SOURCE_RUN, "run_id": run.id}
         made.append(TaskProfile(
             node_id=worker.node_id, task_key=key, task=ref, task_args=args, bundle_sha256=run.bundle_sha256,
             batch_size=batch, device=run.device, status=ProfileStatus.done,
