@@ -1,6 +1,7 @@
 """Several control-plane processes on one Postgres database (`hybridtrain server --workers 2`):
 each runs the liveness monitor, yet a silent node is marked offline once and a queued run is
-started once; on SQLite more than one process is refused (issue 50)."""
+started once, because a liveness pass runs only while it holds a Postgres advisory lock; on
+SQLite more than one process is refused (issue 50)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine
-from sqlalchemy.orm import Session
+from sqlalchemy import create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
 
 from runs_testing import Orders, private_redis
 from agents.celery_app import LAUNCH_ROLE
+from app.dispatch import Dispatcher
 from app.lifecycle import end_run
 from app.models import RunStatus
+from app.monitor import Monitor, take_liveness_turn
 from app.queries.runs import get_run
-from tests.app.conftest import ADMIN_TOKEN, API
+from tests.app.conftest import ADMIN_TOKEN, API, make_settings
 
 HYBRIDTRAIN = [sys.executable, "-m", "app.cli"]
 REPO = Path(__file__).resolve().parents[2]
@@ -211,3 +214,36 @@ def test_more_than_one_process_is_refused_on_sqlite(tmp_path):
     assert done.returncode == 2
     assert "--workers above 1 needs Postgres" in done.stderr
     assert not (tmp_path / "cp.db").exists()  # refused before migrating anything
+
+
+def test_a_liveness_pass_is_skipped_while_another_process_holds_the_turn(migrated_postgres_url):
+    engine = create_engine(migrated_postgres_url)
+    try:
+        with Session(engine) as first, Session(engine) as second:
+            assert take_liveness_turn(first) is True
+            assert take_liveness_turn(second) is False
+            first.commit()  # the pass ends with its transaction, and so does its turn
+            assert take_liveness_turn(second) is True
+            second.rollback()
+    finally:
+        engine.dispose()
+
+
+def test_the_monitor_does_nothing_while_another_process_passes(migrated_postgres_url, broker_url):
+    settings = make_settings(migrated_postgres_url, celery_broker_url=broker_url)
+    engine = create_engine(migrated_postgres_url)
+    dispatcher = Dispatcher(broker_url)
+    try:
+        with Session(engine) as other:
+            assert take_liveness_turn(other) is True
+            queries: list[str] = []
+            event.listen(engine, "before_cursor_execute", lambda *args: queries.append(args[2]))
+            monitor = Monitor(sessionmaker(engine), settings, dispatcher)
+
+            assert monitor.check_once() == []
+            # It asked for the turn and, refused, looked at no node and no run.
+            assert len(queries) == 1 and "pg_try_advisory_xact_lock" in queries[0]
+            other.rollback()
+    finally:
+        dispatcher.close()
+        engine.dispose()
