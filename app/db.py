@@ -9,6 +9,7 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from app.config import Settings
 
@@ -110,7 +111,33 @@ def upgrade(database_url: str, revision: str = "head") -> None:
     from alembic import command
 
     ensure_sqlite_directory(database_url)
-    command.upgrade(alembic_config(database_url), revision)
+    with _migration_lock(database_url):
+        command.upgrade(alembic_config(database_url), revision)
+
+
+# Any fixed number: it names the migrations' Postgres advisory lock ("htmg").
+MIGRATION_LOCK_KEY = 0x68746D67
+
+
+@contextmanager
+def _migration_lock(database_url: str) -> Iterator[None]:
+    # Replicas started together each migrate first: the second waits, then finds it done,
+    # instead of both creating the same tables.
+    if not database_url.startswith("postgresql"):
+        yield
+        return
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            connection.commit()
+            try:
+                yield
+            finally:
+                connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY})
+                connection.commit()
+    finally:
+        engine.dispose()
 
 
 def downgrade(database_url: str, revision: str) -> None:

@@ -2,8 +2,13 @@
 offline and their ranks are lost, launches that never started fail, unanswered launch orders
 are sent again, stragglers of a finished run are stopped.
 
-One daemon thread per control-plane process. With several replicas on Postgres each runs it;
-the row locks (SKIP LOCKED on nodes, FOR UPDATE on runs) make the checks safe to overlap.
+One daemon thread per control-plane process. With several processes on Postgres (`hybridtrain
+server --workers N`, or replicas behind a proxy) each runs it, but a pass first takes a
+transaction-level advisory lock without waiting: a process that finds another's pass in
+progress skips its turn, so passes never overlap and each one sees what the last committed.
+The row locks inside (SKIP LOCKED on nodes, FOR UPDATE on runs, the scheduler's own advisory
+lock) still guard against the request handlers that change the same rows. On SQLite the
+control plane is one process (`run_state_lock` is a process-wide lock).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.config import Settings
@@ -19,6 +25,17 @@ from app.dispatch import Dispatcher, Order
 from app.lifecycle import check_liveness, run_state_lock
 
 log = logging.getLogger(__name__)
+
+# Any fixed number: it names the liveness pass's Postgres advisory lock ("htlv").
+LIVENESS_LOCK_KEY = 0x68746C76
+
+
+def take_liveness_turn(session: Session) -> bool:
+    """Whether this transaction may run the liveness pass: False while another process's pass
+    holds the lock (Postgres); always True on SQLite, whose control plane is one process."""
+    if session.get_bind().dialect.name != "postgresql":
+        return True
+    return bool(session.scalar(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": LIVENESS_LOCK_KEY}))
 
 
 class Monitor:
@@ -32,8 +49,12 @@ class Monitor:
         self._thread: threading.Thread | None = None
 
     def check_once(self) -> list[Order]:
-        """One pass: mark, fail or restart, commit, then send the orders."""
+        """One pass: mark, fail or restart, commit, then send the orders; none when another
+        process's pass is in progress."""
         with run_state_lock(self.settings.is_sqlite), session_scope(self.factory) as session:
+            if not take_liveness_turn(session):
+                log.debug("another process's liveness pass is in progress; skipping this one")
+                return []
             orders = check_liveness(session, settings=self.settings)
         self.dispatcher.send_quietly(orders)
         return orders

@@ -7,6 +7,8 @@ handlers import what they need lazily so `hybridtrain --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,10 +43,21 @@ def _add_server(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
+        "--workers", type=_positive_int, default=1,
+        help="server processes sharing the port (default 1; more than 1 needs Postgres)",
+    )
+    parser.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=True,
         help="log every request (default: on)",
     )
     parser.set_defaults(func=_run_server)
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
 
 
 def _run_server(args: argparse.Namespace) -> int:
@@ -55,17 +68,28 @@ def _run_server(args: argparse.Namespace) -> int:
     from app.main import create_app
 
     settings = get_settings()
+    if args.workers > 1 and settings.is_sqlite:
+        # SQLite's run-state lock is a lock of one process (app/lifecycle/lock.py): two
+        # processes could both start a run on the same GPU.
+        print("hybridtrain server: --workers above 1 needs Postgres (set DATABASE_URL); "
+              "on SQLite the control plane is one process", file=sys.stderr)
+        return 2
     db.upgrade(settings.database_url)
-    uvicorn.run(
-        create_app(settings),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=args.access_log,
+    options: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level,
+        "access_log": args.access_log,
         # Forwarded headers are honoured only from HYBRIDTRAIN_TRUSTED_PROXIES (app/main.py);
         # uvicorn's own default would trust any client on 127.0.0.1.
-        proxy_headers=False,
-    )
+        "proxy_headers": False,
+    }
+    if args.workers == 1:
+        uvicorn.run(create_app(settings), **options)
+    else:
+        # uvicorn's supervisor binds the port once and spawns N processes that accept on it;
+        # each builds its own app from the same environment (docs/deploy.md, "Several processes").
+        uvicorn.run("app.main:create_app", factory=True, workers=args.workers, **options)
     return 0
 
 

@@ -1,0 +1,444 @@
+"""The control plane's load benchmark (issue 50): a fleet of agents, dashboard users and CI
+clients at rising load levels, against 1 and then 2 API processes, in one invocation.
+
+1. Create a scratch Postgres database; `hybridtrain server --workers P` serves it (the default
+   capacity settings, Redis as the broker), for each P of `--processes`.
+2. Declare `max(--levels)` nodes, register an agent for each, create `--runs` runs (their
+   pages are what dashboard users poll), and sign a dashboard session in with a read token.
+3. At each level of N agents, for `--seconds`: N agents POST the real heartbeat body to
+   /api/v1/agent/heartbeat every 5 s (spread evenly over the 5 s), N/20 dashboard users GET a
+   run page (/runs/{id}) every 2 s, N/100 CI clients GET /api/v1/runs?limit=50 every 2 s.
+   Agents run in client processes of 250 each, users and CI clients in another; each request's
+   lateness against its schedule is kept, to tell a lagging client from a slow server. A first, unreported
+   level of 6 s at the lowest load warms each server up.
+4. Print per process count and level, per route: requests offered and answered per second,
+   the client's p50/p99 (ms), the errors (503s apart), nodes among the active agents that are
+   not online afterwards, the server's memory; then the knee of each process count (the first
+   level missing a target: heartbeat p99 < 250 ms, page p99 < 1 s, no errors, no node offline)
+   and 2 processes' ratios to 1.
+
+    .venv/bin/python bench/load.py --levels 100,300,1000 --seconds 20 --processes 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+REPO = Path(__file__).resolve().parent.parent
+POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
+ADMIN_TOKEN = "bench-load-admin-" + "0" * 16
+API = "/api/v1"
+HEARTBEAT_EVERY_S = 5.0
+PAGE_EVERY_S = 2.0
+CI_EVERY_S = 2.0
+# Targets of issue 50 for 1,000 agents, 50 dashboard users and 10 CI clients.
+HEARTBEAT_P99_S = 0.25
+PAGE_P99_S = 1.0
+WARM_UP_S = 6.0
+AGENT_TIMEOUT_S = 10.0
+ROUTES = ("POST heartbeat", "GET run page", "GET /api/v1/runs")
+
+# route, status (or the exception's name), seconds to the answer, seconds the client sent late
+Row = tuple[str, Any, float, float]
+# Agents per client process: one asyncio loop drives at most this many.
+AGENTS_PER_CLIENT = 250
+# A level whose client sent its requests later than this (p99) measured the client, not the server.
+CLIENT_LAG_S = 0.5
+
+
+# -- the client processes ----------------------------------------------------------------------
+
+def _heartbeat_body() -> dict[str, Any]:
+    """What agents/agent.py sends every 5 s on a node with one GPU and no roles."""
+    return {
+        "roles": [],
+        "load": {"cpu_percent": 12.5, "memory_available_gb": 48.31},
+        "t": time.time(),
+        "broker_user": False,
+        "gpus": [{"index": 0, "name": "Tesla T4", "utilization": 0.0,
+                  "memory_used_bytes": 0, "memory_total_bytes": 16 * 2**30}],
+    }
+
+
+async def _periodic(client: httpx.AsyncClient, route: str, send: Any, offset: float, every: float,
+                    until: float, rows: list[Row]) -> None:
+    loop = asyncio.get_running_loop()
+    due = loop.time() + offset
+    # A beat the lagging client could only send after the level's end is not sent: the answered
+    # rate then shows the shortfall, and the level ends on time.
+    while due < until and loop.time() < until:
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        started = loop.time()
+        try:
+            status: Any = (await send(client)).status_code
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        rows.append((route, status, loop.time() - started, started - due))
+        # Open loop: a late answer does not postpone the next beat, as on a real agent's clock.
+        due += every
+
+
+async def _agents(base: str, tokens: list[str], seconds: float) -> list[Row]:
+    rows: list[Row] = []
+    # A connection per agent, and the agent's own timeout (agents/client.py).
+    limits = httpx.Limits(max_connections=len(tokens))
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=AGENT_TIMEOUT_S) as client:
+        until = asyncio.get_running_loop().time() + seconds
+
+        def beat(token: str) -> Any:
+            return lambda c: c.post(f"{API}/agent/heartbeat", json=_heartbeat_body(),
+                                    headers={"Authorization": f"Bearer {token}"})
+
+        await asyncio.gather(*(
+            _periodic(client, "POST heartbeat", beat(token), HEARTBEAT_EVERY_S * i / len(tokens), HEARTBEAT_EVERY_S,
+                      until, rows)
+            for i, token in enumerate(tokens)))
+    return rows
+
+
+async def _readers(base: str, cookies: dict[str, str], token: str, run_ids: list[int], users: int, ci: int,
+                   seconds: float) -> list[Row]:
+    rows: list[Row] = []
+    async with httpx.AsyncClient(base_url=base, limits=httpx.Limits(max_connections=users + ci + 2),
+                                 timeout=30) as client:
+        until = asyncio.get_running_loop().time() + seconds
+
+        def page(run_id: int) -> Any:
+            return lambda c: c.get(f"/runs/{run_id}", cookies=cookies)
+
+        def listing(c: httpx.AsyncClient) -> Any:
+            return c.get(f"{API}/runs?limit=50", headers={"Authorization": f"Bearer {token}"})
+
+        await asyncio.gather(
+            *(_periodic(client, "GET run page", page(run_ids[i % len(run_ids)]), PAGE_EVERY_S * i / max(users, 1),
+                        PAGE_EVERY_S, until, rows) for i in range(users)),
+            *(_periodic(client, "GET /api/v1/runs", listing, CI_EVERY_S * i / max(ci, 1), CI_EVERY_S, until, rows)
+              for i in range(ci)),
+        )
+    return rows
+
+
+def _client_process(kind: str, spec: dict[str, Any]) -> None:
+    if kind == "agents":
+        rows = asyncio.run(_agents(spec["base"], spec["tokens"], spec["seconds"]))
+    else:
+        rows = asyncio.run(_readers(spec["base"], spec["cookies"], spec["token"], spec["run_ids"], spec["users"],
+                                    spec["ci"], spec["seconds"]))
+    print(json.dumps(rows))
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of the server: the process and its children (uvicorn's workers)."""
+    pids = [pid, *(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
+    total = 0
+    for one in pids:
+        try:
+            total += int(Path(f"/proc/{one}/status").read_text().split("VmRSS:")[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            pass
+    return total / 1024
+
+
+class Server:
+    """`hybridtrain server --workers P` on `database_url`, in a process group of its own."""
+
+    def __init__(self, database_url: str, broker_url: str, processes: int) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDTRAIN_")} | {
+            "DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url, "HYBRIDTRAIN_ADMIN_TOKEN": ADMIN_TOKEN,
+            # One shared Redis: no ACL user per simulated node.
+            "HYBRIDTRAIN_BROKER_NODE_USERS": "false",
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "server", "--port", str(self.port), "--workers", str(processes),
+             "--log-level", "warning", "--no-access-log"],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server with {processes} process(es) did not start")
+            try:
+                if httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        time.sleep(2 * processes)  # every worker past its start-up
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+# -- set-up, run, report -------------------------------------------------------------------------
+
+@dataclass
+class Fleet:
+    agent_tokens: list[str] = field(default_factory=list)
+    node_ids: list[int] = field(default_factory=list)
+    run_ids: list[int] = field(default_factory=list)
+    read_token: str = ""
+
+
+async def _declare(base: str, count: int, runs: int) -> Fleet:
+    fleet = Fleet()
+    admin_headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=base, headers=admin_headers, timeout=60) as admin:
+        fleet.read_token = (await admin.post(f"{API}/tokens", json={"name": "load-reader", "scope": "read"})).json()["token"]
+        site = (await admin.post(f"{API}/sites", json={
+            "name": "load", "kind": "cloud", "provider": "gcp", "region": "us-west1", "zone": "us-west1-b",
+            "continent": "north_america"})).json()
+        gate = asyncio.Semaphore(6)
+
+        async def one(i: int) -> tuple[int, str]:
+            async with gate:
+                node = (await admin.post(f"{API}/nodes", json={
+                    "name": f"load-{i:05d}", "site_id": site["id"], "gpus": [{"model": "T4", "count": 1}]})).json()
+                token = "hta_" + secrets.token_urlsafe(32)
+                joined = await admin.post(f"{API}/agent/register", headers={"Authorization": ""}, json={
+                    "join_token": node["join_token"], "agent_token": token,
+                    "hardware": {"hostname": f"load-{i}", "address": "127.0.0.1", "cpu_cores": 16, "gpus": [],
+                                 "benchmark": {"samples_per_s": 500.0}}})
+                joined.raise_for_status()
+                return int(node["id"]), token
+
+        # The runs' nodes first, with their runs at once: a node declared early may be offline
+        # (30 s without a heartbeat) by the time the last is, and a run needs online nodes.
+        for node_id, token in await asyncio.gather(*(one(i) for i in range(min(runs, count)))):
+            fleet.node_ids.append(node_id)
+            fleet.agent_tokens.append(token)
+        for i in range(min(runs, count)):
+            node_id = fleet.node_ids[i]
+            run = await admin.post(f"{API}/runs", json={
+                "name": f"load-run-{i}", "node_ids": [node_id], "strategy": "ps", "ps_node_id": node_id,
+                "global_batch_size": 64, "max_steps": 20})
+            run.raise_for_status()
+            fleet.run_ids.append(int(run.json()["id"]))
+        for node_id, token in await asyncio.gather(*(one(i) for i in range(min(runs, count), count))):
+            fleet.node_ids.append(node_id)
+            fleet.agent_tokens.append(token)
+    return fleet
+
+
+def _sign_in(base: str, token: str) -> dict[str, str]:
+    """The cookies of a dashboard session signed in with `token`, through the login form."""
+    with httpx.Client(base_url=base, timeout=30) as browser:
+        form = browser.get("/login").text
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', form)
+        assert csrf, "the login page carries no CSRF token"
+        signed = browser.post("/login", data={"token": token, "next": "/", "csrf_token": csrf.group(1)})
+        assert signed.status_code == 303, signed.status_code
+        return dict(browser.cookies)
+
+
+def _spawn(kind: str, spec: dict[str, Any]) -> subprocess.Popen[str]:
+    process = subprocess.Popen([sys.executable, __file__, "--client", kind], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert process.stdin is not None
+    process.stdin.write(json.dumps(spec))
+    process.stdin.close()
+    return process
+
+
+@dataclass
+class Level:
+    processes: int
+    agents: int
+    users: int
+    ci: int
+    seconds: float
+    rows: list[Row]
+    not_online: int
+    rss_mb: float
+
+    def of(self, route: str) -> list[Row]:
+        return [r for r in self.rows if r[0] == route]
+
+    def offered_per_s(self, route: str) -> float:
+        every, clients = {"POST heartbeat": (HEARTBEAT_EVERY_S, self.agents), "GET run page": (PAGE_EVERY_S, self.users),
+                          "GET /api/v1/runs": (CI_EVERY_S, self.ci)}[route]
+        return clients / every
+
+    def answered_per_s(self, route: str) -> float:
+        return sum(1 for r in self.of(route) if isinstance(r[1], int) and r[1] < 400) / self.seconds
+
+    def errors(self, route: str) -> dict[str, int]:
+        """Requests not answered 2xx/3xx, by status or exception name."""
+        found: dict[str, int] = {}
+        for r in self.of(route):
+            if not (isinstance(r[1], int) and r[1] < 400):
+                found[str(r[1])] = found.get(str(r[1]), 0) + 1
+        return found
+
+    def p(self, route: str, q: float, column: int = 2) -> float | None:
+        values = sorted(r[column] for r in self.of(route))
+        return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+    def lag_p99(self) -> float:
+        """The client's lateness, p99 over every request of the level."""
+        lags = sorted(r[3] for r in self.rows)
+        return lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0
+
+    def misses(self) -> list[str]:
+        """The targets this level misses."""
+        missed = []
+        heartbeat_p99, page_p99 = self.p("POST heartbeat", 0.99), self.p("GET run page", 0.99)
+        if heartbeat_p99 is not None and heartbeat_p99 >= HEARTBEAT_P99_S:
+            missed.append(f"heartbeat p99 {heartbeat_p99 * 1000:.0f} ms")
+        if page_p99 is not None and page_p99 >= PAGE_P99_S:
+            missed.append(f"page p99 {page_p99 * 1000:.0f} ms")
+        failed = sum(sum(self.errors(route).values()) for route in ROUTES)
+        if failed:
+            missed.append(f"{failed} errors")
+        if self.not_online:
+            missed.append(f"{self.not_online} nodes offline")
+        if missed and self.lag_p99() > CLIENT_LAG_S:
+            missed.append(f"client lag p99 {self.lag_p99() * 1000:.0f} ms: the clients, too, were short of CPU")
+        return missed
+
+
+def _run_level(server: Server, fleet: Fleet, cookies: dict[str, str], processes: int, agents: int,
+               seconds: float) -> Level:
+    users, ci = max(1, agents // 20), max(1, agents // 100)
+    tokens = fleet.agent_tokens[:agents]
+    clients = [_spawn("agents", {"base": server.base, "tokens": tokens[i:i + AGENTS_PER_CLIENT], "seconds": seconds})
+               for i in range(0, len(tokens), AGENTS_PER_CLIENT)]
+    clients.append(_spawn("readers", {"base": server.base, "cookies": cookies, "token": fleet.read_token,
+                                      "run_ids": fleet.run_ids, "users": users, "ci": ci, "seconds": seconds}))
+    rows: list[Row] = []
+    for process in clients:
+        assert process.stdout is not None
+        out = process.stdout.read()
+        process.wait(timeout=60)
+        rows += [(r[0], r[1], r[2], r[3]) for r in json.loads(out)]
+    rss = _rss_mb(server.process.pid)
+    nodes = httpx.get(f"{server.base}{API}/nodes?limit=1000", timeout=60,
+                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()["data"]
+    active = set(fleet.node_ids[:agents])
+    not_online = sum(1 for n in nodes if n["id"] in active and n["status"] != "online")
+    return Level(processes, agents, users, ci, seconds, rows, not_online, rss)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _report(levels: list[Level], processes: list[int]) -> None:
+    print("| processes | agents / users / CI | route | offered /s | answered /s | p50 ms | p99 ms | errors "
+          "| client lag p99 ms | nodes not online | server RSS MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for level in levels:
+        for route in ROUTES:
+            errors = ", ".join(f"{n} x {kind}" for kind, n in sorted(level.errors(route).items())) or "0"
+            print(f"| {level.processes} | {level.agents} / {level.users} / {level.ci} | {route} "
+                  f"| {level.offered_per_s(route):.1f} | {level.answered_per_s(route):.1f} "
+                  f"| {_ms(level.p(route, 0.5))} | {_ms(level.p(route, 0.99))} | {errors} "
+                  f"| {_ms(level.p(route, 0.99, column=3))} | {level.not_online} | {level.rss_mb:.0f} |")
+    print()
+    for count in processes:
+        mine = [lv for lv in levels if lv.processes == count]
+        knee = next((lv for lv in mine if lv.misses()), None)
+        if knee is None:
+            print(f"knee, {count} process(es): not reached up to {mine[-1].agents} agents")
+        else:
+            below = [lv.agents for lv in mine if lv.agents < knee.agents]
+            print(f"knee, {count} process(es): between {below[-1] if below else 0} and {knee.agents} agents "
+                  f"({'; '.join(knee.misses())})")
+    if len(processes) >= 2:
+        first, other = processes[0], processes[1]
+        print()
+        print(f"| agents | route | answered /s, {other} vs {first} | p99, {other} vs {first} |")
+        print("|---|---|---|---|")
+        for level in [lv for lv in levels if lv.processes == first]:
+            twin = next(lv for lv in levels if lv.processes == other and lv.agents == level.agents)
+            for route in ROUTES:
+                rate = twin.answered_per_s(route) / level.answered_per_s(route) if level.answered_per_s(route) else None
+                a, b = level.p(route, 0.99), twin.p(route, 0.99)
+                p99 = b / a if a and b else None
+                print(f"| {level.agents} | {route} | {'-' if rate is None else f'{rate:.2f}'} "
+                      f"| {'-' if p99 is None else f'{p99:.2f}'} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--levels", default="100,300,1000", help="agents at each level, rising (default 100,300,1000)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each level (default 20)")
+    parser.add_argument("--processes", default="1,2", help="API processes to compare (default 1,2)")
+    parser.add_argument("--runs", type=int, default=10, help="runs whose pages the users poll (default 10)")
+    parser.add_argument("--broker", default="redis://127.0.0.1:6379/15", help="Redis for orders (flushed by no one)")
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        _client_process(args.client, json.loads(sys.stdin.read()))
+        return
+    levels = sorted(int(n) for n in args.levels.split(","))
+    processes = [int(p) for p in args.processes.split(",")]
+    if min(levels) < 1 or min(processes) < 1:
+        raise SystemExit("--levels and --processes take positive numbers")
+
+    name = f"hybridtrain_load_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(POSTGRES, autocommit=True) as admin_db:
+        admin_db.execute(f'CREATE DATABASE "{name}"')
+    database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    results: list[Level] = []
+    server: Server | None = None
+    try:
+        fleet: Fleet | None = None
+        cookies: dict[str, str] = {}
+        for count in processes:
+            server = Server(database_url, args.broker, count)
+            if fleet is None:
+                started = time.monotonic()
+                fleet = asyncio.run(_declare(server.base, max(levels), args.runs))
+                cookies = _sign_in(server.base, fleet.read_token)
+                print(f"declared {max(levels)} nodes and {args.runs} runs in {time.monotonic() - started:.0f} s",
+                      file=sys.stderr)
+            # Warm-up, not reported: each process's first requests compile templates and fill caches.
+            _run_level(server, fleet, cookies, count, levels[0], WARM_UP_S)
+            for agents in levels:
+                level = _run_level(server, fleet, cookies, count, agents, args.seconds)
+                print(f"{count} process(es), {agents} agents: {', '.join(level.misses()) or 'all targets met'}",
+                      file=sys.stderr)
+                results.append(level)
+            server.stop()
+            server = None
+        _report(results, processes)
+    finally:
+        if server is not None:
+            server.stop()
+        with psycopg.connect(POSTGRES, autocommit=True) as admin_db:
+            admin_db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+if __name__ == "__main__":
+    main()
