@@ -492,7 +492,7 @@ def test_a_diloco_run_tells_the_trainers_its_outer_steps(online_node, client, di
 
     assert run["local_sgd"] == {"sync_every": 50, "outer_lr": 0.5, "outer_momentum": 0.8}
     trains = _options_by_rank(dispatched, [a, b], "train_options").values()
-    assert [t["local_sgd"] for t in trains] == [run["local_sgd"]] * 2
+    assert trains and all(t["local_sgd"] == run["local_sgd"] for t in trains)
 
 
 def test_local_sgd_knobs_under_compression_are_still_read_for_one_release(online_node, client):
