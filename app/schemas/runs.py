@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -14,18 +13,14 @@ from app.schemas.checkpoints import CheckpointPublic
 from app.schemas.common import Flag, Id, Name, PublicSchema, Schema
 from app.schemas.events import RunEventPublic
 from hybridtrain import contract
-from hybridtrain.train_options import (  # noqa: F401 - the request's sections, imported from here
+from hybridtrain.train_options import (  # noqa: F401 - the request's sections and types, imported from here too
     MAX_TASK_ARGS_BYTES,
-    Allocation,
     CompressionOptions,
     Device,
-    Fraction,
     LocalSgdOptions,
-    SmallCount,
     Strategy,
     TrainOptions,
     field_error,
-    field_path,
 )
 
 # A run given neither max_steps nor epochs trains this many steps.
