@@ -27,8 +27,8 @@ from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
 from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
 from app.token_limits import refusal
-from hybridtrain.train_options import sections_for
 from hybridtrain.contract import STRATEGIES, is_ps
+from hybridtrain.train_options import sections_for
 
 log = logging.getLogger(__name__)
 
