@@ -2,7 +2,9 @@
 
 The control plane sends a `RoleSpec` as plain JSON inside the `launch_role` task; the agent
 validates it and appends the flags to its configured trainer command
-(`python -m trainer --role ps|worker --rank R ... [-- SCRIPT ARGS]`). A `ProfileSpec` is the
+(`python -m trainer --role ps|worker --rank R ... --options-json '{...}' [-- SCRIPT ARGS]`): the
+run's training options travel as one typed JSON object (`hybridtrain.train_options`), the
+deployment's own settings (checkpoints, membership, sites) as flags. A `ProfileSpec` is the
 order of the `profile_task` task: measure one task on this node.
 """
 
@@ -15,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hybridtrain.contract import DEVICES, RESERVED_FLAGS, SHA256, check_task_ref
+from hybridtrain.train_options import TrainOptions
 
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 # Environment a launch may set: thread counts and device/communication knobs, nothing that
@@ -76,7 +79,10 @@ class RoleSpec(BaseModel):
     report_token: str | None = None
     # PS strategies: the run's shared secret for TLS between its ranks (trainer.linktls).
     link_secret: str | None = Field(default=None, max_length=200)
-    # The rest of the trainer's flags, e.g. {"strategy": "ps-bz-gc", "max-steps": 200}.
+    # What the run trains and how it synchronises, handed to the trainer as `--options-json`
+    # (None: an order from a control plane that predates it, whose `options` carry them as flags).
+    train_options: TrainOptions | None = None
+    # The rest of the trainer's flags, e.g. {"checkpoint-every": 100, "sites": "4,4,9"}.
     options: dict[str, OptionValue] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
     # The user's code, unpacked on the node and made the role's cwd and PYTHONPATH.
@@ -174,7 +180,8 @@ def _render(value: Scalar | list[str | int | float]) -> str:
 
 
 def trainer_argv(spec: RoleSpec, command: list[str]) -> list[str]:
-    """The full command line of a role: `command` + the spec's flags [+ `--` script args].
+    """The full command line of a role: `command` + the spec's flags and its training options
+    as one `--options-json` [+ `--` script args].
 
     Options render as `--name value`; True as a bare `--name`; False and None are left out;
     lists join with commas (the trainer's convention, as in `--speeds 1,0.89`).
@@ -200,6 +207,8 @@ def trainer_argv(spec: RoleSpec, command: list[str]) -> list[str]:
         argv += ["--checkpoint-url", spec.checkpoint_url]
     if spec.join:
         argv.append("--join")
+    if spec.train_options is not None:
+        argv += ["--options-json", spec.train_options.model_dump_json(exclude_none=True)]
     for name, value in spec.options.items():
         flag = "--" + name.replace("_", "-")
         if value is None or value is False:

@@ -613,7 +613,8 @@ def model_prediction(strategy: str, *, profiles: Mapping[str, Mapping[str, Any]]
     ms)); the prediction as JSON and the site of each node id it uses."""
     from app.perfmodel.predict import LinkSpec, NodeSpec, TaskSpec, predict
     from app.queries.predictions import compression_spec
-    from app.schemas.runs import CompressionOptions
+    from app.schemas.runs import CompressionOptions, LocalSgdOptions
+    from hybridtrain.train_options import LEGACY_LOCAL_SGD
 
     names = sorted(profiles)
     node_id = {n: i + 1 for i, n in enumerate(names)}
@@ -625,7 +626,11 @@ def model_prediction(strategy: str, *, profiles: Mapping[str, Mapping[str, Any]]
     workers = [(node(n), int(b)) for n, b in batch_sizes.items()]
     specs = {(node_id[a], node_id[b]): LinkSpec(mbps, rtt_ms, "measured")
              for (a, b), (mbps, rtt_ms) in links.items() if a in node_id and b in node_id}  # fmt: skip
-    comp = compression_spec(CompressionOptions(**compression) if compression else None, eval_every=eval_every)
+    # A bench body may still give local SGD's knobs under compression, as requests once did.
+    given = dict(compression or {})
+    local = {k: given.pop(k) for k in LEGACY_LOCAL_SGD if k in given}
+    comp = compression_spec(CompressionOptions(**given) if given else None, eval_every=eval_every,
+                            local_sgd=LocalSgdOptions(**local) if local else None)
     pred = predict(strategy, workers=workers, server=node(server) if server else None, links=specs,
                    task=TaskSpec.from_profile(profiles[names[0]], with_eval=False), compression=comp, relay=True,
                    max_steps=max_steps)  # fmt: skip
@@ -643,7 +648,8 @@ def local_prediction(strategy: str, body: Mapping[str, Any], plan: Mapping[str, 
                                batch_sizes={name_of[w["node_id"]]: int(w["batch_size"]) for w in plan["workers"]
                                             if w.get("role") == "worker"},
                                server=name_of[body["ps_node_id"]] if body.get("ps_node_id") else None,
-                               compression=body.get("compression"), eval_every=body.get("eval_every", 50),
+                               compression={**(body.get("compression") or {}), **(body.get("local_sgd") or {})},
+                               eval_every=body.get("eval_every", 50),
                                max_steps=None)  # fmt: skip
     return pred
 

@@ -1,9 +1,10 @@
 """What combines with what: the one table of a run's options against its strategy and each other.
 
-The control plane's request schema (and so its form), the trainer's command line and anything
-else that takes a run's options ask `problems`; each words the answer for its own audience (a
-request field, a flag), so a rule is written once and every door refuses the same runs. Options
-are named as `trainer.config.TrainConfig` names them. Standard library only, like the contract.
+The run's typed options (`hybridtrain.train_options.TrainOptions`: the API's request, the launch
+order, the trainer's command line mapped into it) and anything else that takes a run's options
+ask `problems`; each words the answer for its own audience (a request field, a flag), so a rule
+is written once and every door refuses the same runs. Options are named as the sections of
+`TrainOptions` name them. Standard library only, like the contract.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ PER_STEP_PS = (PS, PS_GC, PS_BZ_GC)
 TAKES: dict[str, tuple[tuple[str, ...], str]] = {
     "pipeline_chunks": (PS_STRATEGIES, "pipelines a parameter server's exchange"),
     "rebalance_every": (PS_STRATEGIES, "re-splits a parameter server's batch from measured times"),
-    "overlap": (PER_STEP_PS, "sends a parameter server's per-step gradient during the backward pass"),
     "delayed_updates": (PER_STEP_PS, "delays a parameter server's per-step update by a step"),
     "aggregate_at_sites": (PER_STEP_PS, "combines each remote site's per-step gradients at its relay"),
     "apply_in_forward": ((PS_GC, PS_BZ_GC), "applies a compressing parameter server's per-step update "
@@ -45,8 +45,6 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
 
 # Options that cannot both be on, and why.
 CLASHES: tuple[tuple[str, str, str], ...] = (
-    ("overlap", "aggregate_at_sites", "a relay would hold its own backward pass until its site's chunks arrive"),
-    ("apply_in_forward", "overlap", "its chunks follow the backward pass, not the forward pass"),
     ("apply_in_forward", "delayed_updates", "its updates arrive a step late"),
     ("apply_in_forward", "aggregate_at_sites", "a relay combines its site's chunks"),
 )

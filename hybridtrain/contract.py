@@ -300,7 +300,7 @@ LAUNCH_ENV = (ENV_ROLE, ENV_RANK, ENV_WORLD_SIZE, ENV_MASTER_ADDR, ENV_MASTER_PO
 # Trainer flags a launch order sets through its own fields, never through `options`.
 RESERVED_FLAGS = frozenset(
     {"role", "rank", "world-size", "master-addr", "master-port", "batch-sizes", "report-url",
-     "report-token", "report-token-file", "report-spool", "checkpoint-url", "join"}
+     "report-token", "report-token-file", "report-spool", "checkpoint-url", "join", "options-json"}
 )
 # The exit status of a PS server that gave up waiting for --min-workers workers (after
 # --min-workers-wait-s): the control plane fails the run instead of restarting it.

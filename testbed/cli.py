@@ -59,8 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "default docs/BENCHMARKS.md for a full run, none for --quick)")  # fmt: skip
     p.add_argument("--strategies", default=None,
                    help="comma-separated subset; STRATEGY+plain runs it over unencrypted links, "
-                        "a PS STRATEGY+sites with per-site aggregation, a PS STRATEGY+overlap "
-                        "with its chunks sent during the backward pass, a PS STRATEGY+inforward "
+                        "a PS STRATEGY+sites with per-site aggregation, a PS STRATEGY+inforward "
                         "applying its update's later chunks during the next forward pass, "
                         "a compressing one STRATEGY+fp8 with its values sent as fp8, "
                         "STRATEGY+quotaio with each node's communication threads left on its GPU quota, "

@@ -41,8 +41,7 @@ class Layout:
     def of(cls, model: nn.Module, dense_numel: int, *, forward: bool = False) -> Layout:
         """1-D tensors (biases, norms) and tensors under `dense_numel` elements travel dense,
         first; the compressed ones follow in reverse order of definition, which is about the
-        order the backward pass produces their gradients, so the first chunks are ready first
-        (`--overlap`). With `forward`, in order of definition, about the order the forward pass
+        order the backward pass produces their gradients. With `forward`, in order of definition, about the order the forward pass
         reads them, so the first chunks of an update are the first needed (`--apply-in-forward`)."""
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         is_dense = [p.dim() <= 1 or p.numel() < dense_numel for _, p in params]

@@ -12,7 +12,11 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from hybridtrain.contract import (
     ALLOCATIONS,
@@ -21,13 +25,13 @@ from hybridtrain.contract import (
     SELECT_METHODS,
     STRATEGIES,
     VALUE_DTYPES,
-    check_task_ref,
     default_allocation,
     is_local_sgd,
     is_ps,
     parse_target,
 )
-from hybridtrain.compat import describe, problems
+from hybridtrain.compat import TAKES, describe, problems
+from hybridtrain.train_options import CompressionOptions, LocalSgdOptions, TrainOptions
 from trainer.config import TrainConfig
 
 
@@ -111,9 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--pipeline-chunks", type=int, default=d.pipeline_chunks,
                     help="PS strategies: compress, send, aggregate and answer the gradient in this many "
                          "chunks, one on the wire and at the server while the next is compressed")
-    gc.add_argument("--overlap", action="store_true",
-                    help="PS strategies: compress and send each chunk of the gradient as soon as the "
-                         "backward pass has produced it (use with --pipeline-chunks N > 1)")
     gc.add_argument("--delayed-updates", action="store_true",
                     help="PS strategies: apply each step's update at the next step, after that step's "
                          "gradient has left, so the server's reply hides behind its compute (gradients "
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     sysg.add_argument("--verbose", action="store_true")
     role = p.add_argument_group("one role (for the node agents)")
     role.add_argument("--role", choices=("ps", "worker"), default=None)
+    role.add_argument("--options-json", default=None,
+                      help="the run's training options as one JSON object (hybridtrain.train_options."
+                           "TrainOptions, as a launch order carries them), instead of their flags")
     role.add_argument("--rank", type=int, default=None)
     role.add_argument("--world-size", type=int, default=None)
     role.add_argument("--master-addr", default="127.0.0.1")
@@ -206,92 +210,150 @@ class UsageError(ValueError):
     """A command line that names an impossible run."""
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Validate the options and freeze them into a TrainConfig."""
-    ps = is_ps(args.strategy)
+# The training options' flags: TrainOptions field (sections dotted) -> the parser's dest. The
+# command line maps into the same typed options that a launch order carries as --options-json.
+OPTION_DESTS = {
+    "strategy": "strategy", "task": "task", "task_args": "task_args", "script": "script",
+    "global_batch_size": "global_batch", "max_steps": "max_steps", "epochs": "epochs", "target": "target",
+    "stop_at_target": "stop_at_target", "seed": "seed", "allocation": "allocation", "device": "device",
+    "eval_every": "eval_every", "rebalance_every": "rebalance_every",
+    **{f"compression.{name}": name for name in CompressionOptions.model_fields},
+    **{f"local_sgd.{name}": name for name in LocalSgdOptions.model_fields},
+}
+
+
+def _flag(option: str) -> str:
+    """The flag of a training option ('compression.pipeline_chunks', 'sync_every')."""
+    name = option.rpartition(".")[2]
+    return "--" + OPTION_DESTS.get(option, OPTION_DESTS.get(f"compression.{name}", name)).replace("_", "-")
+
+
+def options_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TrainOptions:
+    """The training options of a command line: its flags, or its --options-json (not both)."""
+    given = {path: getattr(args, dest) for path, dest in OPTION_DESTS.items()
+             if getattr(args, dest) != parser.get_default(dest)}
+    if args.target_accuracy is not None:
+        given["target"] = args.target_accuracy
+    if args.options_json is not None:
+        # The strategy and device flags always have a value; only a changed one was given.
+        if given:
+            first = next(iter(given))
+            flag = "--target-accuracy" if first == "target" and args.target_accuracy is not None else _flag(first)
+            raise UsageError(f"{flag}: --options-json carries the run's training options; give them there")
+        try:
+            return TrainOptions.model_validate_json(args.options_json)
+        except ValidationError as exc:
+            raise UsageError(f"--options-json: {_first_error(exc, lambda path: path)}") from None
+    # A flag door of its own words: the one table, each rule named by its flags.
+    _check_combinations(args, parser)
+    values: dict[str, Any] = {"strategy": args.strategy, "device": args.device}
+    for path, value in given.items():
+        section, _, name = path.rpartition(".")
+        (values.setdefault(section, {}) if section else values)[name] = value
+    values["target"] = _target(args)
+    values["task_args"] = _task_args(args.task_args)
+    if args.global_batch is None and args.batch_sizes:
+        values["global_batch_size"] = sum(args.batch_sizes)
+    try:
+        return TrainOptions.model_validate({k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        raise UsageError(_first_error(exc, _flag)) from None
+
+
+def _first_error(exc: ValidationError, name: Callable[[str], str]) -> str:
+    error = exc.errors()[0]
+    path = ".".join(str(part) for part in error["loc"])
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{name(path)}: {message}" if path else message
+
+
+def _task_args(text: str) -> dict[str, Any]:
+    try:
+        task_args = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--task-args is not valid JSON: {exc}") from None
+    if not isinstance(task_args, dict):
+        raise UsageError(f"--task-args must be a JSON object, got {text!r}")
+    return task_args
+
+
+def option_fields(opts: TrainOptions) -> dict[str, Any]:
+    """The TrainConfig fields that `opts` sets (the trainer's defaults for those it leaves unset)."""
+    compression = opts.compression.model_dump(exclude_none=True) if opts.compression else {}
+    if "aggregate_at_sites" in compression:
+        compression["site_aggregation"] = compression.pop("aggregate_at_sites")
+    local_sgd = opts.local_sgd.model_dump(exclude_none=True) if opts.local_sgd else {}
+    fields: dict[str, Any] = {
+        "strategy": opts.strategy, "task": opts.task, "task_args": json.dumps(opts.task_args, sort_keys=True),
+        "script": opts.script, "global_batch": opts.global_batch_size, "epochs": opts.epochs,
+        "target": opts.target, "stop_at_target": opts.stop_at_target, "seed": opts.seed, "device": opts.device,
+        "allocation": opts.allocation or default_allocation(opts.strategy),
+        # Local SGD re-splits the batch at every outer step unless told otherwise.
+        "rebalance_every": opts.rebalance_every or (1 if is_local_sgd(opts.strategy) else TrainConfig.rebalance_every),
+        **compression, **local_sgd,
+    }
+    if opts.max_steps is not None:
+        fields["max_steps"] = opts.max_steps
+    if opts.eval_every is not None:
+        fields["eval_every"] = opts.eval_every
+    return fields
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> TrainConfig:
+    """Validate the options and freeze them into a TrainConfig: the training options (flags or
+    --options-json, `options_from_args`), then this process's share and settings."""
+    opts = options_from_args(args, parser or build_parser())
+    ps = is_ps(opts.strategy)
     workers = args.workers
     if args.world_size is not None:
         derived = args.world_size - (1 if ps else 0)
         if workers is not None and workers != derived:
-            raise UsageError(f"--workers {workers} disagrees with --world-size {args.world_size} for {args.strategy}")
+            raise UsageError(f"--workers {workers} disagrees with --world-size {args.world_size} for {opts.strategy}")
         workers = derived
     workers = 4 if workers is None else workers
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
-    global_batch = args.global_batch
+    global_batch = opts.global_batch_size
     if args.batch_sizes:
         if len(args.batch_sizes) != workers or min(args.batch_sizes) < 1:
             raise UsageError(f"--batch-sizes {list(args.batch_sizes)}: need {workers} sizes, each >= 1")
-        if global_batch is not None and global_batch != sum(args.batch_sizes):
+        if global_batch != sum(args.batch_sizes):
             raise UsageError(f"--batch-sizes sum to {sum(args.batch_sizes)}, not --global-batch {global_batch}")
-        global_batch = sum(args.batch_sizes)
-    global_batch = TrainConfig.global_batch if global_batch is None else global_batch
     if global_batch < workers:
         raise UsageError(f"--global-batch {global_batch} is smaller than the {workers} workers")
     if args.speeds and (len(args.speeds) != workers or min(args.speeds) <= 0):
         raise UsageError(f"--speeds {list(args.speeds)}: need {workers} positive speeds")
     if args.link_mbps and (len(args.link_mbps) != workers or min(args.link_mbps) <= 0):
         raise UsageError(f"--link-mbps {list(args.link_mbps)}: need {workers} positive bandwidths")
-    if not 0 < args.density_min <= args.density <= args.density_max <= 1:
+    fields = option_fields(opts)
+    densities = [fields.get(k, getattr(TrainConfig, k)) for k in ("density_min", "density", "density_max")]
+    if not 0 < densities[0] <= densities[1] <= densities[2] <= 1:
         raise UsageError("need 0 < --density-min <= --density <= --density-max <= 1")
-    if not 0 < args.server_k_fraction <= 1:
-        raise UsageError(f"--server-k-fraction must be in (0, 1], got {args.server_k_fraction}")
-    rebalance_every = args.rebalance_every or (1 if is_local_sgd(args.strategy) else TrainConfig.rebalance_every)
-    if args.max_steps < 1 or args.eval_every < 1 or rebalance_every < 1:
-        raise UsageError("--max-steps, --eval-every and --rebalance-every must be >= 1")
     if args.sites:
         if not ps:
-            raise UsageError(f"--sites relays a parameter server's update; {args.strategy} has none")
+            raise UsageError(f"--sites relays a parameter server's update; {opts.strategy} has none")
         if len(args.sites) != workers + 1 or not all(args.sites):
             raise UsageError(f"--sites {list(args.sites)}: need {workers + 1} non-empty labels, the server's first")
-    if not 1 <= args.pipeline_chunks <= 64:
-        raise UsageError(f"--pipeline-chunks must be in 1..64, got {args.pipeline_chunks}")
-    _check_outer(args)
-    _check_combinations(args)
-    if args.aggregate_at_sites and not args.sites:
+    if fields.get("site_aggregation") and not args.sites:
         raise UsageError("--aggregate-at-sites combines each remote site's gradients at its relay: give --sites")
     if args.expect_ranks and not (ps and all(1 <= r <= workers for r in args.expect_ranks)):
         raise UsageError(f"--expect-ranks {list(args.expect_ranks)}: need worker ranks in 1..{workers} "
                          "of a parameter-server run")
     if args.density_time_floor < 0:
         raise UsageError(f"--density-time-floor must be >= 0 seconds, got {args.density_time_floor}")
-    target = _target(args)
-    try:
-        check_task_ref(args.task)
-    except ValueError as exc:
-        raise UsageError(f"--task: {exc}") from None
-    try:
-        task_args = json.loads(args.task_args)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--task-args is not valid JSON: {exc}") from None
-    if not isinstance(task_args, dict):
-        raise UsageError(f"--task-args must be a JSON object, got {args.task_args!r}")
-    if args.epochs is not None and not args.epochs > 0:
-        raise UsageError(f"--epochs must be > 0, got {args.epochs}")
     if args.data_workers is not None and args.data_workers < 0:
         raise UsageError(f"--data-workers must be >= 0, got {args.data_workers}")
-    if args.script_args and not args.script:
+    if args.script_args and not opts.script:
         raise UsageError(f"unexpected arguments {args.script_args}: only --script takes arguments after --")
-    if args.script and args.resume:
+    if opts.script and args.resume:
         raise UsageError("--resume restores a task's run; a script of your own checkpoints itself")
     return TrainConfig(
-        strategy=args.strategy, workers=workers, global_batch=global_batch,
+        **fields, workers=workers,
         batch_sizes=tuple(args.batch_sizes), speeds=tuple(args.speeds),
-        allocation=args.allocation or default_allocation(args.strategy),
-        rebalance_every=rebalance_every, max_steps=args.max_steps,
-        epochs=args.epochs, target=target, stop_at_target=args.stop_at_target, seed=args.seed,
-        task=args.task, task_args=json.dumps(task_args, sort_keys=True), script=args.script,
         code_dir=args.code_dir,
         script_args=tuple(args.script_args), data_workers=args.data_workers, amp=args.amp,
-        compressor=args.compressor,
-        value_dtype=args.value_dtype, select=args.select, density=args.density,
-        density_min=args.density_min, density_max=args.density_max, density_gamma=args.density_gamma,
-        density_time_floor_s=args.density_time_floor,
-        server_k_fraction=args.server_k_fraction, error_feedback=args.error_feedback,
-        warmup_steps=args.warmup_steps, momentum_correction=args.momentum_correction,
-        pipeline_chunks=args.pipeline_chunks, overlap=args.overlap, site_aggregation=args.aggregate_at_sites,
-        delayed_updates=args.delayed_updates, apply_in_forward=args.apply_in_forward,
-        dense_numel=args.dense_numel, eval_every=args.eval_every,
+        density_gamma=args.density_gamma, density_time_floor_s=args.density_time_floor,
+        dense_numel=args.dense_numel,
         checkpoint_every=args.checkpoint_every, checkpoint_every_s=args.checkpoint_every_s,
         checkpoint_dir=args.checkpoint_dir, checkpoint_url=args.checkpoint_url, resume=args.resume,
         min_workers=args.min_workers, min_workers_wait_s=args.min_workers_wait_s,
@@ -299,41 +361,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         join=args.join,
         metrics_out=args.metrics_out, report_url=args.report_url, report_token=_report_token(args),
         report_spool=args.report_spool, link_secret=_read_secret(args.link_secret_file, "--link-secret-file"),
-        threads=args.threads, device=args.device, timeout_s=args.timeout_s,
+        threads=args.threads, timeout_s=args.timeout_s,
         link_mbps=tuple(args.link_mbps), sites=tuple(args.sites), emulate_speeds=args.emulate_speeds,
-        powersgd_rank=args.powersgd_rank, powersgd_start=args.powersgd_start,
-        **{k: getattr(args, k) for k in ("sync_every", "outer_lr", "outer_momentum", "outer_density", "outer_delay")
-           if getattr(args, k) is not None},
+        powersgd_start=args.powersgd_start,
     )
 
 
-def _flag(option: str) -> str:
-    return "--" + {"aggregate_at_sites": "aggregate-at-sites"}.get(option, option.replace("_", "-"))
-
-
-def _check_combinations(args: argparse.Namespace) -> None:
-    """The options against the strategy and each other: hybridtrain.compat's one table."""
-    options = {k: getattr(args, k) for k in ("pipeline_chunks", "overlap", "delayed_updates", "aggregate_at_sites",
-                                             "apply_in_forward", "sync_every", "outer_lr", "outer_momentum",
-                                             "outer_density", "outer_delay",
-                                             "momentum_correction", "compressor")}
+def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The options given against the strategy and each other: hybridtrain.compat's one table
+    (an option left at its default is unset, as in a request)."""
+    names = [*TAKES, *(n for n in ("momentum_correction", "compressor") if n not in TAKES)]
+    options = {n: (None if getattr(args, n) == parser.get_default(n) else getattr(args, n)) for n in names}
     found = problems(args.strategy, options)
     if found:
         raise UsageError(describe(found[0], args.strategy, _flag))
-
-
-def _check_outer(args: argparse.Namespace) -> None:
-    """Local SGD's own settings, where given."""
-    if args.sync_every is not None and args.sync_every < 1:
-        raise UsageError(f"--sync-every must be >= 1, got {args.sync_every}")
-    if args.outer_lr is not None and not args.outer_lr > 0:
-        raise UsageError(f"--outer-lr must be > 0, got {args.outer_lr}")
-    if args.outer_delay is not None and args.outer_delay < 0:
-        raise UsageError(f"--outer-delay must be >= 0 (and below --sync-every), got {args.outer_delay}")
-    if args.outer_density is not None and not 0 < args.outer_density <= 1:
-        raise UsageError(f"--outer-density must be in (0, 1], got {args.outer_density}")
-    if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:
-        raise UsageError(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
 
 
 def _report_token(args: argparse.Namespace) -> str | None:
@@ -440,7 +481,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, parser)
         if args.role is not None:
             spec = _role_spec(args, cfg)
     except UsageError as exc:

@@ -42,8 +42,8 @@ def sends_dense(cfg: TrainConfig, step: int) -> bool:
 
 
 def dense_chunk(cfg: TrainConfig) -> int:
-    """The chunk whose frames carry the dense part: the first, or the last with --overlap."""
-    return cfg.pipeline_chunks - 1 if cfg.overlap else 0
+    """The chunk whose frames carry the dense part: the first."""
+    return 0
 
 
 def join_residuals(states: list[CompressionState]) -> torch.Tensor | None:

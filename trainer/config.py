@@ -90,10 +90,6 @@ class TrainConfig:
     warmup_steps: int = 5
     # PS strategies: the compressed part travels in this many chunks, pipelined (trainer.ps).
     pipeline_chunks: int = 1
-    # PS strategies: a chunk is compressed and sent as soon as the backward pass has produced
-    # its gradients, while the rest of backward runs (trainer.ps.PSClient); the last chunk and
-    # the dense part go at step().
-    overlap: bool = False
     # PS strategies with --sites: a remote site's workers send their gradients to the site's
     # relay, which combines them and sends one frame across the WAN (trainer.ps).
     site_aggregation: bool = False
@@ -195,7 +191,13 @@ class TrainConfig:
         return (self.apply_in_forward and self.is_ps and not self.is_local_sgd and self.compresses
                 and self.momentum_correction
                 and self.pipeline_chunks > 1
-                and not (self.overlap or self.delayed_updates or self.site_aggregation))
+                and not (self.delayed_updates or self.site_aggregation))
+
+    @property
+    def overlap(self) -> bool:
+        """Always off: sending chunks during the backward pass never paid (docs/BENCHMARKS.md) and
+        the option is gone; kept only until trainer/ps.py's hooks, which still ask, go too."""
+        return False
 
     @property
     def world_size(self) -> int:

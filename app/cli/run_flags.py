@@ -56,8 +56,9 @@ def config_file(path: str | None) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise UsageError(f"--config {path}: expected a mapping of request fields, e.g. 'strategy: diloco'")
-    if "compression" in value and not isinstance(value["compression"], dict):
-        raise UsageError(f"--config {path}: compression must be a mapping, e.g. 'compression: {{density: 0.05}}'")
+    for section, example in (("compression", "density: 0.05"), ("local_sgd", "sync_every: 20")):
+        if section in value and not isinstance(value[section], dict):
+            raise UsageError(f"--config {path}: {section} must be a mapping, e.g. '{section}: {{{example}}}'")
     return value
 
 
@@ -89,15 +90,11 @@ def run_body(args: argparse.Namespace) -> dict[str, Any]:
     ]:
         if value is not None:
             body[key] = value
-    compression = {
-        k: v for k, v in [("compressor", args.compressor), ("density", args.density),
-                          ("value_dtype", args.value_dtype), ("sync_every", args.sync_every),
-                          ("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum),
-                          ("outer_density", args.outer_density), ("outer_delay", args.outer_delay)]
-        if v is not None
-    }
-    if compression:
-        body["compression"] = {**body.get("compression", {}), **compression}
+    for section, names in (("compression", ("compressor", "density", "value_dtype")),
+                           ("local_sgd", ("sync_every", "outer_lr", "outer_momentum", "outer_density", "outer_delay"))):
+        given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+        if given:
+            body[section] = {**(body.get(section) or {}), **given}
     return body
 
 

@@ -1,9 +1,9 @@
-"""What each rank's launch order carries: the trainer's command line for the run (its options,
-sites, speeds, checkpoints) and where the rank reports, built from the run's rows."""
+"""What each rank's launch order carries: the run's training options (one typed JSON object),
+the trainer's flags for how this deployment runs it (sites, speeds, checkpoints) and where the
+rank reports, built from the run's rows."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from app.dispatch import LaunchOrder
 from app.models import Node, Run, RunWorker
 from hybridtrain.contract import is_ps, proportional_batch_sizes
+from hybridtrain.train_options import CompressionOptions, TrainOptions
 
 
 def rank_sites(session: Session, *, run: Run) -> list[str]:
@@ -23,31 +24,38 @@ def rank_sites(session: Session, *, run: Run) -> list[str]:
     return [str(site_of.get(w.node_id, "")) for w in sorted(run.workers, key=lambda w: w.rank)]
 
 
+def train_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
+    """The run's training options as the launch order carries them: the stored request
+    (hybridtrain.train_options.TrainOptions) as JSON, unset options left out."""
+    across = is_ps(run.strategy) and len(set(sites)) > 1 and all(sites)
+    # A run stored before an option was removed (`overlap`) launches without it.
+    compression = {k: v for k, v in (run.compression or {}).items() if k in CompressionOptions.model_fields}
+    if compression.get("aggregate_at_sites") and not across:
+        # Only where there are sites to aggregate at: a run within one site has none.
+        del compression["aggregate_at_sites"]
+    options = TrainOptions(
+        strategy=run.strategy,
+        task=run.task, task_args=run.task_args or {}, script=run.script,
+        global_batch_size=run.global_batch_size,
+        # A run given in epochs has its steps once the trainer has counted the task's samples.
+        max_steps=run.max_steps, epochs=run.epochs if run.max_steps is None else None,
+        target=run.target,
+        stop_at_target=run.stop_at_target is not False,  # None on a run not yet flushed: the default
+        seed=run.seed or 0, device=run.device or "auto", eval_every=run.eval_every,
+        # The plan's split travels as the batch sizes; the trainer's allocation says only whether
+        # it re-splits them from observed times (its default for the strategy unless asked).
+        allocation="measured" if run.rebalance_every is not None else None,
+        rebalance_every=run.rebalance_every,
+        compression=compression or None, local_sgd=run.local_sgd or None,
+    )
+    return options.model_dump(mode="json", exclude_none=True)
+
+
 def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {"strategy": run.strategy}
-    if run.script is not None:
-        options["script"] = run.script
-    else:
-        options["task"] = run.task
-        options["task-args"] = json.dumps(run.task_args or {}, sort_keys=True, separators=(",", ":"))
-    options |= {
-        "global-batch": run.global_batch_size,
-        "seed": run.seed,
-        "device": run.device,
-        # Each node keeps its own copy of the metrics next to the role's log.
-        "metrics-out": "metrics.jsonl",
-    }
-    if run.max_steps is not None:
-        options["max-steps"] = run.max_steps
-    elif run.epochs is not None:
-        # The trainer counts the task's samples and reports the steps as `max_steps`.
-        options["epochs"] = run.epochs
-    if run.target is not None:
-        options["target"] = run.target
-    if run.stop_at_target is False:  # None on a run not yet flushed: the column's default, True
-        options["no-stop-at-target"] = True
-    if run.eval_every is not None:
-        options["eval-every"] = run.eval_every
+    """The trainer's flags for how this deployment runs the run: where its metrics go, its
+    checkpoints, membership and sites (the training options travel as `train_options`)."""
+    # Each node keeps its own copy of the metrics next to the role's log.
+    options: dict[str, Any] = {"metrics-out": "metrics.jsonl"}
     if run.script is None:
         # None on a run not yet flushed: the trainer's defaults (off) apply.
         if run.checkpoint_every:
@@ -62,24 +70,7 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
     if is_ps(run.strategy) and run.min_workers is not None:
         options["min-workers"] = run.min_workers
         options["min-workers-wait-s"] = run.min_workers_wait_s
-    if run.rebalance_every is not None:
-        # The trainer's `measured` allocation starts from --batch-sizes (the plan) and
-        # re-splits from observed compute times.
-        options["allocation"] = "measured"
-        options["rebalance-every"] = run.rebalance_every
-    across = is_ps(run.strategy) and len(set(sites)) > 1 and all(sites)
-    for key, value in (run.compression or {}).items():
-        if key == "aggregate_at_sites":
-            # Only where there are sites to aggregate at: a run within one site has none.
-            if value and across:
-                options["aggregate-at-sites"] = True
-        elif key in ("error_feedback", "momentum_correction"):
-            # The trainer's flags are --error-feedback / --no-error-feedback and the like.
-            flag = key.replace("_", "-")
-            options[flag if value else f"no-{flag}"] = True
-        else:
-            options[key.replace("_", "-")] = value
-    if across:
+    if is_ps(run.strategy) and len(set(sites)) > 1 and all(sites):
         # The server's update then crosses to each remote site once (trainer/relay.py).
         options["sites"] = ",".join(sites)
     return options
@@ -126,6 +117,7 @@ def launch_orders(
         {"sha256": run.bundle_sha256, "path": f"/api/v1/runs/{run.id}/bundle"}
         if run.bundle_sha256 else None
     )
+    train = train_options(run, sites)
     options = _trainer_options(run, sites)
     # A script of the user's own checkpoints itself: --resume restores a task's run only.
     checkpoints = run.script is None and (bool(run.checkpoint_every) or bool(run.checkpoint_every_s) or resume)
@@ -154,6 +146,7 @@ def launch_orders(
             "report_token": metrics_token(worker.rank),
             # Only where set: an agent that predates encrypted links still takes a plain run.
             **({"link_secret": link_secret} if link_secret else {}),
+            "train_options": train,
             "options": options,
             "env": env,
             "bundle": bundle,

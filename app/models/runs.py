@@ -144,6 +144,8 @@ class Run(TimestampMixin, Base):
     allocation: Mapped[str] = mapped_column(String(16))  # equal, flops, measured
     device: Mapped[str] = mapped_column(String(8), default="auto")
     compression: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Local SGD's outer steps (hybridtrain.train_options.LocalSgdOptions, unset keys left out).
+    local_sgd: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")
     # Re-split the global batch every N steps from observed compute times (None: never).
     rebalance_every: Mapped[int | None]
     # Evaluate every N steps (None: the trainer's default).

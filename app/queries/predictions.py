@@ -27,7 +27,7 @@ from app.perfmodel.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec,
 from app.planner import Plan, PlanNode
 from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
 from app.queries.profiles import SCRIPT_PREFIX, latest_profiles, task_key
-from app.schemas.runs import CompressionOptions
+from app.schemas.runs import CompressionOptions, LocalSgdOptions
 from hybridtrain.contract import VALUE_BYTES, is_ps
 
 # The profile fields without which the model cannot size a step.
@@ -51,21 +51,25 @@ class ModelInputs:
     max_steps: int | None
 
 
-def compression_spec(options: CompressionOptions | None, *, eval_every: int | None) -> CompressionSpec:
-    """The model's view of a run's compression options (the trainer's defaults where unset)."""
+def compression_spec(options: CompressionOptions | None, *, eval_every: int | None,
+                     local_sgd: LocalSgdOptions | None = None) -> CompressionSpec:
+    """The model's view of a run's compression and local SGD options (the trainer's defaults
+    where unset)."""
     spec = CompressionSpec()
     changes: dict[str, Any] = {}
     if eval_every is not None:
         changes["eval_every"] = eval_every
     if options is not None:
         for name in ("density", "density_min", "density_max", "server_k_fraction", "warmup_steps",
-                     "pipeline_chunks", "compressor", "powersgd_rank", "sync_every",
-                     "outer_density", "outer_delay"):
+                     "pipeline_chunks", "compressor", "powersgd_rank"):
             value = getattr(options, name)
             if value is not None:
                 changes[name] = value
         if options.value_dtype is not None:
             changes["value_bytes"] = VALUE_BYTES[options.value_dtype]
+    if local_sgd is not None:
+        changes |= {name: getattr(local_sgd, name) for name in ("sync_every", "outer_density", "outer_delay")
+                    if getattr(local_sgd, name) is not None}
     return replace(spec, **changes)
 
 
@@ -88,6 +92,7 @@ def model_inputs(
     compression: CompressionOptions | None,
     eval_every: int | None,
     max_steps: int | None,
+    local_sgd: LocalSgdOptions | None = None,
     at: datetime | None = None,
 ) -> ModelInputs | str:
     """The model's inputs for `nodes` (loaded with site and GPUs), or why there are none: the
@@ -115,7 +120,7 @@ def model_inputs(
         links={k: LinkSpec(e.mbps, e.rtt_ms, e.source) for k, e in estimates.items()},
         measured_at={k: e.measured_at for k, e in estimates.items()},
         task=task_spec,
-        compression=compression_spec(compression, eval_every=eval_every),
+        compression=compression_spec(compression, eval_every=eval_every, local_sgd=local_sgd),
         prices=CachedPriceLookup(DbPriceLookup(session)),
         at=at or datetime.now(UTC),
         max_steps=max_steps,

@@ -210,7 +210,7 @@ def make_planned(session: Session, *, data: RunCreate) -> Planned:
     inputs = predictions.model_inputs(
         session, nodes=list({n.id: n for n in [*nodes, *([ps_node] if ps_node else [])]}.values()),
         task=ref, task_args=args, bundle_sha256=data.bundle_sha256,
-        compression=data.compression, eval_every=data.eval_every,
+        compression=data.compression, local_sgd=data.local_sgd, eval_every=data.eval_every,
         max_steps=data.steps(facts.train_samples if facts else None),
     )
     if isinstance(inputs, str):
@@ -291,6 +291,7 @@ def create_run(
         allocation=plan.allocation,
         device=data.device,
         compression=data.compression.model_dump(exclude_none=True) if data.compression else {},
+        local_sgd=data.local_sgd.model_dump(exclude_none=True) if data.local_sgd else {},
         rebalance_every=data.rebalance_every,
         eval_every=data.eval_every,
         cluster_id=data.cluster_id,

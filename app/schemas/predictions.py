@@ -13,12 +13,14 @@ from app.schemas.profiles import ProfileMeasurement, ProfileReport
 from app.schemas.runs import (
     MAX_TASK_ARGS_BYTES,
     CompressionOptions,
+    LocalSgdOptions,
     PlanPublic,
     RunCreate,
     Sha256,
     Strategy,
 )
 from hybridtrain import contract
+from hybridtrain.train_options import move_legacy_local_sgd
 
 _Count = Annotated[int, Field(ge=0, le=2**62, strict=True)]
 _Seconds = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
@@ -181,10 +183,16 @@ class OptimizeRequest(Schema):
         default=None, description="the strategies to consider (default all)"
     )
     compression: CompressionOptions | None = None
+    local_sgd: LocalSgdOptions | None = None
     eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
     profile_missing: bool = Field(
         default=False, description="order a profile of the task from each candidate that has none: the "
                                    "answer is then 202 with the nodes being profiled, until they are")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_local_sgd(cls, data: Any) -> Any:
+        return move_legacy_local_sgd(data)
 
     @model_validator(mode="after")
     def _one_way(self) -> OptimizeRequest:

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from app.models.runs import RunStatus, WorkerStatus
 from app.schemas.checkpoints import CheckpointPublic
 from app.schemas.common import Flag, Id, Name, PublicSchema, Schema
 from app.schemas.events import RunEventPublic
-from hybridtrain import compat, contract
+from hybridtrain import contract
+from hybridtrain.train_options import (  # noqa: F401 - the request's sections and types, imported from here too
+    MAX_TASK_ARGS_BYTES,
+    CompressionOptions,
+    Device,
+    LocalSgdOptions,
+    Strategy,
+    TrainOptions,
+    field_error,
+)
 
 # A run given neither max_steps nor epochs trains this many steps.
 DEFAULT_MAX_STEPS = 300
-# Task arguments travel on every launch order and into every trainer's argv.
-MAX_TASK_ARGS_BYTES = 64 * 1024
 MAX_SCRIPT_ARGS = 64
 # Runs from the API checkpoint by default, so that a restart loses at most this much.
 DEFAULT_CHECKPOINT_EVERY = 100
@@ -26,154 +32,25 @@ DEFAULT_CHECKPOINT_EVERY_S = 600.0
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_MIN_WORKERS_WAIT_S = 300.0
 
-# Literals for the OpenAPI schema, built from the one list of each in hybridtrain.contract.
-Strategy = Literal[contract.STRATEGIES]  # type: ignore[valid-type]
-Allocation = Literal[contract.ALLOCATIONS]  # type: ignore[valid-type]
-Device = Literal[contract.DEVICES]  # type: ignore[valid-type]
-Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False, strict=True)]
-SmallCount = Annotated[int, Field(ge=0, le=1_000_000, strict=True)]
 Sha256 = Annotated[str, Field(max_length=64, pattern=contract.SHA256.pattern, description="sha256 of a bundle, 64 lower-case hex")]
 ScriptArg = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
 
 
-class CompressionOptions(Schema):
-    """How a strategy exchanges: gradient compression of the ps-gc / ps-bz-gc strategies, the
-    parameter server's pipelining, local SGD's outer steps (trainer defaults if unset). Which
-    options go with which strategy is hybridtrain.compat's table."""
+class RunCreate(TrainOptions):
+    """A run to plan and launch: nodes (or a cluster), and its training options (`TrainOptions`:
+    what to train, the strategy and its knobs), how it checkpoints, restarts and queues."""
 
-    compressor: Literal[contract.COMPRESSORS] | None = None  # type: ignore[valid-type]
-    value_dtype: Literal[contract.VALUE_DTYPES] | None = None  # type: ignore[valid-type]
-    select: Literal[contract.SELECT_METHODS] | None = None  # type: ignore[valid-type]
-    density: Fraction | None = None
-    density_min: Fraction | None = None
-    density_max: Fraction | None = None
-    server_k_fraction: Fraction | None = None
-    error_feedback: Flag | None = None
-    momentum_correction: Flag | None = Field(
-        default=None,
-        description="accumulate momentum on the workers before compression (DGC's momentum "
-        "correction) instead of applying it to the sparse update; default on",
-    )
-    warmup_steps: SmallCount | None = None
-    pipeline_chunks: Annotated[int, Field(ge=1, le=64, strict=True)] | None = Field(
-        default=None,
-        description="PS strategies: send and aggregate the gradient in this many pipelined chunks "
-        "(the server and the wire work on one while the workers compress the next); default 1",
-    )
-    powersgd_rank: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
-    overlap: Flag | None = Field(
-        default=None,
-        description="PS strategies: compress and send each chunk as soon as the backward pass has "
-        "produced it (with pipeline_chunks > 1); default off",
-    )
-    aggregate_at_sites: Flag | None = Field(
-        default=None,
-        description="PS strategies across sites: each remote site's workers send their gradients to "
-        "the site's relay, which sends one combined frame across the WAN; default off",
-    )
-    delayed_updates: Flag | None = Field(
-        default=None,
-        description="PS strategies: apply each step's update at the next step, after that step's "
-        "gradient has left, so the server's reply hides behind its compute (gradients one step "
-        "stale); default off",
-    )
-    apply_in_forward: Flag | None = Field(
-        default=None,
-        description="PS strategies with pipeline_chunks > 1: step() applies the update's first chunk "
-        "and returns; each later chunk is applied during the next forward pass, just before the "
-        "first layer that holds it, so the reply's way back hides behind compute with nothing "
-        "stale (a parameter must be read in the forward pass of a module holding it, not between "
-        "step() and the next forward); default off",
-    )
-
-    sync_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
-        default=None,
-        description=f"local SGD (diloco, diloco-gc): H, the inner steps each worker takes with the task's own "
-        f"optimizer between outer steps; the run exchanges once every H steps (default "
-        f"{contract.DEFAULT_SYNC_EVERY})",
-    )
-    outer_lr: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = Field(
-        default=None,
-        description=f"local SGD: the outer Nesterov SGD's learning rate on the workers' mean change "
-        f"(default {contract.DEFAULT_OUTER_LR})",
-    )
-    outer_delay: Annotated[int, Field(ge=0, le=1_000_000, strict=True)] | None = Field(
-        default=None,
-        description="local SGD: apply each outer step this many inner steps after the change was sent, so "
-        "the exchange overlaps them (below sync_every; default 0, wait for it)",
-    )
-    outer_density: Fraction | None = Field(
-        default=None,
-        description=f"diloco-gc: the top-k density of each worker's parameter change, adapted within half "
-        f"to twice it; the server keeps 2.5 times it (default {contract.DEFAULT_OUTER_DENSITY})",
-    )
-    outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = Field(
-        default=None,
-        description=f"local SGD: the outer Nesterov SGD's momentum, 0 for plain SGD (default "
-        f"{contract.DEFAULT_OUTER_MOMENTUM})",
-    )
-
-    @model_validator(mode="after")
-    def _ordered_densities(self) -> CompressionOptions:
-        lo, mid, hi = self.density_min, self.density, self.density_max
-        known = [v for v in (lo, mid, hi) if v is not None]
-        if known != sorted(known):
-            raise ValueError("need density_min <= density <= density_max")
-        return self
-
-
-def _field(option: str) -> str:
-    """A run option as the request names it."""
-    return option if option == "rebalance_every" else f"compression.{option}"
-
-
-class RunCreate(Schema):
-    """A run to plan and launch: nodes (or a cluster), what to train, strategy and knobs."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: Name
     node_ids: Annotated[list[Id], Field(min_length=1, max_length=256)] | None = None
     cluster_id: Id | None = None
-    strategy: Strategy = contract.DEFAULT_STRATEGY
-    task: Annotated[str, Field(max_length=255)] = Field(
-        default=contract.DEFAULT_TASK,
-        description="module:function returning a hybridtrain.Task (in the bundle or installed)",
-    )
-    task_args: dict[str, Any] = Field(
-        default_factory=dict, description="keyword arguments of the task function (a JSON object)"
-    )
     bundle_sha256: Sha256 | None = Field(default=None, description="the code bundle the run imports from")
-    script: Annotated[str, Field(max_length=255)] | None = Field(
-        default=None, description="a training script inside the bundle, run instead of a task"
-    )
     script_args: Annotated[list[ScriptArg], Field(max_length=MAX_SCRIPT_ARGS)] | None = Field(
         default=None, description="arguments after `--` on the trainer's command line"
     )
-    global_batch_size: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = 64
-    max_steps: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
-    epochs: Annotated[int, Field(ge=1, le=100_000, strict=True)] | None = None
-    target: Annotated[str, Field(max_length=64)] | None = Field(
-        default=None, description="METRIC>=VALUE or METRIC<=VALUE over an evaluation metric, e.g. accuracy>=0.9"
-    )
-    stop_at_target: Flag = Field(
-        default=True,
-        description="stop once the target is reached; false records the time to target and "
-        "trains on to max_steps, so that runs compare final metrics at the same step budget",
-    )
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1, strict=True)] = 0
-    allocation: Allocation | None = Field(
-        default=None, description="batch split: default flops for ps-bz-gc, equal otherwise"
-    )
-    device: Device = "auto"
-    compression: CompressionOptions | None = None
-    rebalance_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
-        default=None,
-        description="PS strategies: re-split the global batch every N steps from the workers' "
-        "observed compute and compression times, starting from the plan (straggler mitigation); "
-        "off by default",
-    )
-    eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = Field(
-        default=None, description="evaluate the task's metrics every N steps (trainer default 50)"
-    )
+    # Whole epochs: the run's column is an integer (the trainer's own flag takes fractions).
+    epochs: Annotated[int, Field(ge=1, le=100_000, strict=True)] | None = None  # type: ignore[assignment]
     ps_node_id: Id | None = Field(default=None, description="where the server goes (PS strategies)")
     checkpoint_every: Annotated[int, Field(ge=0, le=100_000_000, strict=True)] = Field(
         default=DEFAULT_CHECKPOINT_EVERY,
@@ -213,58 +90,32 @@ class RunCreate(Schema):
         "which has no TLS, whatever this says",
     )
 
-    @field_validator("task")
-    @classmethod
-    def _task_ref(cls, value: str) -> str:
-        return contract.check_task_ref(value)
-
-    @field_validator("task_args")
-    @classmethod
-    def _small_json_object(cls, value: dict[str, Any]) -> dict[str, Any]:
-        try:
-            text = json.dumps(value, allow_nan=False, separators=(",", ":"))
-        except ValueError as exc:
-            raise ValueError(f"task_args must be plain JSON: {exc}") from None
-        if len(text.encode()) > MAX_TASK_ARGS_BYTES:
-            raise ValueError(f"task_args is {len(text.encode())} bytes of JSON; at most {MAX_TASK_ARGS_BYTES}")
-        return value
-
-    @field_validator("script")
-    @classmethod
-    def _script_in_bundle(cls, value: str | None, info: ValidationInfo) -> str | None:
-        # A field validator (not the model's) so that the 422 names "script".
+    @model_validator(mode="after")
+    def _script_in_bundle(self) -> RunCreate:
+        # Checked after bundle_sha256 and task are known; the 422 still names "script".
+        value = self.script
         if value is None:
-            return None
+            return self
         parts = value.split("/")
         if not value or value.startswith("/") or "\\" in value or "\x00" in value or ".." in parts:
-            raise ValueError(f"script {value!r}: a relative path inside the bundle, without '..'")
-        if info.data.get("bundle_sha256") is None:
-            raise ValueError("script needs bundle_sha256: the bundle the script is in")
-        if info.data.get("task", contract.DEFAULT_TASK) != contract.DEFAULT_TASK:
-            raise ValueError("give a task or a script, not both")
-        return value
-
-    @field_validator("target")
-    @classmethod
-    def _target(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        return str(contract.parse_target(value))
+            raise field_error("script", f"script {value!r}: a relative path inside the bundle, without '..'", value)
+        if self.bundle_sha256 is None:
+            raise field_error("script", "script needs bundle_sha256: the bundle the script is in", value)
+        if self.task != contract.DEFAULT_TASK:
+            raise field_error("script", "give a task or a script, not both", value)
+        return self
 
     @model_validator(mode="after")
     def _one_way_each(self) -> RunCreate:
         if (self.node_ids is None) == (self.cluster_id is None):
             raise ValueError("give exactly one of node_ids and cluster_id")
-        if self.max_steps is not None and self.epochs is not None:
-            raise ValueError("give max_steps or epochs, not both")
         if self.node_ids is not None and len(set(self.node_ids)) != len(self.node_ids):
             raise ValueError("node_ids: each node may appear once")
-        options = {"rebalance_every": self.rebalance_every,
-                   **(self.compression.model_dump() if self.compression else {})}
-        found = compat.problems(self.strategy, options)
-        if found:
-            raise ValueError(compat.describe(found[0], self.strategy, _field))
         return self
+
+    def train_options(self) -> TrainOptions:
+        """The request's training options alone (what the run stores and forwards)."""
+        return TrainOptions.model_validate(self.model_dump(include=set(TrainOptions.model_fields)))
 
     @property
     def task_key(self) -> str:
@@ -353,6 +204,7 @@ class RunPublic(PublicSchema):
     allocation: str
     device: str
     compression: dict[str, Any]
+    local_sgd: dict[str, Any] = Field(default_factory=dict, description="local SGD's outer-step options as given")
     rebalance_every: int | None
     eval_every: int | None
     cluster_id: int | None

@@ -29,17 +29,20 @@ TEXT_FIELDS = (
     "compression_compressor", "compression_value_dtype", "compression_select", "compression_density",
     "compression_density_min", "compression_density_max", "compression_server_k_fraction",
     "compression_error_feedback", "compression_momentum_correction", "compression_warmup_steps",
-    "compression_pipeline_chunks", "compression_powersgd_rank", "compression_sync_every",
-    "compression_outer_lr", "compression_outer_momentum", "compression_outer_density", "compression_outer_delay",
+    "compression_pipeline_chunks", "compression_powersgd_rank", "local_sgd_sync_every",
+    "local_sgd_outer_lr", "local_sgd_outer_momentum", "local_sgd_outer_density", "local_sgd_outer_delay",
     "idempotency_key", "suggest_goal", "suggest_budget",
     "checkpoint_every", "checkpoint_every_s", "max_restarts", "min_workers", "min_workers_wait_s",
 )
 # Checkpoints, restarts and membership: on by default, as for runs from the API.
 LIFECYCLE_INTS = ("checkpoint_every", "max_restarts", "min_workers")
 LIFECYCLE_FLOATS = ("checkpoint_every_s", "min_workers_wait_s")
-COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank", "sync_every", "outer_delay")
-COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction", "outer_lr", "outer_momentum",
-                      "outer_density")
+COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank")
+COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction")
+LOCAL_SGD_INTS = ("sync_every", "outer_delay")
+LOCAL_SGD_FLOATS = ("outer_lr", "outer_momentum", "outer_density")
+# The request's option sections, each a group of the form's fields named SECTION_OPTION.
+SECTIONS = ("compression", "local_sgd")
 DEFAULTS = {
     "place": "nodes", "strategy": "ps-bz-gc", "kind": "task", "task": DEFAULT_TASK, "task_args": "",
     "global_batch_size": "64", "length": "steps", "max_steps": "300", "device": "auto",
@@ -60,7 +63,7 @@ def field_name(loc: str) -> str:
         return "script_args"
     if loc == "file":  # an uploaded archive's errors go beside the file input
         return "bundle_file"
-    return loc.replace(".", "_") if loc.startswith("compression") else loc
+    return loc.replace(".", "_") if loc.startswith(SECTIONS) else loc
 
 
 def echoed(form: FormData) -> dict[str, Any]:
@@ -129,10 +132,11 @@ def run_create(values: dict[str, Any], *, bundle_sha256: str | None = None) -> t
         body["max_steps"] = data["max_steps"]
         if data["max_steps"] == "":
             errors.setdefault("max_steps", "enter the number of steps")
-    compression, compression_errors = _compression(values)
-    errors |= compression_errors
-    if compression:
-        body["compression"] = compression
+    for section, parse in (("compression", _compression), ("local_sgd", _local_sgd)):
+        given, section_errors = parse(values)
+        errors |= section_errors
+        if given:
+            body[section] = given
     model, schema_errors = forms.parse(RunCreate, forms.non_blank(body), field_name)
     if errors:
         # Every field's error at once; the schema's "give exactly one" message only restates
@@ -160,6 +164,12 @@ def _compression(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     for name in ("error_feedback", "momentum_correction"):
         data[name] = {"on": True, "off": False}.get(raw.get(name, ""), "")
     return forms.non_blank(data), {f"compression_{k}": v for k, v in errors.items()}
+
+
+def _local_sgd(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    raw = {k.removeprefix("local_sgd_"): v for k, v in values.items() if k.startswith("local_sgd_") and isinstance(v, str)}
+    data, errors = forms.typed(raw, ints=LOCAL_SGD_INTS, floats=LOCAL_SGD_FLOATS)
+    return forms.non_blank(data), {f"local_sgd_{k}": v for k, v in errors.items()}
 
 
 def launch_errors(exc: HybridtrainError) -> dict[str, str]:
@@ -210,6 +220,7 @@ def optimize_request(values: dict[str, Any]) -> tuple[OptimizeRequest | None, di
         "task": model.task, "task_args": model.task_args, "bundle_sha256": model.bundle_sha256,
         "global_batch_size": model.global_batch_size, "max_steps": model.max_steps,
         "goal": values.get("suggest_goal") or "cost", "compression": model.compression,
+        "local_sgd": model.local_sgd,
         "eval_every": model.eval_every,
     }
     if model.cluster_id is not None:

@@ -80,7 +80,7 @@ def strategy_fields(strategy: str, s: Any, ps_node_id: int | None) -> dict[str, 
         body["compression"] = dict(s.compression)
     if strategy in LOCAL_SGD_STRATEGIES and getattr(s, "local_sgd", None):
         # Only what this strategy takes (outer_density is diloco-gc's).
-        body["compression"] = {k: v for k, v in compat.for_strategy(strategy, s.local_sgd).items() if v is not None}
+        body["local_sgd"] = {k: v for k, v in compat.for_strategy(strategy, s.local_sgd).items() if v is not None}
     if strategy in PS_STRATEGIES and s.pipeline_chunks:
         body["compression"] = body.get("compression", {}) | {"pipeline_chunks": s.pipeline_chunks}
     if strategy == PS_BZ_GC and s.rebalance_every:

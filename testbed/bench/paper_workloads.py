@@ -249,15 +249,16 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # A strategy's variants, measured side by side with it: `+plain`, its links unencrypted (what
 # TLS costs; runs encrypt by default); `+sites`, a PS strategy with each remote site's gradients
 # combined at its relay (`compression.aggregate_at_sites`, what per-site aggregation gains);
-# `+overlap`, a PS strategy whose chunks leave during the backward pass (`compression.overlap`);
 # `+fp8`, a compressing PS strategy whose values travel as fp8 (`compression.value_dtype`);
 # `+inforward`, a PS strategy applying its update's later chunks during the next forward pass
 # (`compression.apply_in_forward`); `+quotaio`, any strategy with each node's communication
 # threads left on its GPU quota (the testbed's thread placer paused for the run: the emulation
 # before 2026-12-01, testbed/thread_placer.py); `+chunksN`, a PS strategy with its step
 # pipelined in N chunks instead of the workload's `pipeline_chunks`; `+delayN`, a local SGD strategy
-# applying each outer step N inner steps after its exchange began (`compression.outer_delay`).
-VARIANTS = ("plain", "sites", "overlap", "fp8", "inforward", "quotaio", "chunksN", "delayN")
+# applying each outer step N inner steps after its exchange began (`local_sgd.outer_delay`).
+# (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
+# it never paid, docs/BENCHMARKS.md.)
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN")
 
 
 def delay_of(variant: str) -> int | None:
@@ -277,7 +278,7 @@ def strategy_variant(entry: str) -> tuple[str, str]:
     strategy, variant = split_entry(entry)
     if variant and variant not in VARIANTS and chunks_of(variant) is None and delay_of(variant) is None:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
-    if (variant in ("sites", "overlap", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
+    if (variant in ("sites", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
     if delay_of(variant) and strategy not in LOCAL_SGD_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
@@ -294,9 +295,6 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "sites":
         return body | {"name": f"{body['name']}-sites",
                        "compression": body.get("compression", {}) | {"aggregate_at_sites": True}}
-    if variant == "overlap":
-        return body | {"name": f"{body['name']}-overlap",
-                       "compression": body.get("compression", {}) | {"overlap": True}}
     if variant == "fp8":
         return body | {"name": f"{body['name']}-fp8",
                        "compression": body.get("compression", {}) | {"value_dtype": "fp8"}}
@@ -307,7 +305,7 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
         return body | {"name": f"{body['name']}-quotaio"}
     if delay := delay_of(variant):
         return body | {"name": f"{body['name']}-{variant}",
-                       "compression": body.get("compression", {}) | {"outer_delay": delay}}
+                       "local_sgd": body.get("local_sgd", {}) | {"outer_delay": delay}}
     if chunks := chunks_of(variant):
         return body | {"name": f"{body['name']}-{variant}",
                        "compression": body.get("compression", {}) | {"pipeline_chunks": chunks}}

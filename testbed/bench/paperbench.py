@@ -68,7 +68,7 @@ def check_strategies(strategies: tuple[str, ...], configs: list[TestbedConfig]) 
         strategy, variant = strategy_variant(entry)
         if strategy not in STRATEGIES:
             raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
-                               "each optionally +plain or +quotaio, a PS one +sites, +overlap or +inforward, a "
+                               "each optionally +plain or +quotaio, a PS one +sites or +inforward, a "
                                "compressing one +fp8)")
         without = [c.name for c in configs if not c.cpu.threads_on_host]
         if variant == "quotaio" and without:

@@ -19,12 +19,12 @@ CHART_FILE = "paper-bench.html"
 
 
 # What a variant (testbed.bench.paper_workloads.VARIANTS) adds to its strategy's label.
-_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "overlap": "overlap", "fp8": "fp8 values",
+_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "fp8": "fp8 values",
                    "inforward": "apply-in-forward", "quotaio": "threads on the quota"}
 
 
 def strategy_label(entry: str) -> str:
-    """A table's name for a `--strategies` entry: `ps-bz-gc+overlap` -> `PS-bz-gc + overlap`."""
+    """A table's name for a `--strategies` entry: `ps-bz-gc+sites` -> `PS-bz-gc + per-site aggregation`."""
     strategy, variant = split_entry(entry)
     label = STRATEGY_LABELS.get(strategy, strategy)
     if chunks := chunks_of(variant):

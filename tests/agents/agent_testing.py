@@ -258,7 +258,8 @@ def role_spec(run_id: int, rank: int = 1, **options: Any) -> dict[str, Any]:
         "batch_sizes": [20, 8, 4],
         "report_url": f"http://127.0.0.1:1/api/v1/runs/{run_id}/metrics",
         "report_token": "run-secret",
-        "options": {"strategy": "ps-bz-gc", **options},
+        "train_options": {"strategy": "ps-bz-gc"},
+        "options": options,
         "env": {"OMP_NUM_THREADS": "1"},
     }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from agent_testing import role_spec
 from pydantic import ValidationError
@@ -130,3 +132,45 @@ def test_role_spec_rejects_a_checkpoint_url_that_is_not_a_plain_http_url(url):
 def test_role_spec_rejects_a_negative_attempt():
     with pytest.raises(ValidationError, match="attempt"):
         _spec(attempt=-1)
+
+
+# -- the run's training options: one typed JSON field, one trainer argument -------------------------
+
+
+def test_a_launch_hands_the_trainer_its_training_options_as_one_json_argument():
+    spec = _spec(train_options={"strategy": "diloco", "max_steps": 40, "local_sgd": {"sync_every": 5}})
+    argv = trainer_argv(spec, command=["python", "-m", "trainer"])
+    assert json.loads(argv[argv.index("--options-json") + 1]) == {
+        "strategy": "diloco", "task": "hybridtrain.tasks.digits:smallcnn", "task_args": {}, "global_batch_size": 64,
+        "max_steps": 40, "stop_at_target": True, "seed": 0, "device": "auto", "local_sgd": {"sync_every": 5}}
+
+
+def test_the_trainer_builds_its_config_from_the_launch_orders_options():
+    from trainer.cli import build_parser, config_from_args
+
+    spec = _spec(train_options={"strategy": "ps-gc", "global_batch_size": 32,
+                                "compression": {"pipeline_chunks": 3, "density": 0.02}}, batch_sizes=[20, 8, 4])
+    parser = build_parser()
+    cfg = config_from_args(parser.parse_args(trainer_argv(spec, command=[])), parser)
+    assert (cfg.strategy, cfg.pipeline_chunks, cfg.density, cfg.global_batch) == ("ps-gc", 3, 0.02, 32)
+
+
+@pytest.mark.parametrize(("train_options", "where"), [
+    ({"strategy": "allreduce", "compression": {"pipeline_chunks": 2}}, "train_options.compression.pipeline_chunks"),
+    ({"strategy": "ps", "compression": {"overlap": True}}, "train_options.compression.overlap"),
+    ({"strategy": "dp"}, "train_options.strategy"),
+])
+def test_a_launch_order_with_impossible_training_options_is_refused_naming_the_field(train_options, where):
+    with pytest.raises(ValidationError, match=where):
+        _spec(train_options=train_options)
+
+
+def test_options_json_is_set_by_the_spec_itself_not_through_options():
+    with pytest.raises(ValidationError, match="set by the spec itself"):
+        _spec(options={"options_json": "{}"})
+
+
+def test_an_order_from_a_control_plane_before_train_options_still_passes_its_flags():
+    spec = _spec(train_options=None, options={"strategy": "ps", "max-steps": 20})
+    argv = trainer_argv(spec, command=[])
+    assert "--options-json" not in argv and argv[argv.index("--strategy") + 1] == "ps"

@@ -113,7 +113,7 @@ def test_launch_role_runs_the_role_and_reports_start_exit_and_logs(supervisor, r
     assert exited["tail"][-1] == "bye"
     argv = lines[1].split()
     assert argv[argv.index("--batch-sizes") + 1] == "20,8,4"
-    assert argv[argv.index("--strategy") + 1] == "ps-bz-gc"
+    assert json.loads(argv[argv.index("--options-json") + 1])["strategy"] == "ps-bz-gc"
     log_file = supervisor.state_dir / "runs" / "11" / "rank1.log"
     assert log_file.read_text().endswith("bye\n")
 

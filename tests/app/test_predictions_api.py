@@ -59,6 +59,19 @@ def test_plan_of_all_strategies_gives_one_plan_and_prediction_each(client, hybri
     assert [p["ps_node_id"] for p in plans if p["strategy"].startswith("allreduce")] == [None, None]
 
 
+def test_plan_of_all_strategies_keeps_local_sgds_options_for_its_strategies_and_predicts_with_them(client, hybrid):
+    def plans(sync_every: int) -> dict[str, dict]:
+        body = run_body(hybrid, task=TASK, strategy="diloco", strategies="all", local_sgd={"sync_every": sync_every})
+        response = client.post(f"{API}/runs/plan", json=body)
+        assert response.status_code == 200, response.text
+        return {p["strategy"]: p["prediction"] for p in response.json()["plans"]}
+
+    rare, often = plans(40), plans(4)
+    assert list(rare) == list(STRATEGIES)
+    assert rare["diloco"]["egress_bytes_per_step"] < often["diloco"]["egress_bytes_per_step"]
+    assert rare["ps-bz-gc"] == often["ps-bz-gc"]
+
+
 def test_the_model_places_the_server_where_cloud_uploads_stay_inside_the_cloud(client, hybrid):
     # Link weights put it on-prem; the model sees both cloud workers' uploads billed as
     # internet egress there, and only the update's one copy to the lab from a cloud server.

@@ -130,10 +130,11 @@ def test_create_run_stores_the_plan_and_sends_each_rank_to_its_node(online_node,
     assert spec["batch_sizes"] == [w["batch_size"] for w in run["workers"][1:]]
     assert spec["report_url"].endswith(f"/api/v1/runs/{run['id']}/metrics")
     assert spec["report_token"].startswith("htr_")
-    assert spec["options"]["strategy"] == "ps-bz-gc" and spec["options"]["max-steps"] == 20
-    assert spec["options"]["task"] == "hybridtrain.tasks.digits:smallcnn" and spec["options"]["task-args"] == "{}"
+    train = spec["train_options"]
+    assert train["strategy"] == "ps-bz-gc" and train["max_steps"] == 20
+    assert train["task"] == "hybridtrain.tasks.digits:smallcnn" and train["task_args"] == {}
     assert spec["bundle"] is None and spec["script_args"] == []
-    assert spec["options"]["density"] == 0.02 and spec["options"]["no-error-feedback"] is True
+    assert train["compression"] == {"density": 0.02, "error_feedback": False}
     assert spec["env"] == {"CUDA_VISIBLE_DEVICES": "0"}
 
 
@@ -171,8 +172,8 @@ def test_epochs_without_a_profile_leave_max_steps_to_the_trainer(online_node, cl
 
     assert plan["max_steps"] is None and plan["task"] is None
     assert run["max_steps"] is None and run["epochs"] == 3
-    options = next(args[2]["options"] for _, args in dispatched.take(a.id) if args[1] == 0)
-    assert options["epochs"] == 3 and "max-steps" not in options
+    train = next(args[2]["train_options"] for _, args in dispatched.take(a.id) if args[1] == 0)
+    assert train["epochs"] == 3 and "max_steps" not in train
 
 
 def test_a_run_without_a_length_trains_the_default_steps(online_node, client):
@@ -348,9 +349,9 @@ def test_rebalancing_and_evaluation_period_reach_the_trainer(online_node, client
 
     assert run["rebalance_every"] == 10 and run["eval_every"] == 5
     orders = dispatched.take(a.id) + dispatched.take(b.id)
-    options = next(args[2]["options"] for _, args in orders if args[1] == 0)
-    assert options["allocation"] == "measured" and options["rebalance-every"] == 10
-    assert options["eval-every"] == 5
+    train = next(args[2]["train_options"] for _, args in orders if args[1] == 0)
+    assert train["allocation"] == "measured" and train["rebalance_every"] == 10
+    assert train["eval_every"] == 5
 
 
 def test_a_run_that_trains_past_its_target_tells_the_trainer(online_node, client, dispatched):
@@ -360,8 +361,8 @@ def test_a_run_that_trains_past_its_target_tells_the_trainer(online_node, client
 
     assert run["stop_at_target"] is False and run["target"] == "accuracy>=0.9"
     orders = dispatched.take(a.id) + dispatched.take(b.id)
-    options = next(args[2]["options"] for _, args in orders if args[1] == 0)
-    assert options["target"] == "accuracy>=0.9" and options["no-stop-at-target"] is True
+    train = next(args[2]["train_options"] for _, args in orders if args[1] == 0)
+    assert train["target"] == "accuracy>=0.9" and train["stop_at_target"] is False
 
 
 def test_runs_stop_at_their_target_by_default(online_node, client, dispatched):
@@ -370,8 +371,8 @@ def test_runs_stop_at_their_target_by_default(online_node, client, dispatched):
     run = _create(client, run_body([a], target="accuracy>=0.9")).json()
 
     assert run["stop_at_target"] is True
-    options = next(args[2]["options"] for _, args in dispatched.take(a.id) if args[1] == 0)
-    assert "no-stop-at-target" not in options
+    train = next(args[2]["train_options"] for _, args in dispatched.take(a.id) if args[1] == 0)
+    assert train["stop_at_target"] is True
 
 
 def test_a_pipelined_ps_run_tells_the_trainer_its_chunks(online_node, client, dispatched):
@@ -380,8 +381,8 @@ def test_a_pipelined_ps_run_tells_the_trainer_its_chunks(online_node, client, di
     run = _create(client, run_body([a], strategy="ps-gc", compression={"pipeline_chunks": 4})).json()
 
     assert run["compression"]["pipeline_chunks"] == 4
-    options = next(args[2]["options"] for _, args in dispatched.take(a.id) if args[1] == 0)
-    assert options["pipeline-chunks"] == 4
+    train = next(args[2]["train_options"] for _, args in dispatched.take(a.id) if args[1] == 0)
+    assert train["compression"]["pipeline_chunks"] == 4
 
 
 def test_only_parameter_server_runs_pipeline(online_node, client):
@@ -397,9 +398,15 @@ def test_only_parameter_server_runs_rebalance(online_node, client):
     assert response.status_code == 422 and "rebalance_every" in response.text
 
 
-def _options_by_rank(dispatched, nodes) -> dict[int, dict]:
+def _options_by_rank(dispatched, nodes, key: str = "options") -> dict[int, dict]:
+    """Each rank's trainer flags (`key` "options") or training options ("train_options")."""
     orders = [o for n in nodes for o in dispatched.take(n.id)]
-    return {args[1]: args[2]["options"] for _, args in orders}
+    return {args[1]: args[2][key] for _, args in orders}
+
+
+def _compression_by_rank(dispatched, nodes) -> dict[int, dict]:
+    return {rank: train.get("compression", {})
+            for rank, train in _options_by_rank(dispatched, nodes, "train_options").items()}
 
 
 def test_a_ps_run_across_sites_tells_the_trainer_each_ranks_site(online_node, client, dispatched, make_site):
@@ -429,11 +436,11 @@ def test_site_aggregation_is_sent_to_the_trainers_of_a_run_across_sites(online_n
     nodes = [online_node("RTX 3090", site_id=onprem), online_node("V100 PCIe", site_id=cloud),
              online_node("V100 PCIe", site_id=cloud)]
 
-    _create(client, run_body(nodes, compression={"aggregate_at_sites": True, "overlap": False}))
+    _create(client, run_body(nodes, compression={"aggregate_at_sites": True}))
 
-    options = _options_by_rank(dispatched, nodes)
-    assert all(o.get("aggregate-at-sites") is True and "sites" in o for o in options.values())
-    assert all("overlap" not in o or o["overlap"] is False for o in options.values())
+    orders = [args[2] for n in nodes for _, args in dispatched.take(n.id)]
+    assert all(o["train_options"]["compression"]["aggregate_at_sites"] is True and "sites" in o["options"]
+               for o in orders)
 
 
 def test_site_aggregation_is_left_out_of_a_run_within_one_site(online_node, client, dispatched, make_site):
@@ -442,15 +449,14 @@ def test_site_aggregation_is_left_out_of_a_run_within_one_site(online_node, clie
 
     _create(client, run_body([a, b], compression={"aggregate_at_sites": True}))
 
-    assert all("aggregate-at-sites" not in o for o in _options_by_rank(dispatched, [a, b]).values())
+    assert all("aggregate_at_sites" not in c for c in _compression_by_rank(dispatched, [a, b]).values())
 
 
-def test_overlap_is_sent_to_the_trainers(online_node, client, dispatched):
-    a, b = online_node(), online_node()
-
-    _create(client, run_body([a, b], compression={"overlap": True, "pipeline_chunks": 4}))
-
-    assert all(o.get("overlap") is True for o in _options_by_rank(dispatched, [a, b]).values())
+def test_overlap_is_no_longer_an_option(online_node, client):
+    # Removed: sending chunks during the backward pass never paid (docs/BENCHMARKS.md).
+    response = client.post(f"{API}/runs", json=run_body([online_node()], compression={"overlap": True}))
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "compression", "overlap"]
 
 
 def test_apply_in_forward_is_sent_to_the_trainers(online_node, client, dispatched):
@@ -458,11 +464,12 @@ def test_apply_in_forward_is_sent_to_the_trainers(online_node, client, dispatche
 
     _create(client, run_body([a, b], compression={"apply_in_forward": True, "pipeline_chunks": 4}))
 
-    assert all(o.get("apply-in-forward") is True for o in _options_by_rank(dispatched, [a, b]).values())
+    assert all(c.get("apply_in_forward") is True for c in _compression_by_rank(dispatched, [a, b]).values())
 
 
 @pytest.mark.parametrize("compression, says", [
-    ({"apply_in_forward": True, "pipeline_chunks": 4, "overlap": True}, "compression.overlap do not go together"),
+    ({"apply_in_forward": True, "pipeline_chunks": 4, "delayed_updates": True},
+     "compression.delayed_updates do not go together"),
     ({"apply_in_forward": True}, "needs compression.pipeline_chunks"),
 ])
 def test_apply_in_forward_where_it_cannot_work_is_refused(online_node, client, compression, says):
@@ -470,8 +477,8 @@ def test_apply_in_forward_where_it_cannot_work_is_refused(online_node, client, c
     assert response.status_code == 422 and says in response.text
 
 
-@pytest.mark.parametrize("flag", ["overlap", "aggregate_at_sites", "apply_in_forward"])
-def test_overlap_and_site_aggregation_are_for_parameter_server_runs_only(online_node, client, flag):
+@pytest.mark.parametrize("flag", ["delayed_updates", "aggregate_at_sites", "apply_in_forward"])
+def test_per_step_variants_and_site_aggregation_are_for_parameter_server_runs_only(online_node, client, flag):
     response = client.post(f"{API}/runs", json=run_body([online_node()], strategy="allreduce",
                                                         compression={flag: True}))
     assert response.status_code == 422 and f"compression.{flag}" in response.text
@@ -481,52 +488,95 @@ def test_a_diloco_run_tells_the_trainers_its_outer_steps(online_node, client, di
     a, b = online_node(), online_node()
 
     run = _create(client, run_body([a, b], strategy="diloco",
-                                   compression={"sync_every": 50, "outer_lr": 0.5, "outer_momentum": 0.8})).json()
+                                   local_sgd={"sync_every": 50, "outer_lr": 0.5, "outer_momentum": 0.8})).json()
 
-    assert run["compression"]["sync_every"] == 50
-    options = _options_by_rank(dispatched, [a, b])
-    assert {(o["sync-every"], o["outer-lr"], o["outer-momentum"]) for o in options.values()} == {(50, 0.5, 0.8)}
+    assert run["local_sgd"] == {"sync_every": 50, "outer_lr": 0.5, "outer_momentum": 0.8}
+    trains = _options_by_rank(dispatched, [a, b], "train_options").values()
+    assert trains and all(t["local_sgd"] == run["local_sgd"] for t in trains)
 
 
-@pytest.mark.parametrize("strategy, compression, field", [
-    ("ps-bz-gc", {"sync_every": 10}, "compression.sync_every"),
-    ("allreduce", {"outer_lr": 0.5}, "compression.outer_lr"),
-    ("diloco", {"overlap": True, "pipeline_chunks": 2}, "compression.overlap"),
-    ("diloco-gc", {"delayed_updates": True}, "compression.delayed_updates"),
+def test_local_sgd_knobs_under_compression_are_still_read_for_one_release(online_node, client):
+    run = _create(client, run_body([online_node()], strategy="diloco-gc",
+                                   compression={"sync_every": 10, "outer_density": 0.05, "value_dtype": "fp16"})).json()
+
+    assert run["local_sgd"] == {"sync_every": 10, "outer_density": 0.05}
+    assert run["compression"] == {"value_dtype": "fp16"}
+
+
+def test_a_local_sgd_knob_given_in_both_places_is_refused(online_node, client):
+    body = run_body([online_node()], strategy="diloco", compression={"sync_every": 10}, local_sgd={"sync_every": 5})
+    response = client.post(f"{API}/runs", json=body)
+    assert response.status_code == 422 and "local_sgd.sync_every" in response.text
+
+
+@pytest.mark.parametrize("strategy, options, field", [
+    ("ps-bz-gc", {"local_sgd": {"sync_every": 10}}, "local_sgd.sync_every"),
+    ("allreduce", {"local_sgd": {"outer_lr": 0.5}}, "local_sgd.outer_lr"),
+    ("ps-gc", {"local_sgd": {"outer_density": 0.2}}, "local_sgd.outer_density"),
+    ("diloco", {"compression": {"aggregate_at_sites": True}}, "compression.aggregate_at_sites"),
+    ("diloco-gc", {"compression": {"delayed_updates": True}}, "compression.delayed_updates"),
+    ("allreduce", {"compression": {"pipeline_chunks": 2}}, "compression.pipeline_chunks"),
+    ("ps-bz-gc", {"compression": {"powersgd_rank": 4}}, "compression.powersgd_rank"),
+    ("allreduce", {"rebalance_every": 10}, "rebalance_every"),
     # An overlapped outer step must land before the next is due.
-    ("diloco", {"sync_every": 5, "outer_delay": 5}, "compression.outer_delay needs compression.sync_every"),
-    ("diloco", {"outer_delay": 20}, "compression.outer_delay"),
+    ("diloco", {"local_sgd": {"sync_every": 5, "outer_delay": 5}}, "local_sgd.outer_delay"),
+    ("diloco", {"local_sgd": {"outer_delay": 20}}, "local_sgd.outer_delay"),
     # Accepted once, and then every rank refused it at start: ps compresses nothing.
-    ("ps", {"apply_in_forward": True, "pipeline_chunks": 4}, "compression.apply_in_forward"),
-    ("ps-gc", {"apply_in_forward": True, "pipeline_chunks": 4, "compressor": "none"}, "compression.compressor"),
+    ("ps", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4}}, "compression.apply_in_forward"),
+    ("ps-gc", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4, "compressor": "none"}},
+     "compression.apply_in_forward"),
 ])
-def test_options_the_strategy_does_not_take_are_refused_naming_the_field(online_node, client, strategy, compression,
+def test_options_the_strategy_does_not_take_are_refused_naming_the_field(online_node, client, strategy, options,
                                                                         field):
-    response = client.post(f"{API}/runs", json=run_body([online_node()], strategy=strategy, compression=compression))
+    response = client.post(f"{API}/runs", json=run_body([online_node()], strategy=strategy, **options))
     assert response.status_code == 422 and field in response.text
+    assert response.json()["detail"][0]["loc"] == ["body", *field.split(".")]
 
 
-def test_every_combination_the_api_accepts_the_trainer_accepts_too():
-    # The API and the trainer's command line ask one table (hybridtrain.compat).
-    from itertools import product
+# (request path, value, the trainer's flags for it): every option the compat table rules on.
+_WALKED = [
+    ("compression.pipeline_chunks", 4, ["--pipeline-chunks", "4"]),
+    ("compression.delayed_updates", True, ["--delayed-updates"]),
+    ("compression.apply_in_forward", True, ["--apply-in-forward"]),
+    ("compression.momentum_correction", False, ["--no-momentum-correction"]),
+    ("compression.compressor", "none", ["--compressor", "none"]),
+    ("compression.powersgd_rank", 4, ["--powersgd-rank", "4"]),
+    ("local_sgd.sync_every", 4, ["--sync-every", "4"]),
+    ("local_sgd.outer_lr", 0.5, ["--outer-lr", "0.5"]),
+    ("local_sgd.outer_momentum", 0.5, ["--outer-momentum", "0.5"]),
+    ("local_sgd.outer_density", 0.2, ["--outer-density", "0.2"]),
+    ("local_sgd.outer_delay", 5, ["--outer-delay", "5"]),
+    ("rebalance_every", 10, ["--rebalance-every", "10"]),
+]
+
+
+def test_every_combination_the_api_accepts_the_trainer_accepts_too_and_both_doors_agree():
+    # The API and the trainer's command line ask one table (hybridtrain.compat); what the API
+    # accepts reaches the trainer as --options-json and makes the same TrainConfig as the flags.
+    from itertools import combinations, product
 
     from app.schemas.runs import RunCreate
     from hybridtrain import contract
     from trainer.cli import UsageError, build_parser, config_from_args
 
-    flags = ["overlap", "delayed_updates", "apply_in_forward"]
-    for strategy, on, chunks in product(contract.STRATEGIES, product([False, True], repeat=3), [1, 4]):
-        compression = {"pipeline_chunks": chunks, **dict(zip(flags, on))}
-        try:
-            RunCreate(name="r", node_ids=[1], strategy=strategy, compression=compression)
-            api_ok = True
-        except ValueError:
-            api_ok = False
-        argv = ["--strategy", strategy, "--pipeline-chunks", str(chunks),
-                *[f"--{f.replace('_', '-')}" for f, v in zip(flags, on) if v]]
-        try:
-            config_from_args(build_parser().parse_args(argv))
-            cli_ok = True
-        except UsageError:
-            cli_ok = False
-        assert api_ok == cli_ok, (strategy, compression)
+    parser = build_parser()
+    for strategy, size in product(contract.STRATEGIES, (0, 1, 2)):
+        for chosen in combinations(_WALKED, size):
+            body: dict = {}
+            for path, value, _ in chosen:
+                section, _, name = path.rpartition(".")
+                (body.setdefault(section, {}) if section else body)[name] = value
+            try:
+                request = RunCreate(name="r", node_ids=[1], strategy=strategy, device="cpu", **body)
+            except ValueError:
+                request = None
+            argv = ["--strategy", strategy, *[a for *_, flags in chosen for a in flags]]
+            try:
+                by_flags = config_from_args(parser.parse_args(argv), parser)
+            except UsageError:
+                by_flags = None
+            assert (request is None) == (by_flags is None), (strategy, body)
+            if request is not None:
+                text = request.train_options().model_dump_json(exclude_none=True)
+                by_json = config_from_args(parser.parse_args(["--options-json", text]), parser)
+                assert by_json == by_flags, body

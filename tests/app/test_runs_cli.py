@@ -86,7 +86,8 @@ def test_a_config_file_gives_every_request_field_and_the_flags_given_win(tmp_pat
     body = _body("--config", str(config), "--global-batch", "128", "--density", "0.02", "--sync-every", "10")
     assert body["global_batch_size"] == 128 and body["rebalance_every"] == 5 and body["strategy"] == "ps-bz-gc"
     assert body["compression"] == {"pipeline_chunks": 4, "density": 0.02, "server_k_fraction": 0.125,
-                                   "warmup_steps": 1, "sync_every": 10}
+                                   "warmup_steps": 1}
+    assert body["local_sgd"] == {"sync_every": 10}
     assert body["node_ids"] == [1] and body["name"] == "r"
 
 

@@ -118,10 +118,10 @@ def test_a_task_run_stores_and_sends_its_task_args_and_target(online_node, clien
 
     assert (run["task"], run["task_args"], run["target"]) == (
         "hybridtrain.tasks.shapes:widecnn", {"lr": 0.05, "schedule": "constant"}, "val_loss<=0.3")
-    options = _worker_spec(dispatched, a)["options"]
-    assert options["task"] == "hybridtrain.tasks.shapes:widecnn"
-    assert options["task-args"] == '{"lr":0.05,"schedule":"constant"}'
-    assert options["target"] == "val_loss<=0.3"
+    train = _worker_spec(dispatched, a)["train_options"]
+    assert train["task"] == "hybridtrain.tasks.shapes:widecnn"
+    assert train["task_args"] == {"lr": 0.05, "schedule": "constant"}
+    assert train["target"] == "val_loss<=0.3"
 
 
 def test_a_bundled_task_run_tells_the_agent_where_to_fetch_its_code(online_node, client, dispatched, bundle):
@@ -132,7 +132,7 @@ def test_a_bundled_task_run_tells_the_agent_where_to_fetch_its_code(online_node,
     assert run["bundle_sha256"] == bundle
     spec = _worker_spec(dispatched, a)
     assert spec["bundle"] == {"sha256": bundle, "path": f"/api/v1/runs/{run['id']}/bundle"}
-    assert spec["options"]["task"] == "examples.diabetes:task"
+    assert spec["train_options"]["task"] == "examples.diabetes:task"
 
 
 def test_a_script_run_sends_the_script_and_its_args_instead_of_a_task(online_node, client, dispatched, bundle):
@@ -143,7 +143,7 @@ def test_a_script_run_sends_the_script_and_its_args_instead_of_a_task(online_nod
 
     assert (run["script"], run["script_args"]) == ("train/main.py", ["--epochs", "3"])
     spec = _worker_spec(dispatched, a)
-    assert spec["options"]["script"] == "train/main.py" and "task" not in spec["options"]
+    assert spec["train_options"]["script"] == "train/main.py"
     assert spec["script_args"] == ["--epochs", "3"]
 
 

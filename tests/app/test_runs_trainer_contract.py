@@ -1,6 +1,7 @@
 """The control plane's launch orders against the real trainer command line and the agent's
 spec: every flag the agent will pass is one the trainer accepts, with the planned batch sizes,
-the task (or script) and its target."""
+the task (or script) and its target; the run's training options go from the request to the
+trainer's TrainConfig as one typed JSON object, every option with its value."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _config(order):
     return args, trainer_cli.config_from_args(args)
 
 
-def _run(strategy: str, compression: dict) -> Run:
+def _run(strategy: str, compression: dict, local_sgd: dict | None = None) -> Run:
     ps = is_ps(strategy)
     workers = ([RunWorker(rank=0, role="ps", node_id=1, node_name="a")] if ps else []) + [
         RunWorker(rank=i + int(ps), role="worker", node_id=1 + i, node_name=f"n{i}", batch_size=b, gpu_index=0)
@@ -35,25 +36,25 @@ def _run(strategy: str, compression: dict) -> Run:
     return Run(
         id=7, name="r", strategy=strategy, task="hybridtrain.tasks.digits:smallcnn", task_args={"lr": 0.05},
         global_batch_size=64, max_steps=40, target="accuracy>=0.9", seed=3, allocation="flops",
-        device="auto", compression=compression, master_addr="10.0.0.1", master_port=29507, workers=workers,
+        device="auto", compression=compression, local_sgd=local_sgd or {}, master_addr="10.0.0.1", master_port=29507, workers=workers,
     )
 
 
 @pytest.mark.parametrize(
-    ("strategy", "compression"),
+    ("strategy", "compression", "local_sgd"),
     [
         ("ps-bz-gc", {"compressor": "topk", "density": 0.02, "density_min": 0.01, "density_max": 0.05,
                       "value_dtype": "fp16", "server_k_fraction": 0.05, "error_feedback": False,
                       "warmup_steps": 2, "select": "threshold", "pipeline_chunks": 4,
-                      "momentum_correction": False}),
-        ("ps", {}),
-        ("allreduce-powersgd", {"powersgd_rank": 4}),
-        ("diloco-gc", {"sync_every": 10, "outer_lr": 0.5, "outer_momentum": 0.3, "outer_density": 0.05,
-                       "outer_delay": 2}),
+                      "momentum_correction": False}, {}),
+        ("ps", {}, {}),
+        ("allreduce-powersgd", {"powersgd_rank": 4}, {}),
+        ("diloco-gc", {}, {"sync_every": 10, "outer_lr": 0.5, "outer_momentum": 0.3, "outer_density": 0.05,
+                           "outer_delay": 2}),
     ],
 )
-def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compression):
-    run = _run(strategy, compression)
+def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compression, local_sgd):
+    run = _run(strategy, compression, local_sgd)
     for order in launch_orders(run, metrics_token=_token, public_url="http://cp:8000"):
         args, cfg = _config(order)
         role = trainer_cli._role_spec(args, cfg)
@@ -75,12 +76,90 @@ def test_every_launch_order_is_a_valid_trainer_command_line(strategy, compressio
                 10, 0.5, 0.3, 0.05, 2)
 
 
-def test_run_request_compression_fields_map_to_trainer_flags():
-    body = RunCreate(name="r", node_ids=[1], compression={"density": 0.02, "error_feedback": True})
-    run = _run("ps-bz-gc", body.compression.model_dump(exclude_none=True))
-    spec = launch_orders(run, metrics_token=_token, public_url="http://cp")[0].spec
-    assert spec["options"]["density"] == 0.02 and spec["options"]["error-feedback"] is True
-    assert spec["role"] == "ps"
+# A value other than the default for every training option, and where TrainConfig keeps it
+# (None: under the same name, with the same value).
+EVERY_OPTION = {
+    "task": ("hybridtrain.tasks.shapes:widecnn", None),
+    "task_args": ({"lr": 0.02, "hidden": 8}, ("task_args", '{"hidden": 8, "lr": 0.02}')),
+    "global_batch_size": (96, ("global_batch", 96)), "max_steps": (123, None),
+    "target": ("val_loss<=0.5", None), "stop_at_target": (False, None), "seed": (7, None),
+    "device": ("cpu", None), "eval_every": (9, None),
+    "compression.compressor": ("randomk", None), "compression.value_dtype": ("fp8", None),
+    "compression.select": ("sort", None), "compression.density": (0.03, None),
+    "compression.density_min": (0.01, None), "compression.density_max": (0.04, None),
+    "compression.server_k_fraction": (0.2, None), "compression.error_feedback": (False, None),
+    "compression.momentum_correction": (False, None), "compression.warmup_steps": (2, None),
+    "compression.pipeline_chunks": (3, None), "compression.powersgd_rank": (5, None),
+    "compression.aggregate_at_sites": (True, ("site_aggregation", True)),
+    "compression.delayed_updates": (True, None), "compression.apply_in_forward": (True, None),
+    "rebalance_every": (3, None),
+    "local_sgd.sync_every": (11, None), "local_sgd.outer_lr": (0.7, None), "local_sgd.outer_momentum": (0.4, None),
+    "local_sgd.outer_density": (0.05, None), "local_sgd.outer_delay": (4, None),
+}
+_COMMON = [p for p in EVERY_OPTION if "." not in p and p != "rebalance_every"]
+_CODEC = [f"compression.{n}" for n in ("compressor", "value_dtype", "select", "density", "density_min", "density_max",
+                                       "server_k_fraction", "error_feedback", "momentum_correction", "warmup_steps")]
+# No strategy takes every option: each walk sets those its strategy takes (hybridtrain.compat).
+WALKS = {
+    "diloco-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "rebalance_every",
+                  *(p for p in EVERY_OPTION if p.startswith("local_sgd."))],
+    "ps-bz-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "compression.aggregate_at_sites",
+                 "compression.delayed_updates", "rebalance_every"],
+    "ps-gc": ["compression.pipeline_chunks", "compression.apply_in_forward"],
+    "allreduce-powersgd": [*_COMMON, "compression.powersgd_rank"],
+}
+
+
+def test_the_walks_below_cover_every_training_option():
+    from hybridtrain.train_options import CompressionOptions, LocalSgdOptions, TrainOptions
+
+    fields = {*TrainOptions.model_fields, *(f"compression.{f}" for f in CompressionOptions.model_fields),
+              *(f"local_sgd.{f}" for f in LocalSgdOptions.model_fields)}
+    # The sections themselves, the strategy (each walk's), the alternatives to max_steps and a
+    # task (epochs, script: their own tests) and the allocation (the plan's split, which reaches
+    # the trainer as its batch sizes; it re-splits them itself with rebalance_every) are not
+    # walked here.
+    walked = {p for paths in WALKS.values() for p in paths}
+    assert fields - walked == {"compression", "local_sgd", "strategy", "epochs", "script", "allocation"}
+    assert walked <= fields
+
+
+@pytest.mark.parametrize("strategy", WALKS)
+def test_every_training_option_goes_from_the_request_to_the_trainers_config_with_its_value(strategy):
+    body: dict = {"strategy": strategy}
+    for path in WALKS[strategy]:
+        section, _, name = path.rpartition(".")
+        (body.setdefault(section, {}) if section else body)[name] = EVERY_OPTION[path][0]
+    request = RunCreate(name="r", node_ids=[1], **body)
+    run = _run(strategy, request.compression.model_dump(exclude_none=True) if request.compression else {},
+               request.local_sgd.model_dump(exclude_none=True) if request.local_sgd else {})
+    for field in ("task", "task_args", "global_batch_size", "max_steps", "target", "stop_at_target", "seed",
+                  "device", "eval_every", "rebalance_every"):
+        setattr(run, field, getattr(request, field))
+    for worker, size in zip((w for w in run.workers if w.role == "worker"), (40, 30, 26) if "global_batch_size"
+                            in body else (30, 20, 14)):
+        worker.batch_size = size
+    sites = ["1", "1", "2", "2"][: len(run.workers)]
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp", sites=sites):
+        cfg = _config(order)[1].to_dict()
+        for path in WALKS[strategy]:
+            value, kept = EVERY_OPTION[path]
+            name, expected = kept or (path.rpartition(".")[2], value)
+            assert cfg[name] == expected, path
+
+
+def test_a_script_run_reaches_the_trainer_as_its_script():
+    run = _run("ps-bz-gc", {})
+    run.bundle_sha256, run.script = SHA, "train.py"
+    assert all(_config(order)[1].script == "train.py"
+               for order in launch_orders(run, metrics_token=_token, public_url="http://cp"))
+
+
+def test_a_run_stored_with_the_removed_overlap_option_launches_without_it():
+    run = _run("ps-bz-gc", {"overlap": True, "pipeline_chunks": 4})
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp"):
+        assert order.spec["train_options"]["compression"] == {"pipeline_chunks": 4}
+        assert _config(order)[1].pipeline_chunks == 4
 
 
 @pytest.mark.parametrize("stop", [True, False])

@@ -261,7 +261,7 @@ def test_a_workload_of_the_users_own_code_is_measured_and_run_from_its_directory
     assert (workdir_of(CHARLM) / "charlm.py").is_file()
     body = run_body("diloco", CHARLM, [1, 2], 3, "t", "ab" * 32)
     assert body["bundle_sha256"] == "ab" * 32 and body["task"] == "charlm:task"
-    assert body["compression"] == {"sync_every": 20}
+    assert body["local_sgd"] == {"sync_every": 20} and "compression" not in body
 
 
 def test_the_docs_section_has_a_subsection_per_workload_and_testbed_naming_task_and_target() -> None:
@@ -338,10 +338,9 @@ def test_a_ps_strategy_with_plus_sites_combines_each_remote_sites_gradients_at_i
     assert body == {"name": "bench-ps-gc-sites", "compression": {"density": 0.05, "aggregate_at_sites": True}}
 
 
-def test_a_ps_strategy_with_plus_overlap_sends_its_chunks_during_the_backward_pass() -> None:
-    assert strategy_variant("ps-bz-gc+overlap") == ("ps-bz-gc", "overlap")
-    body = variant_body({"name": "bench-ps-bz-gc", "compression": {"density": 0.05}}, "overlap")
-    assert body == {"name": "bench-ps-bz-gc-overlap", "compression": {"density": 0.05, "overlap": True}}
+def test_the_removed_overlap_variant_is_refused() -> None:
+    with pytest.raises(TestbedError, match="the variants are"):
+        strategy_variant("ps-bz-gc+overlap")
 
 
 def test_a_compressing_ps_strategy_with_plus_fp8_sends_its_values_as_fp8() -> None:
@@ -360,7 +359,7 @@ def test_fp8_for_a_strategy_that_sends_dense_gradients_is_refused() -> None:
 
 def test_a_variant_is_named_after_its_strategy_in_the_tables() -> None:
     assert strategy_label("ps-bz-gc") == "PS-bz-gc"
-    assert strategy_label("ps-bz-gc+overlap") == "PS-bz-gc + overlap"
+    assert strategy_label("ps-bz-gc+sites") == "PS-bz-gc + per-site aggregation"
     assert strategy_label("allreduce+plain") == "All-Reduce + unencrypted"
 
 
@@ -382,7 +381,7 @@ def test_any_strategy_with_plus_quotaio_runs_with_the_thread_placer_paused() -> 
     state = TestbedState(name="t", prefix="ht-t-", config_path="t.yaml", cgroup="/sys/fs/cgroup/cpu/ht-t",
                          services={"threads_on_quota_file": "/var/t/threads_on_quota"})
     assert placer_pause_file(state, "quotaio") == Path("/var/t/threads_on_quota")
-    assert placer_pause_file(state, "overlap") is None
+    assert placer_pause_file(state, "sites") is None
 
 
 def test_quotaio_on_a_testbed_without_the_thread_placer_is_refused_before_anything_is_built() -> None:
@@ -401,7 +400,7 @@ def test_an_unknown_strategy_is_refused_naming_the_known_ones() -> None:
         check_strategies(("dp",), [])
 
 
-def test_an_unknown_variant_and_sites_or_overlap_for_all_reduce_are_refused() -> None:
+def test_an_unknown_variant_and_sites_or_inforward_for_all_reduce_are_refused() -> None:
     from testbed.errors import TestbedError
 
     with pytest.raises(TestbedError, match="the variants are"):
@@ -409,7 +408,7 @@ def test_an_unknown_variant_and_sites_or_overlap_for_all_reduce_are_refused() ->
     with pytest.raises(TestbedError, match="for the PS strategies"):
         strategy_variant("allreduce+sites")
     with pytest.raises(TestbedError, match="for the PS strategies"):
-        strategy_variant("allreduce-powersgd+overlap")
+        strategy_variant("allreduce-powersgd+inforward")
 
 
 # -- seeds -----------------------------------------------------------------------------------------
@@ -537,7 +536,8 @@ def test_a_delay_variant_overlaps_a_local_sgd_strategys_outer_exchange() -> None
 
     assert strategy_variant("diloco+delay3") == ("diloco", "delay3")
     body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay3")
-    assert body["compression"] == {"pipeline_chunks": 4, "sync_every": 10, "outer_delay": 3}
-    assert variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay5")["compression"]["outer_delay"] == 5
+    assert body["compression"] == {"pipeline_chunks": 4}
+    assert body["local_sgd"] == {"sync_every": 10, "outer_delay": 3}
+    assert variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay5")["local_sgd"]["outer_delay"] == 5
     with pytest.raises(TestbedError, match="local SGD"):
         strategy_variant("ps-bz-gc+delay3")

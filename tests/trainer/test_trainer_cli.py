@@ -3,6 +3,7 @@ all-reduce), launched by the CLI."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -129,23 +130,52 @@ def test_pipeline_chunks_out_of_range_or_without_a_server_are_a_usage_error(stra
     assert proc.returncode == 2 and "--pipeline-chunks" in proc.stderr
 
 
-def test_overlap_for_a_strategy_without_a_server_is_a_usage_error():
-    proc = run_cli("--strategy", "allreduce", "--workers", "2", "--overlap")
+def test_the_removed_overlap_flag_is_refused():
+    proc = run_cli("--strategy", "ps-bz-gc", "--workers", "2", "--pipeline-chunks", "2", "--overlap")
     assert proc.returncode == 2 and "--overlap" in proc.stderr
 
 
-def test_an_overlapped_pipelined_run_keeps_the_replicas_identical_and_learns(tmp_path):
-    proc = run_cli(*FAST, "--strategy", "ps-bz-gc", "--workers", "3", "--max-steps", "30", "--eval-every", "30",
-                   "--pipeline-chunks", "3", "--overlap", "--dense-numel", "256", *with_replica_script(tmp_path),
-                   "--metrics-out", str(tmp_path / "m.jsonl"))
-    assert proc.returncode == 0, proc.stderr
-    hashes = replica_hashes(proc.stdout)
-    assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
-    records = read_metrics(tmp_path / "m.jsonl")
-    assert series(records, "accuracy")[30] > 0.5
-    sent = {(r["rank"], r["peer"]): r["value"] for r in records if r["name"] == "bytes_sent" and r["step"] == 10}
-    recv = {(r["peer"], r["rank"]): r["value"] for r in records if r["name"] == "bytes_recv" and r["step"] == 10}
-    assert sent == recv
+# -- the training options as one JSON object (what an agent passes) -----------------------------------
+
+
+def _config(*argv: str):
+    parser = build_parser()
+    return config_from_args(parser.parse_args(list(argv)), parser)
+
+
+def test_options_json_makes_the_same_config_as_the_flags_it_stands_for():
+    flags = _config("--strategy", "diloco-gc", "--global-batch", "48", "--max-steps", "77", "--seed", "5",
+                    "--task-args", '{"lr": 0.1}', "--target", "accuracy>=0.8", "--no-stop-at-target",
+                    "--eval-every", "7", "--device", "cpu", "--value-dtype", "fp8", "--pipeline-chunks", "2",
+                    "--sync-every", "6", "--outer-lr", "0.8", "--outer-momentum", "0.5", "--outer-density", "0.2",
+                    "--outer-delay", "2")
+    options = {"strategy": "diloco-gc", "global_batch_size": 48, "max_steps": 77, "seed": 5,
+               "task_args": {"lr": 0.1}, "target": "accuracy>=0.8", "stop_at_target": False, "eval_every": 7,
+               "device": "cpu", "compression": {"value_dtype": "fp8", "pipeline_chunks": 2},
+               "local_sgd": {"sync_every": 6, "outer_lr": 0.8, "outer_momentum": 0.5, "outer_density": 0.2,
+                             "outer_delay": 2}}
+    assert _config("--options-json", json.dumps(options)) == flags
+
+
+def test_a_training_flag_beside_options_json_is_a_usage_error_naming_it():
+    with pytest.raises(UsageError, match="--sync-every: --options-json carries"):
+        _config("--options-json", '{"strategy": "diloco"}', "--sync-every", "4")
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ('{"strategy": "allreduce", "compression": {"pipeline_chunks": 2}}', "--options-json: compression.pipeline_chunks"),
+    ('{"strategy": "diloco", "local_sgd": {"sync_every": 0}}', "--options-json: local_sgd.sync_every"),
+    ('{"strategy": "ps", "compression": {"overlap": true}}', "--options-json: compression.overlap"),
+    ("{not json", "--options-json"),
+])
+def test_options_json_that_names_an_impossible_run_is_a_usage_error_naming_the_field(options, says):
+    with pytest.raises(UsageError, match=says):
+        _config("--options-json", options)
+
+
+def test_a_local_sgd_flag_out_of_range_is_a_usage_error_naming_the_flag():
+    with pytest.raises(UsageError, match="--outer-lr"):
+        _config("--strategy", "diloco", "--outer-lr", "11")
 
 
 def test_a_run_applying_its_updates_in_the_forward_pass_keeps_the_replicas_identical_and_learns(tmp_path):

@@ -317,9 +317,9 @@ def test_delayed_updates_for_a_strategy_without_a_server_is_a_usage_error():
         _cli("--strategy", "allreduce", "--workers", "2", "--delayed-updates")
 
 
-@pytest.mark.parametrize("extra", [["--pipeline-chunks", "4", "--overlap"],
+@pytest.mark.parametrize("extra", [["--pipeline-chunks", "4"],
                                    ["--sites", "a,a,b,b", "--aggregate-at-sites", "--pipeline-chunks", "2"]])
-def test_delayed_updates_combine_with_overlap_and_with_per_site_aggregation(extra):
+def test_delayed_updates_combine_with_pipelining_and_with_per_site_aggregation(extra):
     cfg = _cli("--strategy", "ps-bz-gc", "--workers", "3", "--delayed-updates", *extra)
     assert cfg.delayed_updates is True
 

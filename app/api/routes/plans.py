@@ -16,7 +16,7 @@ from app.queries import runs as run_queries
 from app.queries.bundles import get_bundle
 from app.schemas.predictions import MAX_OPTIMIZE_CANDIDATES, OptimizeRequest, OptimizeResultPublic
 from app.schemas.runs import RunCreate
-from hybridtrain import compat
+from hybridtrain.train_options import sections_for
 
 router = APIRouter()
 
@@ -48,7 +48,8 @@ def optimize_plan(
     run_queries.check_usable(nodes)
     inputs = predictions.model_inputs(
         session, nodes=nodes, task=body.task, task_args=body.task_args, bundle_sha256=body.bundle_sha256,
-        compression=body.compression, eval_every=body.eval_every, max_steps=body.max_steps,
+        compression=body.compression, local_sgd=body.local_sgd, eval_every=body.eval_every,
+        max_steps=body.max_steps,
     )
     if isinstance(inputs, str) and body.profile_missing:
         profiling = order_profiles_for_plan(
@@ -73,16 +74,16 @@ def optimize_plan(
         return JSONResponse(status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
                             content={"detail": detail, "cheapest": cheapest})
     best = result.best
-    compression = body.compression
-    if compression is not None:
-        compression = compression.model_copy(update=compat.for_strategy(best.strategy, compression.model_dump()))
+    # The options as the chosen strategy takes them (another strategy's are dropped).
+    chosen = sections_for(best.strategy, compression=body.compression, local_sgd=body.local_sgd)
     # The chosen plan as a run request: the form fills itself from it, and the planner checks it.
     data = RunCreate(
         name="suggested", node_ids=list(best.node_ids), strategy=best.strategy, task=body.task,
         task_args=body.task_args, bundle_sha256=body.bundle_sha256,
         global_batch_size=body.global_batch_size, max_steps=body.max_steps,
         allocation="measured" if best.strategy == "ps-bz-gc" else "equal",
-        ps_node_id=best.server_node_id, compression=compression, eval_every=body.eval_every,
+        ps_node_id=best.server_node_id, compression=chosen["compression"], local_sgd=chosen["local_sgd"],
+        eval_every=body.eval_every,
     )
     return OptimizeResultPublic(
         goal=result.goal.value,

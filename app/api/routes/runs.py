@@ -27,8 +27,8 @@ from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
 from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
 from app.token_limits import refusal
-from hybridtrain import compat
 from hybridtrain.contract import STRATEGIES, is_ps
+from hybridtrain.train_options import sections_for
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,8 @@ def strategy_variants(data: RunCreate) -> list[RunCreate]:
         update: dict = {"strategy": strategy}
         if not is_ps(strategy):
             update["ps_node_id"] = None
-        if data.rebalance_every is not None and strategy not in compat.takers("rebalance_every"):
-            update["rebalance_every"] = None
-        if data.compression is not None:
-            kept = compat.for_strategy(strategy, data.compression.model_dump())
-            update["compression"] = data.compression.model_copy(update=kept)
+        update |= sections_for(strategy, compression=data.compression, local_sgd=data.local_sgd,
+                               rebalance_every=data.rebalance_every)
         variants.append(data.model_copy(update=update))
     return variants
 

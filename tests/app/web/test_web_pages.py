@@ -119,6 +119,20 @@ def test_launch_form_turns_momentum_correction_off_or_leaves_the_default() -> No
     assert off.compression is not None and off.compression.momentum_correction is False
 
 
+def test_launch_form_sends_local_sgds_fields_as_their_own_section() -> None:
+    base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
+        "name": "r", "node_ids": ["1"], "strategy": "diloco"}
+    body, errors = run_form.run_create(base | {"local_sgd_sync_every": "12", "local_sgd_outer_lr": "0.7"})
+    assert errors == {} and body is not None and body.local_sgd is not None
+    assert (body.local_sgd.sync_every, body.local_sgd.outer_lr) == (12, 0.7)
+
+
+def test_launch_form_shows_a_local_sgd_rule_beside_its_field() -> None:
+    base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {"name": "r", "node_ids": ["1"]}
+    _, errors = run_form.run_create(base | {"local_sgd_sync_every": "12"})  # ps-bz-gc has no outer steps
+    assert "local_sgd.sync_every" in errors["local_sgd_sync_every"]
+
+
 def test_an_unknown_choice_at_the_target_is_refused_beside_the_field() -> None:
     values = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
         "name": "r", "node_ids": ["1"], "at_target": "maybe"}
