@@ -42,8 +42,9 @@ def sends_dense(cfg: TrainConfig, step: int) -> bool:
 
 
 def dense_chunk(cfg: TrainConfig) -> int:
-    """The chunk whose frames carry the dense part: the first, or the last with --overlap."""
-    return cfg.pipeline_chunks - 1 if cfg.overlap else 0
+    """The chunk whose frames carry the dense part: the first, so that it leaves first and its
+    update (the dense tensors' optimizer step) is applied first."""
+    return 0
 
 
 def join_residuals(states: list[CompressionState]) -> torch.Tensor | None:
