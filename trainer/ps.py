@@ -208,11 +208,12 @@ class PSClient:
         self._receive(step)  # steps 3-5
         if self.ended_by_server:
             return
+        arrived = time.perf_counter()
         self.uplink.delivered(upload)
         if self.in_forward is None or self.in_forward.pending is None:
             self.step = step
         self._account(upload, step, loss=loss, samples=samples, compute_s=max(0.0, compute_s - blocked),
-                      total_s=compute_s + time.perf_counter() - t0, wait_s=time.perf_counter() - sent + blocked,
+                      total_s=compute_s + time.perf_counter() - t0, wait_s=arrived - sent + blocked,
                       density=1.0 if self.uplink.dense_step(step) else density)
 
     def _account(self, upload: Upload, step: int, *, loss: float, samples: int, compute_s: float,
