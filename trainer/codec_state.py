@@ -42,7 +42,8 @@ def sends_dense(cfg: TrainConfig, step: int) -> bool:
 
 
 def dense_chunk(cfg: TrainConfig) -> int:
-    """The chunk whose frames carry the dense part: the first."""
+    """The chunk whose frames carry the dense part: the first, so that it leaves first and its
+    update (the dense tensors' optimizer step) is applied first."""
     return 0
 
 

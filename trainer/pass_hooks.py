@@ -1,113 +1,102 @@
-"""The hooks that move a parameter-server step's communication into the model's own passes, a
-mixin of `trainer.ps.PSClient` (whose state they work on: the flat gradient, the chunks'
-bounds, the step being sent and the update pending).
+"""`--apply-in-forward`, a helper `trainer.ps.PSClient` holds: step() applies the update's first
+chunk (the dense part and the next step's batch split ride with it) and returns; a forward
+pre-hook on every module holding compressed parameters applies the pending chunks up to the
+last one they lie in, just before the module runs, as plain SGD (momentum correction's rule),
+so the rest of the reply's way back overlaps the next forward pass with nothing stale.
 
-- `--overlap`: a post-accumulate-grad hook on every compressed parameter sends each chunk as
-  soon as the backward pass has produced all of its gradients (`OverlapHooks`).
-- `--apply-in-forward`: step() applies the update's first chunk; a forward pre-hook on every
-  module holding compressed parameters applies the pending chunks up to the last one they lie
-  in, just before the module runs, as plain SGD (momentum correction's rule), so the rest of
-  the reply's way back overlaps the next forward pass (`ApplyInForward`).
-
-docs/trainer.md, steps 8 and 11, says what each costs.
+docs/trainer.md, step 11, says what it costs and when it pays (the intercontinental testbed).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
+from collections.abc import Callable
 from functools import partial
 
-import torch
 from torch import nn
 
-from trainer.algorithm import chunk_pieces
+from trainer.frames import Update
+from trainer.server_link import ServerLink
+from trainer.sgd_rules import hyperparameter_values
+from trainer.updates import UpdateApplier
 
 log = logging.getLogger("trainer.ps")
 
 
-class OverlapHooks:
-    """--overlap: chunks leave from the backward pass (PSClient registers `_on_grad`)."""
-
-    def _params_by_chunk(self) -> list[set[nn.Parameter]]:
-        """For each chunk of the compressed part, the parameters whose elements it holds."""
-        return [{self._params[name] for name, *_ in pieces} for pieces in chunk_pieces(self.layout, self.bounds)]
-
-    def _chunk_params_names(self) -> list[str]:
-        nd = self.layout.dense_numel
-        return [n for n, off in zip(self.layout.names, self.layout.offsets) if off >= nd]
-
-    def _on_grad(self, p: nn.Parameter) -> None:
-        """The backward pass has produced `p`'s gradient: send every chunk now complete (in
-        order; the last chunk waits for step(), which has the loss and the dense part)."""
-        sending = self._sending
-        if sending is None:
-            return
-        if p in sending.ready:
-            raise RuntimeError("--overlap sends each gradient as soon as the backward pass produces it: "
-                               "a second backward before step() (gradient accumulation) is not supported")
-        base, end = self.flat_grad.data_ptr(), self.flat_grad.data_ptr() + self.flat_grad.nbytes
-        if p.grad is None or not base <= p.grad.data_ptr() < end:
-            raise RuntimeError("--overlap needs each parameter's .grad to stay the view the optimizer "
-                               "wrapper gave it: call the wrapper's zero_grad(), not the model's")
-        decay = self.rules.decay_of.get(p, 0.0)
-        if decay:
-            with torch.no_grad():
-                p.grad.add_(p, alpha=decay)
-        sending.ready.add(p)
-        last = len(self.bounds) - 1
-        while sending.next_chunk < last and self._chunk_params[sending.next_chunk] <= sending.ready:
-            self._send_chunk(sending, sending.next_chunk, math.nan, 0.0)
-
-
 class ApplyInForward:
-    """--apply-in-forward: the pending update's chunks applied by forward pre-hooks."""
+    """The update still pending (its step, from which chunk on) and the hooks that apply it."""
 
-    def _applies_in_forward(self) -> bool:
-        """The run asks for it and this worker can (`_applies_in_place`)."""
-        if not self.cfg.applies_in_forward:
+    def __init__(self, model: nn.Module, optimizer, applier: UpdateApplier, link: ServerLink,
+                 take: Callable[[Update, list[dict] | None], None], done: Callable[[int], None]) -> None:
+        self.optimizer, self.applier, self.link, self._take, self._done = optimizer, applier, link, take, done
+        self.chunks = len(applier.bounds)
+        self.pending: int | None = None
+        self.next_chunk = 0
+        # The optimizer's settings at the pending update's own step: a schedule may have
+        # stepped them since, and the update must move the weights with its step's rate.
+        self.hyper: list[dict] | None = None
+        # How long the forward pass waited for chunks still on the way: communication, not
+        # compute, for re-balancing.
+        self.blocked_s = 0.0
+        self._hook_modules(model)
+
+    @staticmethod
+    def wanted(asked: bool, applier: UpdateApplier) -> bool:
+        """The run asks for it and this worker can: updates applied in place, chunk by chunk."""
+        if not asked:
             return False
-        if self.velocity is None:
+        if applier.velocity is None:
             log.warning("apply-in-forward needs an SGD optimizer with momentum under momentum correction; "
                         "this worker applies each update whole at step()")
             return False
-        if self._pieces is None:
+        if applier.pieces is None:
             log.warning("apply-in-forward needs contiguous parameters (not channels_last); this worker applies "
                         "each update whole at step()")
             return False
         return True
 
-    def _hook_modules(self) -> None:
+    def _hook_modules(self, model: nn.Module) -> None:
         """A forward pre-hook on every module holding compressed parameters directly applies the
         pending chunks up to the last one they lie in; the model's own forward hook applies the
         rest when it ends (parameters the pass did not read, before the loss or anything after)."""
         last: dict[nn.Parameter, int] = {}
-        for c, pieces in enumerate(self._pieces):
+        for c, pieces in enumerate(self.applier.pieces):
             for piece in pieces:
                 last[piece[0]] = c
-        for module in self.model.modules():
+        for module in model.modules():
             need = [last[p] for p in module.parameters(recurse=False) if p in last]
             if need:
                 module.register_forward_pre_hook(partial(self._before_forward, max(need)))
-        self.model.register_forward_hook(self._after_forward, always_call=True)
+        model.register_forward_hook(self._after_forward, always_call=True)
 
     def _before_forward(self, need: int, module: nn.Module, args: tuple) -> None:
-        if self._pending is not None and self._pending_chunk <= need and not self.ended_by_server:
-            self._blocked_s += self._pull_through(need)
+        if self.pending is not None and self.next_chunk <= need and not self.link.ended:
+            self.blocked_s += self.pull_through(need)
 
     def _after_forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        if self._pending is not None and not self.ended_by_server:
-            self._blocked_s += self._pull_through(len(self.bounds) - 1)
+        if self.pending is not None and not self.link.ended:
+            self.blocked_s += self.pull_through(self.chunks - 1)
 
-    def _pull_through(self, upto: int) -> float:
-        """Apply the pending update's chunks through `upto` as they arrive, with the optimizer's
-        hyperparameters of the update's own step (a schedule may have stepped since); returns
-        the seconds it took."""
+    def hold(self, step: int) -> None:
+        """`step`'s update is the pending one: apply its first chunk now, the rest in the hooks."""
+        self.pending, self.hyper, self.next_chunk = step, hyperparameter_values(self.optimizer), 0
+        self.pull_through(0)
+
+    def drain(self) -> None:
+        """Apply whatever of the pending update is not applied yet."""
+        if self.pending is not None and not self.link.ended:
+            self.pull_through(self.chunks - 1)
+
+    def pull_through(self, upto: int) -> float:
+        """Apply the pending update's chunks through `upto` as they arrive; the seconds it took."""
         t0 = time.perf_counter()
-        self._applying_hyper = self._pending_hyper
-        try:
-            self._read_updates(self._pending, start=self._pending_chunk, stop=upto + 1)
-        finally:
-            self._applying_hyper = None
+        self.link.read_update(self.pending, self._take_one, start=self.next_chunk, stop=upto + 1)
         return time.perf_counter() - t0
+
+    def _take_one(self, update: Update) -> None:
+        self._take(update, self.hyper)
+        self.next_chunk = update.chunk + 1
+        if self.next_chunk == self.chunks:
+            self.pending = self.hyper = None
+            self._done(update.step)

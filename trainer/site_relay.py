@@ -1,31 +1,39 @@
-"""A worker's part in its site's relays, a mixin of `trainer.ps.PSClient`: the server's updates
-it forwards to its site's peers (and the server's ROUTE, which changes who those are), the
-site's gradient chunks it combines for the server under per-site aggregation, and where its
+"""A worker's part in its site's relays, a helper `trainer.ps.PSClient` holds: the server's
+updates it forwards to its site's peers (and the server's ROUTE, which changes who those are),
+the site's gradient chunks it combines for the server under per-site aggregation, and where its
 updates come from and its chunks go when its own relay is lost. The plan is `trainer.relay`'s
 and `trainer.membership.Roster`'s; the combining is `trainer.site_combine`'s (docs/elastic.md)."""
 
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
 from trainer.codec_state import codec
+from trainer.config import TrainConfig
 from trainer.frames import BYE, ROUTE, UPDATE, Route, Welcome, unpack
 from trainer.relay import SERVER
 from trainer.site_combine import SiteCombiner
+from trainer.transport import Inbox, Transport
 from trainer.wire import peek_kind
 
 
 class SiteRelay:
-    """Forward the updates down, combine the site's chunks up, and take over from a lost relay."""
+    """Forward the updates down, combine the site's chunks up, and take over from a lost relay.
 
-    def _init_site_relay(self) -> None:
-        """No relay at first: the server's WELCOME says where updates come from and go."""
-        self._update_source = SERVER
+    No relay at first: the server's WELCOME says where updates come from and go. The inbox is
+    attached once built, since the inbox's thread calls `on_frame`.
+    """
+
+    def __init__(self, cfg: TrainConfig, rank: int, transport: Transport,
+                 bounds: tuple[tuple[int, int], ...]) -> None:
+        self.cfg, self.rank, self.transport, self.bounds = cfg, rank, transport, bounds
+        self.inbox: Inbox | None = None
+        # Once this worker has left, a frame it hears is not its site's any more.
+        self.left = False
+        self.update_source = SERVER
         self.forwards: tuple[int, ...] = ()
-        self._forward_s = 0.0
         # Per-site aggregation: a remote site's workers send their chunks to the site's relay
         # (`up`), whose `combiner` makes one frame of them for the server (trainer.site_combine);
         # a member keeps the frames it sent up until their step's update is applied, to send
@@ -39,17 +47,26 @@ class SiteRelay:
         """The site members whose chunks this worker combines (empty unless it is their relay)."""
         return self.combiner.members if self.combiner is not None else ()
 
+    def acked(self, step: int) -> None:
+        """`step`'s update is applied: the chunks sent up for it need no second sending."""
+        self.unacked = [(s, f) for s, f in self.unacked if s > step]
+
+    def note_sent(self, step: int, frame: torch.Tensor) -> None:
+        """Keep a chunk sent to the site's relay until its step's update is applied."""
+        if self.up != SERVER:
+            self.unacked.append((step, frame))
+
     def _relay_site(self, members: tuple[int, ...]) -> None:
         """Combine `members`' chunks with this worker's own from now on (none: stop)."""
         self.combiner = (SiteCombiner(self.rank, members, self.bounds, codec(self.cfg, "topk"), seed=self.cfg.seed)
                          if members else None)  # fmt: skip
 
-    def _route(self, welcome: Welcome) -> None:
+    def take_welcome(self, welcome: Welcome) -> None:
         """Take the WELCOME's plan: whom this worker hears its updates from, whom it forwards them
         to, and (per-site aggregation) where its chunks go and whose it combines."""
         if hasattr(self.transport, "peer_addresses"):
             self.transport.peer_addresses.update(welcome.peers)
-        self._update_source = welcome.source
+        self.update_source = welcome.source
         self.forwards = welcome.forwards
         if self.cfg.site_aggregation:
             self.up = welcome.source
@@ -57,7 +74,7 @@ class SiteRelay:
         for peer in sorted({welcome.source, *self.site} - {SERVER}):
             self.inbox.add(peer)
 
-    def _forward(self, peer: int, frame: torch.Tensor) -> bool:
+    def on_frame(self, peer: int, frame: torch.Tensor) -> bool:
         """On the inbox thread: a relay forwards each update (and the final BYE) to its site's
         peers before anything reads it, since they wait on it, and takes the server's ROUTE
         (True: the frame is taken here), which comes before the first update it changes."""
@@ -74,7 +91,7 @@ class SiteRelay:
                 # Members the server dropped (or let go): the relay stops waiting for their chunks.
                 for m in self.combiner.keep(route.forwards):
                     self.inbox.fail(m, ConnectionError(f"worker {m} is out of the run (the server's word)"))
-            old = self._update_source
+            old = self.update_source
             if route.source is not None and old != route.source:
                 # The server dropped this worker's relay, which may be silent rather than closed:
                 # stop sending to it and waiting on it (`_relay_lost` takes over).
@@ -88,16 +105,14 @@ class SiteRelay:
         # A leaving relay's BYE is its own: its peers hear from the server from then on.
         if not forwards or self.left or kind not in (UPDATE, BYE):
             return False
-        t0 = time.perf_counter()
         self.transport.send_many(forwards, frame)
-        self._forward_s += time.perf_counter() - t0
         return False
 
-    def _relay_lost(self, relay: int, exc: BaseException) -> None:
+    def relay_lost(self, relay: int, exc: BaseException) -> None:
         """Hear the server directly from now on; under per-site aggregation, also send to it
         directly, starting with the chunks sent up that no update has answered yet (the server
         keeps those the relay passed on already and drops their copies)."""
-        self._update_source = SERVER
+        self.update_source = SERVER
         again = ""
         if self.up == relay:
             self.up = SERVER

@@ -12,7 +12,7 @@ from trainer_testing import run_in_process
 
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.config import TrainConfig
-from trainer.ps import PSClient
+from trainer.pass_hooks import ApplyInForward
 
 SITES = ("onprem", "onprem", "onprem", "cloud", "cloud")
 FIXED = {"density": 0.1, "density_min": 0.1, "density_max": 0.1, "server_k_fraction": 0.25}
@@ -40,9 +40,9 @@ def test_a_run_applying_its_updates_during_the_forward_pass_learns_exactly_what_
         monkeypatch):
     # Relayed, with evaluations (which apply what is pending first) and the run's last step.
     lazy = run_in_process(cfg(sites=SITES), 8, data=data(), model=three_layers, eval_at=(4, 8))
-    monkeypatch.setattr(PSClient, "_applies_in_forward", lambda self: False)
+    monkeypatch.setattr(ApplyInForward, "wanted", staticmethod(lambda asked, applier: False))
     whole = run_in_process(cfg(sites=SITES), 8, data=data(), model=three_layers, eval_at=(4, 8))
-    assert all(c._in_forward for c in lazy.clients) and not any(c._in_forward for c in whole.clients)
+    assert all(c.in_forward for c in lazy.clients) and not any(c.in_forward for c in whole.clients)
     for a, b in zip(lazy.models, whole.models):
         for pa, pb in zip(a.parameters(), b.parameters()):
             assert torch.equal(pa, pb)
@@ -54,17 +54,17 @@ def test_step_returns_with_the_later_chunks_pending_and_each_layer_applies_its_o
     def probe(rank: int, step: int, run) -> None:
         if rank != 1 or step != 3:
             return
-        client, model = run.clients[0], run.models[0]
+        hooks, model = run.clients[0].in_forward, run.models[0]
         last = model[4].weight.detach().clone()
-        seen["pending"] = (client._pending, client._pending_chunk)
+        seen["pending"] = (hooks.pending, hooks.next_chunk)
         x = torch.zeros(2, 16)
         model[0](x)  # the first layer's weight is chunk 0's, applied already
-        seen["after first"] = client._pending_chunk
+        seen["after first"] = hooks.next_chunk
         model[2](torch.zeros(2, 16))
-        seen["after second"] = client._pending_chunk
+        seen["after second"] = hooks.next_chunk
         seen["last unchanged"] = torch.equal(model[4].weight, last)
         model(x)
-        seen["after all"] = client._pending
+        seen["after all"] = hooks.pending
         seen["last changed"] = not torch.equal(model[4].weight, last)
 
     run_in_process(cfg(workers=2), 8, data=data(), model=three_layers, after_step=probe)
@@ -74,7 +74,7 @@ def test_step_returns_with_the_later_chunks_pending_and_each_layer_applies_its_o
 
 def test_the_runs_last_step_and_an_evaluation_leave_nothing_pending():
     run = run_in_process(cfg(workers=2), 6, data=data(), model=three_layers, eval_at=(3,))
-    assert all(c._pending is None and c.step == 6 for c in run.clients)
+    assert all(c.in_forward.pending is None and c.step == 6 for c in run.clients)
 
 
 def test_apply_in_forward_is_off_unless_asked_and_where_the_update_is_not_in_chunks():

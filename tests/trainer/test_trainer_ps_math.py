@@ -24,7 +24,9 @@ from trainer.frames import Grad, ProtocolError
 from trainer.metrics import MetricsLogger
 from trainer.ps import PSClient
 from trainer.server import ParameterServer
+from trainer.sgd_rules import add_decay
 from trainer.transport import InMemoryHub
+from trainer.updates import UpdateApplier
 
 
 def _follows_sgd_on_the_global_batch(cfg, steps: int = 3, optimizer=sgd):
@@ -187,7 +189,7 @@ def test_compressed_steps_keep_server_k_and_the_replicas_identical():
     assert run.server.metrics.last["density"] == pytest.approx(0.1, rel=0.1)
     assert sparse_numel > 900
     # The residuals differ per worker: identical replicas are not a trivial consequence.
-    assert not torch.equal(run.clients[0].codec_states[0].residual, run.clients[1].codec_states[0].residual)
+    assert not torch.equal(run.clients[0].uplink.states[0].residual, run.clients[1].uplink.states[0].residual)
 
 
 def test_a_sparse_payload_is_added_into_the_tensors_it_spans_at_each_ones_factor():
@@ -211,10 +213,10 @@ def test_updates_applied_in_place_learn_what_the_flat_gradient_and_the_optimizer
                  warmup_steps=1, density=0.05, density_min=0.01, density_max=0.2, server_k_fraction=0.1,
                  pipeline_chunks=3)
     in_place = run_in_process(cfg, 6, eval_at=(3,))
-    monkeypatch.setattr(PSClient, "_applies_in_place", lambda self: False)
+    monkeypatch.setattr(UpdateApplier, "in_place", property(lambda self: False))
     through_grad = run_in_process(cfg, 6, eval_at=(3,))
-    assert all(c._pieces is not None for c in in_place.clients)
-    assert not any(c._pieces is not None for c in through_grad.clients)
+    assert all(c.applier.pieces is not None for c in in_place.clients)
+    assert not any(c.applier.pieces is not None for c in through_grad.clients)
     for a, b in zip(in_place.models, through_grad.models):
         for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, msg=name)
@@ -223,9 +225,9 @@ def test_updates_applied_in_place_learn_what_the_flat_gradient_and_the_optimizer
 
 def test_warm_up_steps_travel_dense():
     client = _client(config(strategy="ps-gc", workers=1, global_batch=16, warmup_steps=2, dense_numel=100))
-    client.flat_grad.normal_()
-    assert client.compress(1, 0)[1].indices is None
-    assert client.compress(3, 0)[1].indices is not None
+    client.flat.grad.normal_()
+    assert client.uplink.compress(1, 0, client.densities[0])[1].indices is None
+    assert client.uplink.compress(3, 0, client.densities[0])[1].indices is not None
 
 
 def test_sgd_weight_decay_enters_the_local_gradient_only_for_its_decaying_groups():
@@ -236,7 +238,8 @@ def test_sgd_weight_decay_enters_the_local_gradient_only_for_its_decaying_groups
     client.zero_grad()
     F.cross_entropy(model(data.tensors[0][:8]), data.tensors[1][:8]).backward()
     F.cross_entropy(plain(data.tensors[0][:8]), data.tensors[1][:8]).backward()
-    client.collect_grads()
+    client.flat.collect()
+    add_decay(client.optimizer, client.rules)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         expected = q.grad + (0.5 * q.detach() if q.dim() > 1 else 0)
         torch.testing.assert_close(p.grad, expected, msg=name)
@@ -290,8 +293,8 @@ def test_the_server_adapts_densities_to_the_arrival_times_it_sees():
 def test_a_worker_state_keeps_the_velocity_and_refuses_a_different_momentum_setting():
     cfg = config(strategy="ps-gc", workers=1, global_batch=16, warmup_steps=0, dense_numel=100, density=0.1)
     client = _client(cfg)
-    client.flat_grad.normal_()
-    client.compress(1, 0)
+    client.flat.grad.normal_()
+    client.uplink.compress(1, 0, client.densities[0])
     state = client.state_dict()
     fresh = _client(cfg)
     fresh.load_state_dict(state)
