@@ -31,7 +31,6 @@ PER_STEP_PS = (PS, PS_GC, PS_BZ_GC)
 TAKES: dict[str, tuple[tuple[str, ...], str]] = {
     "pipeline_chunks": (PS_STRATEGIES, "pipelines a parameter server's exchange"),
     "rebalance_every": (PS_STRATEGIES, "re-splits a parameter server's batch from measured times"),
-    "delayed_updates": (PER_STEP_PS, "delays a parameter server's per-step update by a step"),
     "aggregate_at_sites": (PER_STEP_PS, "combines each remote site's per-step gradients at its relay"),
     "apply_in_forward": ((PS_GC, PS_BZ_GC), "applies a compressing parameter server's per-step update "
                                             "in chunks during the next forward pass"),
@@ -45,7 +44,6 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
 
 # Options that cannot both be on, and why.
 CLASHES: tuple[tuple[str, str, str], ...] = (
-    ("apply_in_forward", "delayed_updates", "its updates arrive a step late"),
     ("apply_in_forward", "aggregate_at_sites", "a relay combines its site's chunks"),
 )
 

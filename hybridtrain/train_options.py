@@ -65,12 +65,6 @@ class CompressionOptions(_Section):
         description="PS strategies across sites: each remote site's workers send their gradients to "
         "the site's relay, which sends one combined frame across the WAN; default off",
     )
-    delayed_updates: Flag | None = Field(
-        default=None,
-        description="PS strategies: apply each step's update at the next step, after that step's "
-        "gradient has left, so the server's reply hides behind its compute (gradients one step "
-        "stale); default off",
-    )
     apply_in_forward: Flag | None = Field(
         default=None,
         description="PS strategies with pipeline_chunks > 1: step() applies the update's first chunk "

@@ -115,10 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--pipeline-chunks", type=int, default=d.pipeline_chunks,
                     help="PS strategies: compress, send, aggregate and answer the gradient in this many "
                          "chunks, one on the wire and at the server while the next is compressed")
-    gc.add_argument("--delayed-updates", action="store_true",
-                    help="PS strategies: apply each step's update at the next step, after that step's "
-                         "gradient has left, so the server's reply hides behind its compute (gradients "
-                         "one step stale)")
     gc.add_argument("--apply-in-forward", action="store_true",
                     help="PS strategies with --pipeline-chunks N > 1: apply the update's later chunks "
                          "during the next forward pass, each just before the first layer that needs it")

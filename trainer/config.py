@@ -96,7 +96,6 @@ class TrainConfig:
     # PS strategies: step t's update is applied at step t+1's step(), after step t+1's gradient
     # (computed without it) has left, so the server's work and the reply's way back hide behind
     # the next step's compute; gradients are one step stale (trainer.ps.PSClient.drain).
-    delayed_updates: bool = False
     # PS strategies: a worker's step() applies the update's first chunk (the dense part and the
     # next step's batch split ride with it) and returns; each later chunk is applied by a
     # forward pre-hook just before the first module holding its parameters runs, so the rest
@@ -191,13 +190,7 @@ class TrainConfig:
         return (self.apply_in_forward and self.is_ps and not self.is_local_sgd and self.compresses
                 and self.momentum_correction
                 and self.pipeline_chunks > 1
-                and not (self.delayed_updates or self.site_aggregation))
-
-    @property
-    def overlap(self) -> bool:
-        """Always off: sending chunks during the backward pass never paid (docs/BENCHMARKS.md) and
-        the option is gone; kept only until trainer/ps.py's hooks, which still ask, go too."""
-        return False
+                and not self.site_aggregation)
 
     @property
     def world_size(self) -> int:

@@ -83,7 +83,7 @@ def hyperparameter_values(optimizer: torch.optim.Optimizer) -> list[dict]:
 @contextmanager
 def hyperparameters(optimizer: torch.optim.Optimizer, values: list[dict] | None) -> Iterator[None]:
     """The optimizer's groups set to `values` (None: as they are) for the block, then back: a
-    delayed update is applied with the settings of the step it belongs to."""
+    late chunk (apply-in-forward) is applied with the settings of the step it belongs to."""
     if values is None:
         yield
         return

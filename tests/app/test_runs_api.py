@@ -468,8 +468,6 @@ def test_apply_in_forward_is_sent_to_the_trainers(online_node, client, dispatche
 
 
 @pytest.mark.parametrize("compression, says", [
-    ({"apply_in_forward": True, "pipeline_chunks": 4, "delayed_updates": True},
-     "compression.delayed_updates do not go together"),
     ({"apply_in_forward": True}, "needs compression.pipeline_chunks"),
 ])
 def test_apply_in_forward_where_it_cannot_work_is_refused(online_node, client, compression, says):
@@ -477,7 +475,7 @@ def test_apply_in_forward_where_it_cannot_work_is_refused(online_node, client, c
     assert response.status_code == 422 and says in response.text
 
 
-@pytest.mark.parametrize("flag", ["delayed_updates", "aggregate_at_sites", "apply_in_forward"])
+@pytest.mark.parametrize("flag", ["aggregate_at_sites", "apply_in_forward"])
 def test_per_step_variants_and_site_aggregation_are_for_parameter_server_runs_only(online_node, client, flag):
     response = client.post(f"{API}/runs", json=run_body([online_node()], strategy="allreduce",
                                                         compression={flag: True}))
@@ -514,7 +512,7 @@ def test_a_local_sgd_knob_given_in_both_places_is_refused(online_node, client):
     ("allreduce", {"local_sgd": {"outer_lr": 0.5}}, "local_sgd.outer_lr"),
     ("ps-gc", {"local_sgd": {"outer_density": 0.2}}, "local_sgd.outer_density"),
     ("diloco", {"compression": {"aggregate_at_sites": True}}, "compression.aggregate_at_sites"),
-    ("diloco-gc", {"compression": {"delayed_updates": True}}, "compression.delayed_updates"),
+    ("diloco-gc", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4}}, "compression.apply_in_forward"),
     ("allreduce", {"compression": {"pipeline_chunks": 2}}, "compression.pipeline_chunks"),
     ("ps-bz-gc", {"compression": {"powersgd_rank": 4}}, "compression.powersgd_rank"),
     ("allreduce", {"rebalance_every": 10}, "rebalance_every"),
@@ -536,7 +534,6 @@ def test_options_the_strategy_does_not_take_are_refused_naming_the_field(online_
 # (request path, value, the trainer's flags for it): every option the compat table rules on.
 _WALKED = [
     ("compression.pipeline_chunks", 4, ["--pipeline-chunks", "4"]),
-    ("compression.delayed_updates", True, ["--delayed-updates"]),
     ("compression.apply_in_forward", True, ["--apply-in-forward"]),
     ("compression.momentum_correction", False, ["--no-momentum-correction"]),
     ("compression.compressor", "none", ["--compressor", "none"]),

@@ -91,7 +91,7 @@ EVERY_OPTION = {
     "compression.momentum_correction": (False, None), "compression.warmup_steps": (2, None),
     "compression.pipeline_chunks": (3, None), "compression.powersgd_rank": (5, None),
     "compression.aggregate_at_sites": (True, ("site_aggregation", True)),
-    "compression.delayed_updates": (True, None), "compression.apply_in_forward": (True, None),
+    "compression.apply_in_forward": (True, None),
     "rebalance_every": (3, None),
     "local_sgd.sync_every": (11, None), "local_sgd.outer_lr": (0.7, None), "local_sgd.outer_momentum": (0.4, None),
     "local_sgd.outer_density": (0.05, None), "local_sgd.outer_delay": (4, None),
@@ -104,7 +104,7 @@ WALKS = {
     "diloco-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "rebalance_every",
                   *(p for p in EVERY_OPTION if p.startswith("local_sgd."))],
     "ps-bz-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "compression.aggregate_at_sites",
-                 "compression.delayed_updates", "rebalance_every"],
+                 "rebalance_every"],
     "ps-gc": ["compression.pipeline_chunks", "compression.apply_in_forward"],
     "allreduce-powersgd": [*_COMMON, "compression.powersgd_rank"],
 }

@@ -19,7 +19,7 @@ def _loc(exc: pytest.ExceptionInfo[ValidationError]) -> tuple:
     ({"strategy": "allreduce", "compression": {"pipeline_chunks": 2}}, ("compression", "pipeline_chunks")),
     ({"strategy": "diloco", "local_sgd": {"sync_every": 4, "outer_delay": 4}}, ("local_sgd", "outer_delay")),
     ({"strategy": "allreduce", "rebalance_every": 5}, ("rebalance_every",)),
-    ({"strategy": "ps-gc", "compression": {"apply_in_forward": True, "pipeline_chunks": 2, "delayed_updates": True}},
+    ({"strategy": "ps-gc", "compression": {"apply_in_forward": True, "pipeline_chunks": 2, "aggregate_at_sites": True}},
      ("compression", "apply_in_forward")),
 ])
 def test_a_rule_of_the_compat_table_is_refused_at_the_field_that_breaks_it(options, loc):

@@ -82,12 +82,11 @@ def test_apply_in_forward_is_off_unless_asked_and_where_the_update_is_not_in_chu
     assert not cfg(apply_in_forward=False).applies_in_forward
     assert not cfg(pipeline_chunks=1).applies_in_forward
     assert not cfg(strategy="ps").applies_in_forward
-    assert not cfg(delayed_updates=True).applies_in_forward
+    assert not cfg(site_aggregation=True).applies_in_forward
 
 
 @pytest.mark.parametrize("extra, says", [
     (["--pipeline-chunks", "1"], "needs --pipeline-chunks"),
-    (["--delayed-updates"], "and --delayed-updates do not go together"),
     (["--no-momentum-correction"], "--momentum-correction"),
 ])
 def test_asking_for_apply_in_forward_where_it_cannot_work_is_a_usage_error(extra, says):

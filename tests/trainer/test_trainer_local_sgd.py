@@ -161,7 +161,7 @@ def test_a_worker_state_carries_the_common_parameters_and_the_outer_optimizer():
 
 def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
     parser = build_parser()
-    for extra, match in ((["--apply-in-forward"], "--apply-in-forward"), (["--delayed-updates"], "--delayed-updates"),
+    for extra, match in ((["--apply-in-forward"], "--apply-in-forward"),
                          (["--sync-every", "0"], "--sync-every"), (["--outer-momentum", "1"], "--outer-momentum"),
                          (["--outer-lr", "0"], "--outer-lr"), (["--outer-delay", "20"], "--outer-delay")):
         with pytest.raises(UsageError, match=match):
