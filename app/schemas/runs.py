@@ -12,6 +12,7 @@ from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, mo
 from app.models.runs import RunStatus, WorkerStatus
 from app.schemas.checkpoints import CheckpointPublic
 from app.schemas.common import Flag, Id, Name, PublicSchema, Schema
+from app.schemas.datasets import DatasetName
 from app.schemas.events import RunEventPublic
 from hybridtrain import compat, contract
 
@@ -147,6 +148,9 @@ class RunCreate(Schema):
     )
     script_args: Annotated[list[ScriptArg], Field(max_length=MAX_SCRIPT_ARGS)] | None = Field(
         default=None, description="arguments after `--` on the trainer's command line"
+    )
+    datasets: Annotated[list[DatasetName], Field(max_length=16)] | None = Field(
+        default=None, description="names of registered data sets the run reads (hybridtrain.dataset(name))"
     )
     global_batch_size: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = 64
     max_steps: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
@@ -342,6 +346,7 @@ class RunPublic(PublicSchema):
     bundle_sha256: str | None
     script: str | None
     script_args: list[str] | None
+    datasets: list[str] | None = None
     global_batch_size: int
     max_steps: int | None = Field(description="null until a run given in epochs learns its steps from the trainer")
     epochs: int | None

@@ -23,6 +23,7 @@ from app.queries import profiles as profile_queries
 from app.queries import profiling as profiling_queries
 from app.queries import runs as queries
 from app.queries.bundles import get_bundle
+from app.queries.datasets import check_run_datasets
 from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
 from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
@@ -175,6 +176,7 @@ def create_run(
             return RunPublic.model_validate(
                 queries.check_idempotent_repeat(earlier, fingerprint=fingerprint, key=idempotency_key)
             )
+    check_run_datasets(session, names=body.datasets or [], settings=settings)
     run, _ = queries.create_run(
         session, data=body, created_by=principal.name,
         idempotency_key=idempotency_key, fingerprint=fingerprint, secret_key=settings.secret_key,

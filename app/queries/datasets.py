@@ -1,0 +1,109 @@
+"""Queries of data sets, and what a run's roles are handed to read them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from app.config import Settings
+from app.errors import DuplicateError, InUseError, InvalidFieldError, NotFoundError
+from app.models import Dataset, Run
+from app.models.runs import ACTIVE_RUN_STATUSES
+from app.schemas.datasets import DatasetCreate
+from hybridtrain.data_access import DatasetAccess, DatasetError, Origin
+
+
+def store_access(settings: Settings, *, dataset_id: int, name: str, url: str) -> DatasetAccess:
+    """How a node reads data set `name` at `url`, with the store's credentials from `settings`."""
+    key = settings.dataset_s3_access_key_id
+    secret = settings.dataset_s3_secret_access_key
+    s3 = url.startswith("s3://")
+    return DatasetAccess(
+        id=dataset_id, name=name, url=url,
+        endpoint_url=settings.dataset_s3_endpoint_url if s3 else None,
+        region=settings.dataset_s3_region if s3 else None,
+        access_key_id=key.get_secret_value() if s3 and key else None,
+        secret_access_key=secret.get_secret_value() if s3 and secret else None,
+    )
+
+
+def register_dataset(session: Session, *, data: DatasetCreate, settings: Settings, created_by: str) -> Dataset:
+    """Read the data set's index from its store and add its row; 422 on `url` when the index
+    cannot be read (unreadable URL, missing credential, not an index). A path on the nodes is
+    read here too: register it from a machine that sees the same path, or give a URL."""
+    if session.scalar(select(Dataset.id).where(Dataset.name == data.name)) is not None:
+        raise DuplicateError("data set", "name", data.name)
+    try:
+        index = Origin(store_access(settings, dataset_id=1, name=data.name, url=data.url)).index()
+    except DatasetError as exc:
+        raise InvalidFieldError("url", str(exc)) from None
+    dataset = Dataset(
+        name=data.name, url=data.url, format=index.format, size_bytes=index.size_bytes,
+        shards=len(index.shards), samples=index.samples, store_provider=data.store_provider,
+        store_continent=data.store_continent, store_region=data.store_region,
+        store_zone=data.store_zone, created_by=created_by,
+    )
+    session.add(dataset)
+    session.flush()
+    return dataset
+
+
+def get_dataset(session: Session, *, name: str, field: str | None = None) -> Dataset:
+    """The data set named `name`, or NotFoundError."""
+    dataset = session.scalar(select(Dataset).where(Dataset.name == name))
+    if dataset is None:
+        raise NotFoundError("data set", name, field=field)
+    return dataset
+
+
+def list_datasets(session: Session, *, skip: int, limit: int) -> tuple[Sequence[Dataset], int]:
+    """A page of data sets, by name."""
+    rows = session.scalars(select(Dataset).order_by(Dataset.name).offset(skip).limit(limit)).all()
+    return rows, session.scalar(select(func.count()).select_from(Dataset)) or 0
+
+
+def dataset_in_use_by(session: Session, *, name: str) -> int | None:
+    """The id of a queued or running run that reads the data set (None when none does)."""
+    for run_id, names in session.execute(
+        select(Run.id, Run.datasets).where(Run.status.in_(ACTIVE_RUN_STATUSES), Run.datasets.is_not(None))
+    ):
+        if name in (names or []):
+            return int(run_id)
+    return None
+
+
+def delete_dataset(session: Session, *, name: str) -> None:
+    """Remove a data set's row (never its store's files); InUseError while a run reads it."""
+    dataset = get_dataset(session, name=name)
+    run_id = dataset_in_use_by(session, name=name)
+    if run_id is not None:
+        raise InUseError(f"data set {name!r} is read by run {run_id}, which has not finished")
+    session.delete(dataset)
+
+
+def check_run_datasets(session: Session, *, names: Sequence[str], settings: Settings) -> list[Dataset]:
+    """The data sets a run request names; 422 on `datasets` for an unknown one, or one in S3
+    while the control plane has no credential for S3."""
+    found = []
+    for name in names:
+        dataset = get_dataset(session, name=name, field="datasets")
+        if dataset.url.startswith("s3://") and not (
+            settings.dataset_s3_access_key_id and settings.dataset_s3_secret_access_key
+        ):
+            raise InvalidFieldError(
+                "datasets", f"data set {name!r} is in S3 and the control plane has no credential for it "
+                "(HYBRIDTRAIN_DATASET_S3_ACCESS_KEY_ID, HYBRIDTRAIN_DATASET_S3_SECRET_ACCESS_KEY)")
+        found.append(dataset)
+    return found
+
+
+def run_dataset_access(session: Session, *, run: Run, settings: Settings) -> list[DatasetAccess]:
+    """What the run's roles are handed for each data set it reads (in its launch orders)."""
+    out = []
+    for name in run.datasets or []:
+        dataset = session.scalar(select(Dataset).where(Dataset.name == name))
+        if dataset is not None:
+            out.append(store_access(settings, dataset_id=dataset.id, name=dataset.name, url=dataset.url))
+    return out

@@ -1,0 +1,124 @@
+"""Data sets as a resource: registered by URL from moto's S3 server (a real process), read by
+runs that name them, refused clearly when they cannot be read, and kept while a run reads them."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from pydantic import SecretStr
+from runs_testing import (  # noqa: F401 (fixtures)
+    API,
+    dispatched_fixture,
+    online_node_fixture,
+    post_run,
+    run_body,
+    runs_redis_url_fixture,
+)
+
+from app.api.deps import get_settings
+from hybridtrain.datasets import write_dataset
+from tests.object_store import ACCESS_KEY, SECRET_KEY
+
+
+@pytest.fixture(scope="module")
+def s3_url(s3_server, tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("cp-ds")
+    write_dataset([torch.tensor([i]) for i in range(50)], folder, shard_bytes=10_000)
+    return s3_server.put_folder(folder, "datasets-cp", "small")
+
+
+@pytest.fixture
+def with_store(app, settings, s3_server):
+    """The control plane holds the store's endpoint and keys."""
+    changed = settings.model_copy(update={
+        "dataset_s3_endpoint_url": s3_server.endpoint,
+        "dataset_s3_access_key_id": SecretStr(ACCESS_KEY),
+        "dataset_s3_secret_access_key": SecretStr(SECRET_KEY),
+    })
+    app.dependency_overrides[get_settings] = lambda: changed
+    yield changed
+    app.dependency_overrides.pop(get_settings, None)
+
+
+def _name() -> str:
+    return f"ds-{uuid.uuid4().hex[:8]}"
+
+
+def _register(client, url, **fields):
+    return client.post(f"{API}/datasets", json={"name": _name(), "url": url} | fields)
+
+
+def test_registering_reads_the_index_for_size_shards_and_samples(client, with_store, s3_url):
+    answer = _register(client, s3_url, store_provider="aws", store_continent="north_america", store_region="us-east-1")
+    assert answer.status_code == 201, answer.text
+    body = answer.json()
+    assert body["samples"] == 50 and body["shards"] >= 2 and body["size_bytes"] > 0
+    assert body["format"] == "webdataset"
+    assert client.get(f"{API}/datasets/{body['name']}").json()["id"] == body["id"]
+    assert body["name"] in [d["name"] for d in client.get(f"{API}/datasets").json()["data"]]
+
+
+def test_an_unreadable_url_is_refused_naming_the_url(client, with_store):
+    answer = _register(client, "s3://datasets-cp/not-there")
+    assert answer.status_code == 422
+    assert answer.json()["detail"][0]["loc"][-1] == "url"
+    assert "NoSuchKey" in answer.json()["detail"][0]["msg"]
+
+
+def test_a_store_without_credentials_is_refused_naming_the_url(client, s3_url):
+    answer = _register(client, s3_url)
+    assert answer.status_code == 422
+    assert "no credential" in answer.json()["detail"][0]["msg"]
+
+
+def test_a_url_of_an_unknown_scheme_is_refused(client):
+    answer = _register(client, "ftp://host/data")
+    assert answer.status_code == 422
+    assert answer.json()["detail"][0]["loc"][-1] == "url"
+
+
+def test_a_duplicate_name_is_a_conflict(client, with_store, s3_url):
+    name = _register(client, s3_url).json()["name"]
+    assert client.post(f"{API}/datasets", json={"name": name, "url": s3_url}).status_code == 409
+
+
+def test_a_run_naming_an_unknown_data_set_is_refused(client, with_store, online_node, dispatched):
+    answer = client.post(f"{API}/runs", json=run_body([online_node()], datasets=["no-such-set"]))
+    assert answer.status_code in (404, 422)
+    assert "no-such-set" in answer.text
+
+
+def test_a_run_hands_its_roles_the_data_set_and_the_store_credentials(
+    client, with_store, s3_url, online_node, dispatched, s3_server,
+):
+    dataset = _register(client, s3_url).json()
+    node = online_node()
+    run = post_run(client, run_body([node], datasets=[dataset["name"]]))
+    assert client.get(f"{API}/runs/{run['id']}").json()["datasets"] == [dataset["name"]]
+    spec = next(args[2] for _, args in dispatched.take(node.id) if args[1] == 0)
+    assert spec["datasets"] == [{
+        "id": dataset["id"], "name": dataset["name"], "url": s3_url, "store_url": None, "token": None,
+        "endpoint_url": s3_server.endpoint, "region": "us-east-1", "access_key_id": ACCESS_KEY,
+        "secret_access_key": SECRET_KEY, "cache_url": None,
+    }]
+
+
+def test_deleting_a_data_set_a_run_reads_is_a_conflict(client, with_store, s3_url, online_node, dispatched):
+    dataset = _register(client, s3_url).json()
+    run = post_run(client, run_body([online_node()], datasets=[dataset["name"]]))
+    answer = client.delete(f"{API}/datasets/{dataset['name']}")
+    assert answer.status_code == 409
+    assert f"run {run['id']}" in answer.text
+    client.post(f"{API}/runs/{run['id']}/cancel")
+    assert client.delete(f"{API}/datasets/{dataset['name']}").status_code == 204
+    assert client.get(f"{API}/datasets/{dataset['name']}").status_code == 404
+
+
+def test_a_run_on_s3_data_needs_the_control_planes_credential(client, with_store, s3_url, online_node, app, settings):
+    name = _register(client, s3_url).json()["name"]
+    app.dependency_overrides[get_settings] = lambda: settings
+    answer = client.post(f"{API}/runs", json=run_body([online_node()], datasets=[name]))
+    assert answer.status_code == 422
+    assert answer.json()["detail"][0]["loc"][-1] == "datasets"
