@@ -122,3 +122,30 @@ def test_a_run_on_s3_data_needs_the_control_planes_credential(client, with_store
     answer = client.post(f"{API}/runs", json=run_body([online_node()], datasets=[name]))
     assert answer.status_code == 422
     assert answer.json()["detail"][0]["loc"][-1] == "datasets"
+
+
+def test_the_runs_bill_prices_the_bytes_its_nodes_read_from_the_store(
+    client, session, with_store, s3_url, online_node, dispatched, make_site,
+):
+    from decimal import Decimal
+
+    from app.billing import BYTES_PER_GB, EgressKey, Provider, TrafficClass
+    from app.models import Run, RunMetric
+    from app.queries.costs import DbPriceLookup, run_bill, run_priced_at
+
+    dataset = _register(client, s3_url, store_provider="aws", store_continent="north_america",
+                        store_region="us-east-1").json()
+    node = online_node(site_id=make_site(kind="onprem", provider="onprem", continent="europe", region=None, zone=None)["id"])
+    run_id = post_run(client, run_body([node], datasets=[dataset["name"]], strategy="allreduce"))["id"]
+    for seq, n in enumerate((3 * BYTES_PER_GB, BYTES_PER_GB)):
+        session.add(RunMetric(run_id=run_id, name="data_bytes", rank=0, peer=dataset["id"], step=seq + 1,
+                              t=float(seq), value=float(n), stream="test", seq=seq))
+    session.commit()
+    run = session.get(Run, run_id)
+    bill = run_bill(session, run=run)
+    read = next(c for c in bill.egress_by_link if c.src == f"store of {dataset['name']}")
+    # The store is AWS's, the node on-prem: 4 GB out to the internet at AWS's rate in force.
+    rate = DbPriceLookup(session).egress_usd_per_gb(
+        EgressKey(Provider.aws, TrafficClass.internet, "north_america"), run_priced_at(run))
+    assert read.bytes == 4 * BYTES_PER_GB and read.traffic_class is TrafficClass.internet
+    assert rate is not None and read.usd == (4 * rate).quantize(Decimal("0.000001"))
