@@ -99,6 +99,10 @@ class Settings(BaseSettings):
     dataset_s3_region: str = "us-east-1"
     dataset_s3_access_key_id: SecretStr | None = None
     dataset_s3_secret_access_key: SecretStr | None = None
+    # Where data sets uploaded to the control plane are kept (`hybridtrain datasets upload`),
+    # one folder per data set; None: uploads are refused. Each file at most dataset_file_max_bytes.
+    dataset_dir: Path | None = None
+    dataset_file_max_bytes: int = Field(default=4 * 1024**3, gt=0)
     # Largest accepted checkpoint upload, in bytes; larger ones get 413.
     checkpoint_max_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
     # Where checkpoints are kept as files (share it between control-plane hosts); None keeps

@@ -24,6 +24,8 @@ DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 INDEX_FILE = "index.json"
 SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 FORMAT = "webdataset"
+# The URL of a data set uploaded into the control plane's own store.
+STORE_URL = "store:"
 URL_MAX = 2000
 _CHUNK = 1024 * 1024
 # Where a shard's bytes came from, as the reads ledger and the metrics name them.

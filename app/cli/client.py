@@ -265,6 +265,19 @@ class HybridtrainClient:
         """Register a data set by URL (the control plane reads its index)."""
         return self._call("POST", "/datasets", json=body)
 
+    def upload_dataset_file(self, name: str, path: Any, progress: Any = None) -> dict[str, Any]:
+        """Stream one file of a data set into the control plane's store; `progress(n)` is
+        called with each chunk's bytes."""
+        def chunks() -> Any:
+            with open(path, "rb") as source:
+                while chunk := source.read(1024 * 1024):
+                    if progress is not None:
+                        progress(len(chunk))
+                    yield chunk
+
+        return self._call("PUT", f"/datasets/{name}/files/{path.name}", content=chunks(),
+                          headers={"Content-Type": "application/octet-stream"}, timeout=None)
+
     def delete_dataset(self, name: str) -> None:
         """Forget a data set (its files stay in the store)."""
         self._call("DELETE", f"/datasets/{name}")

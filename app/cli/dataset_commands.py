@@ -37,6 +37,13 @@ def register_datasets(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     reg.add_argument("--json", action="store_true")
     reg.set_defaults(func=_register)
 
+    up = ds_sub.add_parser("upload", help="upload a sharded folder into the control plane's store and register it")
+    _connection_args(up)
+    up.add_argument("name")
+    up.add_argument("folder", help="a folder `datasets create` wrote: index.json and its shards")
+    up.add_argument("--json", action="store_true")
+    up.set_defaults(func=_upload)
+
     ls = ds_sub.add_parser("list", help="list data sets")
     _connection_args(ls)
     ls.add_argument("--json", action="store_true")
@@ -96,6 +103,36 @@ def _register(args: argparse.Namespace) -> int:
             "store_zone": args.store_zone}
     with _client(args) as client:
         dataset = client.register_dataset({k: v for k, v in body.items() if v is not None})
+    _print_json(dataset) if args.json else print(_summary(dataset))
+    return 0
+
+
+@_guard
+def _upload(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from hybridtrain.data_access import INDEX_FILE, STORE_URL, DatasetError, parse_index
+
+    folder = Path(args.folder)
+    try:
+        index = parse_index((folder / INDEX_FILE).read_bytes(), str(folder))
+    except (OSError, DatasetError) as exc:
+        print(f"hybridtrain: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    files = [folder / s.name for s in index.shards]
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:
+        print(f"hybridtrain: {folder} lacks shards of its index: {', '.join(missing[:5])}", file=sys.stderr)
+        return EXIT_USAGE
+    with _client(args) as client, tqdm(total=index.size_bytes, unit="B", unit_scale=True, desc="uploading",
+                                       file=sys.stderr) as bar:
+        for path in files:
+            client.upload_dataset_file(args.name, path, progress=bar.update)
+        # The index last: the control plane checks every shard it names is there, whole.
+        client.upload_dataset_file(args.name, folder / INDEX_FILE)
+        dataset = client.register_dataset({"name": args.name, "url": STORE_URL})
     _print_json(dataset) if args.json else print(_summary(dataset))
     return 0
 

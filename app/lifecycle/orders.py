@@ -163,7 +163,10 @@ def launch_orders(
             "script_args": list(run.script_args or []),
             "checkpoint_url": checkpoint_url(run, public_url) if checkpoints else None,
             # Only where set: an agent that predates data sets still takes a run without any.
-            **({"datasets": [d.model_dump(mode="json") for d in datasets]} if datasets else {}),
+            **({"datasets": [
+                # A data set in this control plane's store is fetched with the rank's token.
+                d.model_copy(update={"token": metrics_token(worker.rank)} if d.store_url else {}).model_dump(mode="json")
+                for d in datasets]} if datasets else {}),
             "join": join,
             "attempt": run.restarts or 0,
         }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -12,7 +14,7 @@ from app.errors import DuplicateError, InUseError, InvalidFieldError, NotFoundEr
 from app.models import Dataset, Run
 from app.models.runs import ACTIVE_RUN_STATUSES
 from app.schemas.datasets import DatasetCreate
-from hybridtrain.data_access import DatasetAccess, DatasetError, Origin
+from hybridtrain.data_access import STORE_URL, DatasetAccess, DatasetError, Origin
 
 
 def store_access(settings: Settings, *, dataset_id: int, name: str, url: str) -> DatasetAccess:
@@ -35,10 +37,18 @@ def register_dataset(session: Session, *, data: DatasetCreate, settings: Setting
     read here too: register it from a machine that sees the same path, or give a URL."""
     if session.scalar(select(Dataset.id).where(Dataset.name == data.name)) is not None:
         raise DuplicateError("data set", "name", data.name)
+    url = data.url
+    if url == STORE_URL:
+        url = str(uploaded_folder(settings, data.name))
     try:
-        index = Origin(store_access(settings, dataset_id=1, name=data.name, url=data.url)).index()
+        index = Origin(store_access(settings, dataset_id=1, name=data.name, url=url)).index()
     except DatasetError as exc:
-        raise InvalidFieldError("url", str(exc)) from None
+        raise InvalidFieldError("url", str(exc).replace(url, data.url)) from None
+    if data.url == STORE_URL:
+        for shard in index.shards:
+            path = Path(url) / shard.name
+            if not path.is_file() or path.stat().st_size != shard.bytes:
+                raise InvalidFieldError("url", f"shard {shard.name} of the index was not uploaded whole")
     dataset = Dataset(
         name=data.name, url=data.url, format=index.format, size_bytes=index.size_bytes,
         shards=len(index.shards), samples=index.samples, store_provider=data.store_provider,
@@ -48,6 +58,20 @@ def register_dataset(session: Session, *, data: DatasetCreate, settings: Setting
     session.add(dataset)
     session.flush()
     return dataset
+
+
+def uploaded_folder(settings: Settings, name: str) -> Path:
+    """Where the control plane keeps the files uploaded for data set `name`; 422 on `url` when
+    it keeps none (no dataset_dir)."""
+    if settings.dataset_dir is None:
+        raise InvalidFieldError("url", "this control plane keeps no data sets: set HYBRIDTRAIN_DATASET_DIR")
+    return settings.dataset_dir.resolve() / name
+
+
+def remove_uploaded(settings: Settings, name: str) -> None:
+    """Remove the uploaded files of a deleted data set, if it had any."""
+    if settings.dataset_dir is not None:
+        shutil.rmtree(settings.dataset_dir.resolve() / name, ignore_errors=True)
 
 
 def get_dataset(session: Session, *, name: str, field: str | None = None) -> Dataset:
@@ -74,13 +98,15 @@ def dataset_in_use_by(session: Session, *, name: str) -> int | None:
     return None
 
 
-def delete_dataset(session: Session, *, name: str) -> None:
-    """Remove a data set's row (never its store's files); InUseError while a run reads it."""
+def delete_dataset(session: Session, *, name: str) -> Dataset:
+    """Remove a data set's row (never an outside store's files); InUseError while a run reads it.
+    The caller removes the files uploaded for it after the commit."""
     dataset = get_dataset(session, name=name)
     run_id = dataset_in_use_by(session, name=name)
     if run_id is not None:
         raise InUseError(f"data set {name!r} is read by run {run_id}, which has not finished")
     session.delete(dataset)
+    return dataset
 
 
 def check_run_datasets(session: Session, *, names: Sequence[str], settings: Settings) -> list[Dataset]:
@@ -100,10 +126,16 @@ def check_run_datasets(session: Session, *, names: Sequence[str], settings: Sett
 
 
 def run_dataset_access(session: Session, *, run: Run, settings: Settings) -> list[DatasetAccess]:
-    """What the run's roles are handed for each data set it reads (in its launch orders)."""
+    """What the run's roles are handed for each data set it reads (in its launch orders); an
+    uploaded one is read from this control plane with the rank's own token (set per order)."""
     out = []
     for name in run.datasets or []:
         dataset = session.scalar(select(Dataset).where(Dataset.name == name))
-        if dataset is not None:
-            out.append(store_access(settings, dataset_id=dataset.id, name=dataset.name, url=dataset.url))
+        if dataset is None:
+            continue
+        access = store_access(settings, dataset_id=dataset.id, name=dataset.name, url=dataset.url)
+        if dataset.url == STORE_URL:
+            store_url = f"{settings.public_url.rstrip('/')}/api/v1/runs/{run.id}/datasets/{dataset.name}/files"
+            access = access.model_copy(update={"store_url": store_url})
+        out.append(access)
     return out

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from app.models.enums import Continent, Provider
 from app.schemas.common import PublicSchema, Schema, ShortText
-from hybridtrain.data_access import DATASET_NAME, URL_MAX, check_dataset_url
+from hybridtrain.data_access import DATASET_NAME, STORE_URL, URL_MAX, check_dataset_url
 
 DatasetName = Annotated[str, Field(min_length=1, max_length=128, pattern=DATASET_NAME.pattern)]
 
@@ -20,7 +20,7 @@ class DatasetCreate(Schema):
     name: DatasetName
     url: Annotated[str, Field(max_length=URL_MAX)] = Field(
         description="the folder of index.json and the shards: s3://bucket/prefix, https://host/path, "
-        "or an absolute path that exists on the nodes"
+        "an absolute path that exists on the nodes, or store: for the files uploaded under this name"
     )
     store_provider: Provider = Field(default=Provider.onprem, description="who runs the store (prices its egress)")
     store_continent: Continent = Continent.north_america
@@ -30,8 +30,8 @@ class DatasetCreate(Schema):
     @field_validator("url")
     @classmethod
     def _readable_scheme(cls, value: str) -> str:
-        if value.startswith("store:"):
-            raise ValueError("store: names the control plane's own store; upload there instead")
+        if value.startswith("store:") and value != STORE_URL:
+            raise ValueError(f"{STORE_URL} names the files uploaded under the data set's name, and nothing more")
         return check_dataset_url(value)
 
 
@@ -49,3 +49,11 @@ class DatasetPublic(PublicSchema):
     store_zone: str | None
     created_by: str
     created_at: datetime
+
+
+class DatasetFilePublic(PublicSchema):
+    """A file uploaded into the control plane's store for a data set."""
+
+    name: str
+    bytes: int
+    sha256: str

@@ -18,6 +18,7 @@ from runs_testing import (  # noqa: F401 (fixtures)
 )
 
 from app.api.deps import get_settings
+from tests.app.web.conftest import admin_page, sign_in  # noqa: F401 (fixtures)
 from hybridtrain.datasets import write_dataset
 from tests.object_store import ACCESS_KEY, SECRET_KEY
 
@@ -149,3 +150,63 @@ def test_the_runs_bill_prices_the_bytes_its_nodes_read_from_the_store(
         EgressKey(Provider.aws, TrafficClass.internet, "north_america"), run_priced_at(run))
     assert read.bytes == 4 * BYTES_PER_GB and read.traffic_class is TrafficClass.internet
     assert rate is not None and read.usd == (4 * rate).quantize(Decimal("0.000001"))
+
+
+def test_the_run_page_names_the_data_sets_it_reads(client, admin_page, with_store, s3_url, online_node, dispatched):
+    name = _register(client, s3_url).json()["name"]
+    run = post_run(client, run_body([online_node()], datasets=[name]))
+    page = admin_page.get(f"/runs/{run['id']}")
+    assert page.status_code == 200
+    assert f'<a href="/api/v1/datasets/{name}"><code>{name}</code></a>' in page.text
+
+
+@pytest.fixture
+def with_dir(app, settings, tmp_path):
+    """The control plane keeps uploaded data sets under a folder of the test's."""
+    changed = settings.model_copy(update={"dataset_dir": tmp_path / "datasets"})
+    app.dependency_overrides[get_settings] = lambda: changed
+    yield changed
+    app.dependency_overrides.pop(get_settings, None)
+
+
+def _upload(client, name, folder, files):
+    for file in files:
+        answer = client.put(f"{API}/datasets/{name}/files/{file}", content=(folder / file).read_bytes(),
+                            headers={"Content-Type": "application/octet-stream"})
+        assert answer.status_code == 201, answer.text
+
+
+def test_an_uploaded_data_set_is_served_to_the_ranks_of_a_run_that_reads_it(
+    client, make_client, with_dir, tmp_path, online_node, dispatched,
+):
+    index = write_dataset([torch.tensor([i]) for i in range(20)], tmp_path / "up", shard_bytes=4000)
+    name = _name()
+    _upload(client, name, tmp_path / "up", [s.name for s in index.shards] + ["index.json"])
+    answer = client.post(f"{API}/datasets", json={"name": name, "url": "store:"})
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["samples"] == 20
+    node = online_node()
+    run = post_run(client, run_body([node], datasets=[name]))
+    spec = next(args[2] for _, args in dispatched.take(node.id) if args[1] == 0)
+    access = spec["datasets"][0]
+    assert access["url"] == "store:" and access["token"] == spec["report_token"]
+    assert access["store_url"].endswith(f"/api/v1/runs/{run['id']}/datasets/{name}/files")
+    shard = index.shards[0].name
+    got = make_client(access["token"]).get(f"{API}/runs/{run['id']}/datasets/{name}/files/{shard}")
+    assert got.status_code == 200 and got.content == (tmp_path / "up" / shard).read_bytes()
+    assert make_client("htm_wrong").get(f"{API}/runs/{run['id']}/datasets/{name}/files/{shard}").status_code == 401
+
+
+def test_an_upload_whose_shards_are_missing_is_refused_at_registration(client, with_dir, tmp_path):
+    write_dataset([torch.tensor([i]) for i in range(20)], tmp_path / "up", shard_bytes=4000)
+    name = _name()
+    _upload(client, name, tmp_path / "up", ["index.json"])
+    answer = client.post(f"{API}/datasets", json={"name": name, "url": "store:"})
+    assert answer.status_code == 422
+    assert "was not uploaded whole" in answer.text
+
+
+def test_uploads_need_a_folder_on_the_control_plane(client, tmp_path):
+    answer = client.put(f"{API}/datasets/{_name()}/files/index.json", content=b"{}")
+    assert answer.status_code == 422
+    assert "HYBRIDTRAIN_DATASET_DIR" in answer.text
