@@ -1,4 +1,6 @@
-"""How a role reaches a data set: what its launch order carries, and the shard index's shape.
+"""How a role reaches a data set: what its launch order carries, the shard index's shape, and
+`Origin`, which reads a data set's files from its store (S3, a web server, the control plane's
+store, or the node's disk) and names the reason when it cannot.
 
 Shared by the control plane (which builds a `DatasetAccess` per data set a run uses), the
 agent (which validates it in the launch order and hands it to the trainer in a file only the

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import quote, urlparse
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
