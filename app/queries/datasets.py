@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from app.config import Settings
 from app.errors import DuplicateError, InUseError, InvalidFieldError, NotFoundError
-from app.models import Dataset, Run
+from app.billing import NodeUsage, RunUsage, StoreRead, compute_bill
+from app.models import Dataset, Node, Run
 from app.models.runs import ACTIVE_RUN_STATUSES
 from app.schemas.datasets import DatasetCreate
 from hybridtrain.data_access import STORE_URL, DatasetAccess, DatasetError, Origin
@@ -139,3 +141,27 @@ def run_dataset_access(session: Session, *, run: Run, settings: Settings) -> lis
             access = access.model_copy(update={"store_url": store_url})
         out.append(access)
     return out
+
+
+def predict_reads(session: Session, *, names: Sequence[str], node_ids: Sequence[int],
+                  at: datetime | None = None) -> list[dict[str, object]]:
+    """Per data set and node of a plan: the bytes its first epoch fetches from the store (each
+    node's cache then holds the data set, so later epochs and runs fetch none; a site cache
+    divides them by the site's nodes) and their egress at the prices in force `at` (now)."""
+    from app.queries.costs import DbPriceLookup, billing_site, dataset_store_site
+
+    at = at or datetime.now(UTC)
+    datasets = [d for d in (session.scalar(select(Dataset).where(Dataset.name == n)) for n in names) if d]
+    nodes = session.scalars(select(Node).where(Node.id.in_(set(node_ids))).options(selectinload(Node.site))).all()
+    if not datasets or not nodes:
+        return []
+    usage = RunUsage(
+        priced_at=at, nodes=[NodeUsage(str(n.id), billing_site(n.site), 0.0) for n in nodes],
+        reads=[StoreRead(dataset_store_site(d), str(n.id), d.size_bytes) for d in datasets for n in nodes],
+    )
+    # Only the reads' egress is asked for here: the nodes' own prices need not exist.
+    bill = compute_bill(usage, DbPriceLookup(session), strict=False)
+    by_store = {dataset_store_site(d).name: d.name for d in datasets}
+    return [{"dataset": by_store[link.src], "node_id": int(link.dst), "bytes": link.bytes,
+             "traffic_class": link.traffic_class.value, "usd": float(link.usd)}
+            for link in bill.egress_by_link if link.src in by_store]

@@ -4,6 +4,7 @@ runs that name them, refused clearly when they cannot be read, and kept while a 
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 
 import pytest
 import torch
@@ -210,3 +211,21 @@ def test_uploads_need_a_folder_on_the_control_plane(client, tmp_path):
     answer = client.put(f"{API}/datasets/{_name()}/files/index.json", content=b"{}")
     assert answer.status_code == 422
     assert "HYBRIDTRAIN_DATASET_DIR" in answer.text
+
+
+def test_the_plan_preview_prices_each_nodes_first_epoch_of_the_data_set(
+    client, session, with_store, s3_url, online_node, make_site,
+):
+    from app.billing import BYTES_PER_GB, EgressKey, Provider, TrafficClass
+    from app.queries.costs import DbPriceLookup
+
+    dataset = _register(client, s3_url, store_provider="aws", store_continent="north_america").json()
+    node = online_node(site_id=make_site(kind="onprem", provider="onprem", continent="europe", region=None, zone=None)["id"])
+    answer = client.post(f"{API}/runs/plan", json=run_body([node], datasets=[dataset["name"]], strategy="allreduce"))
+    assert answer.status_code == 200, answer.text
+    [read] = answer.json()["data_reads"]
+    rate = DbPriceLookup(session).egress_usd_per_gb(
+        EgressKey(Provider.aws, TrafficClass.internet, "north_america"), datetime.now(UTC))
+    assert (read["dataset"], read["node_id"], read["bytes"]) == (dataset["name"], node.id, dataset["size_bytes"])
+    assert read["traffic_class"] == "internet"
+    assert read["usd"] == pytest.approx(float(rate) * dataset["size_bytes"] / BYTES_PER_GB, abs=1e-6)

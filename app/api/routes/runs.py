@@ -23,7 +23,7 @@ from app.queries import profiles as profile_queries
 from app.queries import profiling as profiling_queries
 from app.queries import runs as queries
 from app.queries.bundles import get_bundle
-from app.queries.datasets import check_run_datasets
+from app.queries.datasets import check_run_datasets, predict_reads
 from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
 from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
@@ -64,11 +64,20 @@ def plan_run(
             bundle_sha256=data.bundle_sha256, device=data.device,
         )
     if body.strategies == "all":
+        plans = [queries.make_planned(session, data=variant) for variant in strategy_variants(data)]
         return PlanSetPublic(plans=[
-            plan_public(data, queries.make_planned(session, data=variant), profiling=profiling)
-            for variant in strategy_variants(data)
+            plan_public(data, planned, profiling=profiling, data_reads=_data_reads(session, data, planned))
+            for planned in plans
         ])
-    return plan_public(data, queries.make_planned(session, data=data), profiling=profiling)
+    planned = queries.make_planned(session, data=data)
+    return plan_public(data, planned, profiling=profiling, data_reads=_data_reads(session, data, planned))
+
+
+def _data_reads(session: Session, data: RunCreate, planned: queries.Planned) -> list[dict]:
+    """What the plan's nodes fetch of the run's data sets from their stores, priced."""
+    if not data.datasets:
+        return []
+    return predict_reads(session, names=data.datasets, node_ids=[w.node_id for w in planned.plan.workers])
 
 
 def order_profiles_for_plan(
@@ -118,7 +127,8 @@ def strategy_variants(data: RunCreate) -> list[RunCreate]:
     return variants
 
 
-def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[dict] | None = None) -> PlanWithPrediction:
+def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[dict] | None = None,
+                data_reads: list[dict] | None = None) -> PlanWithPrediction:
     """The API's view of a plan, with its prediction, the profiles it rests on (their age and
     spread) and those it waits on."""
     plan, facts = planned.plan, planned.facts
@@ -141,6 +151,7 @@ def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[di
             profiled_nodes=facts.profiled_nodes,
         ) if facts else None,
         prediction=planned.prediction,
+        data_reads=data_reads or [],
         prediction_unavailable=planned.prediction_unavailable,
         profiling=profiling or [],
         inputs=inputs,
