@@ -11,6 +11,7 @@ role can read, since it may carry the store's credentials) and the reader in
 from __future__ import annotations
 
 import io
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -161,6 +162,7 @@ class Origin:
         self.access = access
         self.url = access.url.rstrip("/")
         self._s3: Any = None
+        self._s3_pid = 0
 
     @property
     def local_root(self) -> Path | None:
@@ -219,7 +221,9 @@ class Origin:
             raise DatasetError(f"cannot read {self.where(name)}: {exc}") from None
 
     def _client(self) -> Any:
-        if self._s3 is None:
+        # A DataLoader process forked from this one must not share the parent's connections.
+        if self._s3 is None or self._s3_pid != os.getpid():
+            self._s3_pid = os.getpid()
             import boto3
             from botocore.config import Config
 

@@ -24,7 +24,7 @@ import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
@@ -255,6 +255,11 @@ class SiteCache:
 
     cache: NodeCache
     fetched_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _fetched(self, n: int) -> None:
+        with self._lock:
+            self.fetched_bytes += n
 
     def serve(self, host: str, port: int) -> ThreadingHTTPServer:
         """A started server (its thread is a daemon); `shutdown()` stops it."""
@@ -283,7 +288,7 @@ class SiteCache:
                     self._answer(502, str(exc).encode())
                     return
                 if source == FROM_STORE:
-                    site.fetched_bytes += request.shard.bytes
+                    site._fetched(request.shard.bytes)
                 with path.open("rb") as f:
                     self.send_response(200)
                     self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
@@ -372,6 +377,20 @@ def read_shard(path: Path, shard: ShardInfo) -> list[Any]:
     return out
 
 
+# A ledger untouched this long belongs to a process long gone (its counts were reported).
+_LEDGER_KEEP_S = 7 * 24 * 3600
+
+
+def _drop_old_ledgers(folder: Path) -> None:
+    import time
+
+    cutoff = time.time() - _LEDGER_KEEP_S
+    for path in folder.glob("*.log"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+
+
 class ShardedDataset(torch.utils.data.Dataset):
     """A data set of shards as a map-style torch data set (`len`, `[i]`), plus `epoch_order`,
     which the run's loader uses in place of a plain permutation.
@@ -389,6 +408,7 @@ class ShardedDataset(torch.utils.data.Dataset):
         if cache is not None:
             ledger_dir = cache.root / "reads"
             ledger_dir.mkdir(exist_ok=True)
+            _drop_old_ledgers(ledger_dir)
             fd, ledger = tempfile.mkstemp(dir=ledger_dir, prefix=f"{access.name}-", suffix=".log")
             os.close(fd)
             self.ledger: Path | None = Path(ledger)

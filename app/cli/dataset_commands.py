@@ -73,6 +73,13 @@ def _summary(d: dict[str, Any]) -> str:
             f"{d['size_bytes'] / 2**20:>10.1f} MiB  {d['store_provider']}  {d['url']}")
 
 
+def _show_one(args: argparse.Namespace, dataset: dict[str, Any]) -> None:
+    if args.json:
+        _print_json(dataset)
+    else:
+        print(_summary(dataset))
+
+
 def _create(args: argparse.Namespace) -> int:
     try:
         from tqdm import tqdm
@@ -103,7 +110,7 @@ def _register(args: argparse.Namespace) -> int:
             "store_zone": args.store_zone}
     with _client(args) as client:
         dataset = client.register_dataset({k: v for k, v in body.items() if v is not None})
-    _print_json(dataset) if args.json else print(_summary(dataset))
+    _show_one(args, dataset)
     return 0
 
 
@@ -133,7 +140,7 @@ def _upload(args: argparse.Namespace) -> int:
         # The index last: the control plane checks every shard it names is there, whole.
         client.upload_dataset_file(args.name, folder / INDEX_FILE)
         dataset = client.register_dataset({"name": args.name, "url": STORE_URL})
-    _print_json(dataset) if args.json else print(_summary(dataset))
+    _show_one(args, dataset)
     return 0
 
 
@@ -156,7 +163,7 @@ def _list(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     with _client(args) as client:
         dataset = client.get_dataset(args.name)
-    _print_json(dataset) if args.json else print(_summary(dataset))
+    _show_one(args, dataset)
     return 0
 
 
