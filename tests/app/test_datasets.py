@@ -229,3 +229,12 @@ def test_the_plan_preview_prices_each_nodes_first_epoch_of_the_data_set(
     assert (read["dataset"], read["node_id"], read["bytes"]) == (dataset["name"], node.id, dataset["size_bytes"])
     assert read["traffic_class"] == "internet"
     assert read["usd"] == pytest.approx(float(rate) * dataset["size_bytes"] / BYTES_PER_GB, abs=1e-6)
+
+
+def test_a_data_set_file_is_an_upload_held_to_its_own_limit(settings):
+    from app.request_limits import body_limit, is_upload
+
+    path = f"{API}/datasets/images/files/shard-000001.tar"
+    assert is_upload("PUT", path)
+    assert body_limit(settings, "PUT", path) == settings.dataset_file_max_bytes
+    assert not is_upload("POST", f"{API}/datasets")
