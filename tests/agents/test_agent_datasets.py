@@ -47,3 +47,14 @@ def test_a_role_without_data_sets_gets_no_file(tmp_path):
 def test_a_data_set_url_of_an_unknown_scheme_is_refused_in_the_order():
     with pytest.raises(ValidationError, match="url"):
         RoleSpec.model_validate({**role_spec(9, 1), "datasets": [{**ACCESS, "url": "ftp://x/y"}]})
+
+
+def test_an_uploaded_data_set_is_read_from_the_server_address_the_agent_uses():
+    from agents.reports import toward_server
+
+    uploaded = {"id": 5, "name": "up", "url": "store:", "token": "htm_x",
+                "store_url": "http://localhost:8000/api/v1/runs/9/datasets/up/files"}
+    spec = RoleSpec.model_validate({**role_spec(9, 1), "datasets": [uploaded, ACCESS]})
+    moved = toward_server(spec, "https://cp.internal:8443")
+    assert moved.datasets[0].store_url == "https://cp.internal:8443/api/v1/runs/9/datasets/up/files"
+    assert moved.datasets[1] == spec.datasets[1]
