@@ -454,6 +454,10 @@ class ShardedDataset(torch.utils.data.Dataset):
             path = root / shard.name
             if not path.is_file():
                 raise DatasetError(f"cannot read {self.origin.where(shard.name)}: no such file on this node")
+            # Read in place, so never hashed here: its size still catches a truncated copy.
+            if path.stat().st_size != shard.bytes:
+                raise DatasetError(f"shard {shard.name} is truncated or corrupt: {path.stat().st_size} bytes, "
+                                   f"the index says {shard.bytes}")
             return path
         assert self.cache is not None
         access = self.access

@@ -55,3 +55,17 @@ def test_two_workers_read_a_data_set_in_s3_through_the_site_cache(s3_server, tmp
     assert site.fetched_bytes == index.size_bytes
     assert sum(fetched.values()) == index.size_bytes + 2 * index_bytes
     assert "16 steps" in proc.stderr  # two epochs of 256 samples at 32 a step
+
+
+def test_a_corrupt_shard_fails_the_run_with_its_name(tmp_path):
+    samples = [(torch.randn(12), torch.tensor(i % 2)) for i in range(64)]
+    index = write_dataset(samples, tmp_path / "shards", shard_bytes=4000)
+    shard = tmp_path / "shards" / index.shards[0].name
+    shard.write_bytes(shard.read_bytes()[:-512])
+    handed = {"datasets": [{"id": 4, "name": "blobs", "url": str(tmp_path / "shards")}]}
+    (tmp_path / "datasets.json").write_text(json.dumps(handed))
+    (tmp_path / "blobtask.py").write_text(TASK)
+    proc = run_cli("--task", "blobtask:task", "--strategy", "allreduce", "--workers", "2", "--global-batch", "64",
+                   "--max-steps", "2", "--datasets-file", str(tmp_path / "datasets.json"), cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert f"DatasetError: shard {index.shards[0].name} is truncated or corrupt" in proc.stderr
