@@ -195,6 +195,9 @@ class Bill:
     granularity_by_worker: Mapping[str, Granularity]
     # What had no price in force, when billed with strict=False (those items count as $0).
     unpriced: tuple[str, ...] = field(default=())
+    # The part of the egress that is data sets' bytes read from their stores (`RunUsage.reads`).
+    reads_usd: Decimal = Decimal(0)
+    read_bytes: int = 0
 
 
 def compute_bill(usage: RunUsage, prices: PriceLookup, *, strict: bool = True) -> Bill:
@@ -216,6 +219,8 @@ def compute_bill(usage: RunUsage, prices: PriceLookup, *, strict: bool = True) -
     links, egress_exact, egress_class_exact, bytes_by_class = _egress(
         usage, sites, prices, missing
     )
+    stores = {read.store.name for read in usage.reads}
+    reads = [link for link in links if link.src in stores]
     nodes, compute_exact = _compute(usage, prices, missing)
     total_exact = egress_exact + compute_exact
     per_million = total_exact * 1_000_000 / usage.samples if usage.samples else None
@@ -235,6 +240,8 @@ def compute_bill(usage: RunUsage, prices: PriceLookup, *, strict: bool = True) -
         granularity=overall,
         granularity_by_worker=by_worker,
         unpriced=tuple(unpriced),
+        reads_usd=sum((link.usd for link in reads), _ZERO),
+        read_bytes=sum(link.bytes for link in reads),
     )
 
 

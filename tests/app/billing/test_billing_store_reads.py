@@ -56,6 +56,11 @@ def test_reads_are_priced_by_how_far_the_store_is_from_each_node():
         ("store", "lab", TrafficClass.internet)}
 
 
+def test_the_bill_names_the_part_of_its_egress_that_is_data_reads():
+    bill = compute_bill(_usage(StoreRead(STORE, "lab", 2 * GIB)), PRICES)
+    assert (bill.reads_usd, bill.read_bytes) == (Decimal("0.18"), 2 * GIB)
+
+
 def test_reads_of_one_node_from_one_store_are_summed():
     bill = compute_bill(_usage(StoreRead(STORE, "lab", GIB), StoreRead(STORE, "lab", GIB)), PRICES)
     assert [c.bytes for c in bill.egress_by_link] == [2 * GIB]
