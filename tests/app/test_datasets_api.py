@@ -151,7 +151,7 @@ def test_the_runs_bill_prices_the_bytes_its_nodes_read_from_the_store(
         EgressKey(Provider.aws, TrafficClass.internet, "north_america"), run_priced_at(run))
     assert read.bytes == 4 * BYTES_PER_GB and read.traffic_class is TrafficClass.internet
     assert rate is not None and read.usd == (4 * rate).quantize(Decimal("0.000001"))
-    answer = client.get(f"{API}/runs/{run_id}/costs").json()
+    answer = client.get(f"{API}/runs/{run_id}/cost").json()
     assert answer["data_read_bytes"] == 4 * BYTES_PER_GB
     assert answer["data_read_usd"] == pytest.approx(float(4 * rate))
     assert "4096.0 MiB)" in admin_page.get(f"/runs/{run_id}").text

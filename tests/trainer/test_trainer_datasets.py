@@ -39,7 +39,7 @@ def test_two_workers_read_a_data_set_in_s3_through_the_site_cache(s3_server, tmp
         (tmp_path / "datasets.json").write_text(json.dumps(handed))
         (tmp_path / "blobtask.py").write_text(TASK)
         proc = run_cli("--task", "blobtask:task", "--strategy", "allreduce", "--workers", "2",
-                       "--batch-sizes", "24,8", "--epochs", "2", "--datasets-file", str(tmp_path / "datasets.json"),
+                       "--batch-sizes", "24,8", "--max-steps", "16", "--datasets-file", str(tmp_path / "datasets.json"),
                        "--metrics-out", str(tmp_path / "m.jsonl"), cwd=tmp_path, timeout=300)
     finally:
         server.shutdown()
@@ -54,7 +54,7 @@ def test_two_workers_read_a_data_set_in_s3_through_the_site_cache(s3_server, tmp
     # Each shard crossed the WAN once (the site cache's misses); each rank read the index itself.
     assert site.fetched_bytes == index.size_bytes
     assert sum(fetched.values()) == index.size_bytes + 2 * index_bytes
-    assert "16 steps" in proc.stderr  # two epochs of 256 samples at 32 a step
+    assert "16 steps in" in proc.stderr  # two epochs of 256 samples at 32 a step
 
 
 def test_a_corrupt_shard_fails_the_run_with_its_name(tmp_path):
