@@ -39,6 +39,7 @@ from agents.errors import AgentAuthError, AgentConfigError, ControlPlaneError, C
 from agents.gpu_usage import GpuUsage
 from agents.hardware import Hardware, detect_in_child
 from agents.outbox import Outbox
+from agents.role_files import DataCache
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +363,8 @@ class Agent:
             bundles=bundles,
             outbox=outbox,
             server_url=self.settings.server_url,
+            data_cache=DataCache(self.settings.data_cache_dir or self.state_dir / "data-cache",
+                                 self.settings.data_cache_bytes, self.settings.data_site_cache_url),
         )
         for record in sup.reap_stale():
             log.warning("run %s rank %s died with the previous agent; reporting its exit%s",

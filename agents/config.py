@@ -63,6 +63,13 @@ class AgentSettings(BaseSettings):
     # Log lines the durable outbox holds for a control plane that is down (~100 MB at worst).
     outbox_log_lines: int = Field(default=200_000, ge=100)
     log_flush_interval_s: float = Field(default=1.0, gt=0)
+    # Data sets' shards on this node (default: <state_dir>/data-cache), at most this many
+    # bytes; least recently used shards go first (docs/datasets.md).
+    data_cache_dir: Path | None = None
+    data_cache_bytes: int = Field(default=20 * 1024**3, ge=1)
+    # This site's cache (`hybridtrain datasets serve-cache`), e.g. http://10.0.0.5:8700: shards
+    # are read through it, so each crosses the WAN once per site. Unset: from the store.
+    data_site_cache_url: str | None = None
     # Seconds of the reference-model measurement at start; 0 skips it.
     benchmark_seconds: float = Field(default=2.0, ge=0)
     # The command that runs a trainer role; the role's flags are appended.

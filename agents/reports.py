@@ -38,7 +38,7 @@ def rebase_url(url: str, server_url: str) -> str:
 
 
 def toward_server(spec: RoleSpec, server_url: str | None) -> RoleSpec:
-    """`spec` with its report URL and checkpoint URL rebased onto `server_url`."""
+    """`spec` with its report, checkpoint and data set store URLs rebased onto `server_url`."""
     if not server_url:
         return spec
     update: dict[str, object] = {}
@@ -46,6 +46,10 @@ def toward_server(spec: RoleSpec, server_url: str | None) -> RoleSpec:
         update["report_url"] = rebase_url(spec.report_url, server_url)
     if spec.checkpoint_url:
         update["checkpoint_url"] = rebase_url(spec.checkpoint_url, server_url)
+    if any(d.store_url for d in spec.datasets):
+        # Data sets uploaded to the control plane are read from it, at the address this agent uses.
+        update["datasets"] = [d.model_copy(update={"store_url": rebase_url(d.store_url, server_url)})
+                              if d.store_url else d for d in spec.datasets]
     return spec.model_copy(update=update) if update else spec
 
 

@@ -5,6 +5,7 @@ among its own options (`agents.supervisor` starts the process)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,29 @@ from agents.errors import BundleError
 from agents.reports import METRICS_OPTIONS, SPOOL_FILE, file_size, metrics_file, with_flag
 from agents.roles import LINK_SECRET_FILE, TOKEN_FILE, write_secret
 from agents.spec import RoleSpec, trainer_argv
+
+
+# The role's data sets and the node's cache for them (hybridtrain.datasets.DatasetsFile).
+DATASETS_FILE = "datasets.json"
+
+
+@dataclass(frozen=True)
+class DataCache:
+    """This node's data cache (`dir`, at most `max_bytes`) and its site's cache, if any."""
+
+    dir: Path
+    max_bytes: int
+    site_url: str | None = None
+
+
+def datasets_document(spec: RoleSpec, cache: DataCache | None) -> str:
+    """The `--datasets-file` of `spec`: its data sets, read through this node's site cache."""
+    site = cache.site_url if cache else None
+    datasets = [a.model_copy(update={"cache_url": site}) if site else a for a in spec.datasets]
+    doc = {"datasets": [a.model_dump(mode="json") for a in datasets]}
+    if cache is not None:
+        doc |= {"cache_dir": str(cache.dir.resolve()), "cache_bytes": cache.max_bytes}
+    return json.dumps(doc)
 
 
 @dataclass(frozen=True)
@@ -39,7 +63,8 @@ def prepare_code(bundles: BundleCache | None, spec: RoleSpec, run_dir: Path) -> 
     return bundles.unpack(archive, run_dir / "code", ref=spec.bundle)
 
 
-def lay_out(spec: RoleSpec, trainer_command: list[str], rank_dir: Path, code_dir: Path | None) -> RoleFiles:
+def lay_out(spec: RoleSpec, trainer_command: list[str], rank_dir: Path, code_dir: Path | None,
+            data_cache: DataCache | None = None) -> RoleFiles:
     """Write `spec`'s secrets under `rank_dir` and build its command line: the trainer's
     options, then the agent's flags for the files it reads and writes."""
     rank_dir.mkdir(parents=True, exist_ok=True)
@@ -63,6 +88,10 @@ def lay_out(spec: RoleSpec, trainer_command: list[str], rank_dir: Path, code_dir
             # Not on the command line, which anyone on the node can read in `ps`.
             path = write_secret(rank_dir / name, secret)
             argv = with_flag(argv, flag, str(path.resolve()), after=after)
+    if spec.datasets:
+        # Owner-only, like the secrets: it carries the store's credentials.
+        path = write_secret(rank_dir / DATASETS_FILE, datasets_document(spec, data_cache))
+        argv = with_flag(argv, "--datasets-file", str(path.resolve()), after=after)
     return RoleFiles(spec, with_code_dir(argv, code_dir, after=after), metrics, metrics_from, spool)
 
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hybridtrain.contract import DEVICES, RESERVED_FLAGS, SHA256, check_task_ref
+from hybridtrain.data_access import DatasetAccess
 from hybridtrain.train_options import TrainOptions
 
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
@@ -91,6 +92,9 @@ class RoleSpec(BaseModel):
     script_args: list[str] = Field(default_factory=list, max_length=MAX_SCRIPT_ARGS)
     # Where checkpoints are uploaded and, with the `resume` option, the latest is read from.
     checkpoint_url: str | None = Field(default=None, max_length=2000)
+    # The data sets the run reads, with their store's credentials: handed to the role in a file
+    # only it can read (`--datasets-file`), never on its command line (hybridtrain.datasets).
+    datasets: list[DatasetAccess] = Field(default_factory=list, max_length=16)
     # Admit this rank into a run that is already training (a node added mid-run).
     join: bool = False
     # The run's restart count when this order was made: a launch of a rank the agent already

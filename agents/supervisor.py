@@ -46,7 +46,7 @@ from agents.outbox import EVENT, Entry, Message, Outbox, Transport
 from agents.records import EXITED, RoleRecords
 from agents.reports import toward_server, undelivered_messages
 from agents.restart import report_lost_roles
-from agents.role_files import lay_out, prepare_code
+from agents.role_files import DataCache, lay_out, prepare_code
 from agents.roles import NOT_STARTED_EXIT_CODE, RoleProcess, exit_reason, from_record, record_of, redact, role_env
 from agents.spec import RoleSpec, free_port
 from hybridtrain.contract import CAUSE_AGENT_STOPPING, CAUSE_CANCEL
@@ -75,6 +75,7 @@ class Supervisor:
         bundles: BundleCache | None = None,
         outbox: Outbox | None = None,
         server_url: str | None = None,
+        data_cache: DataCache | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.trainer_command = list(trainer_command)
@@ -83,6 +84,7 @@ class Supervisor:
         self.role_threads = role_threads
         self.bundles = bundles
         self.server_url = server_url
+        self.data_cache = data_cache
         self._roles: dict[tuple[int, int], RoleProcess] = {}
         # Launches fetching their bundle: a repeat order for one of them is refused.
         self._preparing: set[tuple[int, int]] = set()
@@ -143,7 +145,8 @@ class Supervisor:
             if existing is not None:
                 return existing
             log_path = run_dir / f"rank{spec.rank}.log"
-            files = lay_out(spec, self.trainer_command, run_dir / f"rank{spec.rank}", code_dir)
+            files = lay_out(spec, self.trainer_command, run_dir / f"rank{spec.rank}", code_dir,
+                            self.data_cache)
             spec, argv = files.spec, files.argv
             # -I: the role's cwd holds the user's code, which must not shadow the guard's own
             # package (a user's `agents/` directory, say).

@@ -92,6 +92,17 @@ class Settings(BaseSettings):
     bundle_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     # Where bundles are kept as <sha256>.tar.gz; None keeps them in the database.
     bundle_dir: Path | None = None
+    # The S3(-compatible) store of data sets (docs/datasets.md): its endpoint (None: AWS's own),
+    # region and keys. The control plane reads a data set's index with them at registration and
+    # hands them to the roles of the runs that read it, never to a bundle.
+    dataset_s3_endpoint_url: str | None = None
+    dataset_s3_region: str = "us-east-1"
+    dataset_s3_access_key_id: SecretStr | None = None
+    dataset_s3_secret_access_key: SecretStr | None = None
+    # Where data sets uploaded to the control plane are kept (`hybridtrain datasets upload`),
+    # one folder per data set; None: uploads are refused. Each file at most dataset_file_max_bytes.
+    dataset_dir: Path | None = None
+    dataset_file_max_bytes: int = Field(default=4 * 1024**3, gt=0)
     # Largest accepted checkpoint upload, in bytes; larger ones get 413.
     checkpoint_max_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
     # Where checkpoints are kept as files (share it between control-plane hosts); None keeps

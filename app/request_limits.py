@@ -29,11 +29,13 @@ MULTIPART_OVERHEAD = 64 * 1024
 _REPORT_PATH = re.compile(r"^/api/v1/(agent/.*|runs/[^/]+/metrics)$")
 _BUNDLE_PATHS = re.compile(r"^(/api/v1/bundles/?|/runs)$")
 _CHECKPOINT_PATH = re.compile(r"^/api/v1/runs/[^/]+/checkpoint$")
+_DATASET_FILE_PATH = re.compile(r"^/api/v1/datasets/[^/]+/files/[^/]+$")
 
 
 def is_upload(method: str, path: str) -> bool:
-    """Whether `method path` takes a bundle or a checkpoint (held to its size, not a time)."""
-    return (method == "PUT" and bool(_CHECKPOINT_PATH.match(path))) or (
+    """Whether `method path` takes a bundle, a checkpoint or a data set's file (held to its
+    size, not a time)."""
+    return (method == "PUT" and bool(_CHECKPOINT_PATH.match(path) or _DATASET_FILE_PATH.match(path))) or (
         method == "POST" and bool(_BUNDLE_PATHS.match(path)))
 
 
@@ -43,6 +45,8 @@ def body_limit(settings: Settings, method: str, path: str) -> int:
         return settings.checkpoint_max_bytes
     if method == "POST" and _BUNDLE_PATHS.match(path):
         return settings.bundle_max_bytes + MULTIPART_OVERHEAD
+    if method == "PUT" and _DATASET_FILE_PATH.match(path):
+        return settings.dataset_file_max_bytes
     if _REPORT_PATH.match(path):
         return settings.report_max_bytes
     return settings.json_max_bytes

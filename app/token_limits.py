@@ -28,6 +28,7 @@ TokenAction = Literal[
     "prices:write",
     "links:write",
     "bundles:write",
+    "datasets:write",
     "profiles:write",
     "tokens:write",
 ]
@@ -44,6 +45,7 @@ _WRITES = {
     ),
     "links:write": ("probe_links", "create_site_link", "delete_site_link"),
     "bundles:write": ("upload_bundle", "delete_bundle"),
+    "datasets:write": ("create_dataset", "delete_dataset", "upload_dataset_file"),
     "profiles:write": ("create_profiles",),
     "tokens:write": ("create_token", "delete_token"),
     "runs:create": ("create_run", "launch_run"),

@@ -4,7 +4,8 @@ Two ways in (docs/user-guide.md):
 - a task module: a function returning `hybridtrain.Task`, run by `hybridtrain train --task`,
   `hybridtrain runs create --task` and the dashboard;
 - your own loop, changed by a few lines and started by `hybridtrain launch`:
-  `init()`, `prepare_model()`, `data_loader()`, `DistributedOptimizer`, `evaluate()`.
+  `init()`, `prepare_model()`, `data_loader()`, `DistributedOptimizer`, `evaluate()`;
+- either way, `dataset(name)` reads a data set of the run's, each worker its share (docs/datasets.md).
 
 Imports are lazy: `import hybridtrain` costs nothing until torch-backed names are used, so the
 control plane imports `hybridtrain.contract` without torch.
@@ -21,6 +22,7 @@ __all__ = [
     "TaskError",
     "accuracy",
     "data_loader",
+    "dataset",
     "evaluate",
     "init",
     "prepare_model",
@@ -34,6 +36,7 @@ _LAZY = {
     "init": "trainer.loop",
     "prepare_model": "trainer.loop",
     "data_loader": "trainer.loop",
+    "dataset": "hybridtrain.datasets",
     "DistributedOptimizer": "trainer.loop",
     "evaluate": "trainer.loop",
 }

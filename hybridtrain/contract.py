@@ -186,7 +186,10 @@ SYSTEM_METRICS = frozenset(
     {"loss", "batch_size", "samples_per_s", "compute_s", "data_s", "compress_s", "comm_s", "wait_s",
      "bytes_sent", "bytes_recv", "density", "time_to_target_s", "max_steps", "params", "eval_s",
      # Local SGD's outer steps: the norm of the averaged parameter change each one applied.
-     "outer_norm"}
+     "outer_norm",
+     # Data sets (hybridtrain.datasets): bytes fetched from the store and from the site cache,
+     # with the data set's id as the peer.
+     "data_bytes", "data_cache_bytes"}
 )
 # Seconds an evaluation held the run up (logged at its step). time_to_target_s counts them, as
 # the bill does; a comparison of training algorithms subtracts them (testbed/bench/paper_figures.py).

@@ -53,3 +53,12 @@ def redis_url() -> str:
         pytest.fail(f"Redis is required at {REDIS_URL}: {exc}")
     client.flushdb()
     return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server, a real process over HTTP, for the whole session (tests/object_store.py)."""
+    from tests.object_store import moto_server
+
+    with moto_server() as server:
+        yield server

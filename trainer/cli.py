@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--link-secret-file", default=None,
                     help="a file holding the run's link secret: parameter-server connections are then "
                          "mutual TLS keyed by it (an agent writes one, owner-only, per role)")
+    io.add_argument("--datasets-file", default=None,
+                    help="a file naming the run's data sets, their store's credentials and the node's "
+                         "cache (an agent writes one, owner-only, per role): hybridtrain.dataset(name) reads it")
     sysg = p.add_argument_group("system")
     sysg.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
     sysg.add_argument("--device", choices=DEVICES, default=d.device)
@@ -470,6 +473,15 @@ def role_in(argv: list[str]) -> str | None:
     return role
 
 
+def _use_datasets(path: str) -> None:
+    from hybridtrain.datasets import DatasetError, load_datasets_file, use_datasets
+
+    try:
+        use_datasets(load_datasets_file(path))
+    except DatasetError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def main(argv: list[str]) -> int:
     """Parse `argv`, then launch a local run or run one role; returns the exit status."""
     parser = build_parser()
@@ -480,6 +492,8 @@ def main(argv: list[str]) -> int:
         cfg = config_from_args(args, parser)
         if args.role is not None:
             spec = _role_spec(args, cfg)
+        if args.datasets_file:
+            _use_datasets(args.datasets_file)
     except UsageError as exc:
         print(f"hybridtrain train: error: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,21 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=gen)
 
 
-def batch_indices(step: int, worker: int, batch_sizes: Sequence[int], n_train: int, seed: int) -> torch.Tensor:
+# An epoch's order of n samples for a seed: `epoch_permutation`, or a data set's own
+# (hybridtrain.datasets shuffles within windows of shards, so a step touches few shards).
+EpochOrder = Callable[[int, int, int], torch.Tensor]
+
+
+def dataset_order(dataset: Any) -> EpochOrder:
+    """The epoch order `dataset` asks for (its `epoch_order(seed, epoch)`), else `epoch_permutation`."""
+    own = getattr(dataset, "epoch_order", None)
+    if own is None:
+        return epoch_permutation
+    return lambda n, seed, epoch: own(seed, epoch)
+
+
+def batch_indices(step: int, worker: int, batch_sizes: Sequence[int], n_train: int, seed: int,
+                  order: EpochOrder = epoch_permutation) -> torch.Tensor:
     """Indices of worker `worker`'s batch at 1-based `step`: its slice of that step's global batch."""
     if n_train < 1:
         raise ValueError("the training set is empty")
@@ -38,7 +52,7 @@ def batch_indices(step: int, worker: int, batch_sizes: Sequence[int], n_train: i
     out = torch.empty(len(positions), dtype=torch.int64)
     for e in np.unique(epochs):
         sel = epochs == e
-        out[torch.from_numpy(sel)] = epoch_permutation(n_train, seed, int(e))[torch.from_numpy(within[sel])]
+        out[torch.from_numpy(sel)] = order(n_train, seed, int(e))[torch.from_numpy(within[sel])]
     return out
 
 
@@ -59,13 +73,14 @@ def eval_slice(n_test: int, worker: int, batch_sizes: Sequence[int]) -> slice:
 class StepSampler(Sampler[list[int]]):
     """Batches of indices for steps `first`..`last` at fixed batch sizes (a batch_sampler)."""
 
-    def __init__(self, first: int, last: int, worker: int, batch_sizes: Sequence[int], n: int, seed: int) -> None:
+    def __init__(self, first: int, last: int, worker: int, batch_sizes: Sequence[int], n: int, seed: int,
+                 order: EpochOrder = epoch_permutation) -> None:
         self.first, self.last, self.worker = first, last, worker
-        self.batch_sizes, self.n, self.seed = tuple(batch_sizes), n, seed
+        self.batch_sizes, self.n, self.seed, self.order = tuple(batch_sizes), n, seed, order
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.first, self.last + 1):
-            yield batch_indices(step, self.worker, self.batch_sizes, self.n, self.seed).tolist()
+            yield batch_indices(step, self.worker, self.batch_sizes, self.n, self.seed, self.order).tolist()
 
     def __len__(self) -> int:
         return max(0, self.last - self.first + 1)
@@ -122,7 +137,7 @@ def make_loader(
         loader = DataLoader(shard, batch_size=hi - lo, collate_fn=collate, pin_memory=pin_memory)
         return _take(iter(loader), last_step - first_step + 1)
     data = _Transformed(dataset, transform) if transform else dataset
-    sampler = StepSampler(first_step, last_step, worker, batch_sizes, len(dataset), seed)
+    sampler = StepSampler(first_step, last_step, worker, batch_sizes, len(dataset), seed, dataset_order(dataset))
     return iter(DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                            pin_memory=pin_memory, prefetch_factor=2 if workers else None,
                            persistent_workers=False))

@@ -355,6 +355,7 @@ class DistributedOptimizer:
             else:
                 mlog(step, "compute_s", elapsed)
         ctx.metrics.log(step, "data_s", ctx._data_s)
+        _log_data_reads(ctx, step)
         ctx._data_s = 0.0
         ctx._batch_ready_at = None
         ctx.step = step
@@ -367,6 +368,19 @@ class DistributedOptimizer:
             after = time.monotonic() - ctx.leave_requested_at
             raise WorkerLeft(f"left the run after step {step} (SIGTERM: a spot notice, {after:.2f} s after it); "
                              "the run goes on")
+
+
+def _log_data_reads(ctx: Context, step: int) -> None:
+    """Bytes this rank's data sets fetched since the last step, per data set (its id as the
+    peer): `data_bytes` over the WAN from the store, `data_cache_bytes` from the site cache."""
+    from hybridtrain.datasets import FROM_SITE, FROM_STORE, opened_datasets
+
+    for ds in opened_datasets():
+        reads = ds.take_reads()
+        if reads[FROM_STORE]:
+            ctx.metrics.log(step, "data_bytes", reads[FROM_STORE], peer=ds.access.id)
+        if reads[FROM_SITE]:
+            ctx.metrics.log(step, "data_cache_bytes", reads[FROM_SITE], peer=ds.access.id)
 
 
 def data_loader(dataset: Any, *, collate: Callable | None = None, transform: Callable | None = None,

@@ -10,6 +10,7 @@ from app.api.routes import (
     bundles,
     checkpoints,
     clusters,
+    datasets,
     egress_prices,
     gpu_models,
     instance_prices,
@@ -46,6 +47,8 @@ api_router.include_router(run_events.router, prefix="/runs", tags=["events"])
 api_router.include_router(agent.router, prefix="/agent", tags=["agent"])
 api_router.include_router(bundles.router, prefix="/bundles", tags=["bundles"])
 api_router.include_router(bundles.run_router, prefix="/runs", tags=["bundles"])
+api_router.include_router(datasets.router, prefix="/datasets", tags=["datasets"])
+api_router.include_router(datasets.run_router, prefix="/runs", tags=["datasets"])
 api_router.include_router(profiles.router, prefix="/tasks/profiles", tags=["task-profiles"])
 api_router.include_router(agent_profiles.router, prefix="/agent", tags=["agent"])
 api_router.include_router(links.router, prefix="/links", tags=["links"])

@@ -83,6 +83,18 @@ class LinkBytes:
 
 
 @dataclass(frozen=True)
+class StoreRead:
+    """Bytes node `node` read from a data set's store at `store` (priced as the store's egress)."""
+
+    store: Site
+    node: str
+    bytes: int
+
+    def __post_init__(self) -> None:
+        _non_negative(f"reads[{self.store.name}->{self.node}].bytes", self.bytes)
+
+
+@dataclass(frozen=True)
 class WorkerTime:
     """A worker's seconds computing and communicating; repeated names are summed."""
 
@@ -103,12 +115,14 @@ class RunUsage:
     nodes: Sequence[NodeUsage]
     links: Sequence[LinkBytes] = ()
     workers: Sequence[WorkerTime] = ()
+    # Data sets' bytes read from their stores (hybridtrain.datasets), priced like gradients.
+    reads: Sequence[StoreRead] = ()
     samples: int = 0
     duration_s: float = 0.0
     time_to_target_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "links", "workers"):
+        for name in ("nodes", "links", "workers", "reads"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         _non_negative("samples", self.samples)
         _non_negative("duration_s", self.duration_s)
@@ -181,6 +195,9 @@ class Bill:
     granularity_by_worker: Mapping[str, Granularity]
     # What had no price in force, when billed with strict=False (those items count as $0).
     unpriced: tuple[str, ...] = field(default=())
+    # The part of the egress that is data sets' bytes read from their stores (`RunUsage.reads`).
+    reads_usd: Decimal = Decimal(0)
+    read_bytes: int = 0
 
 
 def compute_bill(usage: RunUsage, prices: PriceLookup, *, strict: bool = True) -> Bill:
@@ -202,6 +219,8 @@ def compute_bill(usage: RunUsage, prices: PriceLookup, *, strict: bool = True) -
     links, egress_exact, egress_class_exact, bytes_by_class = _egress(
         usage, sites, prices, missing
     )
+    stores = {read.store.name for read in usage.reads}
+    reads = [link for link in links if link.src in stores]
     nodes, compute_exact = _compute(usage, prices, missing)
     total_exact = egress_exact + compute_exact
     per_million = total_exact * 1_000_000 / usage.samples if usage.samples else None
@@ -221,6 +240,8 @@ def compute_bill(usage: RunUsage, prices: PriceLookup, *, strict: bool = True) -
         granularity=overall,
         granularity_by_worker=by_worker,
         unpriced=tuple(unpriced),
+        reads_usd=sum((link.usd for link in reads), _ZERO),
+        read_bytes=sum(link.bytes for link in reads),
     )
 
 
@@ -285,7 +306,26 @@ def _egress(
                 usd=round_usd(usd),
             )
         )
+    for key, n_bytes in _summed_reads(usage, sites).items():
+        store, node = key
+        route = classify(store, sites[node])
+        rate = _egress_rate(route, prices, usage.priced_at, rates, missing)
+        usd = egress_usd(n_bytes, rate)
+        total += usd
+        by_class_usd[route.traffic_class] += usd
+        by_class_bytes[route.traffic_class] += n_bytes
+        links.append(LinkCost(src=store.name, dst=node, bytes=n_bytes, traffic_class=route.traffic_class,
+                              scope=route.scope, payer=route.payer, usd_per_gb=rate, usd=round_usd(usd)))
     return tuple(links), total, by_class_usd, by_class_bytes
+
+
+def _summed_reads(usage: RunUsage, sites: Mapping[str, Site]) -> dict[tuple[Site, str], int]:
+    summed: dict[tuple[Site, str], int] = {}
+    for read in usage.reads:
+        if read.node not in sites:
+            raise InvalidUsageError("reads", f"a read from {read.store.name!r} names unknown node {read.node!r}")
+        summed[(read.store, read.node)] = summed.get((read.store, read.node), 0) + read.bytes
+    return summed
 
 
 def _egress_rate(

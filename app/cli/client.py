@@ -253,6 +253,35 @@ class HybridtrainClient:
 
     # -- clusters -------------------------------------------------------------------------
 
+    def list_datasets(self, *, skip: int = 0, limit: int = 100) -> dict[str, Any]:
+        """A page of data sets, by name."""
+        return self._call("GET", "/datasets", params={"skip": skip, "limit": limit})
+
+    def get_dataset(self, name: str) -> dict[str, Any]:
+        """One data set."""
+        return self._call("GET", f"/datasets/{name}")
+
+    def register_dataset(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Register a data set by URL (the control plane reads its index)."""
+        return self._call("POST", "/datasets", json=body)
+
+    def upload_dataset_file(self, name: str, path: Any, progress: Any = None) -> dict[str, Any]:
+        """Stream one file of a data set into the control plane's store; `progress(n)` is
+        called with each chunk's bytes."""
+        def chunks() -> Any:
+            with open(path, "rb") as source:
+                while chunk := source.read(1024 * 1024):
+                    if progress is not None:
+                        progress(len(chunk))
+                    yield chunk
+
+        return self._call("PUT", f"/datasets/{name}/files/{path.name}", content=chunks(),
+                          headers={"Content-Type": "application/octet-stream"}, timeout=None)
+
+    def delete_dataset(self, name: str) -> None:
+        """Forget a data set (its files stay in the store)."""
+        self._call("DELETE", f"/datasets/{name}")
+
     def list_clusters(self, *, skip: int = 0, limit: int = 100) -> dict[str, Any]:
         """A page of clusters, ordered by id."""
         return self._call("GET", "/clusters", params={"skip": skip, "limit": limit})

@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from app.cli.cluster_commands import register_clusters
 
     register_clusters(sub)
+    from app.cli.dataset_commands import register_datasets
+
+    register_datasets(sub)
     from app.cli.profile_commands import register_profiles
 
     register_profiles(sub)

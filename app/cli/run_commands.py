@@ -58,6 +58,8 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     code.add_argument("--workdir", default=None, metavar="DIR",
                       help="pack DIR (minus .hybridtrainignore / .gitignore) and run from that code bundle")
     code.add_argument("--bundle", default=None, metavar="SHA256", help="run from a bundle uploaded before")
+    create.add_argument("--dataset", dest="datasets", action="append", default=None, metavar="NAME",
+                        help="a registered data set the run reads with hybridtrain.dataset(NAME) (repeatable)")
     what = create.add_mutually_exclusive_group()
     what.add_argument("--task", default=None, metavar="MOD:FN",
                       help="a function returning a hybridtrain.Task (default hybridtrain.tasks.digits:smallcnn)")

@@ -87,6 +87,7 @@ def run_body(args: argparse.Namespace) -> dict[str, Any]:
         ("checkpoint_every_s", args.checkpoint_every_s), ("max_restarts", args.max_restarts),
         ("min_workers", args.min_workers), ("min_workers_wait_s", args.min_workers_wait_s),
         ("priority", args.priority), ("share_gpus", args.share_gpus), ("encrypt_links", args.encrypt_links),
+        ("datasets", getattr(args, "datasets", None) or None),
     ]:
         if value is not None:
             body[key] = value

@@ -20,6 +20,7 @@ from app.models import Run, RunStatus, RunWorker, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES
 from app.lifecycle.orders import current_batch_sizes, launch_orders, rank_sites
+from app.queries.datasets import run_dataset_access
 from app.queries.runs import get_run
 from app.run_secrets import run_link_secret, run_metrics_token
 from hybridtrain.contract import is_ps
@@ -52,6 +53,7 @@ def orders_for(
     return launch_orders(
         run, metrics_token=token, public_url=settings.public_url, link_secret=link_secret,
         sites=rank_sites(session, run=run),
+        datasets=run_dataset_access(session, run=run, settings=settings),
         ranks=ranks, join=join, resume=resume,
         batch_sizes=current_batch_sizes(run, live) if live is not None else None,
         # A restart's server waits for the ranks it launches, not for a rank that is gone.

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from app.dispatch import LaunchOrder
 from app.models import Node, Run, RunWorker
 from hybridtrain.contract import is_ps, proportional_batch_sizes
+from hybridtrain.data_access import DatasetAccess
 from hybridtrain.train_options import CompressionOptions, TrainOptions
 
 
@@ -98,6 +99,7 @@ def launch_orders(
     public_url: str,
     link_secret: str | None = None,
     sites: Sequence[str] = (),
+    datasets: Sequence[DatasetAccess] = (),
     ranks: Iterable[RunWorker] | None = None,
     join: bool = False,
     resume: bool = False,
@@ -106,7 +108,8 @@ def launch_orders(
 ) -> list[LaunchOrder]:
     """One launch order per rank (`ranks`, default all), carrying everything the role's command
     line needs, with the report token `metrics_token` gives its rank; `sites` (one label per rank, `rank_sites`) lets a PS run relay its update once
-    per remote site; `link_secret` keys the ranks' TLS. `join` admits the ranks into the running run, `resume` starts them from
+    per remote site; `link_secret` keys the ranks' TLS; `datasets` are the run's data sets as its
+    roles read them (with the store's credentials). `join` admits the ranks into the running run, `resume` starts them from
     the latest checkpoint (a restart); `batch_sizes` overrides the plan's split; `expect_ranks` are
     the worker ranks a PS run's start waits for (a restart's, which may have gaps)."""
     sizes = list(batch_sizes) if batch_sizes is not None else [
@@ -152,6 +155,11 @@ def launch_orders(
             "bundle": bundle,
             "script_args": list(run.script_args or []),
             "checkpoint_url": checkpoint_url(run, public_url) if checkpoints else None,
+            # Only where set: an agent that predates data sets still takes a run without any.
+            **({"datasets": [
+                # A data set in this control plane's store is fetched with the rank's token.
+                d.model_copy(update={"token": metrics_token(worker.rank)} if d.store_url else {}).model_dump(mode="json")
+                for d in datasets]} if datasets else {}),
             "join": join,
             "attempt": run.restarts or 0,
         }

@@ -3,6 +3,7 @@
 from app.models.base import Base
 from app.models.bundles import Bundle, BundleStorage
 from app.models.checkpoints import RunCheckpoint
+from app.models.datasets import Dataset
 from app.models.enums import (
     Continent,
     NodeStatus,
@@ -26,6 +27,7 @@ __all__ = [
     "BundleStorage",
     "Cluster",
     "Continent",
+    "Dataset",
     "EgressPrice",
     "EventSource",
     "GpuModel",

@@ -132,6 +132,8 @@ class Run(TimestampMixin, Base):
     bundle_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     script: Mapped[str | None] = mapped_column(String(255))
     script_args: Mapped[list[str] | None] = mapped_column(JSON().with_variant(JSONB(), "postgresql"))
+    # Names of the data sets the run reads (hybridtrain.dataset(name)); None: none.
+    datasets: Mapped[list[str] | None] = mapped_column(JSON().with_variant(JSONB(), "postgresql"))
     global_batch_size: Mapped[int]
     # NULL while a run given in epochs waits for the trainer to report the steps they take.
     max_steps: Mapped[int | None]

@@ -30,12 +30,13 @@ from app.billing import (
     RunUsage,
     Site,
     SiteKind,
+    StoreRead,
     WorkerTime,
     compute_bill,
     rank_spans,
     union_seconds,
 )
-from app.models import EgressPrice, GpuModel, Node, RunEvent
+from app.models import Dataset, EgressPrice, GpuModel, Node, RunEvent
 from app.models import Site as SiteRow
 from app.models import InstancePrice as InstancePriceRow
 from app.models.runs import Run, RunMetric, RunWorker
@@ -146,6 +147,31 @@ def link_totals(session: Session, *, run_id: int) -> dict[tuple[int, int], int]:
     return {(int(rank), int(peer)): int(total or 0) for rank, peer, total in rows}
 
 
+def dataset_store_site(dataset: Dataset) -> Site:
+    """Where a data set's store is, as `app.billing` classes the bytes read from it."""
+    provider = str(dataset.store_provider)
+    kind = SiteKind.onprem if provider == "onprem" else SiteKind.cloud
+    return Site(f"store of {dataset.name}", kind.value, provider, str(dataset.store_continent),
+                dataset.store_region, dataset.store_zone)
+
+
+def store_reads(session: Session, *, run_id: int, node_by_rank: dict[int, str]) -> list[StoreRead]:
+    """Bytes each node of the run read from each data set's store (`data_bytes`, the data set's
+    id as the peer); reads of a data set deleted since are not priced."""
+    rows = session.execute(
+        select(RunMetric.rank, RunMetric.peer, func.sum(RunMetric.value))
+        .where(RunMetric.run_id == run_id, RunMetric.name == "data_bytes")
+        .group_by(RunMetric.rank, RunMetric.peer)
+    ).all()
+    ids = {int(peer) for _, peer, _ in rows}
+    datasets = {d.id: d for d in session.scalars(select(Dataset).where(Dataset.id.in_(ids)))} if ids else {}
+    return [
+        StoreRead(dataset_store_site(datasets[int(peer)]), node_by_rank[int(rank)], int(total or 0))
+        for rank, peer, total in rows
+        if int(peer) in datasets and int(rank) in node_by_rank and total
+    ]
+
+
 def worker_label(worker: RunWorker) -> str:
     """How a rank is named in a bill: its rank, role and node."""
     return f"rank {worker.rank} {worker.role} on {worker.node_name}"
@@ -192,6 +218,7 @@ def run_usage(
             for (rank, peer), total in links.items()
             if rank in node_by_rank and peer in node_by_rank and total
         ],
+        reads=store_reads(session, run_id=run.id, node_by_rank=node_by_rank),
         workers=[
             WorkerTime(
                 worker_label(w),

@@ -282,6 +282,7 @@ def create_run(
         bundle_sha256=data.bundle_sha256,
         script=data.script,
         script_args=data.script_args,
+        datasets=data.datasets or None,
         global_batch_size=data.global_batch_size,
         max_steps=data.steps(facts.train_samples if facts else None),
         epochs=data.epochs,

@@ -69,6 +69,8 @@ class RunCost(PublicSchema):
     final: bool
     priced_at: datetime
     egress_usd: float
+    data_read_usd: float = Field(default=0.0, description="the part of egress_usd that is data sets read from their stores")
+    data_read_bytes: int = 0
     egress_by_class: dict[str, float]
     bytes_by_class: dict[str, int]
     egress_by_link: list[LinkSpend]

@@ -136,6 +136,16 @@ class ProfileInputPublic(PublicSchema):
     run_id: int | None = Field(default=None, description="the run whose steps measured it (source run)")
 
 
+class DataReadPublic(PublicSchema):
+    """A data set's bytes one node of the plan fetches from its store, and their egress."""
+
+    dataset: str
+    node_id: int
+    bytes: int
+    traffic_class: str
+    usd: float
+
+
 class PlanWithPrediction(PlanPublic):
     """A plan and what the model predicts of it (null, with the reason, when it cannot)."""
 
@@ -145,6 +155,8 @@ class PlanWithPrediction(PlanPublic):
         default_factory=list, description="nodes being profiled for this plan (with profile_missing)")
     inputs: list[ProfileInputPublic] = Field(
         default_factory=list, description="each node's profile of the task: how old and how noisy")
+    data_reads: list[DataReadPublic] = Field(
+        default_factory=list, description="each data set's first-epoch bytes per node from its store, priced")
 
 
 class PlanSetPublic(PublicSchema):

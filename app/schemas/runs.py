@@ -11,6 +11,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_
 from app.models.runs import RunStatus, WorkerStatus
 from app.schemas.checkpoints import CheckpointPublic
 from app.schemas.common import Flag, Id, Name, PublicSchema, Schema
+from app.schemas.datasets import DatasetName
 from app.schemas.events import RunEventPublic
 from hybridtrain import contract
 from hybridtrain.train_options import (  # noqa: F401 - the request's sections and types, imported from here too
@@ -48,6 +49,9 @@ class RunCreate(TrainOptions):
     bundle_sha256: Sha256 | None = Field(default=None, description="the code bundle the run imports from")
     script_args: Annotated[list[ScriptArg], Field(max_length=MAX_SCRIPT_ARGS)] | None = Field(
         default=None, description="arguments after `--` on the trainer's command line"
+    )
+    datasets: Annotated[list[DatasetName], Field(max_length=16)] | None = Field(
+        default=None, description="names of registered data sets the run reads (hybridtrain.dataset(name))"
     )
     # Whole epochs: the run's column is an integer (the trainer's own flag takes fractions).
     epochs: Annotated[int, Field(ge=1, le=100_000, strict=True)] | None = None  # type: ignore[assignment]
@@ -195,6 +199,7 @@ class RunPublic(PublicSchema):
     bundle_sha256: str | None
     script: str | None
     script_args: list[str] | None
+    datasets: list[str] | None = None
     global_batch_size: int
     max_steps: int | None = Field(description="null until a run given in epochs learns its steps from the trainer")
     epochs: int | None

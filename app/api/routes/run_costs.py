@@ -40,6 +40,8 @@ def bill_public(run: Run, bill: Bill) -> RunCost:
         final=run.status.finished,
         priced_at=costs.run_priced_at(run),
         egress_usd=float(bill.egress_usd),
+        data_read_usd=float(bill.reads_usd),
+        data_read_bytes=bill.read_bytes,
         egress_by_class={str(k): float(v) for k, v in bill.egress_by_class.items()},
         bytes_by_class={str(k): int(v) for k, v in bill.bytes_by_class.items()},
         egress_by_link=[

@@ -23,6 +23,7 @@ from app.queries import profiles as profile_queries
 from app.queries import profiling as profiling_queries
 from app.queries import runs as queries
 from app.queries.bundles import get_bundle
+from app.queries.datasets import check_run_datasets, predict_reads
 from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
 from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
@@ -63,11 +64,20 @@ def plan_run(
             bundle_sha256=data.bundle_sha256, device=data.device,
         )
     if body.strategies == "all":
+        plans = [queries.make_planned(session, data=variant) for variant in strategy_variants(data)]
         return PlanSetPublic(plans=[
-            plan_public(data, queries.make_planned(session, data=variant), profiling=profiling)
-            for variant in strategy_variants(data)
+            plan_public(data, planned, profiling=profiling, data_reads=_data_reads(session, data, planned))
+            for planned in plans
         ])
-    return plan_public(data, queries.make_planned(session, data=data), profiling=profiling)
+    planned = queries.make_planned(session, data=data)
+    return plan_public(data, planned, profiling=profiling, data_reads=_data_reads(session, data, planned))
+
+
+def _data_reads(session: Session, data: RunCreate, planned: queries.Planned) -> list[dict]:
+    """What the plan's nodes fetch of the run's data sets from their stores, priced."""
+    if not data.datasets:
+        return []
+    return predict_reads(session, names=data.datasets, node_ids=[w.node_id for w in planned.plan.workers])
 
 
 def order_profiles_for_plan(
@@ -114,7 +124,8 @@ def strategy_variants(data: RunCreate) -> list[RunCreate]:
     return variants
 
 
-def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[dict] | None = None) -> PlanWithPrediction:
+def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[dict] | None = None,
+                data_reads: list[dict] | None = None) -> PlanWithPrediction:
     """The API's view of a plan, with its prediction, the profiles it rests on (their age and
     spread) and those it waits on."""
     plan, facts = planned.plan, planned.facts
@@ -138,6 +149,7 @@ def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[di
             profiled_nodes=facts.profiled_nodes,
         ) if facts else None,
         prediction=planned.prediction,
+        data_reads=data_reads or [],
         prediction_unavailable=planned.prediction_unavailable,
         profiling=profiling or [],
         inputs=inputs,
@@ -173,6 +185,7 @@ def create_run(
             return RunPublic.model_validate(
                 queries.check_idempotent_repeat(earlier, fingerprint=fingerprint, key=idempotency_key)
             )
+    check_run_datasets(session, names=body.datasets or [], settings=settings)
     run, _ = queries.create_run(
         session, data=body, created_by=principal.name,
         idempotency_key=idempotency_key, fingerprint=fingerprint, secret_key=settings.secret_key,

@@ -1,0 +1,167 @@
+"""Queries of data sets, and what a run's roles are handed to read them."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+
+from app.config import Settings
+from app.errors import DuplicateError, InUseError, InvalidFieldError, NotFoundError
+from app.billing import NodeUsage, RunUsage, StoreRead, compute_bill
+from app.models import Dataset, Node, Run
+from app.models.runs import ACTIVE_RUN_STATUSES
+from app.schemas.datasets import DatasetCreate
+from hybridtrain.data_access import STORE_URL, DatasetAccess, DatasetError, Origin
+
+
+def store_access(settings: Settings, *, dataset_id: int, name: str, url: str) -> DatasetAccess:
+    """How a node reads data set `name` at `url`, with the store's credentials from `settings`."""
+    key = settings.dataset_s3_access_key_id
+    secret = settings.dataset_s3_secret_access_key
+    s3 = url.startswith("s3://")
+    return DatasetAccess(
+        id=dataset_id, name=name, url=url,
+        endpoint_url=settings.dataset_s3_endpoint_url if s3 else None,
+        region=settings.dataset_s3_region if s3 else None,
+        access_key_id=key.get_secret_value() if s3 and key else None,
+        secret_access_key=secret.get_secret_value() if s3 and secret else None,
+    )
+
+
+def register_dataset(session: Session, *, data: DatasetCreate, settings: Settings, created_by: str) -> Dataset:
+    """Read the data set's index from its store and add its row; 422 on `url` when the index
+    cannot be read (unreadable URL, missing credential, not an index). A path on the nodes is
+    read here too: register it from a machine that sees the same path, or give a URL."""
+    if session.scalar(select(Dataset.id).where(Dataset.name == data.name)) is not None:
+        raise DuplicateError("data set", "name", data.name)
+    url = data.url
+    if url == STORE_URL:
+        url = str(uploaded_folder(settings, data.name))
+    try:
+        index = Origin(store_access(settings, dataset_id=1, name=data.name, url=url)).index()
+    except DatasetError as exc:
+        raise InvalidFieldError("url", str(exc).replace(url, data.url)) from None
+    if data.url == STORE_URL:
+        for shard in index.shards:
+            path = Path(url) / shard.name
+            if not path.is_file() or path.stat().st_size != shard.bytes:
+                raise InvalidFieldError("url", f"shard {shard.name} of the index was not uploaded whole")
+    dataset = Dataset(
+        name=data.name, url=data.url, format=index.format, size_bytes=index.size_bytes,
+        shards=len(index.shards), samples=index.samples, store_provider=data.store_provider,
+        store_continent=data.store_continent, store_region=data.store_region,
+        store_zone=data.store_zone, created_by=created_by,
+    )
+    session.add(dataset)
+    session.flush()
+    return dataset
+
+
+def uploaded_folder(settings: Settings, name: str) -> Path:
+    """Where the control plane keeps the files uploaded for data set `name`; 422 on `url` when
+    it keeps none (no dataset_dir)."""
+    if settings.dataset_dir is None:
+        raise InvalidFieldError("url", "this control plane keeps no data sets: set HYBRIDTRAIN_DATASET_DIR")
+    return settings.dataset_dir.resolve() / name
+
+
+def remove_uploaded(settings: Settings, name: str) -> None:
+    """Remove the uploaded files of a deleted data set, if it had any."""
+    if settings.dataset_dir is not None:
+        shutil.rmtree(settings.dataset_dir.resolve() / name, ignore_errors=True)
+
+
+def get_dataset(session: Session, *, name: str, field: str | None = None) -> Dataset:
+    """The data set named `name`, or NotFoundError."""
+    dataset = session.scalar(select(Dataset).where(Dataset.name == name))
+    if dataset is None:
+        raise NotFoundError("data set", name, field=field)
+    return dataset
+
+
+def list_datasets(session: Session, *, skip: int, limit: int) -> tuple[Sequence[Dataset], int]:
+    """A page of data sets, by name."""
+    rows = session.scalars(select(Dataset).order_by(Dataset.name).offset(skip).limit(limit)).all()
+    return rows, session.scalar(select(func.count()).select_from(Dataset)) or 0
+
+
+def dataset_in_use_by(session: Session, *, name: str) -> int | None:
+    """The id of a queued or running run that reads the data set (None when none does)."""
+    for run_id, names in session.execute(
+        select(Run.id, Run.datasets).where(Run.status.in_(ACTIVE_RUN_STATUSES), Run.datasets.is_not(None))
+    ):
+        if name in (names or []):
+            return int(run_id)
+    return None
+
+
+def delete_dataset(session: Session, *, name: str) -> Dataset:
+    """Remove a data set's row (never an outside store's files); InUseError while a run reads it.
+    The caller removes the files uploaded for it after the commit."""
+    dataset = get_dataset(session, name=name)
+    run_id = dataset_in_use_by(session, name=name)
+    if run_id is not None:
+        raise InUseError(f"data set {name!r} is read by run {run_id}, which has not finished")
+    session.delete(dataset)
+    return dataset
+
+
+def check_run_datasets(session: Session, *, names: Sequence[str], settings: Settings) -> list[Dataset]:
+    """The data sets a run request names; 422 on `datasets` for an unknown one, or one in S3
+    while the control plane has no credential for S3."""
+    found = []
+    for name in names:
+        dataset = get_dataset(session, name=name, field="datasets")
+        if dataset.url.startswith("s3://") and not (
+            settings.dataset_s3_access_key_id and settings.dataset_s3_secret_access_key
+        ):
+            raise InvalidFieldError(
+                "datasets", f"data set {name!r} is in S3 and the control plane has no credential for it "
+                "(HYBRIDTRAIN_DATASET_S3_ACCESS_KEY_ID, HYBRIDTRAIN_DATASET_S3_SECRET_ACCESS_KEY)")
+        found.append(dataset)
+    return found
+
+
+def run_dataset_access(session: Session, *, run: Run, settings: Settings) -> list[DatasetAccess]:
+    """What the run's roles are handed for each data set it reads (in its launch orders); an
+    uploaded one is read from this control plane with the rank's own token (set per order)."""
+    out = []
+    for name in run.datasets or []:
+        dataset = session.scalar(select(Dataset).where(Dataset.name == name))
+        if dataset is None:
+            continue
+        access = store_access(settings, dataset_id=dataset.id, name=dataset.name, url=dataset.url)
+        if dataset.url == STORE_URL:
+            store_url = f"{settings.public_url.rstrip('/')}/api/v1/runs/{run.id}/datasets/{dataset.name}/files"
+            access = access.model_copy(update={"store_url": store_url})
+        out.append(access)
+    return out
+
+
+def predict_reads(session: Session, *, names: Sequence[str], node_ids: Sequence[int],
+                  at: datetime | None = None) -> list[dict[str, object]]:
+    """Per data set and node of a plan: the bytes its first epoch fetches from the store (each
+    node's cache then holds the data set, so later epochs and runs fetch none; a site cache
+    divides them by the site's nodes) and their egress at the prices in force `at` (now)."""
+    from app.queries.costs import DbPriceLookup, billing_site, dataset_store_site
+
+    at = at or datetime.now(UTC)
+    datasets = [d for d in (session.scalar(select(Dataset).where(Dataset.name == n)) for n in names) if d]
+    nodes = session.scalars(select(Node).where(Node.id.in_(set(node_ids))).options(selectinload(Node.site))).all()
+    if not datasets or not nodes:
+        return []
+    usage = RunUsage(
+        priced_at=at, nodes=[NodeUsage(str(n.id), billing_site(n.site), 0.0) for n in nodes],
+        reads=[StoreRead(dataset_store_site(d), str(n.id), d.size_bytes) for d in datasets for n in nodes],
+    )
+    # Only the reads' egress is asked for here: the nodes' own prices need not exist.
+    bill = compute_bill(usage, DbPriceLookup(session), strict=False)
+    by_store = {dataset_store_site(d).name: d.name for d in datasets}
+    return [{"dataset": by_store[link.src], "node_id": int(link.dst), "bytes": link.bytes,
+             "traffic_class": link.traffic_class.value, "usd": float(link.usd)}
+            for link in bill.egress_by_link if link.src in by_store]
