@@ -129,3 +129,26 @@ def test_a_server_waiting_for_its_workers_ends_within_about_two_seconds_of_sigte
     out = proc.communicate()[0]
     assert code == STOPPED_EXIT_CODE and took < HARD_STOP_S + 0.5, (code, took, out[-2000:])
     assert "stopped: SIGTERM" in out
+
+
+def test_loader_processes_leave_sigterm_to_their_role():
+    # The agent's SIGTERM reaches the role's whole group; a loader process that died of it
+    # failed the role ("DataLoader worker killed by signal") instead of letting it leave.
+    import psutil
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from trainer.loader import make_loader
+
+    data = TensorDataset(torch.arange(64, dtype=torch.float32).unsqueeze(1))
+    batches = make_loader(data, first_step=1, last_step=16, worker=0, batch_sizes=[4], seed=0, workers=2)
+    first = next(batches)
+    children = psutil.Process().children()
+    assert len(children) == 2, children
+    for child in children:
+        child.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+
+    # Every batch still comes (torch's loader raises if one of its processes died).
+    rest = list(batches)
+    assert len(first) == 1 and len(rest) == 15
