@@ -51,19 +51,10 @@ class StopDeadline:
         return None if self.noticed_at is None else time.monotonic() - self.noticed_at
 
 
-_current: StopDeadline | None = None
-
-
-def current() -> StopDeadline | None:
-    """The deadline installed in this process, if any."""
-    return _current
-
-
 def install(on_notice: Callable[[], None], *, soft_s: float = SOFT_STOP_S,
             hard_s: float = HARD_STOP_S) -> StopDeadline:
     """Handle SIGTERM in this (main) thread: call `on_notice` (the graceful stop), then enforce
     the two deadlines above. Returns the deadline's state."""
-    global _current
     deadline = StopDeadline(soft_s=soft_s, hard_s=hard_s)
 
     def on_alarm(signum: int, frame: object) -> None:
@@ -88,7 +79,6 @@ def install(on_notice: Callable[[], None], *, soft_s: float = SOFT_STOP_S,
 
     threading.Thread(target=watchdog, name="stop-watchdog", daemon=True).start()
     signal.signal(signal.SIGTERM, on_term)
-    _current = deadline
     return deadline
 
 
