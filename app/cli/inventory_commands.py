@@ -10,7 +10,9 @@ from typing import Any
 from app.cli.run_commands import (
     EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _connection_args, _guard, _print_json, prediction_table, resolve_cluster,
 )
-from app.cli.run_flags import UsageError, bundle_flag, cluster_ref, ids, task_args_flag, task_flag
+from app.cli.run_flags import (
+    UsageError, add_code_flags, bundle_flag, cluster_ref, code_bundle, ids, task_args_flag, task_flag,
+)
 
 
 def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,7 +26,7 @@ def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name")
     opt.add_argument("--task", default=None, metavar="MOD:FN")
     opt.add_argument("--task-args", default=None, metavar="JSON")
-    opt.add_argument("--bundle", default=None, metavar="SHA256")
+    add_code_flags(opt)
     opt.add_argument("--global-batch", type=int, default=None)
     opt.add_argument("--goal", choices=("cost", "fastest"), default="cost",
                      help="lowest $/1M samples (default) or highest samples/s")
@@ -149,7 +151,6 @@ def _plans_optimize(args: argparse.Namespace) -> int:
         else:
             body["cluster_id"] = args.cluster
         for key, value in [("task", task_flag(args.task)), ("task_args", task_args_flag(args.task_args)),
-                           ("bundle_sha256", bundle_flag(args.bundle)),
                            ("global_batch_size", args.global_batch), ("budget_usd_per_h", args.budget_usd_per_h),
                            ("deadline_s", args.deadline_s), ("max_steps", args.max_steps)]:
             if value is not None:
@@ -160,6 +161,8 @@ def _plans_optimize(args: argparse.Namespace) -> int:
     with _client(args) as client:
         try:
             resolve_cluster(client, body)
+            if (sha256 := code_bundle(client, args)) is not None:
+                body["bundle_sha256"] = sha256
         except UsageError as exc:
             print(f"hybridtrain: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -12,10 +12,13 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from app.cli.inventory_commands import _node_id
+from app.perfmodel.provenance import age_text, input_lines, noise_text, since_s
 from app.cli.run_commands import (
     EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _connection_args, _guard, _print_json, resolve_cluster,
 )
-from app.cli.run_flags import UsageError, bundle_flag, cluster_ref, ids, task_args_flag, task_flag
+from app.cli.run_flags import (
+    UsageError, add_code_flags, bundle_flag, cluster_ref, code_bundle, ids, task_args_flag, task_flag,
+)
 
 # How long a plan waits for its nodes' profiles by default: a profile is 2-4 runs of the
 # profiler, one host at a time, each a few seconds to a minute on a CPU.
@@ -47,7 +50,7 @@ def register_profiles(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name")
     request.add_argument("--task", default=None, metavar="MOD:FN")
     request.add_argument("--task-args", default=None, metavar="JSON")
-    request.add_argument("--bundle", default=None, metavar="SHA256")
+    add_code_flags(request)
     request.add_argument("--batch-size", type=int, default=None, help="default 32")
     request.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None)
     request.add_argument("--wait", action="store_true", help="wait until every profile has ended")
@@ -67,56 +70,10 @@ def add_plan_profile_flags(parser: argparse.ArgumentParser) -> None:
 # -- printing -------------------------------------------------------------------------------------
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "at an unknown time"
-    if seconds < 90:
-        return f"{seconds:.0f} s ago"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min ago"
-    if seconds < 172_800:
-        return f"{seconds / 3600:.1f} h ago"
-    return f"{seconds / 86400:.0f} days ago"
-
-
-def _since(iso: str | None, now: datetime) -> float | None:
-    if not iso:
-        return None
-    when = datetime.fromisoformat(iso)
-    when = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-    return max(0.0, (now - when).total_seconds())
-
-
-def _noise(spread: float | None, repeats: int | None) -> str:
-    if spread is None:
-        return "noise unknown (one run)"
-    runs = f" over {repeats} runs" if repeats else ""
-    return f"±{100 * spread / 2:.1f} % (spread {100 * spread:.1f} %{runs})"
-
-
 def inputs_text(plan: dict[str, Any], *, now: datetime | None = None) -> str:
     """How old and how noisy each input of `plan` is: its nodes' profiles and its links."""
-    now = now or datetime.now(UTC)
-    lines = []
-    for given in plan.get("inputs") or []:
-        rate = given.get("samples_per_s")
-        name = given.get("node_name") or f"node {given['node_id']}"
-        lines.append(
-            f"  profile of {name} (id {given['node_id']}): "
-            f"{'n/a' if rate is None else f'{rate:.1f}'} samples/s {_noise(given.get('spread'), given.get('repeats'))}, "
-            f"measured {_age(given.get('age_s'))} (profile {given['profile_id']})"
-        )
-    seen = set()
-    for link in (plan.get("prediction") or {}).get("links") or []:
-        key = (link["src_node_id"], link["dst_node_id"])
-        if key in seen:
-            continue
-        seen.add(key)
-        source = link.get("source") or "assumed"
-        if source == "measured":
-            source = f"measured {_age(_since(link.get('measured_at'), now))}"
-        lines.append(f"  link {key[0]} -> {key[1]}: {link['mbps']:.0f} Mbit/s, {link['rtt_ms']:.1f} ms ({source})")
-    return "inputs:\n" + "\n".join(lines) if lines else ""
+    lines = input_lines(plan, now=now)
+    return "inputs:\n" + "\n".join(f"  {line}" for line in lines) if lines else ""
 
 
 def profiling_of(answer: dict[str, Any]) -> list[dict[str, Any]]:
@@ -192,10 +149,11 @@ def _task_key_filter(client: Any, args: argparse.Namespace) -> str | None:
 def _profile_line(p: dict[str, Any], now: datetime) -> str:
     rate = "-" if p.get("samples_per_s") is None else f"{p['samples_per_s']:.1f}"
     if p["status"] == "done":
-        state = f"{rate} samples/s {_noise(p.get('spread'), p.get('repeats'))}, measured " \
-                f"{_age(_since(p.get('measured_at'), now))}"
+        by_run = str(p.get("created_by") or "").startswith("run ")
+        state = f"{rate} samples/s {noise_text(p.get('spread'), p.get('repeats'), unit='steps' if by_run else 'runs')}, " \
+                f"measured {age_text(since_s(p.get('measured_at'), now))}" + (f" by {p['created_by']}" if by_run else "")
     elif p["status"] == "pending":
-        state = f"measuring, asked {_age(_since(p.get('created_at'), now))}"
+        state = f"measuring, asked {age_text(since_s(p.get('created_at'), now))}"
     else:
         state = f"failed: {((p.get('error') or '?').strip().splitlines() or ['?'])[-1]}"
     task = p["task"] + (f" {p['task_args']}" if p.get("task_args") else "")
@@ -230,7 +188,7 @@ def _profiles_request(args: argparse.Namespace) -> int:
     try:
         body: dict[str, Any] = {}
         for key, value in [("task", task_flag(args.task)), ("task_args", task_args_flag(args.task_args)),
-                           ("bundle_sha256", bundle_flag(args.bundle)), ("batch_size", args.batch_size),
+                           ("batch_size", args.batch_size),
                            ("device", args.device)]:
             if value is not None:
                 body[key] = value
@@ -245,6 +203,8 @@ def _profiles_request(args: argparse.Namespace) -> int:
                 holder = {"cluster_id": args.cluster}
                 resolve_cluster(client, holder)
                 body["node_ids"] = client.get_cluster(holder["cluster_id"])["node_ids"]
+            if (sha256 := code_bundle(client, args)) is not None:
+                body["bundle_sha256"] = sha256
         except UsageError as exc:
             print(f"hybridtrain: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -195,3 +195,19 @@ def upload(client: Any, packed: Any, workdir: str) -> str:
     print(f"hybridtrain: packed {packed.files} files, {packed.size_bytes / 1e6:.1f} MB, "
           f"sha256 {packed.sha256[:12]}\u2026 ({where})", file=sys.stderr)
     return packed.sha256
+
+
+def add_code_flags(parser: argparse.ArgumentParser) -> None:
+    """`--workdir DIR` or `--bundle SHA256`: the code of a task that is the user's own."""
+    code = parser.add_mutually_exclusive_group()
+    code.add_argument("--workdir", default=None, metavar="DIR",
+                      help="pack DIR (minus .hybridtrainignore / .gitignore) and use that code bundle")
+    code.add_argument("--bundle", default=None, metavar="SHA256", help="a bundle uploaded before")
+    parser.set_defaults(max_bundle_mb=64.0, script=None)
+
+
+def code_bundle(client: Any, args: argparse.Namespace) -> str | None:
+    """The sha256 of `--bundle`, or of `--workdir` packed and uploaded (UsageError for bad ones)."""
+    if args.workdir is None:
+        return bundle_flag(args.bundle)
+    return upload(client, pack(args), args.workdir)

@@ -25,6 +25,7 @@ from app.lifecycle.states import end_run, move, settle_cancel
 from app.models import Run, RunStatus, RunWorker, WorkerStatus
 from app.models.runs import FINISHED_WORKER_STATUSES
 from app.queries.events import record_event
+from app.queries.run_profiles import refresh_profiles
 from hybridtrain.contract import CAUSE_AGENT_STOPPING, EXIT_TOO_FEW_WORKERS, is_ps
 
 DEGRADED = "degraded"
@@ -126,6 +127,9 @@ def rank_exited(
             WorkerStatus.succeeded if exit.clean else WorkerStatus.failed)
         worker.reason = exit.reason
         session.flush()
+        if worker.status == WorkerStatus.succeeded and worker.role == "worker":
+            # A PS worker leaves after its server's goodbye: its last steps are in now.
+            refresh_profiles(session, run=run, now=now)
         # A cancelled run's last rank reported gone: its GPUs are free for the queue.
         settle_cancel(session, run=run, now=now)
         return []

@@ -27,6 +27,7 @@ from app.errors import ConflictError
 from app.models import Run, RunStatus, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import FINISHED_RUN_STATUSES, FINISHED_WORKER_STATUSES
+from app.queries.run_profiles import refresh_profiles
 
 Q, L, R, D, S, C = (RunStatus.queued, RunStatus.launching, RunStatus.running, RunStatus.degraded,
                     RunStatus.restarting, RunStatus.cancelling)
@@ -107,6 +108,9 @@ def end_run(
     run.reason = reason
     if status == RunStatus.succeeded:
         session.flush()
+        # Its measured steps refresh its nodes' profiles; the workers that end after it add theirs
+        # (app.lifecycle.roles.rank_exited).
+        refresh_profiles(session, run=run, now=now)
         return []
     for worker in run.workers:
         if worker.status not in FINISHED_WORKER_STATUSES:

@@ -26,7 +26,7 @@ from app.perfmodel.optimize import Candidate, OptimizeResult, optimize
 from app.perfmodel.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict, predict_costs
 from app.planner import Plan, PlanNode
 from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
-from app.queries.profiles import latest_profiles, task_key
+from app.queries.profiles import SCRIPT_PREFIX, latest_profiles, task_key
 from app.schemas.runs import CompressionOptions
 from hybridtrain.contract import VALUE_BYTES, is_ps
 
@@ -99,6 +99,8 @@ def model_inputs(
     missing = [n for n in nodes if not usable_profile(profiles.get(n.id))]
     if missing:
         names = ", ".join(f"{n.name} (id {n.id})" for n in missing)
+        if task.startswith(SCRIPT_PREFIX):
+            return script_unmeasured(task.removeprefix(SCRIPT_PREFIX), task_args, names, [n.id for n in missing])
         return (f"no finished profile of {task} with the model's inputs on node(s) {names}; "
                 f"measure it with {_profile_call(task, task_args, bundle_sha256, [n.id for n in missing])} "
                 f"(or plan with \"profile_missing\": true)")
@@ -118,6 +120,18 @@ def model_inputs(
         at=at or datetime.now(UTC),
         max_steps=max_steps,
     )
+
+
+def script_unmeasured(script: str, args: dict[str, Any], names: str, node_ids: list[int]) -> str:
+    """Why a script has no prediction yet, and the run that gets it one."""
+    script_args = " ".join(args.get("script_args") or [])
+    return (f"no measured step of script {script} (this code, these arguments) on node(s) {names}: a script "
+            "is its own training loop, which the profiler cannot run a step at a time, so it is measured by "
+            "running it: a short run of it on these nodes (e.g. `hybridtrain runs create --name measure "
+            f"--nodes {','.join(map(str, node_ids))} --workdir . --script {script} --max-steps 30"
+            f"{' -- ' + script_args if script_args else ''}`, under the default strategy, whose server reports the "
+            "model's size) makes each worker's measured steps its node's "
+            "profile, and the next plan predicts from them")
 
 
 def usable_profile(profile: Any) -> bool:

@@ -21,6 +21,8 @@ from hybridtrain.contract import check_metric_name, check_task_ref
 
 MAX_TASK_ARGS_CHARS = 16_384
 MAX_ERROR_CHARS = 4000
+# The task of the profiles a script run's measurements make (app.queries.run_profiles).
+SCRIPT_PREFIX = "script:"
 
 
 def task_key(task: str, task_args: dict[str, Any] | None, bundle_sha256: str | None) -> str:
@@ -30,6 +32,16 @@ def task_key(task: str, task_args: dict[str, Any] | None, bundle_sha256: str | N
         sort_keys=True, separators=(",", ":"), ensure_ascii=True,
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def profiled_as(
+    *, task: str, task_args: dict[str, Any] | None, script: str | None, script_args: list[str] | None
+) -> tuple[str, dict[str, Any]]:
+    """What a run's profiles are filed under: its task and arguments, or, for a script run,
+    `script:PATH` and the script's arguments (a script is measured by running it)."""
+    if script is None:
+        return task, task_args or {}
+    return f"{SCRIPT_PREFIX}{script}", {"script_args": list(script_args or [])}
 
 
 def latest_profiles(

@@ -29,12 +29,6 @@ PENDING_LOST_AFTER = timedelta(minutes=30)
 FAILED_RETRY_AFTER = timedelta(minutes=10)
 # The batch a plan's profiles measure (as POST /tasks/profiles defaults to).
 PROFILE_BATCH = 32
-SCRIPT_UNPROFILED = (
-    "a script run (--script) gets no prediction: the profiler measures a task's training step "
-    "(a hybridtrain.Task: model, data, loss, optimizer), and a script is its own training loop, "
-    "which cannot be run one step at a time; the plan's batch split is the nodes' GPU speeds. "
-    "Write the model as a task (docs/user-guide.md) to get predicted numbers"
-)
 
 
 @dataclass(frozen=True)

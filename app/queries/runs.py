@@ -21,8 +21,7 @@ from app.planner import GpuSpec, Plan, PlanError, PlanNode, plan_run
 from app.queries.bundles import get_bundle
 from app.queries.common import paginate
 from app.queries import predictions
-from app.queries.profiles import latest_profiles
-from app.queries.profiling import SCRIPT_UNPROFILED
+from app.queries.profiles import latest_profiles, profiled_as
 from app.schemas.runs import RunCreate
 from app.run_secrets import METRICS_TOKEN_PREFIX, run_metrics_token
 from app.security import hash_secret, new_secret
@@ -92,6 +91,9 @@ class ProfileInput:
     spread: float | None
     repeats: int | None
     measured_at: datetime | None
+    # "profile" (the agent's profiler) or "run" (a finished run's measured steps), and which run.
+    source: str = "profile"
+    run_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -112,24 +114,30 @@ class TaskFacts:
 
 
 def task_facts(session: Session, *, data: RunCreate, node_ids: Sequence[int]) -> TaskFacts | None:
-    """The newest finished profile of the run's task on each node, summed up; None for a
-    script run or a task no node has profiled."""
-    if data.script is not None:
-        return None
+    """The newest finished profile of the run's task (or script) on each node, summed up; None
+    when no node has one."""
     profiles = latest_profiles(session, task_key=data.task_key, node_ids=node_ids)
     if not profiles:
         return None
     known = sorted(profiles.values(), key=lambda p: (p.measured_at or _EPOCH, p.id), reverse=True)
     return TaskFacts(
-        ref=data.task,
+        ref=known[0].task,
         params=next((p.params for p in known if p.params is not None), None),
         train_samples=next((p.train_samples for p in known if p.train_samples), None),
         speeds={node: p.samples_per_s for node, p in profiles.items() if p.samples_per_s},
         inputs=tuple(
-            ProfileInput(node, p.id, p.samples_per_s, p.spread, p.repeats, p.measured_at)
+            ProfileInput(node, p.id, p.samples_per_s, p.spread, p.repeats, p.measured_at,
+                         *_source(p))
             for node, p in sorted(profiles.items())
         ),
     )
+
+
+def _source(profile: Any) -> tuple[str, int | None]:
+    result = profile.result or {}
+    if result.get("source") == "run":
+        return "run", result.get("run_id")
+    return "profile", None
 
 
 def load_plan_nodes(
@@ -197,11 +205,11 @@ def make_planned(session: Session, *, data: RunCreate) -> Planned:
             raise InvalidFieldError(exc.field, exc.message) from exc
 
     plan = planned(plan_node(ps_node) if ps_node else None)
-    if data.script is not None:
-        return Planned(plan, facts, None, SCRIPT_UNPROFILED)
+    ref, args = profiled_as(task=data.task, task_args=data.task_args, script=data.script,
+                            script_args=data.script_args)
     inputs = predictions.model_inputs(
         session, nodes=list({n.id: n for n in [*nodes, *([ps_node] if ps_node else [])]}.values()),
-        task=data.task, task_args=data.task_args, bundle_sha256=data.bundle_sha256,
+        task=ref, task_args=args, bundle_sha256=data.bundle_sha256,
         compression=data.compression, eval_every=data.eval_every,
         max_steps=data.steps(facts.train_samples if facts else None),
     )

@@ -129,6 +129,9 @@ class ProfileInputPublic(PublicSchema):
     repeats: int | None
     measured_at: datetime | None
     age_s: float | None
+    source: str = Field(default="profile", description='"profile": the agent\'s profiler; "run": a finished '
+                        "run's measured steps (spread over its steps, repeats the steps counted)")
+    run_id: int | None = Field(default=None, description="the run whose steps measured it (source run)")
 
 
 class PlanWithPrediction(PlanPublic):

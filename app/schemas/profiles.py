@@ -76,8 +76,10 @@ class TaskProfilePublic(PublicSchema):
     samples_per_s: float | None
     step_s: float | None
     spread: float | None = Field(
-        default=None, description="(max - min) / median samples/s of the runs kept; null: one run")
-    repeats: int | None = Field(default=None, description="how many times the agent ran the profiler")
+        default=None, description="(max - min) / median samples/s of the runs kept; null: one run; from a run "
+                                  "(created_by \"run N\"): (p90 - p10) / median samples/s of its steps")
+    repeats: int | None = Field(default=None, description="how many times the agent ran the profiler (from a run: "
+                                                          "the steps counted)")
     metrics: dict[str, bool] | None
     result: dict[str, Any] | None = Field(
         default=None, description="everything the profiler measured (the performance model's inputs)")

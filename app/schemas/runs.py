@@ -269,9 +269,11 @@ class RunCreate(Schema):
     @property
     def task_key(self) -> str:
         """What task profiles of this run's code, task and arguments are filed under."""
-        from app.queries.profiles import task_key
+        from app.queries.profiles import profiled_as, task_key
 
-        return task_key(self.task, self.task_args, self.bundle_sha256)
+        ref, args = profiled_as(task=self.task, task_args=self.task_args, script=self.script,
+                                script_args=self.script_args)
+        return task_key(ref, args, self.bundle_sha256)
 
     def steps(self, train_samples: int | None = None) -> int | None:
         """max_steps; or the steps `epochs` take over `train_samples` (None when the number of

@@ -17,6 +17,7 @@ from starlette.datastructures import FormData
 from app.errors import ConflictError, HybridtrainError
 from app.schemas.predictions import OptimizeRequest, OptimizeResultPublic, PlanWithPrediction
 from app.schemas.runs import RunCreate
+from app.perfmodel.provenance import input_lines
 from app.web import forms
 from hybridtrain.contract import DEFAULT_TASK, is_ps
 
@@ -191,7 +192,11 @@ def prediction_rows(plans: list[PlanWithPrediction]) -> dict[str, Any]:
     if heavy:
         callout = (f"Egress is over a third of the bill for {', '.join(heavy)}: moving the server or "
                    "leaving out a remote site may cost less (try Suggest).")
-    return {"predictions": rows, "egress_callout": callout, "predictions_unavailable": unavailable}
+    # Every strategy rests on the same profiles and links: the first plan's say how old and
+    # how noisy they are, and whether a profile is the profiler's or a run's measured steps.
+    inputs = input_lines(plans[0].model_dump(mode="json")) if plans else []
+    return {"predictions": rows, "egress_callout": callout, "predictions_unavailable": unavailable,
+            "inputs": inputs}
 
 
 def optimize_request(values: dict[str, Any]) -> tuple[OptimizeRequest | None, dict[str, str]]:

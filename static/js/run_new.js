@@ -51,6 +51,7 @@
     if (!json.predictions || !json.predictions.length) {
       var why = json.predictions_unavailable;
       if (why) predictionBody.appendChild(el("p", { "class": "small muted", "id": "prediction-unavailable" }, "No prediction: " + why));
+      renderInputs(json);
       return;
     }
     predictionBody.appendChild(el("h3", {}, "Predicted, per strategy"));
@@ -90,6 +91,16 @@
     if (json.egress_callout) {
       predictionBody.appendChild(el("p", { "class": "flash flash-info", "id": "egress-callout", "role": "note" }, json.egress_callout));
     }
+    renderInputs(json);
+  }
+
+  // What the numbers rest on: each node's profile (how old, how noisy, profiler or a run) and each link.
+  function renderInputs(json) {
+    if (!json.inputs || !json.inputs.length) return;
+    var list = el("ul", { "class": "small muted", "id": "prediction-inputs" });
+    json.inputs.forEach(function (line) { list.appendChild(el("li", {}, line)); });
+    predictionBody.appendChild(el("h4", {}, "Inputs"));
+    predictionBody.appendChild(list);
   }
 
   function renderErrors(errors) {

@@ -99,7 +99,7 @@ def test_without_profile_missing_a_plan_orders_nothing(client, online_node, sess
     assert _profiles(session, node.id) == [] and dispatched.take(node.id) == []
 
 
-def test_a_script_plan_says_it_cannot_be_profiled_and_orders_nothing(client, online_node, session, dispatched):
+def test_a_script_plan_says_how_it_is_measured_and_orders_nothing(client, online_node, session, dispatched):
     node = online_node()
     sha, _ = upload_bundle(client)
     response = client.post(f"{API}/runs/plan", json=run_body(
@@ -107,8 +107,8 @@ def test_a_script_plan_says_it_cannot_be_profiled_and_orders_nothing(client, onl
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["prediction"] is None and body["profiling"] == []
-    assert body["prediction_unavailable"].startswith("a script run (--script) gets no prediction")
-    assert "write the model as a task" in body["prediction_unavailable"].lower()
+    assert body["prediction_unavailable"].startswith("no measured step of script train.py")
+    assert "a short run of it on these nodes" in body["prediction_unavailable"]
     assert _profiles(session, node.id) == []
 
 

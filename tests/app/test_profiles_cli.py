@@ -79,8 +79,9 @@ def test_a_script_plan_says_once_why_it_has_no_numbers(server, online_node, disp
     code, out, err = _cli(capsys, "runs", "create", "--name", "p", "--nodes", str(node.id), *server,
                           "--workdir", str(tmp_path), "--script", "train.py", "--plan-only", "--all-strategies")
     assert code == 0, err
-    reasons = [line for line in out.splitlines() if "gets no prediction" in line]
-    assert reasons == [reasons[0]] and reasons[0].startswith("every strategy: a script run (--script)")
+    reasons = [line for line in out.splitlines() if "no measured step of script" in line]
+    assert reasons == [reasons[0]] and reasons[0].startswith("every strategy: no measured step of script train.py")
+    assert f"--nodes {node.id} --workdir . --script train.py --max-steps 30`" in reasons[0]
     assert "profiling" not in err and dispatched.take(node.id) == []
 
 
@@ -133,3 +134,20 @@ def test_profiles_list_filters_by_node_name_and_task(server, online_node, sessio
 def test_profiles_list_refuses_task_args_without_a_task(server, capsys):
     code, _, err = _cli(capsys, "profiles", "list", "--task-args", "{}", *server)
     assert code == 2 and "give --task too" in err
+
+
+def test_profiles_request_and_plans_optimize_pack_a_work_dir_as_runs_create_does(
+    server, online_node, dispatched, agents_report, tmp_path, capsys
+):
+    node = online_node()
+    agents_report[0].append(node)
+    (tmp_path / "mytask.py").write_text("def task(): ...\n")
+    code, out, err = _cli(capsys, "profiles", "request", "--nodes", str(node.id), "--workdir", str(tmp_path),
+                          "--task", "mytask:task", *server, "--wait", "--json")
+    assert code == 0, err
+    [profile] = json.loads(out)
+    assert "packed 1 files" in err and profile["bundle_sha256"] and profile["status"] == "done"
+    code, out, err = _cli(capsys, "plans", "optimize", "--nodes", str(node.id), "--workdir", str(tmp_path),
+                          "--task", "mytask:task", "--global-batch", "64", *server)
+    assert code == 0, err
+    assert "(already on the server)" in err and "profiling" not in err and "inputs:" in out

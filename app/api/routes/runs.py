@@ -126,6 +126,7 @@ def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[di
     inputs = [
         {"node_id": i.node_id, "node_name": names.get(i.node_id), "profile_id": i.profile_id,
          "samples_per_s": i.samples_per_s, "spread": i.spread, "repeats": i.repeats, "measured_at": i.measured_at,
+         "source": i.source, "run_id": i.run_id,
          "age_s": None if i.measured_at is None else max(0.0, (now - _aware(i.measured_at)).total_seconds())}
         for i in (facts.inputs if facts else ())
     ]

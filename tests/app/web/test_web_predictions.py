@@ -43,6 +43,15 @@ def test_preview_gives_every_strategys_prediction_and_calls_out_heavy_egress(adm
     assert "ps (" in body["egress_callout"]
 
 
+def test_preview_says_how_old_and_noisy_each_input_is_and_where_it_comes_from(admin_page: PageClient, hybrid) -> None:
+    admin_page.get("/runs/new")
+    body = admin_page.post("/runs/plan", form(hybrid)).json()
+    profiles = [line for line in body["inputs"] if line.startswith("profile of ")]
+    assert len(profiles) == len(hybrid)
+    assert all("samples/s" in line and " ago by the profiler (profile " in line for line in profiles)
+    assert any(line.startswith("link ") for line in body["inputs"])
+
+
 def test_preview_without_profiles_says_why_there_is_no_prediction(admin_page: PageClient, online_node) -> None:
     admin_page.get("/runs/new")
     body = admin_page.post("/runs/plan", form([online_node()])).json()
