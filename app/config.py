@@ -114,6 +114,11 @@ class Settings(BaseSettings):
     # After a PS run's server succeeded, its workers get this long to end by themselves
     # before the stragglers are cancelled.
     finish_grace_s: float = Field(default=60.0, ge=0)
+    # A cancelled run reads `cancelling`, its GPUs held, until its agents report every role
+    # gone; past this, its unreported ranks count as gone and their online nodes are drained
+    # for someone to check (the roles outlive SIGTERM by about 2 s, the agent's SIGKILL by
+    # its kill grace, 10 s).
+    cancel_timeout_s: float = Field(default=60.0, gt=0)
 
     # Addresses (IPs or CIDRs, comma-separated) of the TLS proxies in front of this control
     # plane: only their X-Forwarded-Proto/-For are believed, for the scheme (Secure cookies)

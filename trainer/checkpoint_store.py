@@ -92,6 +92,8 @@ class Uploader:
         self.url, self.token = url, token
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.uploaded: list[int] = []
+        # Steps the store refused for good (a 4xx: the run has ended, the file is too large).
+        self.refused: list[int] = []
         self._queue: queue.Queue[tuple[int, Path] | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -137,6 +139,7 @@ class Uploader:
                 if 400 <= code < 500 and code not in (408, 429):
                     print(f"[checkpoint] upload of step {step} refused ({code}): {exc.response.text[:200]}",
                           file=sys.stderr, flush=True)
+                    self.refused.append(step)
                     return
                 why = f"HTTP {code}"
             except httpx.HTTPError as exc:
@@ -146,14 +149,16 @@ class Uploader:
             delay = min(self.max_backoff_s, delay * 2)
 
     def close(self, deadline_s: float = 60.0) -> bool:
-        """Wait up to `deadline_s` for pending uploads; True if everything was stored."""
+        """Wait up to `deadline_s` for pending uploads; True if everything was stored (the
+        newest checkpoint submitted is in the store, not refused)."""
         done = self._idle.wait(deadline_s)
         self._stop = True
         self._queue.put(None)
         if not done:
             print(f"[checkpoint] an upload to {self.url} was still pending after {deadline_s:.0f} s; the file "
                   "stays in the checkpoint directory", file=sys.stderr, flush=True)
-        return done
+        last_refused = bool(self.refused) and (not self.uploaded or self.refused[-1] > self.uploaded[-1])
+        return done and not last_refused
 
 
 def load_latest(cfg) -> dict | None:

@@ -11,6 +11,7 @@ worker's slices, with prefetch and, on CUDA, pinned memory.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
@@ -140,7 +141,15 @@ def make_loader(
     sampler = StepSampler(first_step, last_step, worker, batch_sizes, len(dataset), seed, dataset_order(dataset))
     return iter(DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                            pin_memory=pin_memory, prefetch_factor=2 if workers else None,
-                           persistent_workers=False))
+                           persistent_workers=False, worker_init_fn=ignore_sigterm if workers else None))
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """A loader process leaves SIGTERM to its role: the agent's SIGTERM reaches the role's whole
+    process group, and a loader process dying of it would fail the role ("DataLoader worker
+    killed by signal") instead of letting it leave at its step boundary. It ends with the role
+    (torch's loader stops its processes; the agent's SIGKILL sweeps the group after)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _take(it: Iterator[Any], n: int) -> Iterator[Any]:

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import runpy
-import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 
 from hybridtrain.contract import EXIT_TOO_FEW_WORKERS
 from hybridtrain.task import TaskError, load_task
+from trainer import stopping
 from trainer.config import TrainConfig
 from trainer.frames import ProtocolError
 from trainer.linktls import LinkTls
@@ -57,8 +57,9 @@ def _serve(cfg: TrainConfig, spec: RoleSpec) -> None:
         state = load_latest(cfg) if cfg.resume else None
         if state is not None:
             server.resume(state)
-        # A spot notice: checkpoint at the next step boundary, then stop with the reason.
-        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "preempted", True))
+        # A cancel or a spot notice: checkpoint at the next step boundary, then stop with the
+        # reason; within trainer.stopping's deadline in any case.
+        stopping.install(lambda: setattr(server, "preempted", True))
         server.serve()
     finally:
         if transport is not None:
@@ -91,8 +92,9 @@ def _work(cfg: TrainConfig, spec: RoleSpec) -> None:
                          master_addr=spec.master_addr, master_port=spec.master_port,
                          fail_at_step=spec.fail_at_step)
     if cfg.is_ps:
-        # A spot notice (the agent forwards SIGTERM): leave at the next step boundary.
-        signal.signal(signal.SIGTERM, lambda *_: ctx.request_leave())
+        # A cancel or a spot notice (the agent forwards SIGTERM): leave at the next step
+        # boundary, within trainer.stopping's deadline in any case.
+        stopping.install(ctx.request_leave)
     try:
         if task is not None:
             from trainer.taskloop import run_task
@@ -129,10 +131,16 @@ def run_role(cfg: TrainConfig, spec: RoleSpec) -> int:
     """Run `spec.role`; returns the exit status (0 on success) and says why on failure."""
     name = f"{spec.role} rank {spec.rank}"
     try:
-        if spec.role == "ps":
-            _serve(cfg, spec)
-        else:
-            _work(cfg, spec)
+        try:
+            if spec.role == "ps":
+                _serve(cfg, spec)
+            else:
+                _work(cfg, spec)
+        finally:
+            stopping.disarm()
+    except stopping.Stopped as exc:
+        print(f"[{name}] stopped: {exc}", file=sys.stderr, flush=True)
+        return stopping.STOPPED_EXIT_CODE
     except KeyboardInterrupt:
         print(f"[{name}] interrupted", file=sys.stderr, flush=True)
         return 130

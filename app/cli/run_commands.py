@@ -5,6 +5,8 @@
 Exit status: 0 success; 1 the run failed or was cancelled (`runs create --wait`), or the
 control plane refused the request; 2 bad usage; 3 `--wait` timed out; 4 unreachable (for
 `--wait`: for longer than `--retry-for`); 130 Ctrl-C while waiting (the run goes on).
+`runs cancel --wait` returns 0 once the run reads `cancelled` (its agents reported every role
+gone), 3 if it still reads `cancelling` after `--timeout`.
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     _connection_args(cancel)
     cancel.add_argument("run_id", type=int)
     cancel.add_argument("--reason", default=None)
+    cancel.add_argument("--wait", action="store_true",
+                        help="wait until the run reads cancelled: every role of it gone from its nodes")
+    cancel.add_argument("--timeout", type=float, default=120.0, help="seconds to --wait at most")
     cancel.set_defaults(func=_runs_cancel)
 
     metrics = runs_sub.add_parser("metrics", help="a run's metric series as JSON (or CSV)")
@@ -361,9 +366,21 @@ def _runs_list(args: argparse.Namespace) -> int:
 
 @_guard
 def _runs_cancel(args: argparse.Namespace) -> int:
+    from app.cli.client import RunTimeout
+
     with _client(args) as client:
         run = client.cancel_run(args.run_id, reason=args.reason)
-    print(f"hybridtrain: {_describe(run)}", file=sys.stderr)
+        print(f"hybridtrain: {_describe(run)}", file=sys.stderr)
+        if args.wait and not run["status"] == "cancelled":
+            try:
+                # A cancelling run's roles stop within seconds: poll often.
+                run = client.wait_for_run(
+                    run["id"], timeout_s=args.timeout, poll_s=0.5,
+                    on_change=lambda r: print(f"hybridtrain: {_describe(r)}", file=sys.stderr),
+                )
+            except RunTimeout as exc:
+                print(f"hybridtrain: {exc}", file=sys.stderr)
+                return EXIT_TIMEOUT
     _print_json(run)
     return 0
 

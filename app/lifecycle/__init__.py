@@ -21,7 +21,7 @@ from app.lifecycle.membership import add_nodes
 from app.lifecycle.rejoin import rejoin_node
 from app.lifecycle.roles import Exit, rank_exited, rank_lost, rank_started
 from app.lifecycle.schedule import QueueView, queue_view, start_queued
-from app.lifecycle.states import TRANSITIONS, IllegalTransition, can_move, end_run, move
+from app.lifecycle.states import TRANSITIONS, IllegalTransition, begin_cancel, can_move, end_run, move, settle_cancel
 from app.models import Run, RunStatus
 from app.queries.runs import get_run
 
@@ -31,6 +31,7 @@ __all__ = [
     "QueueView",
     "IllegalTransition",
     "add_nodes",
+    "begin_cancel",
     "can_move",
     "cancel_run",
     "cancel_stragglers",
@@ -47,13 +48,17 @@ __all__ = [
     "release_held",
     "resend_unacknowledged",
     "run_state_lock",
+    "settle_cancel",
     "start_queued",
 ]
 
 
 def cancel_run(session: Session, *, run_id: int, reason: str) -> tuple[Run, list[CancelOrder]]:
-    """Cancel an active run; ConflictError if it has already ended."""
+    """Cancel an active run (`states.begin_cancel`); ConflictError if it has already ended or
+    is being cancelled."""
     run = get_run(session, run_id=run_id, lock=True)
     if run.status.finished:
         raise ConflictError(f"run {run.id} has already ended ({run.status}); nothing to cancel")
-    return run, end_run(session, run=run, status=RunStatus.cancelled, reason=reason)
+    if run.status == RunStatus.cancelling:
+        raise ConflictError(f"run {run.id} is already being cancelled: its agents are stopping its roles")
+    return run, begin_cancel(session, run=run, reason=reason)

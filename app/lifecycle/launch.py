@@ -80,7 +80,7 @@ def resend_unacknowledged(
         select(RunWorker.run_id)
         .join(Run, Run.id == RunWorker.run_id)
         .where(
-            Run.status.in_(ACTIVE_RUN_STATUSES - {RunStatus.queued}),
+            Run.status.in_(ACTIVE_RUN_STATUSES - {RunStatus.queued, RunStatus.cancelling}),
             RunWorker.status == WorkerStatus.launched,
             RunWorker.ordered_at < cutoff,
         )
@@ -89,7 +89,7 @@ def resend_unacknowledged(
     orders: list[LaunchOrder] = []
     for run_id in run_ids:
         run = get_run(session, run_id=run_id, lock=True)
-        if run.status.finished:
+        if run.status.over:
             continue
         late = [w for w in run.workers if w.status == WorkerStatus.launched
                 and w.ordered_at is not None and w.ordered_at < cutoff and w.node_id is not None]
@@ -124,7 +124,7 @@ def release_held(session: Session, *, run: Run, settings: Settings, port: int | 
 
     An agent that names no port (one that does not pick) listens on the one it was given.
     """
-    if run.status.finished or run.status in TRAINING:
+    if run.status.over or run.status in TRAINING:
         return []
     now = now or utcnow()
     if port is not None:

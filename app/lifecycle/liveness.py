@@ -15,13 +15,17 @@ from app.dispatch import Order
 from app.lifecycle.launch import TRAINING, WAITING, resend_unacknowledged
 from app.lifecycle.roles import rank_lost
 from app.lifecycle.schedule import start_queued
-from app.lifecycle.states import cancel_orders, end_run
+from app.lifecycle.states import cancel_orders, end_run, settle_cancel
 from app.models import Node, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES, FINISHED_WORKER_STATUSES
+from app.queries.events import record_event
 from app.queries.runs import get_run
 
 log = logging.getLogger(__name__)
+
+# The run event of a rank whose end its agent never reported after a cancel.
+CANCEL_TIMEOUT = "cancel_timeout"
 
 
 def check_liveness(session: Session, *, settings: Settings, now: datetime | None = None) -> list[Order]:
@@ -33,7 +37,9 @@ def check_liveness(session: Session, *, settings: Settings, now: datetime | None
        fail, naming them; a worker that never joined a training run is lost instead.
     3. Launch orders unanswered for `launch_resend_s` are sent again.
     4. Ranks still running `finish_grace_s` after their run succeeded are stopped.
-    5. Queued runs whose GPUs are free start (a safety net: ending a run starts them at once).
+    5. Runs `cancelling` for `cancel_timeout_s` end `cancelled`; the online nodes of the
+       ranks whose end was never reported are drained, said in the run's events.
+    6. Queued runs whose GPUs are free start (a safety net: ending a run starts them at once).
     """
     now = now or utcnow()
     orders: list[Order] = []
@@ -41,6 +47,7 @@ def check_liveness(session: Session, *, settings: Settings, now: datetime | None
     orders += _late_launches(session, settings=settings, now=now)
     orders += resend_unacknowledged(session, settings=settings, now=now)
     orders += cancel_stragglers(session, grace_s=settings.finish_grace_s, now=now)
+    cancel_timeouts(session, timeout_s=settings.cancel_timeout_s, now=now)
     orders += start_queued(session, settings=settings, now=now)
     session.flush()
     return orders
@@ -96,7 +103,7 @@ def _late_launches(session: Session, *, settings: Settings, now: datetime) -> li
     cutoff = now - timedelta(seconds=timeout)
     candidates = session.scalars(
         select(Run.id).join(RunWorker, RunWorker.run_id == Run.id).where(
-            Run.status.in_(ACTIVE_RUN_STATUSES - {RunStatus.queued}),
+            Run.status.in_(ACTIVE_RUN_STATUSES - {RunStatus.queued, RunStatus.cancelling}),
             RunWorker.status.in_(WAITING),
             Run.launched_at < cutoff,
         ).distinct()
@@ -112,7 +119,7 @@ def _late_launches(session: Session, *, settings: Settings, now: datetime) -> li
                     orders += rank_lost(session, run=run, worker=worker, reason=reason, settings=settings,
                                         now=now, rejoins=False)
             continue
-        if run.status.finished or run.launched_at is None or run.launched_at >= cutoff:
+        if run.status.over or run.launched_at is None or run.launched_at >= cutoff:
             continue
         waiting = [w for w in run.workers if w.status in WAITING]
         if not waiting:
@@ -123,6 +130,44 @@ def _late_launches(session: Session, *, settings: Settings, now: datetime) -> li
         )
         orders += end_run(session, run=run, status=RunStatus.failed, reason=reason, now=now)
     return orders
+
+
+def cancel_timeouts(session: Session, *, timeout_s: float, now: datetime | None = None) -> list[int]:
+    """End the runs `cancelling` for `timeout_s` as `cancelled`; returns their ids.
+
+    A rank whose end no agent reported by then counts as gone, and its node, if online, is
+    drained: its processes may still hold the GPU, so it takes no run until someone checks
+    it and undrains it (`hybridtrain nodes undrain`). An offline node takes none anyway.
+    """
+    now = now or utcnow()
+    run_ids = session.scalars(
+        select(Run.id).where(Run.status == RunStatus.cancelling,
+                             Run.cancel_requested_at < now - timedelta(seconds=timeout_s))
+    ).all()
+    for run_id in run_ids:
+        run = get_run(session, run_id=run_id, lock=True)
+        if run.status != RunStatus.cancelling:
+            continue
+        for worker in run.workers:
+            if worker.status in FINISHED_WORKER_STATUSES:
+                continue
+            node = session.get(Node, worker.node_id) if worker.node_id is not None else None
+            drained = node is not None and node.status == NodeStatus.online
+            if drained:
+                node.status = NodeStatus.draining
+            where = node.name if node is not None else worker.node_name
+            detail = (f"node {where} did not report rank {worker.rank} ({worker.role}) gone within "
+                      f"{timeout_s:.0f} s of the cancel"
+                      + ("; the node is drained until someone checks it for leftover processes "
+                         f"and undrains it (hybridtrain nodes undrain {node.id})" if drained and node else ""))
+            log.warning("run %s: %s", run.id, detail)
+            worker.status = WorkerStatus.cancelled
+            worker.finished_at = now
+            worker.reason = worker.reason or detail
+            record_event(session, run=run, kind=CANCEL_TIMEOUT, subject=worker.rank, node_id=worker.node_id,
+                         detail=detail, t=now)
+        settle_cancel(session, run=run, now=now)
+    return list(run_ids)
 
 
 def cancel_stragglers(session: Session, *, grace_s: float, now: datetime | None = None) -> list[Order]:

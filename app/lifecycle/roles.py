@@ -21,7 +21,7 @@ from app.dispatch import Order
 from app.lifecycle.launch import TRAINING, WAITING
 from app.lifecycle.rejoin import rejoin
 from app.lifecycle.restart import restart_or_fail
-from app.lifecycle.states import end_run, move
+from app.lifecycle.states import end_run, move, settle_cancel
 from app.models import Run, RunStatus, RunWorker, WorkerStatus
 from app.models.runs import FINISHED_WORKER_STATUSES
 from app.queries.events import record_event
@@ -64,6 +64,8 @@ def rank_started(
 ) -> str | None:
     """Record a rank's start; returns why the role must stop instead (its run has ended, or
     it is a process of an attempt the run has restarted from)."""
+    if run.status == RunStatus.cancelling:
+        return run.reason or f"run {run.id} is being cancelled"
     if run.status.finished:
         return f"run {run.id} has {run.status}"
     if attempt is not None and attempt < run.restarts:
@@ -120,7 +122,7 @@ def rank_exited(
         session.flush()
         return []
     worker.finished_at = now
-    if run.status.finished:
+    if run.status.over:
         worker.status = WorkerStatus.cancelled if exit.cancelled else (
             WorkerStatus.succeeded if exit.clean else WorkerStatus.failed)
         worker.reason = exit.reason
@@ -128,6 +130,8 @@ def rank_exited(
         if worker.status == WorkerStatus.succeeded and worker.role == "worker":
             # A PS worker leaves after its server's goodbye: its last steps are in now.
             refresh_profiles(session, run=run, now=now)
+        # A cancelled run's last rank reported gone: its GPUs are free for the queue.
+        settle_cancel(session, run=run, now=now)
         return []
     where = f"on node {node_name}"
     if exit.clean and not _serves(run, worker) and (exit.cancelled or exit.reason or exit.cause == CAUSE_AGENT_STOPPING):
@@ -182,9 +186,17 @@ def rank_lost(
     does not: its node did not take the order)."""
     if worker.status in FINISHED_WORKER_STATUSES or run.status.finished:
         return []
-    worker.status = WorkerStatus.failed
     worker.finished_at = now
     worker.reason = reason
+    if run.status == RunStatus.cancelling:
+        # Gone with its agent or its node (whose guard ends the role with the agent): nothing
+        # of the run is left to stop there.
+        worker.status = WorkerStatus.cancelled
+        record_event(session, run=run, kind=ROLE_EXITED, subject=worker.rank, node_id=worker.node_id,
+                     detail=reason, t=now)
+        settle_cancel(session, run=run, now=now)
+        return []
+    worker.status = WorkerStatus.failed
     record_event(session, run=run, kind=ROLE_EXITED, subject=worker.rank, node_id=worker.node_id,
                  detail=reason, t=now)
     return lose(session, run=run, worker=worker, cause=reason, settings=settings, now=now, rejoins=rejoins)

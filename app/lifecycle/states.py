@@ -6,9 +6,13 @@
                         ▼
                    restarting ─► running | degraded | restarting (another attempt)
     every active state ─► succeeded | failed | cancelled   (final: no move out)
+    launching | running | degraded | restarting ─► cancelling ─► cancelled
 
 `queued` may skip `launching` (a fast agent reports its start before the launch is recorded);
 `restarting` never goes back to `launching`: its ranks' starts bring it to `running`.
+A cancelled queued run has nothing to stop and is `cancelled` at once; a launched one is
+`cancelling`, its GPUs still held, until its agents report every rank gone (`settle_cancel`)
+or the liveness pass gives up on them (`cancel_timeout_s`).
 """
 
 from __future__ import annotations
@@ -25,16 +29,17 @@ from app.models.base import utcnow
 from app.models.runs import FINISHED_RUN_STATUSES, FINISHED_WORKER_STATUSES
 from app.queries.run_profiles import refresh_profiles
 
-Q, L, R, D, S = (RunStatus.queued, RunStatus.launching, RunStatus.running, RunStatus.degraded,
-                 RunStatus.restarting)
+Q, L, R, D, S, C = (RunStatus.queued, RunStatus.launching, RunStatus.running, RunStatus.degraded,
+                    RunStatus.restarting, RunStatus.cancelling)
 _ENDS = FINISHED_RUN_STATUSES
 
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     Q: frozenset({L, R, D, S, *_ENDS}),
-    L: frozenset({R, D, S, *_ENDS}),
-    R: frozenset({D, S, *_ENDS}),
-    D: frozenset({R, S, *_ENDS}),
-    S: frozenset({R, D, S, *_ENDS}),
+    L: frozenset({R, D, S, C, *_ENDS}),
+    R: frozenset({D, S, C, *_ENDS}),
+    D: frozenset({R, S, C, *_ENDS}),
+    S: frozenset({R, D, S, C, *_ENDS}),
+    C: frozenset({RunStatus.cancelled}),
     **{end: frozenset() for end in _ENDS},
 }
 
@@ -93,7 +98,8 @@ def end_run(
     ranks still running are left to end by themselves: a PS run's workers leave after their
     server's goodbye, and `cancel_stragglers` stops the ones still there after a grace.
     """
-    if run.status.finished:
+    if run.status.finished or (run.status == C and status != RunStatus.cancelled):
+        # A cancel under way decides how the run ends.
         return []
     # A queued run has sent no order: there is nothing on its nodes to stop.
     launched = run.status != RunStatus.queued
@@ -112,3 +118,35 @@ def end_run(
             worker.finished_at = worker.finished_at or now
     session.flush()
     return cancel_orders(run, reason or str(status), skip_nodes=skip_nodes) if launched else []
+
+
+def begin_cancel(session: Session, *, run: Run, reason: str, now: datetime | None = None) -> list[CancelOrder]:
+    """Cancel an active run and return the cancel orders for its nodes.
+
+    A queued run ends `cancelled` at once. A launched one reads `cancelling`: its ranks never
+    sent a launch order are cancelled now, the others when their agents report them gone
+    (`settle_cancel`), and its GPUs stay held meanwhile.
+    """
+    if run.status == Q:
+        return end_run(session, run=run, status=RunStatus.cancelled, reason=reason, now=now)
+    now = now or utcnow()
+    move(run, C, now=now)
+    run.reason = reason
+    run.cancel_requested_at = now
+    for worker in run.workers:
+        if worker.status == WorkerStatus.planned:
+            worker.status = WorkerStatus.cancelled
+            worker.finished_at = now
+    session.flush()
+    orders = cancel_orders(run, reason)
+    settle_cancel(session, run=run, now=now)
+    return orders
+
+
+def settle_cancel(session: Session, *, run: Run, now: datetime | None = None) -> bool:
+    """End a `cancelling` run as `cancelled` once every rank has ended; whether it did."""
+    if run.status != C or any(w.status not in FINISHED_WORKER_STATUSES for w in run.workers):
+        return False
+    move(run, RunStatus.cancelled, now=now)
+    session.flush()
+    return True

@@ -46,13 +46,17 @@ _BIG_ID = BigInteger().with_variant(Integer, "sqlite")
 
 class RunStatus(enum.StrEnum):
     """queued -> launching -> running <-> degraded; running|degraded -> restarting -> launching;
-    any active state -> succeeded | failed | cancelled (app.lifecycle.states has the table)."""
+    any active state -> succeeded | failed | cancelled, a launched one through cancelling
+    (app.lifecycle.states has the table)."""
 
     queued = "queued"  # planned and stored, launch orders not sent yet
     launching = "launching"  # launch orders sent; not every rank has started
     running = "running"  # every rank has started
     degraded = "degraded"  # a worker was lost or left; the server trains on without it
     restarting = "restarting"  # the server (or an all-reduce rank) died: relaunching from a checkpoint
+    # Cancelled; its agents are stopping its roles, and its GPUs stay held until they report
+    # every one gone (or `cancel_timeout_s` passes).
+    cancelling = "cancelling"
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
@@ -61,10 +65,16 @@ class RunStatus(enum.StrEnum):
     def finished(self) -> bool:
         return self in FINISHED_RUN_STATUSES
 
+    @property
+    def over(self) -> bool:
+        """Whether the run will train no more: finished, or cancelling (nothing new starts)."""
+        return self in FINISHED_RUN_STATUSES or self == RunStatus.cancelling
+
 
 FINISHED_RUN_STATUSES = frozenset({RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled})
 ACTIVE_RUN_STATUSES = frozenset(
-    {RunStatus.queued, RunStatus.launching, RunStatus.running, RunStatus.degraded, RunStatus.restarting}
+    {RunStatus.queued, RunStatus.launching, RunStatus.running, RunStatus.degraded, RunStatus.restarting,
+     RunStatus.cancelling}
 )
 
 
@@ -165,6 +175,9 @@ class Run(TimestampMixin, Base):
     launched_at: Mapped[datetime | None]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # When a cancel of the launched run was asked for: it reads `cancelling` from then until
+    # its agents report every role gone.
+    cancel_requested_at: Mapped[datetime | None]
     # The model's prediction when the run was created (app.queries.predictions), priced; None
     # where a node had no profile of the task. Its page sets it beside what the run measured.
     prediction: Mapped[dict[str, Any] | None]

@@ -249,7 +249,8 @@ def apply_heartbeat(
             elif _must_stop(run, worker, grace_s=settings.finish_grace_s, now=now):
                 reason = run.reason or f"run {run_id} has {run.status}"
                 out.stop.append({"run_id": run_id, "rank": rank, "reason": reason})
-                ended[run_id] = reason
+                if _cancel_again(run, now=now, cancel_timeout_s=settings.cancel_timeout_s):
+                    ended[run_id] = reason
             continue
         if worker.status not in FINISHED_WORKER_STATUSES or worker.exit_code is None:
             locked = get_run(session, run_id=run_id, lock=True)
@@ -291,7 +292,17 @@ def apply_heartbeat(
 def _must_stop(run: Run, worker: RunWorker, *, grace_s: float, now: datetime) -> bool:
     if run.status == RunStatus.succeeded and worker.status not in FINISHED_WORKER_STATUSES:
         return run.finished_at is not None and run.finished_at < now - timedelta(seconds=grace_s)
-    return run.status.finished or worker.status in FINISHED_WORKER_STATUSES
+    return run.status.over or worker.status in FINISHED_WORKER_STATUSES
+
+
+def _cancel_again(run: Run, *, now: datetime, cancel_timeout_s: float) -> bool:
+    """Whether a node still running a role of `run` gets a cancel order with its stop list: a
+    `cancelling` run's first order is being carried out (a stop waits out the kill grace), so
+    only one that seems lost, halfway to the timeout that gives up on the node, is repeated."""
+    if run.status != RunStatus.cancelling:
+        return True
+    asked = run.cancel_requested_at
+    return asked is None or asked < now - timedelta(seconds=cancel_timeout_s / 2)
 
 
 # -- logs --------------------------------------------------------------------------------------

@@ -93,7 +93,8 @@
     var reason = document.getElementById("run-reason");
     if (reason) { reason.textContent = s.reason || ""; reason.hidden = !s.reason || s.status === "succeeded"; }
     var cancel = document.getElementById("cancel-form");
-    if (cancel) cancel.hidden = s.finished;
+    // A cancelling run's cancel is under way: a second one has nothing to add.
+    if (cancel) cancel.hidden = s.finished || s.status === "cancelling";
     s.workers.forEach(function (w) {
       var row = document.querySelector('#plan tr[data-rank="' + w.rank + '"]');
       if (!row) return;

@@ -7,8 +7,11 @@ from datetime import timedelta
 
 from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
 
+from sqlalchemy import update
+
 from agents.celery_app import CANCEL_RUN, LAUNCH_ROLE
 from app.lifecycle import check_liveness
+from app.models import RunWorker
 from app.models.base import utcnow
 from app.queries.events import list_events
 from app.queries.runs import get_run
@@ -388,9 +391,19 @@ def test_a_launch_order_nobody_answered_is_sent_again(online_node, client, dispa
     assert check_liveness(session, settings=settings.model_copy(update=quiet), now=later) == []
 
 
+def _exited(node, rid, rank, **fields):
+    """`node`'s agent reports that it stopped `rank` of run `rid` on its cancel."""
+    return node.event(rid, rank=rank, role="ps" if rank == 0 else "worker", event="exited", signal=None,
+                      exit_code=143, cancelled=True, pid=100 + rank, reason=f"rank {rank} stopped", **fields)
+
+
 def test_a_heartbeat_with_a_role_of_an_ended_run_gets_it_stopped_and_a_cancel_order(online_node, client, dispatched):
     rid, a, b = _ps_run(online_node, client, dispatched)
     client.post(f"{API}/runs/{rid}/cancel", json={"reason": "enough"})
+    for rank in (0, 1):
+        _exited(a, rid, rank)
+    _exited(b, rid, 2)
+    assert _run(client, rid)["status"] == "cancelled"
     dispatched.take(a.id), dispatched.take(b.id)
 
     beat = b.agent.post(f"{API}/agent/heartbeat", json={"roles": [
@@ -400,16 +413,100 @@ def test_a_heartbeat_with_a_role_of_an_ended_run_gets_it_stopped_and_a_cancel_or
     assert _run_orders(dispatched, b) == [(CANCEL_RUN, [rid, "enough"])]
 
 
-def test_cancelling_a_run_ends_it_and_a_second_cancel_is_a_conflict(online_node, client, dispatched, session):
+def test_a_heartbeat_with_a_role_of_a_cancelling_run_stops_it_without_a_second_cancel_order(
+        online_node, client, dispatched):
+    rid, a, b = _ps_run(online_node, client, dispatched)
+    client.post(f"{API}/runs/{rid}/cancel", json={"reason": "enough"})
+    dispatched.take(a.id), dispatched.take(b.id)
+
+    beat = b.agent.post(f"{API}/agent/heartbeat", json={"roles": [
+        {"run_id": rid, "rank": 2, "role": "worker", "pid": 102, "state": "running"}]})
+
+    # The first cancel order is being carried out: the stop list is enough.
+    assert beat.json()["stop"] == [{"run_id": rid, "rank": 2, "reason": "enough"}]
+    assert _run_orders(dispatched, b) == []
+
+
+def test_a_cancelled_run_reads_cancelling_until_every_agent_reports_its_ranks_gone(
+        online_node, client, dispatched, session):
     rid, a, b = _ps_run(online_node, client, dispatched)
 
-    first = client.post(f"{API}/runs/{rid}/cancel")
+    first = client.post(f"{API}/runs/{rid}/cancel", json={"reason": "enough"})
     second = client.post(f"{API}/runs/{rid}/cancel")
+    assert first.status_code == 200 and first.json()["status"] == "cancelling"
+    assert first.json()["reason"] == "enough" and first.json()["finished_at"] is None
+    assert second.status_code == 409 and "already being cancelled" in second.json()["detail"]
+    assert _run_orders(dispatched, a) == [(CANCEL_RUN, [rid, "enough"])]
+    assert _run_orders(dispatched, b) == [(CANCEL_RUN, [rid, "enough"])]
 
-    assert first.json()["status"] == "cancelled"
-    assert second.status_code == 409 and "already ended" in second.json()["detail"]
-    session.expire_all()
-    assert get_run(session, run_id=rid).finished_at is not None
+    _exited(a, rid, 0)
+    _exited(a, rid, 1)
+    assert _run(client, rid)["status"] == "cancelling"
+    answer = _exited(b, rid, 2)
+
+    run = _run(client, rid)
+    assert answer.json()["run_status"] == "cancelled"
+    assert run["status"] == "cancelled" and run["reason"] == "enough" and run["finished_at"] is not None
+    assert [w["status"] for w in run["workers"]] == ["cancelled"] * 3
+    third = client.post(f"{API}/runs/{rid}/cancel")
+    assert third.status_code == 409 and "already ended" in third.json()["detail"]
+
+
+def test_a_rank_that_starts_after_the_cancel_is_told_to_stop_and_its_exit_ends_the_run(
+        online_node, client, dispatched):
+    a, b = online_node(), online_node()
+    rid = client.post(f"{API}/runs", json=run_body([a, b], strategy="ps", ps_node_id=a.id)).json()["id"]
+    # Rank 0's order is out; the others are held until it names its port.
+    client.post(f"{API}/runs/{rid}/cancel", json={"reason": "changed my mind"})
+    assert [w["status"] for w in _run(client, rid)["workers"]] == ["launched", "cancelled", "cancelled"]
+
+    started = a.event(rid, rank=0, role="ps", event="started", pid=100)
+    assert started.json()["action"] == "stop" and started.json()["reason"] == "changed my mind"
+    assert _run(client, rid)["status"] == "cancelling"
+    _exited(a, rid, 0)
+    assert _run(client, rid)["status"] == "cancelled"
+
+
+def test_a_rank_lost_with_its_agent_counts_as_gone_for_a_cancelling_run(online_node, client, dispatched, session):
+    rid, a, b = _ps_run(online_node, client, dispatched)
+    client.post(f"{API}/runs/{rid}/cancel")
+    _exited(a, rid, 0)
+    _exited(a, rid, 1)
+    # Started long enough ago that a heartbeat without it is news, not a race with its start.
+    session.execute(update(RunWorker).where(RunWorker.run_id == rid)
+                    .values(started_at=utcnow() - timedelta(minutes=5)))
+    session.commit()
+
+    # b's agent restarted: its heartbeat no longer lists rank 2 (the guard took it down).
+    beat = b.agent.post(f"{API}/agent/heartbeat", json={"roles": []})
+    assert beat.status_code == 200
+    run = _run(client, rid)
+    assert run["status"] == "cancelled" and run["workers"][2]["status"] == "cancelled"
+
+
+def test_a_cancel_that_no_agent_answers_ends_after_the_timeout_and_drains_the_node(
+        online_node, client, dispatched, session, settings):
+    rid, a, b = _ps_run(online_node, client, dispatched)
+    client.post(f"{API}/runs/{rid}/cancel")
+    _exited(a, rid, 0)
+    _exited(a, rid, 1)
+    quiet = {"heartbeat_timeout_s": 3600.0, "launch_resend_s": 3600.0, "launch_timeout_s": 3600.0}
+
+    check_liveness(session, settings=settings.model_copy(update=quiet),
+                   now=utcnow() + timedelta(seconds=settings.cancel_timeout_s - 5))
+    session.commit()
+    assert _run(client, rid)["status"] == "cancelling"
+    check_liveness(session, settings=settings.model_copy(update=quiet),
+                   now=utcnow() + timedelta(seconds=settings.cancel_timeout_s + 1))
+    session.commit()
+
+    run = _run(client, rid)
+    assert run["status"] == "cancelled" and run["workers"][2]["status"] == "cancelled"
+    assert client.get(f"{API}/nodes/{b.id}").json()["status"] == "draining"
+    assert client.get(f"{API}/nodes/{a.id}").json()["status"] == "online"
+    events = [e for e in list_events(session, run_id=rid) if e.kind == "cancel_timeout"]
+    assert [(e.subject, e.node_id) for e in events] == [(2, b.id)]
+    assert f"did not report rank 2 (worker) gone within {settings.cancel_timeout_s:.0f} s" in events[0].detail
 
 
 def test_a_worker_that_never_joins_is_lost_although_its_order_was_resent(online_node, client, dispatched, session, settings):

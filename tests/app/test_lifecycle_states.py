@@ -18,6 +18,9 @@ ALLOWED = {
     (S.degraded, S.running), (S.degraded, S.restarting),
     (S.restarting, S.running), (S.restarting, S.degraded), (S.restarting, S.restarting),
     *{(active, end) for active in (S.queued, S.launching, S.running, S.degraded, S.restarting) for end in ENDS},
+    # A launched run's cancel waits for its agents; a queued one has nothing to wait for.
+    *{(launched, S.cancelling) for launched in (S.launching, S.running, S.degraded, S.restarting)},
+    (S.cancelling, S.cancelled),
 }
 
 
@@ -54,4 +57,13 @@ def test_moving_to_an_end_stamps_the_finish_and_to_running_the_start():
     move(run, S.running)
     assert run.status == S.running and run.started_at is not None and run.finished_at is None
     move(run, S.succeeded)
+    assert run.finished_at is not None
+
+
+def test_a_cancelling_run_can_only_end_cancelled():
+    run = Run(id=8, status=S.cancelling)
+    for other in (S.running, S.failed, S.succeeded, S.restarting):
+        with pytest.raises(IllegalTransition):
+            move(run, other)
+    move(run, S.cancelled)
     assert run.finished_at is not None

@@ -69,7 +69,7 @@ def test_a_finished_run_takes_no_nodes(online_node, client, dispatched):
 
     answer = client.post(f"{API}/runs/{rid}/nodes", json={"node_ids": [online_node().id]})
 
-    assert answer.status_code == 409 and "is cancelled" in answer.json()["detail"]
+    assert answer.status_code == 409 and "is cancelling" in answer.json()["detail"]
 
 
 def test_a_node_already_in_the_run_is_refused(online_node, client, dispatched):

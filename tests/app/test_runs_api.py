@@ -239,12 +239,13 @@ def test_cancel_stops_every_node_and_a_second_cancel_conflicts(online_node, clie
     cancelled = client.post(f"{API}/runs/{rid}/cancel", json={"reason": "not needed"})
     again = client.post(f"{API}/runs/{rid}/cancel")
 
-    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    # Launched: it reads cancelling until the agents report its ranks gone.
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelling"
     assert cancelled.json()["reason"] == "not needed"
     assert dispatched.take(a.id) == [(CANCEL_RUN, [rid, "not needed"])]
     assert dispatched.take(b.id) == [(CANCEL_RUN, [rid, "not needed"])]
     assert again.status_code == 409
-    # The agents' exit reports of the cancelled ranks keep the run cancelled.
+    # The agents' exit reports of the cancelled ranks end it cancelled.
     b.event(rid, rank=2, role="worker", event="exited", signal=15, cancelled=True, reason="stopped")
     assert client.get(f"{API}/runs/{rid}").json()["workers"][2]["signal"] == 15
 

@@ -65,3 +65,21 @@ def test_the_run_page_of_an_all_reduce_run_offers_no_nodes(admin_page, online_no
     a.event(rid, rank=0, role="worker", event="started", pid=1)
 
     assert 'id="add-nodes-form"' not in admin_page.get(f"/runs/{rid}").text
+
+
+def test_a_cancel_from_the_run_page_reads_cancelling_with_no_second_cancel_offered(
+        admin_page, online_node, client, dispatched):
+    a = online_node()
+    rid = client.post(f"{API}/runs", json=run_body([a], strategy="allreduce")).json()["id"]
+    a.event(rid, rank=0, role="worker", event="started", pid=1)
+    assert re.search(r'id="cancel-form"\s+onsubmit', admin_page.get(f"/runs/{rid}").text)
+
+    cancelled = admin_page.post(f"/runs/{rid}/cancel", {"reason": "from the page"})
+    page = admin_page.get(f"/runs/{rid}").text
+
+    assert cancelled.status_code == 303
+    assert "is cancelling: its roles are being stopped" in page
+    assert 'class="badge status-cancelling"' in page
+    assert re.search(r'id="cancel-form" hidden', page)
+    a.event(rid, rank=0, role="worker", event="exited", signal=15, cancelled=True, pid=1)
+    assert client.get(f"{API}/runs/{rid}").json()["status"] == "cancelled"

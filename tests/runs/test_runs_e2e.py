@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from datetime import datetime
 
 import pytest
 from conftest import ADMIN, Deployment, group_alive, wait_until
@@ -71,19 +73,34 @@ def test_cancel_leaves_no_process_behind(cluster: Deployment):
     assert running["status"] == "running", running["reason"]
     groups = _role_groups(running)
     assert len(groups) == 4 and all(group_alive(g) for g in groups)
+    # The same nodes again: it queues behind the running run's GPUs.
+    queued = _launch(cluster, "e2e-after-cancel", max_steps=100_000)
+    assert cluster.run(queued["id"])["status"] == "queued"
 
     answer = cluster.post(f"/runs/{run['id']}/cancel", {"reason": "e2e cancel"})
-    assert answer.status_code == 200 and answer.json()["status"] == "cancelled"
+    cancelled_at = time.monotonic()
+    assert answer.status_code == 200 and answer.json()["status"] == "cancelling"
 
-    wait_until(lambda: not any(group_alive(g) for g in groups), 30, "every role of the run to be gone")
-    # Every agent reported how its ranks ended.
-    def reported() -> dict | None:
-        current = cluster.run(run["id"])
-        ended = all(w["exit_code"] is not None or w["signal"] for w in current["workers"])
-        return current if ended else None
+    # The roles end within about 2 s of their SIGTERM (trainer.stopping), well inside the
+    # agents' kill grace (5 s here): none waits for a SIGKILL. Meanwhile the run holds its
+    # GPUs: the queued run starts only once every role is gone and reported.
+    seen: set[str] = set()
+    while any(group_alive(g) for g in groups):
+        seen.add(cluster.run(run["id"])["status"])
+        assert cluster.run(queued["id"])["status"] == "queued", "the queued run started before the roles ended"
+        assert time.monotonic() - cancelled_at < 4.5, "a role outlived SIGTERM by more than 4.5 s"
+        time.sleep(0.1)
+    final = cluster.wait_status(run["id"], {"cancelled"}, timeout=15)
+    assert seen <= {"cancelling", "cancelled"}
+    assert final["reason"] == "e2e cancel" and all(w["status"] == "cancelled" for w in final["workers"])
+    assert all(w["exit_code"] is not None or w["signal"] for w in final["workers"])
+    assert not any(w["signal"] == signal.SIGKILL for w in final["workers"]), final["workers"]
 
-    final = wait_until(reported, 30, "the exit reports of every rank")
-    assert final["status"] == "cancelled" and final["reason"] == "e2e cancel"
+    started = cluster.wait_status(queued["id"], {"launching", "running", "degraded", "failed"}, timeout=30)
+    assert datetime.fromisoformat(started["launched_at"]) >= datetime.fromisoformat(final["finished_at"])
+    done = _cli(cluster, "runs", "cancel", str(queued["id"]), "--wait", "--timeout", "60")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "cancelled"
 
 
 def _server_step(cluster: Deployment, run_id: int) -> int:

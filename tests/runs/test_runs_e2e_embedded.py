@@ -96,8 +96,10 @@ def test_run_on_embedded_defaults_succeeds_once_per_idempotency_key_and_cancels_
     running = local.wait_status(long_run["id"], {"running", "failed"}, timeout=120)
     assert running["status"] == "running", running["reason"]
     groups = [w["pid"] for w in running["workers"]]
-    assert local.post(f"/runs/{long_run['id']}/cancel").json()["status"] == "cancelled"
+    assert local.post(f"/runs/{long_run['id']}/cancel").json()["status"] == "cancelling"
     wait_until(lambda: not any(group_alive(g) for g in groups), 30, "every role of the run to be gone")
+    # On SQLite too, the run reads cancelled once the agent has reported its roles gone.
+    local.wait_status(long_run["id"], {"cancelled"}, timeout=30)
     assert local.get("/runs")["count"] == 2
 
 

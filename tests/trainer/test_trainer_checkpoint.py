@@ -32,6 +32,7 @@ class Store:
         self.saved: dict[int, bytes] = {}
         self.puts: list[dict] = []
         self.corrupt = False
+        self.refuse = False
         store = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,8 +45,8 @@ class Store:
                 store.puts.append({"step": step, "auth": self.headers.get("Authorization"),
                                    "sha": self.headers.get("X-Content-Sha256"),
                                    "type": self.headers.get("Content-Type")})
-                if hashlib.sha256(body).hexdigest() != self.headers.get("X-Content-Sha256"):
-                    self.send_response(422)
+                if store.refuse or hashlib.sha256(body).hexdigest() != self.headers.get("X-Content-Sha256"):
+                    self.send_response(409 if store.refuse else 422)
                     self.end_headers()
                     return
                 store.saved[step] = body
@@ -98,6 +99,17 @@ def test_an_upload_puts_the_files_bytes_with_their_checksum_and_the_runs_token(s
     assert store.saved == {10: b"checkpoint bytes"}
     assert store.puts == [{"step": 10, "auth": f"Bearer {TOKEN}", "type": "application/octet-stream",
                            "sha": hashlib.sha256(b"checkpoint bytes").hexdigest()}]
+
+
+def test_an_upload_the_store_refuses_is_not_reported_stored(store, tmp_path):
+    # A cancelled run's store answers 409: the server must not say its checkpoint was uploaded.
+    path = tmp_path / "run-step-00000010.pt"
+    path.write_bytes(b"checkpoint bytes")
+    store.refuse = True
+    uploader = Uploader(store.url, TOKEN)
+    uploader.submit(10, path)
+    assert not uploader.close(30)
+    assert uploader.refused == [10] and store.saved == {}
 
 
 def test_an_upload_is_retried_until_the_store_takes_it(tmp_path):

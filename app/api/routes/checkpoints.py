@@ -93,8 +93,9 @@ def upload_checkpoint(
     """Store a checkpoint of an active run (the run's token); the newest two are kept."""
     with run_state_lock(settings.is_sqlite):
         run = get_run(session, run_id=run_id, lock=True)
-        if run.status.finished:
-            raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id} has {run.status}: no more checkpoints")
+        if run.status.over:
+            # A cancelling run is over too: nothing will resume from its checkpoint.
+            raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id} is {run.status}: no more checkpoints")
         try:
             row, removed = store.store(session, run_id=run_id, step=step, upload=upload,
                                        checkpoint_dir=settings.checkpoint_dir)

@@ -270,11 +270,13 @@ def cancel_run(
     run_id: IdPath,
     body: Annotated[RunCancel | None, Body()] = None,
 ) -> RunPublic:
-    """Cancel an active run: its roles are stopped on every node."""
+    """Cancel an active run: its roles are stopped on every node. A launched run reads
+    `cancelling` until its agents report them gone, then `cancelled`."""
     reason = (body.reason if body else None) or f"cancelled by {principal.name}"
     with lifecycle.run_state_lock(settings.is_sqlite):
         run, cancels = lifecycle.cancel_run(session, run_id=run_id, reason=reason)
-        # Its GPUs are free now: the runs waiting for them start.
+        # A queued run's claim on its GPUs is gone: the runs behind it may start. A launched
+        # run holds its GPUs until its agents report its roles gone.
         launches = lifecycle.start_queued(session, settings=settings)
         session.commit()
     dispatcher.send_quietly(cancels)

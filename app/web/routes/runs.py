@@ -255,14 +255,16 @@ def cancel_run(
     _run_or_404(session, run_id)
     reason = str(form.get("reason") or "").strip()[:500] or None
     try:
-        runs_api.cancel_run(
+        run = runs_api.cancel_run(
             session=session, principal=viewer.principal, settings=settings, dispatcher=dispatcher,
             run_id=run_id, body=RunCancel(reason=reason),
         )
     except HybridtrainError as exc:
         session.rollback()
         return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("error", exc.message))
-    return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("ok", f"Run #{run_id} cancelled."))
+    said = (f"Run #{run_id} is cancelling: its roles are being stopped, and its GPUs are free once its "
+            "agents report them gone." if run.status == "cancelling" else f"Run #{run_id} cancelled.")
+    return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("ok", said))
 
 
 def _addable_nodes(session: Session, run: Any) -> list[Node]:
