@@ -4,22 +4,28 @@ layout, written by `trainer.checkpoint` and uploaded in the background by
 `trainer.checkpoint_store.Uploader` when the run has a store. A scheduled checkpoint is asked
 for and taken off the server's path: the `Pending` one keeps the server's state of its step
 while the worker's answer is on its way, and the file is written on a thread of its own, so
-the rounds go on. `Checkpointing`, a mixin of `trainer.server.ParameterServer`, is the server's
-side: which worker it asks at a boundary, and what it does with the answer."""
+the rounds go on. `Checkpointer` is also the server's side of that conversation: which worker it
+asks at a boundary (through `trainer.donors.Donors`, passed in), and what it does with the answer."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridtrain.contract import EVENT_CHECKPOINT
 from trainer import checkpoint
 from trainer.checkpoint_store import Uploader
 from trainer.config import TrainConfig
 from trainer.frames import LayoutSpec, State
+from trainer.ps_log import say
+
+if TYPE_CHECKING:
+    from trainer.donors import Donors
+    from trainer.metrics import MetricsLogger
 
 
 @dataclass(frozen=True)
@@ -34,11 +40,15 @@ class Pending:
 class Checkpointer:
     """The server's checkpoint schedule (--checkpoint-every steps, --checkpoint-every-s seconds)
     and its writes; `step` is the step of the latest checkpoint (0: none yet), `pending` the
-    scheduled one whose worker has not answered yet."""
+    scheduled one whose worker has not answered yet, `layout` the run's model's (known at the
+    handshake). The server's side of the conversation takes its collaborators as arguments: the
+    `Donors` that ask a worker, the server's state as a callable (a snapshot when called), the
+    run's metrics for the checkpoint events."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.step = 0
+        self.layout: LayoutSpec | None = None
         self.pending: Pending | None = None
         # The worker asked was lost before it answered: the next boundary asks another.
         self._owed = False
@@ -140,51 +150,58 @@ class Checkpointer:
         return uploaded
 
 
-class Checkpointing:
-    """The server's side of checkpoints (`trainer.server.ParameterServer` provides checkpoints,
-    roster, metrics, layout, step, say(), state_dict(), and `trainer.boundary` the FETCHes)."""
+    # -- the server's side: asking a worker at a boundary, and the answer ------------------------------------
+    def configure(self, layout: LayoutSpec) -> None:
+        """The run's model layout, which every checkpoint records."""
+        self.layout = layout
 
-    def _ask_for_checkpoint(self) -> None:
-        """Ask a live worker for its state for this step's checkpoint, keeping a snapshot of the
-        server's; the rounds go on, and `_take_state` writes the file when the answer comes."""
-        donor = self.roster.donor()
-        if donor is not None and self._send_fetch(donor):
-            self.checkpoints.asked(self.step, donor, self.state_dict())
+    def resumed(self, step: int) -> None:
+        """The run resumed from the checkpoint of `step`: the latest one it has."""
+        self.step = step
 
-    def _take_state(self, rank: int, state: State) -> None:
+    def ask(self, step: int, donors: Donors, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """Ask a live worker for its state for `step`'s checkpoint, keeping `snapshot()` of the
+        server's; the rounds go on, and `answer` writes the file when the worker's STATE comes."""
+        donor = donors.pick()
+        if donor is not None and donors.ask(donor, step):
+            self.asked(step, donor, snapshot())
+
+    def answer(self, rank: int, state: State) -> None:
         """A STATE read in a round: the answer to the scheduled checkpoint's FETCH, written in
-        the background. (No other FETCH is on its way then: `_settle_checkpoint` sees to it.)"""
-        if not self.checkpoints.take(rank, state, self.layout):
-            self.say(f"rank {rank}'s state of step {state.step} came unasked; dropped")
+        the background. (No other FETCH is on its way then: `settle` sees to it.)"""
+        if not self.take(rank, state, self.layout):
+            say(f"rank {rank}'s state of step {state.step} came unasked; dropped")
 
-    def _settle_checkpoint(self, *, after_bye: bool = False) -> None:
+    def settle(self, donors: Donors, step: int, *, after_bye: bool = False) -> None:
         """Before another FETCH (a joiner's, the last checkpoint's): wait for the answer to the
         scheduled one, so the two answers cannot be taken for each other."""
-        pending = self.checkpoints.pending
+        pending = self.pending
         if pending is None:
             return
-        state = self.fetch_state(pending.donor, after_bye=after_bye, ask=False)
+        state = donors.fetch(pending.donor, step, after_bye=after_bye, ask=False)
         if state is not None:
-            self._take_state(pending.donor, state)
+            self.answer(pending.donor, state)
 
-    def _log_checkpoints(self, *, wait: bool = False) -> None:
-        for step, detail in self.checkpoints.written(wait=wait):
-            self.metrics.event(step, EVENT_CHECKPOINT, detail=detail)
+    def log_written(self, metrics: MetricsLogger, *, wait: bool = False) -> None:
+        """A checkpoint event for each background write done (`wait`: for every one queued)."""
+        for step, detail in self.written(wait=wait):
+            metrics.event(step, EVENT_CHECKPOINT, detail=detail)
 
-    def checkpoint(self, *, after_bye: bool = False) -> bool:
-        """Write the run's checkpoint of this step (and upload it) now; False without a live worker."""
-        answer = self._state_of_a_live_worker(after_bye=after_bye)
+    def take_now(self, step: int, donors: Donors, snapshot: Callable[[], dict[str, Any]],
+                 metrics: MetricsLogger, *, after_bye: bool = False) -> bool:
+        """Write the run's checkpoint of `step` (and upload it) now; False without a live worker."""
+        answer = donors.any_state(step, after_bye=after_bye)
         if answer is None:
             return False
         _, state = answer
-        detail = self.checkpoints.write(self.step, self.state_dict(), self.layout, state)
-        self.metrics.event(self.step, EVENT_CHECKPOINT, detail=detail)
+        detail = self.write(step, snapshot(), self.layout, state)
+        metrics.event(step, EVENT_CHECKPOINT, detail=detail)
         return True
 
-    def close_store(self) -> None:
+    def close_run(self, metrics: MetricsLogger) -> None:
         """Wait for the checkpoints being written and (bounded) for the last one's upload."""
         try:
-            self._log_checkpoints(wait=True)
+            self.log_written(metrics, wait=True)
         except Exception as exc:  # noqa: BLE001 - the run is ending; a failed write must not hide why
-            self.say(f"a checkpoint could not be written: {exc}")
-        self.checkpoints.close(60.0)
+            say(f"a checkpoint could not be written: {exc}")
+        self.close(60.0)

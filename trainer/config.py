@@ -117,7 +117,7 @@ class TrainConfig:
     min_workers: int = 1
     min_workers_wait_s: float = 300.0
     # PS strategies: how long a run waits for every expected worker before it starts with
-    # those there (at least min_workers); the rest join later (trainer.boundary).
+    # those there (at least min_workers); the rest join later (trainer.joiner).
     start_wait_s: float = 120.0
     # PS strategies: the worker ranks the start waits for (empty: every rank 1..workers). A
     # restart names the ranks it launched, so a resumed run with gaps in its ranks (a node lost

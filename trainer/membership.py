@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from hybridtrain.contract import equal_batch_sizes, proportional_batch_sizes
 from trainer.config import TrainConfig, initial_batch_sizes
+from trainer.frames import Route, pack
 from trainer.relay import SERVER, plan_relay
+from trainer.transport import Transport
 
 # A worker that sends nothing for this long after its peers' frames of a step is lost, however
 # short the steps: scheduling hiccups and a garbage collection must not drop a healthy worker.
@@ -267,3 +269,13 @@ class Roster:
         """New batch shares for `ranks` (measured re-balancing)."""
         for r, n in zip(ranks, sizes):
             self.batch_sizes[r - 1] = n
+
+
+def reroute(transport: Transport, roster: Roster, relay: int, step: int, *, peers: dict | None = None,
+            source: int | None = None) -> None:
+    """Tell `relay` whom it forwards the update to now (a ROUTE; with `source`, where its own
+    updates come from); a relay lost meanwhile is the loss detection's to notice."""
+    try:
+        transport.send(relay, pack(Route(step, roster.forwards(relay), peers or {}, source)))
+    except (ConnectionError, OSError):
+        pass

@@ -155,7 +155,7 @@ def run_role(cfg: TrainConfig, spec: RoleSpec) -> int:
         print(f"[{name}] failed: {exc}", file=sys.stderr, flush=True)
         return 1
     except ProtocolError as exc:
-        from trainer.boundary import TooFewWorkers
+        from trainer.joiner import TooFewWorkers
 
         print(f"[{name}] failed: {exc}", file=sys.stderr, flush=True)
         # Waiting longer would not help: the control plane fails the run rather than restart it.

@@ -1,7 +1,7 @@
 """The training loop of a task (`--task module:function`), written with the same calls a user's
 own loop makes (`trainer.loop`), so the built-in models and users' tasks share one path:
 DataLoader shards, the task's loss, optimizer, schedule and metrics, evaluation on schedule,
-checkpoints and resume (under a parameter server, the server checkpoints: trainer.boundary)."""
+checkpoints and resume (under a parameter server, the server checkpoints: trainer.checkpointing)."""
 
 from __future__ import annotations
 

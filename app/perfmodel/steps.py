@@ -317,7 +317,7 @@ def density_path(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
     last entry holds from there on.
 
     The first compressed step (warmup_steps + 1) and the next run at the target density: the
-    server adapts from the second one's transmission times on (`trainer.server._plan`), and each
+    server adapts from the second one's transmission times on (`trainer.planner.Planner.plan`), and each
     step's times set the next step's densities. The trainer's times are each upload's bytes at
     its link's rate as TCP measured it (`trainer.linkclock`: the best of recent delivery-rate
     samples, which sees the link's own rate even where uploads share it), so here they are the

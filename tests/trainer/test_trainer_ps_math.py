@@ -183,7 +183,7 @@ def test_compressed_steps_keep_server_k_and_the_replicas_identical():
     for model in run.models[1:]:
         for k, v in model.state_dict().items():
             assert torch.equal(v, first[k]), k
-    (state,) = run.server.codec_states
+    (state,) = run.server.aggregator.states
     assert state.residual is not None and state.residual.abs().sum() > 0
     # The server's update carried about k_s = 10 % of the compressed part (estimated top-k).
     assert run.server.metrics.last["density"] == pytest.approx(0.1, rel=0.1)

@@ -1,0 +1,117 @@
+"""The parameter server's helpers on their own (trainer.server holds them): each is built from
+the run's config and the collaborators it acts on, here a real in-memory transport, without a
+server."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from hybridtrain.contract import EVENT_CHECKPOINT, EVENT_WORKER_LEFT, EVENT_WORKER_LOST
+from trainer import checkpoint
+from trainer.checkpointing import Checkpointer
+from trainer.config import TrainConfig
+from trainer.departures import RESIDUAL_GONE, Departures
+from trainer.donors import Donors
+from trainer.frames import LAST_KINDS, Bye, Fetch, LayoutSpec, State, pack, unpack
+from trainer.gathering import Gatherer
+from trainer.joiner import Joiner
+from trainer.membership import Member, Roster
+from trainer.metrics import MetricsLogger
+from trainer.planner import Planner, WorkerRow
+from trainer.server import step_loss
+from trainer.transport import InMemoryHub, Inbox
+
+LAYOUT = LayoutSpec(names=("fc.weight", "fc.bias"), numels=(6, 2), dense_numel=2, buffer_numel=0)
+
+
+class _Run:
+    """A server's side of a run of `cfg`'s workers over an in-memory hub, its helpers wired as
+    `ParameterServer` wires them; the metrics go to a file under `tmp_path`."""
+
+    def __init__(self, cfg: TrainConfig, tmp_path: Path) -> None:
+        self.cfg, self.hub = cfg, InMemoryHub(timeout_s=5)
+        self.transport = self.hub.transport(0)
+        self.ranks = list(range(1, cfg.workers + 1))
+        self.inbox = Inbox(self.transport, self.ranks, timeout_s=5, last_kinds=LAST_KINDS)
+        self.roster = Roster(cfg)
+        for rank in self.ranks:
+            self.roster.add(Member(rank))
+        self.path = tmp_path / "metrics.jsonl"
+        self.metrics = MetricsLogger(0, "ps", str(self.path))
+        self.checkpoints = Checkpointer(cfg)
+        self.departures = Departures(cfg, self.roster, self.transport, self.inbox, self.metrics, self.checkpoints)
+        self.donors = Donors(cfg, self.roster, self.transport, self.inbox, self.departures)
+
+    def events(self) -> list[dict]:
+        return [r for r in map(json.loads, self.path.read_text().splitlines()) if "event" in r]
+
+
+def test_a_lost_worker_leaves_the_roster_its_share_goes_to_the_others_and_the_event_says_what_is_gone(tmp_path):
+    run = _Run(TrainConfig(strategy="ps-gc", workers=3, global_batch=48), tmp_path)
+    run.departures.lose(2, TimeoutError(), 7)
+    assert run.roster.ranks() == [1, 3] and 2 in run.departures.gone
+    assert run.roster.batch_sizes[1] == 0 and sum(run.roster.batch_sizes) == 48
+    (event,) = run.events()
+    assert (event["event"], event["subject"], event["step"]) == (EVENT_WORKER_LOST, 2, 7)
+    assert RESIDUAL_GONE in event["detail"]
+
+
+def test_the_gatherer_lets_a_leaver_go_as_its_bye_arrives_and_returns_the_others_frames(tmp_path):
+    run = _Run(TrainConfig(strategy="ps-gc", workers=2, global_batch=32), tmp_path)
+    gatherer = Gatherer(run.cfg, run.roster, run.inbox, run.departures, run.checkpoints)
+    run.hub.transport(2).send(0, pack(Bye(4, 2, leaving=True)))
+    run.hub.transport(1).send(0, pack(Bye(4, 1)))
+    got = gatherer.collect([1, 2], 4, first_s=5.0)
+    assert list(got) == [1] and unpack(got[1][0]) == Bye(4, 1)
+    assert run.roster.ranks() == [1]
+    assert unpack(run.hub.transport(2).recv(0)) == Bye(4, 0)  # the server's goodbye to the leaver
+    assert [e["event"] for e in run.events()] == [EVENT_WORKER_LEFT]
+
+
+def test_a_scheduled_checkpoint_asks_a_live_worker_and_writes_its_answer(tmp_path):
+    cfg = TrainConfig(strategy="ps-gc", workers=2, global_batch=32, checkpoint_every=5, checkpoint_dir=str(tmp_path))
+    run = _Run(cfg, tmp_path)
+    run.checkpoints.configure(LAYOUT)
+    run.checkpoints.ask(5, run.donors, lambda: {"residual": None})
+    assert unpack(run.hub.transport(1).recv(0)) == Fetch(5)
+    worker = State(1, torch.arange(8, dtype=torch.float32), torch.zeros(0), 5, checkpoint.to_bytes({}))
+    run.checkpoints.answer(1, worker)
+    run.checkpoints.log_written(run.metrics, wait=True)
+    assert [(e["event"], e["step"]) for e in run.events()] == [(EVENT_CHECKPOINT, 5)]
+    assert torch.equal(checkpoint.read(checkpoint.latest(tmp_path), cfg)["params"], worker.params)
+
+
+def test_a_planner_restores_its_plan_only_for_the_workers_it_was_made_for():
+    cfg = TrainConfig(strategy="ps-bz-gc", workers=3, global_batch=60, allocation="measured")
+    old = Roster(cfg)
+    for rank in (1, 2, 3):
+        old.add(Member(rank))
+    old.densities, old.batch_sizes = [0.05, 0.02, 0.01], [30, 20, 10]
+    state = Planner(cfg, old).state_dict()
+    same, other = Roster(cfg), Roster(cfg)
+    for rank in (1, 2, 3):
+        same.add(Member(rank))
+    for rank in (1, 3):
+        other.add(Member(rank))
+    Planner(cfg, same).load_state_dict(state)
+    Planner(cfg, other).load_state_dict(state)
+    assert (same.densities, same.batch_sizes) == ([0.05, 0.02, 0.01], [30, 20, 10])
+    assert other.batch_sizes != [30, 20, 10]
+
+
+def test_a_steps_loss_weighs_each_workers_loss_by_its_samples():
+    rows = [WorkerRow(1, 2.0, 30, 0.1, 0.0, 0.0), WorkerRow(2, 4.0, 10, 0.1, 0.0, 0.0)]
+    assert step_loss(rows) == 2.5
+    assert math.isnan(step_loss([*rows, WorkerRow(3, math.nan, 10, 0.1, 0.0, 0.0)]))
+
+
+def test_a_joiner_computes_from_the_step_after_the_next_update_it_applies(tmp_path):
+    for strategy, extra, first in (("ps-gc", {}, 12), ("diloco", {"sync_every": 4}, 13)):
+        run = _Run(TrainConfig(strategy=strategy, workers=2, global_batch=32, **extra), tmp_path)
+        joiner = Joiner(run.cfg, run.roster, run.transport, run.inbox, run.metrics, run.departures, run.donors,
+                        run.checkpoints)
+        assert joiner.first_step_of_joiner(10, 100) == first, strategy
