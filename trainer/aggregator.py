@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from trainer.algorithm import aggregate_sparsified, chunks
-from trainer.codec_state import codec, dense_chunk, join_residuals, sends_dense, split_residual
+from trainer.codec_state import DENSE_CHUNK, codec, join_residuals, sends_dense, split_residual
 from trainer.compression import CompressionState, Payload
 from trainer.config import TrainConfig
 from trainer.frames import Grad, LayoutSpec
@@ -39,7 +39,7 @@ class Aggregator:
         a, b = self.bounds[chunk]
         state = self.states[chunk]
         state.step = step
-        dense_numel = self.dense_numel if chunk == dense_chunk(self.cfg) else 0
+        dense_numel = self.dense_numel if chunk == DENSE_CHUNK else 0
         return aggregate_sparsified(grads, dense_numel, b - a, codec=self.codec, state=state,
                                     dense_step=sends_dense(self.cfg, step))
 

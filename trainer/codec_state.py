@@ -18,6 +18,10 @@ from trainer.compression import (
 )
 from trainer.config import TrainConfig
 
+# The chunk whose frames carry the dense part (1-D and small tensors): the first, so that it
+# leaves first and its update, the dense tensors' optimizer step, is applied first.
+DENSE_CHUNK = 0
+
 
 def codec(cfg: TrainConfig, name: str) -> Compressor:
     """The compressor `name` as `cfg` configures it; the identity for a strategy that sends dense,
@@ -41,10 +45,6 @@ def sends_dense(cfg: TrainConfig, step: int) -> bool:
     return step <= cfg.warmup_steps or not cfg.compresses
 
 
-def dense_chunk(cfg: TrainConfig) -> int:
-    """The chunk whose frames carry the dense part: the first, so that it leaves first and its
-    update (the dense tensors' optimizer step) is applied first."""
-    return 0
 
 
 def join_residuals(states: list[CompressionState]) -> torch.Tensor | None:

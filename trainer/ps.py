@@ -101,7 +101,7 @@ class PSClient:
         self.uplink = Uplink(cfg, rank, self.flat, self.bounds, transport, self.relay, velocity=self.velocity,
                              momentum=self.rules.momentum)
         self.applier = UpdateApplier(self.flat, optimizer, self.bounds, velocity=self.velocity,
-                                     dense_chunk=self.uplink.dense_chunk, outer=self.local is not None)
+                                     outer=self.local is not None)
         self.in_forward = (ApplyInForward(model, optimizer, self.applier, self.link, self._take, self._caught_up)
                            if ApplyInForward.wanted(cfg.applies_in_forward, self.applier) else None)
         # Local SGD with --outer-delay: the outer step whose change was sent but whose update is

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from trainer.algorithm import add_payload, apply_payload, chunk_pieces
+from trainer.codec_state import DENSE_CHUNK
 from trainer.flat_model import FlatModel
 from trainer.frames import Update
 from trainer.sgd_rules import hyperparameter_values, hyperparameters, sgd_step
@@ -27,9 +28,9 @@ class UpdateApplier:
     """Apply an update chunk by chunk; `apply` says when the step's update is complete."""
 
     def __init__(self, flat: FlatModel, optimizer: torch.optim.Optimizer, bounds: tuple[tuple[int, int], ...],
-                 *, velocity: torch.Tensor | None, dense_chunk: int, outer: bool) -> None:
+                 *, velocity: torch.Tensor | None, outer: bool) -> None:
         self.flat, self.optimizer, self.bounds = flat, optimizer, bounds
-        self.velocity, self.dense_chunk, self.outer = velocity, dense_chunk, outer
+        self.velocity, self.outer = velocity, outer
         self.pieces = self._chunk_pieces() if self.in_place else None
 
     @property
@@ -56,7 +57,7 @@ class UpdateApplier:
         else:
             nd = self.flat.layout.dense_numel
             grad = self.flat.grad
-            if update.chunk == self.dense_chunk:
+            if update.chunk == DENSE_CHUNK:
                 grad[:nd].copy_(update.dense.values.to(grad.device, torch.float32))
             a, b = self.bounds[update.chunk]
             apply_payload(grad[nd + a : nd + b], update.sparse)
@@ -77,7 +78,7 @@ class UpdateApplier:
         with torch.no_grad():
             add_payload([(p.view(-1), first, end, s, e, -lrs[g]) for p, first, end, s, e, g in self.pieces[c]],
                         update.sparse)
-        if c == self.dense_chunk:
+        if c == DENSE_CHUNK:
             nd = self.flat.layout.dense_numel
             self.flat.grad[:nd].copy_(update.dense.values.to(self.flat.grad.device, torch.float32))
             with hyperparameters(self.optimizer, hyper):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from trainer.algorithm import worker_sparsify
-from trainer.codec_state import codec, dense_chunk, sends_dense
+from trainer.codec_state import DENSE_CHUNK, codec, sends_dense
 from trainer.compression import CompressionState, Payload
 from trainer.config import TrainConfig
 from trainer.flat_model import FlatModel
@@ -51,7 +51,6 @@ class Uplink:
         self.codec = codec(cfg, cfg.compressor)
         # One codec state (residual) per chunk: each chunk is compressed on its own.
         self.states = [CompressionState(density=cfg.densities[0], seed=cfg.seed) for _ in bounds]
-        self.dense_chunk = dense_chunk(cfg)
         # What the last upload took at the link's rate (trainer.linkclock): the server's
         # density rule reads it from the next frames.
         self.last_tx_s = 0.0
@@ -67,7 +66,7 @@ class Uplink:
     def compress(self, step: int, chunk: int, density: float) -> tuple[Payload, Payload]:
         """Step 2 for one chunk: (the dense part, on the dense chunk only; the chunk through the codec)."""
         layout, grad = self.flat.layout, self.flat.grad
-        nd = layout.dense_numel if chunk == self.dense_chunk else 0
+        nd = layout.dense_numel if chunk == DENSE_CHUNK else 0
         dense = Payload(nd, grad[:nd].cpu())
         a, b = self.bounds[chunk]
         state = self.states[chunk]

@@ -141,14 +141,18 @@ def test_loader_processes_leave_sigterm_to_their_role():
     from trainer.loader import make_loader
 
     data = TensorDataset(torch.arange(64, dtype=torch.float32).unsqueeze(1))
+    # Only the loader's own processes: the session may hold others (an object store's server).
+    before = set(psutil.Process().children())
     batches = make_loader(data, first_step=1, last_step=16, worker=0, batch_sizes=[4], seed=0, workers=2)
-    first = next(batches)
-    children = psutil.Process().children()
-    assert len(children) == 2, children
-    for child in children:
-        child.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-
-    # Every batch still comes (torch's loader raises if one of its processes died).
-    rest = list(batches)
+    try:
+        first = next(batches)
+        loaders = [c for c in psutil.Process().children() if c not in before]
+        assert len(loaders) == 2, loaders
+        for child in loaders:
+            child.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        # Every batch still comes (torch's loader raises if one of its processes died).
+        rest = list(batches)
+    finally:
+        del batches  # the loader stops its processes now, also when an assertion failed
     assert len(first) == 1 and len(rest) == 15
