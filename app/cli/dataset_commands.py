@@ -99,7 +99,9 @@ def _create(args: argparse.Namespace) -> int:
         except DatasetError as exc:
             print(f"hybridtrain: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    print(f"{args.out}: {index.samples} samples in {len(index.shards)} shards, {index.size_bytes} bytes")
+    shards = len(index.shards)
+    print(f"{args.out}: {index.samples} samples in {shards} shard{'s' if shards != 1 else ''}, "
+          f"{index.size_bytes} bytes")
     return 0
 
 

@@ -37,7 +37,7 @@ Sha256 = Annotated[str, Field(max_length=64, pattern=contract.SHA256.pattern, de
 ScriptArg = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
 
 
-class RunCreate(TrainOptions):
+class RunCreate(Schema, TrainOptions):
     """A run to plan and launch: nodes (or a cluster), and its training options (`TrainOptions`:
     what to train, the strategy and its knobs), how it checkpoints, restarts and queues."""
 
