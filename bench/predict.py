@@ -48,8 +48,8 @@ if __package__ in (None, ""):
 import httpx  # noqa: E402
 
 from hybridtrain.contract import PS_STRATEGIES, STRATEGIES  # noqa: E402
-from testbed.bench.api_runs import cancel_quietly, strategy_fields  # noqa: E402
-from testbed.bench.paper_workloads import FULL  # noqa: E402
+from bench.paper.api_runs import cancel_quietly, strategy_fields  # noqa: E402
+from bench.paper.paper_workloads import FULL  # noqa: E402
 from testbed.services import check_response  # noqa: E402
 
 Log = Callable[[str], None]
@@ -84,7 +84,7 @@ class TaskSettings:
     profile_seconds: float = 3.0
 
 
-# The paper benchmark's workload (testbed/bench/paper_workloads.py FULL) at a fixed batch: 320 is what its
+# The paper benchmark's workload (bench/paper/paper_workloads.py FULL) at a fixed batch: 320 is what its
 # calibration chose on this machine (1.5 s of balanced compute on the paper testbed), so a `ps`
 # step is ~5 s and a run of 12 steps about a minute after ~35 s of start-up.
 # Its task, learning rate, compression, pipeline and re-split are FULL's own; the held-out
@@ -149,7 +149,7 @@ def steps_for(settings: TaskSettings, strategy: str) -> tuple[int, int]:
 
 def run_body(strategy: str, s: TaskSettings, node_ids: list[int], ps_node_id: int | None,
              name: str) -> dict[str, Any]:
-    """The POST /api/v1/runs body of one strategy (testbed.bench.api_runs's, without a target, evaluation
+    """The POST /api/v1/runs body of one strategy (bench.paper.api_runs's, without a target, evaluation
     off: an evaluation interval is not a training step, and the model times training)."""
     max_steps, _ = steps_for(s, strategy)
     body: dict[str, Any] = {
@@ -731,7 +731,7 @@ def bench_testbed(key: str, tasks: list[TaskSettings], strategies: tuple[str, ..
     """Up, every task and strategy, down (always); the cells and what was learnt of the testbed."""
     from testbed import lifecycle, services
     from testbed.topology import load_config
-    from testbed.bench.api_runs import fetch_metrics
+    from bench.paper.api_runs import fetch_metrics
 
     config_path = TESTBEDS[key]
     config = load_config(config_path)
@@ -820,7 +820,7 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
                          f"predicted {pred.get('samples_per_s', 0):.1f} samples/s ({source}); running {body['max_steps']} steps")
             t0 = time.monotonic()
             run = run_and_wait(api, body, s.run_timeout_s, progress, where + f" {strategy}")
-            # testbed.bench.api_runs' reader takes one extra metric name: the densities the workers used.
+            # bench.paper.api_runs' reader takes one extra metric name: the densities the workers used.
             records = fetch_metrics(api, run["id"], "density")
             rank_site = {w["rank"]: site_of[w["node_id"]] for w in run["workers"] if w["node_id"] in site_of}
             _, skip = steps_for(s, strategy)

@@ -192,7 +192,7 @@ SYSTEM_METRICS = frozenset(
      "data_bytes", "data_cache_bytes"}
 )
 # Seconds an evaluation held the run up (logged at its step). time_to_target_s counts them, as
-# the bill does; a comparison of training algorithms subtracts them (testbed/bench/paper_figures.py).
+# the bill does; a comparison of training algorithms subtracts them (bench/paper/paper_figures.py).
 EVAL_S = "eval_s"
 VAL_LOSS = "val_loss"
 # The metric name of runs stored before task metrics existed (read, never written).

@@ -2,7 +2,7 @@
 elapsed and remaining time, from the newest points of rank 0's metrics (the server of PS runs,
 worker 0 otherwise). `progress_line` is a pure function of (run, snapshot, now); `RunProgress`
 polls the metrics API and shows it, a tqdm bar on a terminal and plain lines at most every 10 s
-elsewhere (CI logs). Shared by `runs create --wait` and the benchmarks (testbed/bench/api_runs.py).
+elsewhere (CI logs). Shared by `runs create --wait` and the benchmarks (bench/paper/api_runs.py).
 """
 
 from __future__ import annotations

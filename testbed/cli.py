@@ -237,12 +237,12 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _bench_paper(args: argparse.Namespace) -> int:
-    from testbed.bench import paperbench
+    from bench.paper import paperbench
 
     return paperbench.main(args)
 
 
 def _bench_faults(args: argparse.Namespace) -> int:
-    from testbed.bench import faults
+    from bench.paper import faults
 
     return faults.main(args)

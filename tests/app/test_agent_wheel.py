@@ -58,7 +58,7 @@ def test_the_served_wheel_holds_the_agent_and_the_trainer_with_the_agent_extra(
     names, metadata = _metadata(response.content)
     assert metadata["Name"] == "hybridtrain"
     assert {"agents/cli.py", "trainer/ps.py", "app/cli/__init__.py", "app/cli/__main__.py",
-            "app/perfmodel/predict.py", "testbed/bench/paperbench.py"} <= set(names)
+            "app/perfmodel/predict.py", "bench/paper/paperbench.py"} <= set(names)
     assert not any(name.startswith("tests/") for name in names)
     assert "agent" in metadata.get_all("Provides-Extra")
     assert any(req.startswith("torch==") and 'extra == "agent"' in req for req in metadata.get_all("Requires-Dist"))

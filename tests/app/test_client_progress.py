@@ -14,7 +14,7 @@ from agents.celery_app import LAUNCH_ROLE
 from app.cli.client import HybridtrainClient
 from app.cli.run_progress import run_progress
 from hybridtrain.progress import RunProgress
-from testbed.bench.api_runs import metrics_reader
+from bench.paper.api_runs import metrics_reader
 from tests.app.conftest import ADMIN_TOKEN
 
 T0 = 1_800_000_000.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from testbed.bench.fault_figures import (
+from bench.paper.fault_figures import (
     FaultSettings,
     Injection,
     after_profile,
@@ -15,8 +15,8 @@ from testbed.bench.fault_figures import (
     summarise_fault,
     throughput,
 )
-from testbed.bench.fault_report import markdown
-from testbed.bench.faults import FAULTS
+from bench.paper.fault_report import markdown
+from bench.paper.faults import FAULTS
 
 S = FaultSettings(max_steps=10, fault_step=4, eval_every=100, window=3, global_batch=60)
 KILL_WORKER = next(f for f in FAULTS if f.name == "kill-worker")
@@ -134,7 +134,7 @@ def test_a_clean_fault_run_meets_every_target():
 def test_the_aggregated_variant_asks_for_per_site_aggregation_in_every_runs_compression():
     from dataclasses import replace
 
-    from testbed.bench.faults import _body
+    from bench.paper.faults import _body
 
     plain, aggregated = (_body(replace(S, aggregate_at_sites=flag), [1, 2, 3], None, "f") for flag in (False, True))
     assert "aggregate_at_sites" not in plain["compression"]
@@ -185,8 +185,8 @@ def test_a_missed_share_after_a_loss_names_its_compute_and_overhead_parts():
 
 
 def test_the_fault_runs_batch_is_calibrated_to_the_paper_benchmarks_compute_time_and_says_so():
-    from testbed.bench.fault_figures import QUICK
-    from testbed.bench.paper_workloads import FULL
+    from bench.paper.fault_figures import QUICK
+    from bench.paper.paper_workloads import FULL
 
     assert FaultSettings().balanced_step_s == FULL.balanced_step_s
     assert QUICK.balanced_step_s is None  # the smoke run keeps its batch
@@ -210,14 +210,14 @@ def test_the_reference_run_is_shown_against_the_ideal_measured_right_after_it():
 
 
 def test_every_fault_run_re_balances_from_measured_times_as_the_paper_benchmarks_ps_bz_gc_does():
-    from testbed.bench.faults import _body
-    from testbed.bench.paper_workloads import FULL
+    from bench.paper.faults import _body
+    from bench.paper.paper_workloads import FULL
 
     assert _body(S, [1, 2, 3], None, "f")["rebalance_every"] == FULL.rebalance_every == 5
 
 
 def test_processes_are_counted_once_they_have_had_the_time_to_go():
-    from testbed.bench.fault_figures import wait_until_none_left
+    from bench.paper.fault_figures import wait_until_none_left
 
     found = iter([[11, 12], [12], []])
     left, waited = wait_until_none_left(lambda: next(found), timeout_s=5.0, poll_s=0.01)
@@ -225,7 +225,7 @@ def test_processes_are_counted_once_they_have_had_the_time_to_go():
 
 
 def test_a_process_still_there_after_the_bound_is_left_behind():
-    from testbed.bench.fault_figures import wait_until_none_left
+    from bench.paper.fault_figures import wait_until_none_left
 
     left, waited = wait_until_none_left(lambda: [11], timeout_s=0.05, poll_s=0.01)
     assert left == [11] and waited >= 0.05

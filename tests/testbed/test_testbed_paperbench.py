@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from testbed.bench.api_runs import run_body
-from testbed.bench.ideal import measure_calibrated, profile_argv, samples_per_s
-from testbed.bench.paper_figures import check_targets, combine_seeds, ideal_of_the_runs, link_prices, summarise
-from testbed.bench.paper_workloads import (
+from bench.paper.api_runs import run_body
+from bench.paper.ideal import measure_calibrated, profile_argv, samples_per_s
+from bench.paper.paper_figures import check_targets, combine_seeds, ideal_of_the_runs, link_prices, summarise
+from bench.paper.paper_workloads import (
     FULL,
     QUICK,
     WORKLOADS,
@@ -26,8 +26,8 @@ from testbed.bench.paper_workloads import (
     with_overrides,
     workloads_of,
 )
-from testbed.bench.paperbench import check_strategies, placer_pause_file, write_results
-from testbed.bench.report import SECTION, markdown_table, replace_section, section, strategy_label, workload
+from bench.paper.paperbench import check_strategies, placer_pause_file, write_results
+from bench.paper.report import SECTION, markdown_table, replace_section, section, strategy_label, workload
 from testbed.errors import TestbedError
 
 
@@ -253,8 +253,8 @@ def test_the_ideal_is_measured_by_the_trainers_profiler_on_the_task() -> None:
 
 
 def test_a_workload_of_the_users_own_code_is_measured_and_run_from_its_directory() -> None:
-    from testbed.bench.api_runs import run_body
-    from testbed.bench.paper_workloads import CHARLM, workdir_of
+    from bench.paper.api_runs import run_body
+    from bench.paper.paper_workloads import CHARLM, workdir_of
 
     argv = profile_argv(CHARLM, 64)
     assert argv[argv.index("--code-dir") + 1] == str(workdir_of(CHARLM))
@@ -492,7 +492,7 @@ def test_the_run_configs_in_bench_hold_what_the_benchmark_runs(strategy) -> None
     import yaml
 
     from app.schemas.runs import RunCreate
-    from testbed.bench.api_runs import run_body
+    from bench.paper.api_runs import run_body
 
     path = Path(__file__).resolve().parents[2] / "bench" / "configs" / f"widecnn-{strategy}.yaml"
     config = yaml.safe_load(path.read_text())
@@ -530,9 +530,9 @@ def test_wan_bytes_count_only_what_crosses_between_sites_per_sample() -> None:
 
 
 def test_a_delay_variant_overlaps_a_local_sgd_strategys_outer_exchange() -> None:
-    from testbed.bench.api_runs import run_body
+    from bench.paper.api_runs import run_body
     from testbed.errors import TestbedError
-    from testbed.bench.paper_workloads import strategy_variant, variant_body
+    from bench.paper.paper_workloads import strategy_variant, variant_body
 
     assert strategy_variant("diloco+delay3") == ("diloco", "delay3")
     body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay3")

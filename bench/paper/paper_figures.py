@@ -1,6 +1,6 @@
 """The paper benchmark's figures from a run's metric records and bill (pure functions, tested
 on their own): a run's summary, its seeds combined, the issue's targets, the bill's link prices.
-testbed/bench/paperbench.py runs the benchmark and calls these."""
+bench/paper/paperbench.py runs the benchmark and calls these."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hybridtrain.contract import (
     PS_STRATEGIES,
     VAL_LOSS,
 )
-from testbed.bench.paper_workloads import split_entry
+from bench.paper.paper_workloads import split_entry
 
 
 def _by(records: list[dict[str, Any]], name: str) -> dict[int, dict[int, float]]:

@@ -1,6 +1,6 @@
 """The fault benchmark's section of docs/BENCHMARKS.md: the command, the reference run, one row
 per fault and, for the faults with an "after" window, where its step went. The figures
-themselves are testbed/bench/fault_figures.py's."""
+themselves are bench/paper/fault_figures.py's."""
 
 from __future__ import annotations
 

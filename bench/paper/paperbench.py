@@ -1,7 +1,7 @@
 """`hybridtrain bench paper`: seed 000's comparison, through the product, in one command.
 
 For each testbed of `--config` (the paper's and the intercontinental one by default), and on
-it each workload (testbed/bench/paper_workloads.py: widecnn and ResNet-18 on digits):
+it each workload (bench/paper/paper_workloads.py: widecnn and ResNet-18 on digits):
 1. Bring the testbed up (namespaces, shaping, quotas, control plane, agents).
 2. Measure the ideal: every worker's compute alone, in its own namespace and cgroup, on the
    batch `ps-bz-gc` gives it (the plan preview); the sum is the ideal. It is measured again
@@ -12,7 +12,7 @@ it each workload (testbed/bench/paper_workloads.py: widecnn and ResNet-18 on dig
    built-in `hybridtrain.tasks.<dataset>:<model>` and its args), global batch, steps and
    target, seed by seed: every strategy of a seed one after another, then the next seed, so
    that the host's drift falls on all of them alike.
-4. Read each run's metrics and bill back from the API and reduce them (testbed/bench/paper_figures.py:
+4. Read each run's metrics and bill back from the API and reduce them (bench/paper/paper_figures.py:
    `summarise`, `combine_seeds` over the seeds), check the issue's targets, write results.json,
    the Markdown section of docs/BENCHMARKS.md and the charts.
 5. Tear the testbed down, also on failure, Ctrl-C or SIGTERM.
@@ -39,10 +39,10 @@ import httpx
 from hybridtrain.contract import PS_BZ_GC, STRATEGIES, parse_target
 from hybridtrain.progress import duration
 from testbed import lifecycle, services, thread_placer
-from testbed.bench.api_runs import fetch_metrics, rank_nodes, run_body, run_strategy, upload_workdir
-from testbed.bench.ideal import Log, measure_calibrated, measure_ideal
-from testbed.bench.paper_figures import check_targets, combine_seeds, ideal_of_the_runs, link_prices, summarise
-from testbed.bench.paper_workloads import (
+from bench.paper.api_runs import fetch_metrics, rank_nodes, run_body, run_strategy, upload_workdir
+from bench.paper.ideal import Log, measure_calibrated, measure_ideal
+from bench.paper.paper_figures import check_targets, combine_seeds, ideal_of_the_runs, link_prices, summarise
+from bench.paper.paper_workloads import (
     BenchSettings,
     configs_of,
     seeds_of,
@@ -254,7 +254,7 @@ def _describe_testbed(config: TestbedConfig, state: TestbedState) -> dict[str, A
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark and write results.json, docs and charts; 0 when it ran (targets aside)."""
-    from testbed.bench import report
+    from bench.paper import report
 
     def save(doc: dict[str, Any]) -> None:
         write_results(doc, args.out)

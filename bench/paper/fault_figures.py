@@ -1,7 +1,7 @@
 """The fault benchmark's figures: its settings, what an injection did, reading a run back
 (the server's steps, the stored and the logged metric points, processes left in the run's
 directories) and reducing it to one row of the table, with the issue's targets. The docs
-section they become is testbed/bench/fault_report.py's."""
+section they become is bench/paper/fault_report.py's."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import httpx
 import psutil
 
 from hybridtrain.contract import EVENT_RESUMED, EVENT_WORKER_JOINED
-from testbed.bench.paper_workloads import FULL
+from bench.paper.paper_workloads import FULL
 from testbed.errors import TestbedError
 from testbed.services import check_response
 from testbed.state import TestbedState
 
 if TYPE_CHECKING:
-    from testbed.bench.faults import Fault
+    from bench.paper.faults import Fault
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ FULL = BenchSettings(
     max_steps=50,
     target="accuracy>=0.95",
     # Time to target is read this finely; the evaluations' own time is left out of it
-    # (testbed/bench/paper_figures.py), and of the throughput.
+    # (bench/paper/paper_figures.py), and of the throughput.
     eval_every=2,
     stop_at_target=False,
     pipeline_chunks=4,

@@ -1,6 +1,6 @@
 """Running a strategy through the control plane's API, as a CI job would: the run's body, its
 creation and wait (with progress), and its metrics read back. The paper and fault benchmarks
-both run theirs this way (testbed/bench/paperbench.py, testbed/bench/faults.py)."""
+both run theirs this way (bench/paper/paperbench.py, bench/paper/faults.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hybridtrain.contract import (
 )
 from hybridtrain.progress import RunProgress, status_text
 from testbed import services
-from testbed.bench.paper_workloads import BenchSettings
+from bench.paper.paper_workloads import BenchSettings
 from testbed.errors import TestbedError
 
 TERMINAL = ("succeeded", "failed", "cancelled")

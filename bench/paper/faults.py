@@ -38,8 +38,8 @@ import psutil
 
 from hybridtrain.contract import EVENT_RESUMED, EVENT_WORKER_JOINED, EVENT_WORKER_LEFT, EVENT_WORKER_LOST, PS_BZ_GC
 from testbed import lifecycle, services
-from testbed.bench.api_runs import TERMINAL, cancel_quietly, fetch_metrics, rank_nodes, run_body
-from testbed.bench.fault_figures import (
+from bench.paper.api_runs import TERMINAL, cancel_quietly, fetch_metrics, rank_nodes, run_body
+from bench.paper.fault_figures import (
     QUICK,
     FaultSettings,
     Injection,
@@ -55,9 +55,9 @@ from testbed.bench.fault_figures import (
     throughput,
     wait_until_none_left,
 )
-from testbed.bench.fault_report import SECTION, markdown
-from testbed.bench.ideal import measure_calibrated, measure_ideal
-from testbed.bench.paper_workloads import FULL, BenchSettings
+from bench.paper.fault_report import SECTION, markdown
+from bench.paper.ideal import measure_calibrated, measure_ideal
+from bench.paper.paper_workloads import FULL, BenchSettings
 from testbed.errors import TestbedError
 from testbed.services import check_response
 from testbed.state import TestbedState
@@ -392,7 +392,7 @@ def run_bench(args: argparse.Namespace, log: Log = print) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark, write its JSON and (unless --quick) its docs section; 0 when it ran."""
-    from testbed.bench import report
+    from bench.paper import report
 
     try:
         doc = run_bench(args)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed import processes
-from testbed.bench.paper_workloads import BenchSettings, calibrate, workdir_of
+from bench.paper.paper_workloads import BenchSettings, calibrate, workdir_of
 from testbed.errors import TestbedError
 from testbed.state import TestbedState
 

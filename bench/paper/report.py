@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
-from testbed.bench.paper_workloads import chunks_of, split_entry
+from bench.paper.paper_workloads import chunks_of, split_entry
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
 
 
-# What a variant (testbed.bench.paper_workloads.VARIANTS) adds to its strategy's label.
+# What a variant (bench.paper.paper_workloads.VARIANTS) adds to its strategy's label.
 _VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "fp8": "fp8 values",
                    "inforward": "apply-in-forward", "quotaio": "threads on the quota"}
 
