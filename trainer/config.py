@@ -185,8 +185,8 @@ class TrainConfig:
     @property
     def applies_in_forward(self) -> bool:
         """Whether the update's chunks after the first are applied during the next forward pass:
-        asked for, compressed, several chunks, and none of the modes whose chunks follow the
-        backward pass or whose updates come late or through a site's relay."""
+        asked for, under a compressing PS strategy with momentum correction and several chunks,
+        and not under per-site aggregation (whose updates come through the site's relay)."""
         return (self.apply_in_forward and self.is_ps and not self.is_local_sgd and self.compresses
                 and self.momentum_correction
                 and self.pipeline_chunks > 1

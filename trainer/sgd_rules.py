@@ -26,7 +26,6 @@ class SgdRules:
     """What `adapt_sgd` took out of the optimizer: per group decay, and the velocity's factor."""
 
     decay: list[float] = field(default_factory=list)  # per param group, moved out of the optimizer
-    decay_of: dict = field(default_factory=dict)  # parameter -> its group's decay (overlap's hooks)
     momentum: float = 0.0  # the velocity's factor; 0 when momentum correction is off
 
 
@@ -39,7 +38,6 @@ def adapt_sgd(optimizer: torch.optim.Optimizer, compressed: AbstractSet[nn.Param
         return rules
     for group in optimizer.param_groups:
         rules.decay.append(float(group.get("weight_decay", 0.0)))
-        rules.decay_of.update(dict.fromkeys(group["params"], rules.decay[-1]))
         group["weight_decay"] = 0.0
     if not momentum_correction:
         return rules
@@ -53,16 +51,16 @@ def adapt_sgd(optimizer: torch.optim.Optimizer, compressed: AbstractSet[nn.Param
     return rules
 
 
-def add_decay(optimizer: torch.optim.Optimizer, rules: SgdRules, skip: set | frozenset = frozenset()) -> None:
-    """Add each group's decay to its parameters' gradients, but not to those in `skip`
-    (sent early by the backward pass's hooks, with theirs in already)."""
+def add_decay(optimizer: torch.optim.Optimizer, rules: SgdRules) -> None:
+    """Add each group's decay to its parameters' gradients (taken out of the optimizer so that
+    it reaches the compressed gradient, as the paper's step 1 has it)."""
     if not any(rules.decay):
         return
     with torch.no_grad():
         for group, decay in zip(optimizer.param_groups, rules.decay):
             if decay:
                 for p in group["params"]:
-                    if p.grad is not None and p not in skip:
+                    if p.grad is not None:
                         p.grad.add_(p, alpha=decay)
 
 

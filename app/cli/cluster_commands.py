@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from app.cli.inventory_commands import _node_id
-from app.cli.run_commands import EXIT_USAGE, _client, _connection_args, _guard, _print_json
+from app.cli.run_commands import _client, _connection_args, _guard, _print_json
 from app.cli.run_flags import UsageError
 
 
@@ -87,11 +87,7 @@ def _clusters_list(args: argparse.Namespace) -> int:
 @_guard
 def _clusters_create(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        try:
-            node_ids = _member_ids(client, args)
-        except UsageError as exc:
-            print(f"hybridtrain: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        node_ids = _member_ids(client, args)
         cluster = client.create_cluster(args.name, node_ids, description=args.description)
     if args.json:
         _print_json(cluster)
@@ -103,11 +99,7 @@ def _clusters_create(args: argparse.Namespace) -> int:
 @_guard
 def _clusters_show(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        try:
-            cluster = client.get_cluster(cluster_id(client, args.cluster))
-        except UsageError as exc:
-            print(f"hybridtrain: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        cluster = client.get_cluster(cluster_id(client, args.cluster))
         nodes = {n["id"]: n for n in client.list_nodes(limit=1000)["data"]}
     if args.json:
         _print_json(cluster)
@@ -126,11 +118,7 @@ def _clusters_show(args: argparse.Namespace) -> int:
 @_guard
 def _clusters_delete(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        try:
-            target = cluster_id(client, args.cluster)
-        except UsageError as exc:
-            print(f"hybridtrain: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        target = cluster_id(client, args.cluster)
         client.delete_cluster(target)
     print(f"hybridtrain: deleted cluster {args.cluster}", file=sys.stderr)
     return 0

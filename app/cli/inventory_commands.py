@@ -93,11 +93,7 @@ def _nodes_list(args: argparse.Namespace) -> int:
 @_guard
 def _nodes_drain(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        try:
-            node_id = _node_id(client, args.node)
-        except UsageError as exc:
-            print(f"hybridtrain: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        node_id = _node_id(client, args.node)
         node = client.drain_node(node_id) if args.action == "drain" else client.undrain_node(node_id)
     print(f"node {node['name']} (id {node['id']}) is {node['status']}")
     return 0
@@ -144,28 +140,20 @@ def _bundles_delete(args: argparse.Namespace) -> int:
 
 @_guard
 def _plans_optimize(args: argparse.Namespace) -> int:
-    try:
-        body: dict[str, Any] = {"goal": args.goal}
-        if args.nodes is not None:
-            body["node_ids"] = args.nodes
-        else:
-            body["cluster_id"] = args.cluster
-        for key, value in [("task", task_flag(args.task)), ("task_args", task_args_flag(args.task_args)),
-                           ("global_batch_size", args.global_batch), ("budget_usd_per_h", args.budget_usd_per_h),
-                           ("deadline_s", args.deadline_s), ("max_steps", args.max_steps)]:
-            if value is not None:
-                body[key] = value
-    except UsageError as exc:
-        print(f"hybridtrain: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    body: dict[str, Any] = {"goal": args.goal}
+    if args.nodes is not None:
+        body["node_ids"] = args.nodes
+    else:
+        body["cluster_id"] = args.cluster
+    for key, value in [("task", task_flag(args.task)), ("task_args", task_args_flag(args.task_args)),
+                       ("global_batch_size", args.global_batch), ("budget_usd_per_h", args.budget_usd_per_h),
+                       ("deadline_s", args.deadline_s), ("max_steps", args.max_steps)]:
+        if value is not None:
+            body[key] = value
     with _client(args) as client:
-        try:
-            resolve_cluster(client, body)
-            if (sha256 := code_bundle(client, args)) is not None:
-                body["bundle_sha256"] = sha256
-        except UsageError as exc:
-            print(f"hybridtrain: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        resolve_cluster(client, body)
+        if (sha256 := code_bundle(client, args)) is not None:
+            body["bundle_sha256"] = sha256
         from app.cli.profile_commands import inputs_text, wait_for_profiles
 
         if args.profile:

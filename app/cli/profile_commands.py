@@ -14,7 +14,7 @@ from typing import Any, TextIO
 from app.cli.inventory_commands import _node_id
 from app.perfmodel.provenance import age_text, input_lines, noise_text, since_s
 from app.cli.run_commands import (
-    EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _connection_args, _guard, _print_json, resolve_cluster,
+    EXIT_RUN_FAILED, EXIT_TIMEOUT, _client, _connection_args, _guard, _print_json, resolve_cluster,
 )
 from app.cli.run_flags import (
     UsageError, add_code_flags, bundle_flag, cluster_ref, code_bundle, ids, task_args_flag, task_flag,
@@ -163,12 +163,8 @@ def _profile_line(p: dict[str, Any], now: datetime) -> str:
 @_guard
 def _profiles_list(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        try:
-            key = _task_key_filter(client, args)
-            node = _node_id(client, args.node) if args.node is not None else None
-        except UsageError as exc:
-            print(f"hybridtrain: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        key = _task_key_filter(client, args)
+        node = _node_id(client, args.node) if args.node is not None else None
         page = client.list_profiles(task_key=key, node_id=node)
     if args.json:
         _print_json(page)
@@ -185,29 +181,21 @@ def _profiles_list(args: argparse.Namespace) -> int:
 
 @_guard
 def _profiles_request(args: argparse.Namespace) -> int:
-    try:
-        body: dict[str, Any] = {}
-        for key, value in [("task", task_flag(args.task)), ("task_args", task_args_flag(args.task_args)),
-                           ("batch_size", args.batch_size),
-                           ("device", args.device)]:
-            if value is not None:
-                body[key] = value
-    except UsageError as exc:
-        print(f"hybridtrain: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    body: dict[str, Any] = {}
+    for key, value in [("task", task_flag(args.task)), ("task_args", task_args_flag(args.task_args)),
+                       ("batch_size", args.batch_size),
+                       ("device", args.device)]:
+        if value is not None:
+            body[key] = value
     with _client(args) as client:
-        try:
-            if args.nodes is not None:
-                body["node_ids"] = args.nodes
-            else:
-                holder = {"cluster_id": args.cluster}
-                resolve_cluster(client, holder)
-                body["node_ids"] = client.get_cluster(holder["cluster_id"])["node_ids"]
-            if (sha256 := code_bundle(client, args)) is not None:
-                body["bundle_sha256"] = sha256
-        except UsageError as exc:
-            print(f"hybridtrain: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        if args.nodes is not None:
+            body["node_ids"] = args.nodes
+        else:
+            holder = {"cluster_id": args.cluster}
+            resolve_cluster(client, holder)
+            body["node_ids"] = client.get_cluster(holder["cluster_id"])["node_ids"]
+        if (sha256 := code_bundle(client, args)) is not None:
+            body["bundle_sha256"] = sha256
         profiles = client.create_profiles(body)
         ended = True
         if args.wait:

@@ -213,12 +213,16 @@ def _print_json(data: Any) -> None:
 
 
 def _guard(fn: Any) -> Any:
-    # Errors of the API become one line on stderr and an exit status, never a traceback.
+    # A bad flag or an error of the API becomes one line on stderr and an exit status, never a
+    # traceback.
     def run(args: argparse.Namespace) -> int:
         from app.cli.client import ApiError
 
         try:
             return int(fn(args) or 0)
+        except UsageError as exc:
+            print(f"hybridtrain: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         except ApiError as exc:
             print(f"hybridtrain: {exc}", file=sys.stderr)
             return EXIT_UNREACHABLE if exc.status_code == 0 else EXIT_RUN_FAILED
@@ -284,18 +288,10 @@ def _describe(run: dict[str, Any]) -> str:
 def _runs_create(args: argparse.Namespace) -> int:
     from app.cli.client import RunTimeout
 
-    try:
-        body = run_body(args)  # every flag checked before anything is packed or sent
-        packed = pack(args) if args.workdir is not None else None
-    except UsageError as exc:
-        print(f"hybridtrain: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    body = run_body(args)  # every flag checked before anything is packed or sent
+    packed = pack(args) if args.workdir is not None else None
     with _client(args) as client:
-        try:
-            resolve_cluster(client, body)
-        except UsageError as exc:
-            print(f"hybridtrain: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        resolve_cluster(client, body)
         if packed is not None:
             body["bundle_sha256"] = upload(client, packed, args.workdir)
         if args.plan_only:
