@@ -148,6 +148,9 @@ def _markdown(result: dict) -> str:
     return "\n".join([
         SECTION,
         "",
+        "How soon the dashboard shows what a run reports: a metric from its POST to the open run page's",
+        "chart, and a finished long run's page from opening to its charts drawn.",
+        "",
         f"Measured {result['date']} on {result['machine']}, Postgres, uvicorn and Chromium on the same host "
         f"(1-minute load average {result['load'][0]:.1f} before, {result['load'][1]:.1f} after). "
         "Reproduce: `.venv/bin/python bench/dashboard.py --write-docs`.",

@@ -6,7 +6,8 @@ while its other threads only move bytes: the sockets' senders and inboxes (TLS i
 relay that forwards the server's update inside a site, the metrics reporter, the checkpoint
 upload, gloo's. On a real GPU machine those run on the host's CPUs beside the GPU; on the quota
 they took the forward pass's time (0.04-0.06 s a step on a 0.157-core node, docs/BENCHMARKS.md,
-"Apply-in-forward"), which the standalone measurement of the ideal never pays.
+"Thread placer and apply-in-forward, A/B"), which the standalone measurement of the ideal never
+pays.
 
 cgroups place single threads: a thread id written to a group's `tasks` (v1; `cgroup.threads`
 of a threaded group on v2, testbed/cgroup_fs.py) moves that thread alone, and a new thread

@@ -257,7 +257,7 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # pipelined in N chunks instead of the workload's `pipeline_chunks`; `+delayN`, a local SGD strategy
 # applying each outer step N inner steps after its exchange began (`local_sgd.outer_delay`).
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
-# it never paid, docs/BENCHMARKS.md.)
+# it never paid, docs/CHANGELOG.md.)
 VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN")
 
 

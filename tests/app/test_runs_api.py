@@ -454,7 +454,7 @@ def test_site_aggregation_is_left_out_of_a_run_within_one_site(online_node, clie
 
 
 def test_overlap_is_no_longer_an_option(online_node, client):
-    # Removed: sending chunks during the backward pass never paid (docs/BENCHMARKS.md).
+    # Removed: sending chunks during the backward pass never paid (docs/CHANGELOG.md).
     response = client.post(f"{API}/runs", json=run_body([online_node()], compression={"overlap": True}))
     assert response.status_code == 422
     assert response.json()["detail"][0]["loc"] == ["body", "compression", "overlap"]
