@@ -107,7 +107,8 @@ class LocalSgdOptions(_Section):
     outer_delay: Annotated[int, Field(ge=0, le=1_000_000, strict=True)] | None = Field(
         default=None,
         description="apply each outer step this many inner steps after the change was sent, so the "
-        "exchange overlaps them (below sync_every; default 0, wait for it)",
+        f"exchange overlaps them (below sync_every; default {contract.DEFAULT_OUTER_DELAY}, or H - 1 "
+        "when H is smaller; 0 waits for it)",
     )
 
 

@@ -156,7 +156,8 @@ class TrainConfig:
     # follow (hybridtrain.contract.outer_density_plan); the --density flags are the PS strategies'.
     outer_density: float = DEFAULT_OUTER_DENSITY
     # Local SGD: apply each outer step this many inner steps after its change was sent, so the
-    # exchange overlaps them (0: wait for it; below sync_every). trainer.local_sgd.
+    # exchange overlaps them (0: wait for it; below sync_every). trainer.local_sgd. A run's
+    # options default to contract.default_outer_delay (trainer.run_options.option_fields).
     outer_delay: int = 0
 
     @property

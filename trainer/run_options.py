@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from hybridtrain.compat import TAKES, describe, problems
-from hybridtrain.contract import default_allocation, is_local_sgd, parse_target
+from hybridtrain.contract import default_allocation, default_outer_delay, is_local_sgd, parse_target
 from hybridtrain.train_options import CompressionOptions, LocalSgdOptions, TrainOptions
 from trainer.config import TrainConfig
 
@@ -103,6 +103,8 @@ def option_fields(opts: TrainOptions) -> dict[str, Any]:
         "rebalance_every": opts.rebalance_every or (1 if is_local_sgd(opts.strategy) else TrainConfig.rebalance_every),
         **compression, **local_sgd,
     }
+    if is_local_sgd(opts.strategy) and "outer_delay" not in fields:
+        fields["outer_delay"] = default_outer_delay(fields.get("sync_every", TrainConfig.sync_every))
     if opts.max_steps is not None:
         fields["max_steps"] = opts.max_steps
     if opts.eval_every is not None:

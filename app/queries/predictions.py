@@ -28,7 +28,7 @@ from app.planner import Plan, PlanNode
 from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
 from app.queries.profiles import SCRIPT_PREFIX, latest_profiles, task_key
 from app.schemas.runs import CompressionOptions, LocalSgdOptions
-from hybridtrain.contract import VALUE_BYTES, is_ps
+from hybridtrain.contract import VALUE_BYTES, default_outer_delay, is_ps
 
 # The profile fields without which the model cannot size a step.
 _REQUIRED = ("params", "dense_params", "samples_per_s")
@@ -70,6 +70,8 @@ def compression_spec(options: CompressionOptions | None, *, eval_every: int | No
     if local_sgd is not None:
         changes |= {name: getattr(local_sgd, name) for name in ("sync_every", "outer_density", "outer_delay")
                     if getattr(local_sgd, name) is not None}
+    # As the trainer does (trainer.run_options): an unset overlap is the default one for its H.
+    changes.setdefault("outer_delay", default_outer_delay(changes.get("sync_every", spec.sync_every)))
     return replace(spec, **changes)
 
 

@@ -255,7 +255,8 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # threads left on its GPU quota (the testbed's thread placer paused for the run: the emulation
 # before 2026-12-01, testbed/thread_placer.py); `+chunksN`, a PS strategy with its step
 # pipelined in N chunks instead of the workload's `pipeline_chunks`; `+delayN`, a local SGD strategy
-# applying each outer step N inner steps after its exchange began (`local_sgd.outer_delay`).
+# applying each outer step N inner steps after its exchange began (`local_sgd.outer_delay`;
+# `+delay0` waits for it, against the default of 3).
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
 VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN")
@@ -264,7 +265,7 @@ VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN"
 def delay_of(variant: str) -> int | None:
     """N of a `delayN` variant (None for any other)."""
     digits = variant.removeprefix("delay")
-    return int(digits) if variant.startswith("delay") and digits.isdigit() and int(digits) >= 1 else None
+    return int(digits) if variant.startswith("delay") and digits.isdigit() else None
 
 
 def chunks_of(variant: str) -> int | None:
@@ -280,7 +281,7 @@ def strategy_variant(entry: str) -> tuple[str, str]:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if (variant in ("sites", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
-    if delay_of(variant) and strategy not in LOCAL_SGD_STRATEGIES:
+    if delay_of(variant) is not None and strategy not in LOCAL_SGD_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
@@ -303,7 +304,7 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
                        "compression": body.get("compression", {}) | {"apply_in_forward": True}}
     if variant == "quotaio":
         return body | {"name": f"{body['name']}-quotaio"}
-    if delay := delay_of(variant):
+    if (delay := delay_of(variant)) is not None:
         return body | {"name": f"{body['name']}-{variant}",
                        "local_sgd": body.get("local_sgd", {}) | {"outer_delay": delay}}
     if chunks := chunks_of(variant):

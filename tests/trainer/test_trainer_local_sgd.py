@@ -170,6 +170,14 @@ def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
     assert (cfg.sync_every, cfg.allocation, cfg.rebalance_every, cfg.compresses) == (7, "measured", 1, True)
 
 
+def test_the_outer_exchange_overlaps_three_inner_steps_unless_told_or_h_is_smaller():
+    parser = build_parser()
+    delay = {argv: config_from_args(parser.parse_args(["--strategy", "diloco", *argv])).outer_delay
+             for argv in ((), ("--sync-every", "3"), ("--sync-every", "1"), ("--outer-delay", "0"))}
+    assert delay == {(): 3, ("--sync-every", "3"): 2, ("--sync-every", "1"): 0, ("--outer-delay", "0"): 0}
+    assert config_from_args(parser.parse_args(["--strategy", "ps-bz-gc"])).outer_delay == 0
+
+
 # -- whole runs in one process ----------------------------------------------------------------------
 
 
