@@ -12,8 +12,10 @@ from sqlalchemy.orm import Session, selectinload
 
 from app.config import Settings
 from app.errors import DuplicateError, InUseError, InvalidFieldError, NotFoundError
-from app.billing import NodeUsage, RunUsage, StoreRead, compute_bill
+from app.billing import NodeUsage
 from app.models import Dataset, Node, Run
+from app.perfmodel.data import DataCache, DataSetSpec
+from app.perfmodel.data import predict_reads as model_reads
 from app.models.runs import ACTIVE_RUN_STATUSES
 from app.schemas.datasets import DatasetCreate
 from hybridtrain.data_access import STORE_URL, DatasetAccess, DatasetError, Origin
@@ -143,25 +145,47 @@ def run_dataset_access(session: Session, *, run: Run, settings: Settings) -> lis
     return out
 
 
-def predict_reads(session: Session, *, names: Sequence[str], node_ids: Sequence[int],
-                  at: datetime | None = None) -> list[dict[str, object]]:
-    """Per data set and node of a plan: the bytes its first epoch fetches from the store (each
-    node's cache then holds the data set, so later epochs and runs fetch none; a site cache
-    divides them by the site's nodes) and their egress at the prices in force `at` (now)."""
-    from app.queries.costs import DbPriceLookup, billing_site, dataset_store_site
+def read_from_store(dataset: Dataset) -> bool:
+    """Whether a run's nodes fetch `dataset` from a store (a folder on the nodes' own disks is
+    read in place: nothing fetched, nothing billed)."""
+    return not (dataset.url.startswith("/") or dataset.url.startswith("file://"))
 
-    at = at or datetime.now(UTC)
+
+def dataset_specs(session: Session, *, names: Sequence[str]) -> list[DataSetSpec]:
+    """The model's view of the named data sets that are fetched from a store (unknown names skipped)."""
+    from app.queries.costs import dataset_store_site
+
     datasets = [d for d in (session.scalar(select(Dataset).where(Dataset.name == n)) for n in names) if d]
+    return [DataSetSpec(d.name, dataset_store_site(d), d.size_bytes, d.samples, d.shards)
+            for d in datasets if read_from_store(d)]
+
+
+def node_data_cache(node: Node) -> DataCache:
+    """How `node`'s agent said it reads data sets (its hardware report's `data_cache`); an agent
+    that said nothing reads through no site cache, with its cache's bound unknown."""
+    report = (node.detected_hardware or {}).get("data_cache") or {}
+    bound = report.get("bytes")
+    return DataCache(site_cache=bool(report.get("site_cache")), bytes=int(bound) if bound else None)
+
+
+def predict_reads(session: Session, *, names: Sequence[str], node_ids: Sequence[int], global_batch: int,
+                  max_steps: int | None, epochs: float | None = None,
+                  at: datetime | None = None) -> list[dict[str, object]]:
+    """Per data set and reader of a plan (a site's cache, else each node): the bytes fetched
+    from the store over the run and their egress at the prices in force `at` (now), as
+    `app.perfmodel.data.predict_reads` predicts them."""
+    from app.queries.costs import CachedPriceLookup, DbPriceLookup, billing_site
+
+    specs = dataset_specs(session, names=names)
     nodes = session.scalars(select(Node).where(Node.id.in_(set(node_ids))).options(selectinload(Node.site))).all()
-    if not datasets or not nodes:
+    if not specs or not nodes:
         return []
-    usage = RunUsage(
-        priced_at=at, nodes=[NodeUsage(str(n.id), billing_site(n.site), 0.0) for n in nodes],
-        reads=[StoreRead(dataset_store_site(d), str(n.id), d.size_bytes) for d in datasets for n in nodes],
-    )
-    # Only the reads' egress is asked for here: the nodes' own prices need not exist.
-    bill = compute_bill(usage, DbPriceLookup(session), strict=False)
-    by_store = {dataset_store_site(d).name: d.name for d in datasets}
-    return [{"dataset": by_store[link.src], "node_id": int(link.dst), "bytes": link.bytes,
-             "traffic_class": link.traffic_class.value, "usd": float(link.usd)}
-            for link in bill.egress_by_link if link.src in by_store]
+    by_id = {n.id: n for n in nodes}
+    ordered = [by_id[i] for i in dict.fromkeys(node_ids) if i in by_id]
+    # Only the reads are priced here: each node's site, not its own price, is needed.
+    reads = model_reads(specs, [(NodeUsage(str(n.id), billing_site(n.site), 0.0), node_data_cache(n)) for n in ordered],
+                        global_batch=global_batch, max_steps=max_steps, epochs=epochs,
+                        prices=CachedPriceLookup(DbPriceLookup(session)), at=at or datetime.now(UTC))
+    return [{"dataset": r.dataset, "node_id": int(r.node_names[0]), "node_ids": [int(n) for n in r.node_names],
+             "site": r.site, "via": r.via, "epochs": r.epochs_fetched,
+             "bytes": r.bytes, "traffic_class": r.traffic_class, "usd": r.usd} for r in reads.reads]

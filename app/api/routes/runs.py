@@ -66,18 +66,22 @@ def plan_run(
     if body.strategies == "all":
         plans = [queries.make_planned(session, data=variant) for variant in strategy_variants(data)]
         return PlanSetPublic(plans=[
-            plan_public(data, planned, profiling=profiling, data_reads=_data_reads(session, data, planned))
+            plan_public(data, planned, profiling=profiling, data_reads=predicted_reads(session, data, planned))
             for planned in plans
         ])
     planned = queries.make_planned(session, data=data)
-    return plan_public(data, planned, profiling=profiling, data_reads=_data_reads(session, data, planned))
+    return plan_public(data, planned, profiling=profiling, data_reads=predicted_reads(session, data, planned))
 
 
-def _data_reads(session: Session, data: RunCreate, planned: queries.Planned) -> list[dict]:
-    """What the plan's nodes fetch of the run's data sets from their stores, priced."""
+def predicted_reads(session: Session, data: RunCreate, planned: queries.Planned) -> list[dict]:
+    """What the plan's workers fetch of the run's data sets from their stores over the run, priced."""
     if not data.datasets:
         return []
-    return predict_reads(session, names=data.datasets, node_ids=[w.node_id for w in planned.plan.workers])
+    facts = planned.facts
+    return predict_reads(session, names=data.datasets,
+                         node_ids=[w.node_id for w in planned.plan.workers if w.role == "worker"],
+                         global_batch=data.global_batch_size,
+                         max_steps=data.steps(facts.train_samples if facts else None), epochs=data.epochs)
 
 
 def order_profiles_for_plan(
