@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session, selectinload
 from app.config import Settings
 from app.errors import DuplicateError, InUseError, InvalidFieldError, NotFoundError
 from app.billing import NodeUsage
-from app.models import Dataset, Node, Run
+from app.cache_warmup import FROM_SITE_CACHE, FROM_STORE, WarmupDataset, WarmupFeed
+from app.models import Dataset, Node, Run, RunMetric, RunStatus
 from app.perfmodel.data import DataCache, DataSetSpec
 from app.perfmodel.data import predict_reads as model_reads
 from app.models.runs import ACTIVE_RUN_STATUSES
@@ -189,3 +190,40 @@ def predict_reads(session: Session, *, names: Sequence[str], node_ids: Sequence[
     return [{"dataset": r.dataset, "node_id": int(r.node_names[0]), "node_ids": [int(n) for n in r.node_names],
              "site": r.site, "via": r.via, "epochs": r.epochs_fetched,
              "bytes": r.bytes, "traffic_class": r.traffic_class, "usd": r.usd} for r in reads.reads]
+
+
+def warmup_feed(session: Session, *, run: Run, max_metric_id: int | None = None) -> WarmupFeed | None:
+    """The run's first epoch through its caches as its stored metrics tell it (those with ids up
+    to `max_metric_id`, where the page's live stream goes on from), or None when the run
+    fetches no data set from a store (app.cache_warmup)."""
+    datasets = [d for d in (session.scalar(select(Dataset).where(Dataset.name == n)) for n in run.datasets or [])
+                if d is not None and read_from_store(d)]
+    if not datasets:
+        return None
+    workers = [w for w in run.workers if w.role == "worker" and w.node_id is not None]
+    nodes = {n.id: n for n in session.scalars(
+        select(Node).where(Node.id.in_({w.node_id for w in workers})).options(selectinload(Node.site)))}
+    rank_sites = {w.rank: (nodes[w.node_id].site.name, w.node_id) for w in workers if w.node_id in nodes}
+    scope = [RunMetric.run_id == run.id]
+    if max_metric_id is not None:
+        scope.append(RunMetric.id <= max_metric_id)
+    totals = session.execute(
+        select(RunMetric.name, RunMetric.rank, RunMetric.peer, func.sum(RunMetric.value))
+        .where(*scope, RunMetric.name.in_((FROM_STORE, FROM_SITE_CACHE)), RunMetric.peer >= 0)
+        .group_by(RunMetric.name, RunMetric.rank, RunMetric.peer)
+    )
+    step = session.scalar(select(func.max(RunMetric.step)).where(*scope, RunMetric.name == "loss"))
+    return WarmupFeed(
+        datasets=[WarmupDataset(d.id, d.name, d.shards, d.samples) for d in datasets],
+        global_batch=run.global_batch_size, rank_sites=rank_sites, step=step,
+        reads={(str(name), int(rank), int(peer)): int(total or 0) for name, rank, peer, total in totals},
+    )
+
+
+def run_warmup(session: Session, *, run: Run, max_metric_id: int | None = None) -> list[dict] | None:
+    """The run's data sets' first epoch as its page and API show it (`Warmup.to_dict`), from the
+    metrics up to `max_metric_id` (all); None when it fetches none from a store or is queued."""
+    if run.status == RunStatus.queued:
+        return None
+    feed = warmup_feed(session, run=run, max_metric_id=max_metric_id)
+    return None if feed is None else feed.view(active=run.status in ACTIVE_RUN_STATUSES)
