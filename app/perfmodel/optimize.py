@@ -13,8 +13,9 @@ among the plans within `budget_usd_per_h` (egress + compute + the data sets' rea
 the run) and finishing `max_steps` within `deadline_s`. The data sets' reads
 (`app.perfmodel.data.predict_reads`: bytes fetched from each store by a site's cache, else by
 each node, times the epochs fetched, priced by traffic class) count in $/h and $/1M samples, so
-with the data in one cloud a plan near it can come out cheapest. Its explanation compares it, in numbers a person can check, with the best plan on
-all the candidates, and says where the server went and what the next-best server would cost.
+with the data in one cloud a plan near it can come out cheapest. Its explanation compares it, in
+numbers a person can check, with the best plan on all the candidates, says where the server went
+and what the next-best server would cost, and what the data sets' reads cost.
 
 Inputs:
 
