@@ -178,11 +178,14 @@ class Agent:
         return server
 
     def hardware_json(self) -> dict[str, Any]:
-        """The hardware report, with the probe server's port when one runs."""
+        """The hardware report, with the probe server's port when one runs and how this node
+        reads data sets (the plan prices their reads by it)."""
         assert self.hardware is not None
         data = self.hardware.to_json()
         if self.probe_server is not None:
             data["probe_port"] = self.probe_server.port
+        data["data_cache"] = {"bytes": self.settings.data_cache_bytes,
+                              "site_cache": self.settings.data_site_cache_url is not None}
         return data
 
     def register(self) -> AgentState:

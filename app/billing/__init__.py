@@ -17,6 +17,7 @@ from app.billing.bill import (
     WorkerTime,
     compute_bill,
     granularity,
+    price_reads,
 )
 from app.billing.errors import InvalidUsageError, PriceNotFoundError
 from app.billing.membership import MEMBERSHIP_KINDS, MembershipChange, rank_spans, union_seconds
@@ -75,6 +76,7 @@ __all__ = [
     "compute_usd",
     "egress_usd",
     "granularity",
+    "price_reads",
     "rank_spans",
     "round_usd",
     "union_seconds",

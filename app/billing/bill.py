@@ -306,22 +306,49 @@ def _egress(
                 usd=round_usd(usd),
             )
         )
-    for key, n_bytes in _summed_reads(usage, sites).items():
-        store, node = key
-        route = classify(store, sites[node])
-        rate = _egress_rate(route, prices, usage.priced_at, rates, missing)
-        usd = egress_usd(n_bytes, rate)
+    for cost, usd in _read_costs(usage.reads, sites, prices, usage.priced_at, rates, missing):
         total += usd
-        by_class_usd[route.traffic_class] += usd
-        by_class_bytes[route.traffic_class] += n_bytes
-        links.append(LinkCost(src=store.name, dst=node, bytes=n_bytes, traffic_class=route.traffic_class,
-                              scope=route.scope, payer=route.payer, usd_per_gb=rate, usd=round_usd(usd)))
+        by_class_usd[cost.traffic_class] += usd
+        by_class_bytes[cost.traffic_class] += cost.bytes
+        links.append(cost)
     return tuple(links), total, by_class_usd, by_class_bytes
 
 
-def _summed_reads(usage: RunUsage, sites: Mapping[str, Site]) -> dict[tuple[Site, str], int]:
+def _read_costs(
+    reads: Sequence[StoreRead], sites: Mapping[str, Site], prices: PriceLookup, at: datetime,
+    rates: dict[EgressKey, Decimal], missing: _Missing,
+) -> list[tuple[LinkCost, Decimal]]:
+    """Each (store, node) pair's summed reads, priced as the store's egress to the node's site,
+    with its exact dollars."""
+    out = []
+    for (store, node), n_bytes in _summed_reads(reads, sites).items():
+        route = classify(store, sites[node])
+        rate = _egress_rate(route, prices, at, rates, missing)
+        usd = egress_usd(n_bytes, rate)
+        out.append((LinkCost(src=store.name, dst=node, bytes=n_bytes, traffic_class=route.traffic_class,
+                             scope=route.scope, payer=route.payer, usd_per_gb=rate, usd=round_usd(usd)), usd))
+    return out
+
+
+def price_reads(
+    reads: Sequence[StoreRead], sites: Mapping[str, Site], prices: PriceLookup, at: datetime
+) -> tuple[tuple[LinkCost, ...], tuple[str, ...]]:
+    """Store reads alone priced as `compute_bill` prices them (`sites`: each reading node's site),
+    with what had no price in force (counted as $0); for predictions of reads not yet made."""
+    unpriced: list[str] = []
+
+    def missing(what: str) -> Decimal:
+        if what not in unpriced:
+            unpriced.append(what)
+        return _ZERO
+
+    costs = _read_costs(reads, sites, prices, at, {}, missing)
+    return tuple(cost for cost, _ in costs), tuple(unpriced)
+
+
+def _summed_reads(reads: Sequence[StoreRead], sites: Mapping[str, Site]) -> dict[tuple[Site, str], int]:
     summed: dict[tuple[Site, str], int] = {}
-    for read in usage.reads:
+    for read in reads:
         if read.node not in sites:
             raise InvalidUsageError("reads", f"a read from {read.store.name!r} names unknown node {read.node!r}")
         summed[(read.store, read.node)] = summed.get((read.store, read.node), 0) + read.bytes

@@ -33,6 +33,8 @@ def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     opt.add_argument("--budget-usd-per-h", type=float, default=None)
     opt.add_argument("--deadline-s", type=float, default=None, help="with --max-steps: finish within")
     opt.add_argument("--max-steps", type=int, default=None)
+    opt.add_argument("--dataset", dest="datasets", action="append", default=None, metavar="NAME",
+                     help="a registered data set the run reads: its reads from the store count in the cost (repeatable)")
     opt.add_argument("--json", action="store_true", help="print the whole answer as JSON")
     from app.cli.profile_commands import add_plan_profile_flags
 
@@ -147,7 +149,8 @@ def _plans_optimize(args: argparse.Namespace) -> int:
         body["cluster_id"] = args.cluster
     for key, value in [("task", task_flag(args.task)), ("task_args", task_args_flag(args.task_args)),
                        ("global_batch_size", args.global_batch), ("budget_usd_per_h", args.budget_usd_per_h),
-                       ("deadline_s", args.deadline_s), ("max_steps", args.max_steps)]:
+                       ("deadline_s", args.deadline_s), ("max_steps", args.max_steps),
+                       ("datasets", args.datasets)]:
         if value is not None:
             body[key] = value
     with _client(args) as client:

@@ -231,9 +231,12 @@ def _guard(fn: Any) -> Any:
 
 
 def prediction_table(plans: list[dict[str, Any]]) -> str:
-    """Each strategy's predicted throughput, step, granularity and cost, as a Markdown table."""
-    rows = ["| strategy | samples/s | step s | granularity | egress $/h | compute $/h | $/1M samples | egress share |",
-            "|---|---|---|---|---|---|---|---|"]
+    """Each strategy's predicted throughput, step, granularity and cost (the data sets' reads
+    spread over the run as data $/h), as a Markdown table; under it, what the reads cost."""
+    rows = ["| strategy | samples/s | step s | granularity | egress $/h | compute $/h | data $/h | $/1M samples "
+            "| egress share |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    data_lines: list[str] = []
     reasons: dict[str, list[str]] = {}  # one line per reason, however many strategies share it
     for plan in plans:
         p = plan.get("prediction")
@@ -247,10 +250,16 @@ def prediction_table(plans: list[dict[str, Any]]) -> str:
 
         rows.append(f"| {plan['strategy']} | {p['samples_per_s']:.1f} | {p['step_s']:.3f} | "
                     f"{num(p['granularity'], '.2f')} | {c['egress_usd_per_h']:.3f} | {c['compute_usd_per_h']:.3f} | "
+                    f"{c.get('data_usd_per_h', 0.0):.3f} | "
                     f"{num(c['usd_per_million_samples'], '.3f')} | {num(c['egress_share'], '.0%')} |")
+        if c.get("data_bytes"):
+            line = (f"data sets: {c['data_bytes'] / 2**30:.3g} GB from their stores over the run, "
+                    f"${c['data_usd']:.4g}")
+            if line not in data_lines:
+                data_lines.append(line)
     why = [f"{', '.join(strategies) if len(strategies) < len(plans) or len(plans) == 1 else 'every strategy'}: "
            f"{reason}" for reason, strategies in reasons.items()]
-    return "\n".join(rows + why)
+    return "\n".join(rows + why + data_lines)
 
 
 def _plan_only(client: Any, body: dict[str, Any], args: argparse.Namespace) -> int:

@@ -9,15 +9,19 @@ the best under the goal:
 - `Goal.cost`: the lowest $/1M samples (ties: more samples/s);
 - `Goal.fastest`: the most samples/s (ties: lower $/1M samples);
 
-among the plans within `budget_usd_per_h` (egress + compute) and finishing `max_steps` within
-`deadline_s`. Its explanation compares it, in numbers a person can check, with the best plan on
-all the candidates, and says where the server went and what the next-best server would cost.
+among the plans within `budget_usd_per_h` (egress + compute + the data sets' reads spread over
+the run) and finishing `max_steps` within `deadline_s`. The data sets' reads
+(`app.perfmodel.data.predict_reads`: bytes fetched from each store by a site's cache, else by
+each node, times the epochs fetched, priced by traffic class) count in $/h and $/1M samples, so
+with the data in one cloud a plan near it can come out cheapest. Its explanation compares it, in
+numbers a person can check, with the best plan on all the candidates, says where the server went
+and what the next-best server would cost, and what the data sets' reads cost.
 
 Inputs:
 
 - `Candidate(node, usage, max_batch=None)`: `node` is the model's `NodeSpec` (the task's profile
   there); `usage` an `app.billing.NodeUsage` giving its site and pricing (its `seconds` are
-  ignored); the name of both must be the same.
+  ignored); the name of both must be the same; `data_cache` how its agent reads data sets.
 - batch split: `ps-bz-gc` splits the global batch in proportion to the nodes' samples/s (the
   measured speeds), every other strategy equally, as the trainer's defaults do.
 - `NoPlanError(field, message, cheapest)`: no plan meets the budget (field
@@ -34,8 +38,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
-from app.billing import NodeUsage, PriceLookup, Site
+from app.billing import BYTES_PER_GB, NodeUsage, PriceLookup, Site
 from app.errors import InvalidFieldError
+from app.perfmodel.data import NO_READS, DataCache, DataReads, DataSetSpec, predict_reads
 from app.perfmodel.predict import (
     CompressionSpec,
     CostPrediction,
@@ -68,6 +73,7 @@ class Candidate:
 
     node: NodeSpec
     usage: NodeUsage
+    data_cache: DataCache = DataCache()
 
     @property
     def site(self) -> Site:
@@ -84,6 +90,7 @@ class PlanChoice:
     workers: tuple[tuple[int, int], ...]  # (node id, batch share)
     prediction: Prediction
     costs: CostPrediction
+    reads: DataReads = NO_READS
 
     @property
     def node_ids(self) -> tuple[int, ...]:
@@ -104,7 +111,8 @@ class PlanChoice:
         """JSON-ready."""
         return {"strategy": self.strategy, "server_node_id": self.server_node_id,
                 "node_ids": list(self.node_ids), "batch_sizes": [n for _, n in self.workers],
-                "prediction": self.prediction.to_dict(), "costs": self.costs.to_dict()}
+                "prediction": self.prediction.to_dict(), "costs": self.costs.to_dict(),
+                "data_reads": self.reads.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -146,8 +154,11 @@ class _Search:
     def __init__(self, candidates: Sequence[Candidate], *, global_batch: int, links: Mapping[tuple[int, int], LinkSpec],
                  task: TaskSpec, compression: CompressionSpec, prices: PriceLookup, at: datetime,
                  relay: bool, max_steps: int | None, strategies: Sequence[str],
-                 servers: Sequence[int] | None, key, budget: float | None, deadline: float | None) -> None:
+                 servers: Sequence[int] | None, key, budget: float | None, deadline: float | None,
+                 datasets: Sequence[DataSetSpec] = (), epochs: float | None = None) -> None:
         self.key, self.budget, self.deadline = key, budget, deadline
+        self.datasets, self.epochs = datasets, epochs
+        self.reads: dict[tuple[int, ...], DataReads] = {}
         self.by_id = {c.node.node_id: c for c in candidates}
         self.global_batch, self.links, self.task = global_batch, links, task
         self.compression, self.prices, self.at = compression, prices, at
@@ -168,10 +179,22 @@ class _Search:
             pred = predict(strategy, workers=list(zip(nodes, shares)), server=srv, links=self.links,
                            task=self.task, compression=self.compression, relay=self.relay,
                            max_steps=self.max_steps, densities=densities)
+            reads = self.reads_of(subset)
             costs = predict_costs(pred, nodes=[c.usage for c in self.by_id.values()], prices=self.prices,
-                                  at=self.at)
-            self.cache[key] = PlanChoice(strategy, server, tuple(zip(subset, shares)), pred, costs)
+                                  at=self.at, reads=reads)
+            self.cache[key] = PlanChoice(strategy, server, tuple(zip(subset, shares)), pred, costs, reads)
         return self.cache[key]
+
+    def reads_of(self, subset: tuple[int, ...]) -> DataReads:
+        """The data sets' reads by the workers `subset` (the same for every strategy and server)."""
+        if not self.datasets:
+            return NO_READS
+        if subset not in self.reads:
+            nodes = [(self.by_id[i].usage, self.by_id[i].data_cache) for i in subset]
+            self.reads[subset] = predict_reads(self.datasets, nodes, global_batch=self.global_batch,
+                                               max_steps=self.max_steps, epochs=self.epochs,
+                                               prices=self.prices, at=self.at)
+        return self.reads[subset]
 
     def plans_for(self, subset: tuple[int, ...]) -> list[PlanChoice]:
         """Every strategy on `subset`; a PS strategy's server on every candidate for the pilot
@@ -208,13 +231,16 @@ def optimize(candidates: Sequence[Candidate], *, global_batch: int, goal: Goal |
              compression: CompressionSpec = CompressionSpec(), budget_usd_per_h: float | None = None,
              deadline_s: float | None = None, max_steps: int | None = None,
              strategies: Sequence[str] = STRATEGIES, relay: bool = True,
-             servers: Sequence[int] | None = None) -> OptimizeResult:
+             servers: Sequence[int] | None = None, datasets: Sequence[DataSetSpec] = (),
+             epochs: float | None = None) -> OptimizeResult:
     """The best plan over node subsets x strategies x server placements for `goal`, within the
-    budget and deadline; `servers` limits where a parameter server may go."""
+    budget and deadline; `servers` limits where a parameter server may go; the workers' reads of
+    `datasets` (over `max_steps`, else `epochs`, else one epoch) count in the cost."""
     goal = _check(candidates, global_batch, goal, budget_usd_per_h, deadline_s, max_steps, strategies, servers)
     search = _Search(candidates, global_batch=global_batch, links=links, task=task, compression=compression,
                      prices=prices, at=at, relay=relay, max_steps=max_steps, strategies=strategies,
-                     servers=servers, key=_key(goal), budget=budget_usd_per_h, deadline=deadline_s)
+                     servers=servers, key=_key(goal), budget=budget_usd_per_h, deadline=deadline_s,
+                     datasets=datasets, epochs=epochs)
     ids = tuple(c.node.node_id for c in candidates)
     key = search.key
     usable = [s for s in _subsets(ids, global_batch, search, key, budget_usd_per_h, deadline_s)]
@@ -355,6 +381,24 @@ def _two(a: float, b: float) -> tuple[str, str] | None:
     return None
 
 
+def _gb(n: float) -> str:
+    return f"{n / BYTES_PER_GB:.3g} GB"
+
+
+def _data_sentence(best: PlanChoice, baseline: PlanChoice | None) -> str:
+    """What the data sets' reads cost on `best`, by traffic class, and on the baseline's nodes
+    where that differs."""
+    by_class: dict[str, int] = {}
+    for r in best.reads.reads:
+        by_class[r.traffic_class] = by_class.get(r.traffic_class, 0) + r.bytes
+    classes = ", ".join(f"{_gb(b)} {c.replace('_', '-')}" for c, b in by_class.items())
+    out = f"Reading the data sets costs ${best.costs.data_usd:.3g} over the run here ({classes})"
+    if baseline is not None and baseline.node_ids != best.node_ids \
+            and abs(baseline.costs.data_usd - best.costs.data_usd) > 5e-7:
+        out += f", against ${baseline.costs.data_usd:.3g} on every candidate"
+    return out + "."
+
+
 def _explain(best: PlanChoice, baseline: PlanChoice | None, goal: Goal, search: _Search) -> str:
     parts = []
 
@@ -409,6 +453,8 @@ def _explain(best: PlanChoice, baseline: PlanChoice | None, goal: Goal, search: 
             parts.append(f"The server goes on {here}: on {there}, the next best place, it would give {metric}, "
                          f"with egress at ${alt.costs.egress_usd_per_h:.3g}/h rather than "
                          f"${best.costs.egress_usd_per_h:.3g}/h.")
+    if best.reads.reads:
+        parts.append(_data_sentence(best, baseline))
     if best.costs.unpriced:
         parts.append(f"No price is in force for {'; '.join(best.costs.unpriced)}: counted as $0.")
     return " ".join(parts)

@@ -37,6 +37,7 @@ from app.billing import (
     compute_bill,
     granularity,
 )
+from app.perfmodel.data import NO_READS, DataReads
 from app.perfmodel.inputs import (
     LOOPBACK,
     LOOPBACK_MBPS,
@@ -114,11 +115,16 @@ class CostPrediction:
     usd_per_million_samples: float | None
     egress_share: float | None
     unpriced: tuple[str, ...] = ()
+    # The data sets' reads from their stores (app.perfmodel.data): the run's dollars and bytes,
+    # and those dollars spread over its samples, as $/h at this plan's rate.
+    data_usd_per_h: float = 0.0
+    data_usd: float = 0.0
+    data_bytes: int = 0
 
     @property
     def total_usd_per_h(self) -> float:
-        """Egress plus compute."""
-        return self.egress_usd_per_h + self.compute_usd_per_h
+        """Egress plus compute plus the data sets' reads."""
+        return self.egress_usd_per_h + self.compute_usd_per_h + self.data_usd_per_h
 
     def to_dict(self) -> dict:
         """JSON-ready, with the total."""
@@ -337,10 +343,11 @@ def _phase_dict(phase: _Phase, steps: int | None) -> dict:
 
 
 def predict_costs(prediction: Prediction, *, nodes: Sequence[NodeUsage], prices: PriceLookup,
-                  at: datetime) -> CostPrediction:
+                  at: datetime, reads: DataReads = NO_READS) -> CostPrediction:
     """An hour of `prediction` billed by `app.billing.compute_bill` at the prices in force at
-    `at`: every node of the plan (workers and server, matched by name in `nodes`) for 3600 s and
-    the links' bytes at the predicted step rate. Missing prices count as $0 and are listed."""
+    `at`: every node of the plan (workers and server, matched by name in `nodes`) for 3600 s, the
+    links' bytes at the predicted step rate, and the data sets' `reads` spread over the run's
+    samples. Missing prices count as $0 and are listed."""
     by_name = {n.name: n for n in nodes}
     plan_names = list(dict.fromkeys(prediction.node_names.values()))
     missing = [n for n in plan_names if n not in by_name]
@@ -358,7 +365,8 @@ def predict_costs(prediction: Prediction, *, nodes: Sequence[NodeUsage], prices:
     bill = compute_bill(usage, prices, strict=False)
     egress, compute = float(bill.egress_usd), float(bill.compute_usd)
     samples_h = prediction.samples_per_s * 3600
-    total = egress + compute
+    data = reads.usd_per_sample * samples_h
+    total = egress + compute + data
     return CostPrediction(
         samples_per_hour=samples_h,
         bytes_by_class_per_hour={c.value: b for c, b in bill.bytes_by_class.items() if b},
@@ -366,7 +374,10 @@ def predict_costs(prediction: Prediction, *, nodes: Sequence[NodeUsage], prices:
         compute_usd_per_h=compute,
         usd_per_million_samples=total * 1e6 / samples_h if samples_h > 0 else None,
         egress_share=egress / total if total > 0 else None,
-        unpriced=bill.unpriced,
+        unpriced=tuple(dict.fromkeys((*bill.unpriced, *reads.unpriced))),
+        data_usd_per_h=data,
+        data_usd=reads.usd,
+        data_bytes=reads.bytes,
     )
 
 

@@ -12,8 +12,11 @@ from sqlalchemy.orm import Session, selectinload
 
 from app.config import Settings
 from app.errors import DuplicateError, InUseError, InvalidFieldError, NotFoundError
-from app.billing import NodeUsage, RunUsage, StoreRead, compute_bill
-from app.models import Dataset, Node, Run
+from app.billing import NodeUsage
+from app.cache_warmup import FROM_SITE_CACHE, FROM_STORE, WarmupDataset, WarmupFeed
+from app.models import Dataset, Node, Run, RunMetric, RunStatus
+from app.perfmodel.data import DataCache, DataSetSpec
+from app.perfmodel.data import predict_reads as model_reads
 from app.models.runs import ACTIVE_RUN_STATUSES
 from app.schemas.datasets import DatasetCreate
 from hybridtrain.data_access import STORE_URL, DatasetAccess, DatasetError, Origin
@@ -143,25 +146,84 @@ def run_dataset_access(session: Session, *, run: Run, settings: Settings) -> lis
     return out
 
 
-def predict_reads(session: Session, *, names: Sequence[str], node_ids: Sequence[int],
-                  at: datetime | None = None) -> list[dict[str, object]]:
-    """Per data set and node of a plan: the bytes its first epoch fetches from the store (each
-    node's cache then holds the data set, so later epochs and runs fetch none; a site cache
-    divides them by the site's nodes) and their egress at the prices in force `at` (now)."""
-    from app.queries.costs import DbPriceLookup, billing_site, dataset_store_site
+def read_from_store(dataset: Dataset) -> bool:
+    """Whether a run's nodes fetch `dataset` from a store (a folder on the nodes' own disks is
+    read in place: nothing fetched, nothing billed)."""
+    return not (dataset.url.startswith("/") or dataset.url.startswith("file://"))
 
-    at = at or datetime.now(UTC)
+
+def dataset_specs(session: Session, *, names: Sequence[str]) -> list[DataSetSpec]:
+    """The model's view of the named data sets that are fetched from a store (unknown names skipped)."""
+    from app.queries.costs import dataset_store_site
+
     datasets = [d for d in (session.scalar(select(Dataset).where(Dataset.name == n)) for n in names) if d]
+    return [DataSetSpec(d.name, dataset_store_site(d), d.size_bytes, d.samples, d.shards)
+            for d in datasets if read_from_store(d)]
+
+
+def node_data_cache(node: Node) -> DataCache:
+    """How `node`'s agent said it reads data sets (its hardware report's `data_cache`); an agent
+    that said nothing reads through no site cache, with its cache's bound unknown."""
+    report = (node.detected_hardware or {}).get("data_cache") or {}
+    bound = report.get("bytes")
+    return DataCache(site_cache=bool(report.get("site_cache")), bytes=int(bound) if bound else None)
+
+
+def predict_reads(session: Session, *, names: Sequence[str], node_ids: Sequence[int], global_batch: int,
+                  max_steps: int | None, epochs: float | None = None,
+                  at: datetime | None = None) -> list[dict[str, object]]:
+    """Per data set and reader of a plan (a site's cache, else each node): the bytes fetched
+    from the store over the run and their egress at the prices in force `at` (now), as
+    `app.perfmodel.data.predict_reads` predicts them."""
+    from app.queries.costs import CachedPriceLookup, DbPriceLookup, billing_site
+
+    specs = dataset_specs(session, names=names)
     nodes = session.scalars(select(Node).where(Node.id.in_(set(node_ids))).options(selectinload(Node.site))).all()
-    if not datasets or not nodes:
+    if not specs or not nodes:
         return []
-    usage = RunUsage(
-        priced_at=at, nodes=[NodeUsage(str(n.id), billing_site(n.site), 0.0) for n in nodes],
-        reads=[StoreRead(dataset_store_site(d), str(n.id), d.size_bytes) for d in datasets for n in nodes],
+    by_id = {n.id: n for n in nodes}
+    ordered = [by_id[i] for i in dict.fromkeys(node_ids) if i in by_id]
+    # Only the reads are priced here: each node's site, not its own price, is needed.
+    reads = model_reads(specs, [(NodeUsage(str(n.id), billing_site(n.site), 0.0), node_data_cache(n)) for n in ordered],
+                        global_batch=global_batch, max_steps=max_steps, epochs=epochs,
+                        prices=CachedPriceLookup(DbPriceLookup(session)), at=at or datetime.now(UTC))
+    return [{"dataset": r.dataset, "node_id": int(r.node_names[0]), "node_ids": [int(n) for n in r.node_names],
+             "site": r.site, "via": r.via, "epochs": r.epochs_fetched,
+             "bytes": r.bytes, "traffic_class": r.traffic_class, "usd": r.usd} for r in reads.reads]
+
+
+def warmup_feed(session: Session, *, run: Run, max_metric_id: int | None = None) -> WarmupFeed | None:
+    """The run's first epoch through its caches as its stored metrics tell it (those with ids up
+    to `max_metric_id`, where the page's live stream goes on from), or None when the run
+    fetches no data set from a store (app.cache_warmup)."""
+    datasets = [d for d in (session.scalar(select(Dataset).where(Dataset.name == n)) for n in run.datasets or [])
+                if d is not None and read_from_store(d)]
+    if not datasets:
+        return None
+    workers = [w for w in run.workers if w.role == "worker" and w.node_id is not None]
+    nodes = {n.id: n for n in session.scalars(
+        select(Node).where(Node.id.in_({w.node_id for w in workers})).options(selectinload(Node.site)))}
+    rank_sites = {w.rank: (nodes[w.node_id].site.name, w.node_id) for w in workers if w.node_id in nodes}
+    scope = [RunMetric.run_id == run.id]
+    if max_metric_id is not None:
+        scope.append(RunMetric.id <= max_metric_id)
+    totals = session.execute(
+        select(RunMetric.name, RunMetric.rank, RunMetric.peer, func.sum(RunMetric.value))
+        .where(*scope, RunMetric.name.in_((FROM_STORE, FROM_SITE_CACHE)), RunMetric.peer >= 0)
+        .group_by(RunMetric.name, RunMetric.rank, RunMetric.peer)
     )
-    # Only the reads' egress is asked for here: the nodes' own prices need not exist.
-    bill = compute_bill(usage, DbPriceLookup(session), strict=False)
-    by_store = {dataset_store_site(d).name: d.name for d in datasets}
-    return [{"dataset": by_store[link.src], "node_id": int(link.dst), "bytes": link.bytes,
-             "traffic_class": link.traffic_class.value, "usd": float(link.usd)}
-            for link in bill.egress_by_link if link.src in by_store]
+    step = session.scalar(select(func.max(RunMetric.step)).where(*scope, RunMetric.name == "loss"))
+    return WarmupFeed(
+        datasets=[WarmupDataset(d.id, d.name, d.shards, d.samples) for d in datasets],
+        global_batch=run.global_batch_size, rank_sites=rank_sites, step=step,
+        reads={(str(name), int(rank), int(peer)): int(total or 0) for name, rank, peer, total in totals},
+    )
+
+
+def run_warmup(session: Session, *, run: Run, max_metric_id: int | None = None) -> list[dict] | None:
+    """The run's data sets' first epoch as its page and API show it (`Warmup.to_dict`), from the
+    metrics up to `max_metric_id` (all); None when it fetches none from a store or is queued."""
+    if run.status == RunStatus.queued:
+        return None
+    feed = warmup_feed(session, run=run, max_metric_id=max_metric_id)
+    return None if feed is None else feed.view(active=run.status in ACTIVE_RUN_STATUSES)

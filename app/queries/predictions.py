@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from app.billing import NodeUsage, PriceLookup
 from app.errors import InvalidFieldError
 from app.models import Node
+from app.perfmodel.data import NO_READS, DataCache, DataReads, DataSetSpec, predict_reads
 from app.perfmodel.optimize import Candidate, OptimizeResult, optimize
 from app.perfmodel.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict, predict_costs
 from app.planner import Plan, PlanNode
@@ -49,6 +50,19 @@ class ModelInputs:
     prices: PriceLookup
     at: datetime
     max_steps: int | None
+    # The run's data sets fetched from stores, how each node reads them, and the run's epochs
+    # (its length when max_steps is not known).
+    datasets: tuple[DataSetSpec, ...] = ()
+    data_caches: dict[int, DataCache] = field(default_factory=dict)
+    epochs: float | None = None
+
+    def reads(self, node_ids: Sequence[int], global_batch: int) -> DataReads:
+        """What the workers on `node_ids` fetch of the run's data sets over the run, priced."""
+        if not self.datasets:
+            return NO_READS
+        nodes = [(self.usages[i], self.data_caches.get(i, DataCache())) for i in dict.fromkeys(node_ids)]
+        return predict_reads(self.datasets, nodes, global_batch=global_batch, max_steps=self.max_steps,
+                             epochs=self.epochs, prices=self.prices, at=self.at)
 
 
 def compression_spec(options: CompressionOptions | None, *, eval_every: int | None,
@@ -96,9 +110,13 @@ def model_inputs(
     max_steps: int | None,
     local_sgd: LocalSgdOptions | None = None,
     at: datetime | None = None,
+    datasets: Sequence[str] = (),
+    epochs: float | None = None,
 ) -> ModelInputs | str:
-    """The model's inputs for `nodes` (loaded with site and GPUs), or why there are none: the
-    nodes without a usable profile of the task, and the call that measures them."""
+    """The model's inputs for `nodes` (loaded with site and GPUs) and the run's `datasets`, or
+    why there are none: the nodes without a usable profile of the task, and the call that
+    measures them."""
+    from app.queries.datasets import dataset_specs, node_data_cache
     from app.queries.links import link_estimates  # P1's module; imported late to keep start-up light
 
     ids = list(dict.fromkeys(n.id for n in nodes))
@@ -126,6 +144,9 @@ def model_inputs(
         prices=CachedPriceLookup(DbPriceLookup(session)),
         at=at or datetime.now(UTC),
         max_steps=max_steps,
+        datasets=tuple(dataset_specs(session, names=datasets)) if datasets else (),
+        data_caches={n.id: node_data_cache(n) for n in nodes},
+        epochs=epochs,
     )
 
 
@@ -151,9 +172,10 @@ def _priced(inputs: ModelInputs, strategy: str, workers: list[tuple[NodeSpec, in
     prediction = predict(strategy, workers=workers, server=server, links=inputs.links, task=inputs.task,
                          compression=inputs.compression, relay=True, max_steps=inputs.max_steps)
     node_ids = {w.node_id for w, _ in workers} | ({server.node_id} if server is not None else set())
+    reads = inputs.reads([w.node_id for w, _ in workers], sum(n for _, n in workers))
     costs = predict_costs(prediction, nodes=[inputs.usages[i] for i in node_ids], prices=inputs.prices,
-                          at=inputs.at)
-    return prediction, costs
+                          at=inputs.at, reads=reads)
+    return prediction, costs, reads
 
 
 def _workers(inputs: ModelInputs, plan: Plan) -> list[tuple[NodeSpec, int]]:
@@ -163,8 +185,9 @@ def _workers(inputs: ModelInputs, plan: Plan) -> list[tuple[NodeSpec, int]]:
 def predict_plan(inputs: ModelInputs, plan: Plan) -> dict[str, Any]:
     """The plan's predicted step and priced hour, JSON-ready (`PredictionPublic`)."""
     server = inputs.specs[plan.ps_node_id] if plan.ps_node_id is not None else None
-    prediction, costs = _priced(inputs, plan.strategy, _workers(inputs, plan), server)
+    prediction, costs, reads = _priced(inputs, plan.strategy, _workers(inputs, plan), server)
     out = prediction.to_dict()
+    out["assumptions"] = [*out["assumptions"], *reads.assumptions]
     out["costs"] = costs.to_dict()
     out["egress_bytes_per_step"] = sum(
         b for s, d, b in prediction.bytes_per_step if inputs.sites.get(s) != inputs.sites.get(d)
@@ -202,7 +225,7 @@ def best_server(inputs: ModelInputs, plan: Plan, candidates: Sequence[PlanNode])
         if node.id not in inputs.specs:
             continue
         try:
-            prediction, costs = _priced(inputs, plan.strategy, workers, inputs.specs[node.id])
+            prediction, costs, _ = _priced(inputs, plan.strategy, workers, inputs.specs[node.id])
         except InvalidFieldError:
             continue
         usd = costs.usd_per_million_samples
@@ -217,7 +240,8 @@ def run_optimizer(inputs: ModelInputs, *, node_ids: Sequence[int], servers: Sequ
                   deadline_s: float | None, strategies: Sequence[str] | None) -> OptimizeResult:
     """`app.perfmodel.optimize.optimize` over the nodes of `inputs`; raises its `InvalidFieldError`s
     (NoPlanError for a budget or deadline nobody meets)."""
-    candidates = [Candidate(inputs.specs[i], inputs.usages[i]) for i in node_ids]
+    candidates = [Candidate(inputs.specs[i], inputs.usages[i], inputs.data_caches.get(i, DataCache()))
+                  for i in node_ids]
     kwargs: dict[str, Any] = {}
     if strategies:
         kwargs["strategies"] = tuple(strategies)
@@ -226,7 +250,7 @@ def run_optimizer(inputs: ModelInputs, *, node_ids: Sequence[int], servers: Sequ
     return optimize(candidates, global_batch=global_batch, goal=goal, links=inputs.links, task=inputs.task,
                     prices=inputs.prices, at=inputs.at, compression=inputs.compression,
                     budget_usd_per_h=budget_usd_per_h, deadline_s=deadline_s, max_steps=inputs.max_steps,
-                    relay=True, **kwargs)
+                    relay=True, datasets=inputs.datasets, epochs=inputs.epochs, **kwargs)
 
 
 def plan_choice_public(choice: Any) -> dict[str, Any]:

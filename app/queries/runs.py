@@ -212,6 +212,7 @@ def make_planned(session: Session, *, data: RunCreate) -> Planned:
         task=ref, task_args=args, bundle_sha256=data.bundle_sha256,
         compression=data.compression, local_sgd=data.local_sgd, eval_every=data.eval_every,
         max_steps=data.steps(facts.train_samples if facts else None),
+        datasets=data.datasets or (), epochs=data.epochs,
     )
     if isinstance(inputs, str):
         return Planned(plan, facts, None, inputs)

@@ -44,6 +44,15 @@ class Benchmark(Schema):
     samples_per_s: Annotated[float, Field(gt=0, le=1e12, allow_inf_nan=False)]
 
 
+class DataCacheReport(Schema):
+    """How the agent reads data sets: its node cache's bound, and whether through its site's cache."""
+
+    model_config = ConfigDict(extra="allow")
+
+    bytes: Annotated[int, Field(ge=1, le=2**62)]
+    site_cache: bool = False
+
+
 class HardwareReport(Schema):
     """What the agent found; kept whole on the node, the known fields read by the planner."""
 
@@ -55,6 +64,7 @@ class HardwareReport(Schema):
     memory_gb: Annotated[float, Field(ge=0, le=1e9)] | None = None
     gpus: Annotated[list[DetectedGpu], Field(max_length=64)] = []
     benchmark: Benchmark | None = None
+    data_cache: DataCacheReport | None = None
 
     @model_validator(mode="after")
     def _bounded(self) -> HardwareReport:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from app.schemas.common import Id, JsonObject, PublicSchema, Schema
+from app.schemas.datasets import DatasetName
 from app.schemas.profiles import ProfileMeasurement, ProfileReport
 from app.schemas.runs import (
     MAX_TASK_ARGS_BYTES,
@@ -76,10 +77,14 @@ class CostPredictionPublic(PublicSchema):
     bytes_by_class_per_hour: dict[str, int]
     egress_usd_per_h: float
     compute_usd_per_h: float
-    total_usd_per_h: float
+    data_usd_per_h: float = Field(default=0.0, description="the data sets' reads from their stores over the run "
+                                                          "(data_usd), spread over its samples at this plan's rate")
+    total_usd_per_h: float = Field(description="egress + compute + data")
     usd_per_million_samples: float | None
-    egress_share: float | None = Field(description="egress over egress + compute (null: nothing priced)")
+    egress_share: float | None = Field(description="the gradients' egress over total_usd_per_h (null: nothing priced)")
     unpriced: list[str]
+    data_usd: float = Field(default=0.0, description="the data sets' reads over the whole run, $")
+    data_bytes: int = Field(default=0, description="bytes the plan's nodes fetch from the data sets' stores over the run")
 
 
 class PredictionPublic(PublicSchema):
@@ -137,10 +142,16 @@ class ProfileInputPublic(PublicSchema):
 
 
 class DataReadPublic(PublicSchema):
-    """A data set's bytes one node of the plan fetches from its store, and their egress."""
+    """A data set's bytes one reader of the plan (a site's cache, else a node) fetches from its
+    store over the run, and their egress (app.perfmodel.data)."""
 
     dataset: str
-    node_id: int
+    node_id: int = Field(description="the node billed for the reads: the reader's first")
+    node_ids: list[int] = Field(default_factory=list, description="the nodes the reader serves")
+    site: str | None = None
+    via: str | None = Field(default=None, description='"site cache" (once per site) or "node cache" (once per node)')
+    epochs: float | None = Field(default=None, description="epochs fetched: 1 when the cache holds the data set, "
+                                                           "else every epoch of the run")
     bytes: int
     traffic_class: str
     usd: float
@@ -156,7 +167,7 @@ class PlanWithPrediction(PlanPublic):
     inputs: list[ProfileInputPublic] = Field(
         default_factory=list, description="each node's profile of the task: how old and how noisy")
     data_reads: list[DataReadPublic] = Field(
-        default_factory=list, description="each data set's first-epoch bytes per node from its store, priced")
+        default_factory=list, description="each data set's bytes per reader from its store over the run, priced")
 
 
 class PlanSetPublic(PublicSchema):
@@ -197,6 +208,9 @@ class OptimizeRequest(Schema):
     compression: CompressionOptions | None = None
     local_sgd: LocalSgdOptions | None = None
     eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
+    datasets: Annotated[list[DatasetName], Field(max_length=16)] | None = Field(
+        default=None, description="registered data sets the run reads: their reads from the stores count in the cost"
+    )
     profile_missing: bool = Field(
         default=False, description="order a profile of the task from each candidate that has none: the "
                                    "answer is then 202 with the nodes being profiled, until they are")

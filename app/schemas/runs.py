@@ -188,6 +188,30 @@ class RunWorkerPublic(PlannedWorkerPublic):
     finished_at: datetime | None
 
 
+class SiteReadsPublic(PublicSchema):
+    """What one site's workers fetched of a data set (app.cache_warmup.SiteReads)."""
+
+    site: str
+    node_ids: list[int]
+    store_bytes: int
+    site_cache_bytes: int
+    summary: str
+
+
+class DataWarmupPublic(PublicSchema):
+    """A data set's first epoch through the caches (app.cache_warmup.Warmup)."""
+
+    dataset: str
+    state: Literal["warming", "warm", "stopped"] = Field(
+        description="warming: the first epoch is under way; warm: it is done; stopped: the run ended within it")
+    shards_read: int = Field(description="floor(fraction * shards): the shards the epoch's order has read")
+    shards: int
+    fraction: float = Field(description="the first epoch's samples read: steps * global batch / samples, at most 1")
+    store_bytes: int = Field(description="fetched from the store so far, every site")
+    summary: str
+    sites: list[SiteReadsPublic]
+
+
 class RunPublic(PublicSchema):
     id: int
     name: str
@@ -244,6 +268,9 @@ class RunPublic(PublicSchema):
     events: list[RunEventPublic] = Field(
         default_factory=list, description="membership changes, restarts, checkpoints: oldest first"
     )
+    data_warmup: list[DataWarmupPublic] | None = Field(
+        default=None, description="GET /runs/{id} of a run that fetches data sets from a store, once it is "
+                                  "launched: each one's first epoch through the caches")
 
 
 class RunAddNodes(Schema):

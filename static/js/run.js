@@ -156,6 +156,34 @@
   }
   hybridtrain.events = 0;
 
+  // The data sets' first epoch: the server words each line (app.cache_warmup), the page shows them.
+  function showWarmup(datasets) {
+    var section = document.getElementById("data-warmup");
+    if (!section) return;
+    var items = datasets.map(function (w) {
+      var li = document.createElement("li");
+      li.setAttribute("data-dataset", w.dataset);
+      li.setAttribute("data-state", w.state);
+      var name = document.createElement("strong");
+      name.textContent = w.dataset;
+      var summary = document.createElement("span");
+      summary.setAttribute("data-col", "summary");
+      summary.textContent = w.summary;
+      var sites = document.createElement("ul");
+      sites.className = "small muted";
+      w.sites.forEach(function (s) {
+        var item = document.createElement("li");
+        item.textContent = s.summary;
+        sites.appendChild(item);
+      });
+      li.append(name, ": ", summary, sites);
+      return li;
+    });
+    var list = document.getElementById("data-warmup-list");
+    list.replaceChildren.apply(list, items);
+    section.hidden = !datasets.length;
+  }
+
   function setLive(state, label) {
     var el = document.getElementById("live");
     el.setAttribute("data-state", state);
@@ -191,6 +219,7 @@
       runEvents.after = payload.after;
       addEvents(payload.events);
     });
+    source.addEventListener("data", function (e) { showWarmup(JSON.parse(e.data).datasets); });
     source.addEventListener("status", function (e) { showStatus(JSON.parse(e.data)); });
     source.addEventListener("end", function () { source.close(); setLive("closed", "finished"); });
   }

@@ -243,6 +243,14 @@ def test_agent_reports_its_probe_servers_port_in_its_hardware():
         server.close()
 
 
+def test_agent_reports_how_it_reads_data_sets_in_its_hardware():
+    agent = _agent(-1)
+    assert agent.hardware_json()["data_cache"] == {"bytes": 20 * 1024**3, "site_cache": False}
+    agent.settings = agent.settings.model_copy(update={"data_cache_bytes": 10**9,
+                                                       "data_site_cache_url": "http://10.0.0.5:8700"})
+    assert agent.hardware_json()["data_cache"] == {"bytes": 10**9, "site_cache": True}
+
+
 def test_agent_with_probe_port_minus_one_runs_no_probe_server():
     agent = _agent(-1)
     assert agent.start_probe_server() is None

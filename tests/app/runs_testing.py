@@ -108,7 +108,7 @@ def online_node_fixture(
 
     def _make(
         gpu: str | None = "T4", *, site_id: int | None = None, detected: list[dict[str, Any]] | None = None,
-        samples_per_s: float | None = 500.0, address: str = "127.0.0.1",
+        samples_per_s: float | None = 500.0, address: str = "127.0.0.1", data_cache: dict[str, Any] | None = None,
     ) -> JoinedNode:
         site_id = site_id or make_site()["id"]
         body = {"name": f"node-{uuid.uuid4().hex[:8]}", "site_id": site_id,
@@ -121,6 +121,8 @@ def online_node_fixture(
                                     "gpus": detected or []}
         if samples_per_s:
             hardware["benchmark"] = {"samples_per_s": samples_per_s}
+        if data_cache is not None:
+            hardware["data_cache"] = data_cache
         registered = client.post(
             f"{API}/agent/register",
             json={"join_token": node["join_token"], "agent_token": agent_token, "hardware": hardware},

@@ -11,6 +11,7 @@ import pytest
 
 from app.billing import EgressKey, InstanceKey, InstancePrice, NodeUsage, Provider, Site, StaticPriceTable, TrafficClass
 from app.errors import InvalidFieldError
+from app.perfmodel.data import DataSetSpec
 from app.perfmodel.optimize import Candidate, Goal, NoPlanError, optimize
 from app.perfmodel.predict import LinkSpec, NodeSpec, TaskSpec, predict
 from hybridtrain.contract import proportional_batch_sizes
@@ -193,3 +194,39 @@ def test_chosen_plan_matches_a_direct_prediction():
     direct = predict("ps", workers=[(c.node, n) for c, (_, n) in zip(cands, result.best.workers)],
                      server=cands[0].node, links=links, task=TASK)
     assert result.best.prediction.samples_per_s == pytest.approx(direct.samples_per_s)
+
+
+# -- the data sets' reads ---------------------------------------------------------------------
+
+# 100 MiB in the workers' GCP zone; read from on-prem it is GCP's internet egress at $0.12/GiB.
+NEAR_DATA = DataSetSpec("images", Site("store of images", "cloud", "gcp", "europe", "europe-west1", "b"),
+                        100 * 2**20, 32_000)
+
+
+def _data_case():
+    # n1 on-prem at $0.80/h, n2 in the store's zone at $0.90/h, equally fast: one node is the
+    # cheapest plan (two pay for two nodes and their link), and without data n1 is that node.
+    return [cand(1, ONPREM, sps=100, usd="0.8"), cand(2, CLOUD, sps=100)]
+
+
+def test_without_a_data_set_the_cheaper_node_wins_and_no_data_is_priced():
+    result = run(_data_case(), global_batch=32, goal="cost", strategies=["allreduce"], max_steps=1000)
+    assert result.best.node_ids == (1,)
+    assert result.best.costs.data_usd == 0 and result.best.costs.data_usd_per_h == 0
+    assert "data sets" not in result.explanation
+
+
+def test_the_data_sets_reads_put_the_worker_beside_the_store():
+    cands = _data_case()
+    kw = {"global_batch": 32, "goal": "cost", "strategies": ["allreduce"], "max_steps": 1000, "datasets": [NEAR_DATA]}
+    result = run(cands, **kw)
+    onprem = run(cands[:1], **kw).best
+    assert result.best.node_ids == (2,)
+    assert result.best.costs.data_usd == 0  # same zone: intra-zone, free
+    # n1 fetches the 100 MiB once over internet egress: $0.0117; spread over the run's 32,000
+    # samples that is $0.366/1M, on top of $0.80/h at 360,000 samples/h ($2.222/1M).
+    data_usd = 100 / 1024 * 0.12
+    assert onprem.costs.data_usd == pytest.approx(data_usd)
+    assert onprem.usd_per_million == pytest.approx(0.8 / 360_000 * 1e6 + data_usd / 32_000 * 1e6)
+    assert result.best.usd_per_million == pytest.approx(0.9 / 360_000 * 1e6)
+    assert "Reading the data sets costs $0 over the run here (0.0977 GB intra-zone)" in result.explanation

@@ -3,8 +3,11 @@ the refusals (unknown nodes, an empty set, a budget nobody meets, too many candi
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
+from app.models import Dataset
 from runs_testing import API, online_node_fixture  # noqa: F401 (fixtures)
 from predictions_testing import TASK, add_profile
 
@@ -89,3 +92,65 @@ def test_more_than_twelve_candidates_are_refused_naming_node_ids(client, online_
     assert response.status_code == 422
     assert response.json()["detail"][0]["loc"] == ["body", "node_ids"]
     assert "at most 12" in response.json()["detail"][0]["msg"]
+
+
+@pytest.fixture
+def near_and_far(client, online_node, make_site, session):
+    """A priced GCP node in us-west-a and a cheaper on-prem one in Europe, equally fast, and a
+    1 TiB data set stored in us-west-a."""
+    cloud = make_site(region="us-west", zone="us-west-a")
+    lab = make_site(kind="onprem", provider="onprem", continent="europe", region=None, zone=None)
+    near, far = online_node(site_id=cloud["id"]), online_node(site_id=lab["id"])
+    assert client.patch(f"{API}/nodes/{near.id}", json={"instance_type": "n1-standard-8"}).status_code == 200
+    assert client.patch(f"{API}/nodes/{far.id}", json={"amortised_usd_per_h": 0.1}).status_code == 200
+    for n in (near, far):
+        add_profile(session, n.id, samples_per_s=500.0)
+    name = f"ds-{uuid.uuid4().hex[:8]}"
+    session.add(Dataset(name=name, url=f"s3://bucket/{name}", format="webdataset", size_bytes=2**40, shards=16_384,
+                        samples=10_000, store_provider="gcp", store_continent="north_america",
+                        store_region="us-west", store_zone="us-west-a", created_by="admin"))
+    session.commit()
+    return near, far, name
+
+
+def test_the_data_sets_reads_move_the_plan_to_the_nodes_beside_the_store(client, near_and_far):
+    near, far, dataset = near_and_far
+    kw = {"goal": "cost", "strategies": ["allreduce"], "max_steps": 100}
+    assert optimize(client, [near, far], **kw).json()["plan"]["workers"][0]["node_id"] == far.id
+    body = optimize(client, [near, far], datasets=[dataset], **kw).json()
+    plan = body["plan"]
+    assert [w["node_id"] for w in plan["workers"]] == [near.id]
+    costs = plan["prediction"]["costs"]
+    assert costs["data_usd"] == 0 and costs["data_bytes"] == round(0.64 * 2**40)  # 6,400 of 10,000 samples
+    [read] = plan["data_reads"]
+    assert (read["node_id"], read["via"], read["traffic_class"], read["usd"]) == (near.id, "node cache", "intra_zone", 0)
+    # Every candidate together pays the on-prem node's internet egress for its 0.64 TiB.
+    assert body["baseline"]["costs"]["data_usd"] > 50
+    assert "Reading the data sets costs $0 over the run here" in body["explanation"]
+
+
+def test_an_unknown_data_set_is_404_naming_datasets(client, near_and_far):
+    near, far, _ = near_and_far
+    response = optimize(client, [near, far], datasets=["no-such-data"])
+    assert response.status_code == 404
+    assert "datasets" in response.json()["detail"]
+
+
+def test_nodes_behind_a_site_cache_fetch_the_data_set_once_for_their_site(client, online_node, make_site, session):
+    lab = make_site(kind="onprem", provider="onprem", continent="europe", region=None, zone=None)
+    nodes = [online_node(site_id=lab["id"], data_cache={"bytes": 2**30, "site_cache": True}) for _ in range(2)]
+    for n in nodes:
+        add_profile(session, n.id, samples_per_s=500.0)
+    name = f"ds-{uuid.uuid4().hex[:8]}"
+    session.add(Dataset(name=name, url=f"s3://bucket/{name}", format="webdataset", size_bytes=2**30, shards=16,
+                        samples=640, store_provider="aws", store_continent="north_america", store_region="us-east-1",
+                        created_by="admin"))
+    session.commit()
+    body = {"name": "p", "node_ids": [n.id for n in nodes], "task": TASK, "strategy": "allreduce",
+            "global_batch_size": 64, "max_steps": 100, "datasets": [name]}
+    plan = client.post(f"{API}/runs/plan", json=body).json()
+    # 10 epochs; the site cache holds the data set, so its site fetches it once.
+    [read] = plan["data_reads"]
+    assert (read["node_ids"], read["via"], read["epochs"], read["bytes"]) == ([n.id for n in nodes], "site cache", 1, 2**30)
+    assert read["traffic_class"] == "internet"
+    assert plan["prediction"]["costs"]["data_bytes"] == 2**30

@@ -8,12 +8,13 @@ from fastapi.responses import JSONResponse
 
 from app.api.deps import CiDep, DispatcherDep, SessionDep
 from app.api.responses import NOT_FOUND_OR_CONFLICT
-from app.api.routes.runs import order_profiles_for_plan, plan_public
+from app.api.routes.runs import order_profiles_for_plan, plan_public, predicted_reads
 from app.errors import InvalidFieldError
 from app.perfmodel.optimize import NoPlanError
 from app.queries import predictions
 from app.queries import runs as run_queries
 from app.queries.bundles import get_bundle
+from app.queries.datasets import get_dataset
 from app.schemas.predictions import MAX_OPTIMIZE_CANDIDATES, OptimizeRequest, OptimizeResultPublic
 from app.schemas.runs import RunCreate
 from hybridtrain.train_options import sections_for
@@ -41,6 +42,8 @@ def optimize_plan(
     field = "cluster_id" if body.cluster_id is not None else "node_ids"
     if body.bundle_sha256 is not None:
         get_bundle(session, sha256=body.bundle_sha256, field="bundle_sha256")
+    for name in body.datasets or []:
+        get_dataset(session, name=name, field="datasets")
     nodes = run_queries.load_plan_nodes(session, node_ids=body.node_ids, cluster_id=body.cluster_id)
     if len(nodes) > MAX_OPTIMIZE_CANDIDATES:
         raise InvalidFieldError(field, f"{field}: at most {MAX_OPTIMIZE_CANDIDATES} candidate nodes, got "
@@ -49,7 +52,7 @@ def optimize_plan(
     inputs = predictions.model_inputs(
         session, nodes=nodes, task=body.task, task_args=body.task_args, bundle_sha256=body.bundle_sha256,
         compression=body.compression, local_sgd=body.local_sgd, eval_every=body.eval_every,
-        max_steps=body.max_steps,
+        max_steps=body.max_steps, datasets=body.datasets or (),
     )
     if isinstance(inputs, str) and body.profile_missing:
         profiling = order_profiles_for_plan(
@@ -83,11 +86,12 @@ def optimize_plan(
         global_batch_size=body.global_batch_size, max_steps=body.max_steps,
         allocation="measured" if best.strategy == "ps-bz-gc" else "equal",
         ps_node_id=best.server_node_id, compression=chosen["compression"], local_sgd=chosen["local_sgd"],
-        eval_every=body.eval_every,
+        eval_every=body.eval_every, datasets=body.datasets,
     )
+    planned = run_queries.make_planned(session, data=data)
     return OptimizeResultPublic(
         goal=result.goal.value,
-        plan=plan_public(data, run_queries.make_planned(session, data=data)),
+        plan=plan_public(data, planned, data_reads=predicted_reads(session, data, planned)),
         explanation=result.explanation,
         left_out_node_ids=list(result.left_out),
         evaluated=result.evaluated,

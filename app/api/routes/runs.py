@@ -23,10 +23,10 @@ from app.queries import profiles as profile_queries
 from app.queries import profiling as profiling_queries
 from app.queries import runs as queries
 from app.queries.bundles import get_bundle
-from app.queries.datasets import check_run_datasets, predict_reads
+from app.queries.datasets import check_run_datasets, predict_reads, run_warmup
 from app.schemas.common import Page
 from app.schemas.predictions import PlanRequest, PlanSetPublic, PlanWithPrediction
-from app.schemas.runs import PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
+from app.schemas.runs import DataWarmupPublic, PlanTaskPublic, RunAddNodes, RunCancel, RunCreate, RunPublic
 from app.token_limits import refusal
 from hybridtrain.contract import STRATEGIES, is_ps
 from hybridtrain.train_options import sections_for
@@ -66,18 +66,22 @@ def plan_run(
     if body.strategies == "all":
         plans = [queries.make_planned(session, data=variant) for variant in strategy_variants(data)]
         return PlanSetPublic(plans=[
-            plan_public(data, planned, profiling=profiling, data_reads=_data_reads(session, data, planned))
+            plan_public(data, planned, profiling=profiling, data_reads=predicted_reads(session, data, planned))
             for planned in plans
         ])
     planned = queries.make_planned(session, data=data)
-    return plan_public(data, planned, profiling=profiling, data_reads=_data_reads(session, data, planned))
+    return plan_public(data, planned, profiling=profiling, data_reads=predicted_reads(session, data, planned))
 
 
-def _data_reads(session: Session, data: RunCreate, planned: queries.Planned) -> list[dict]:
-    """What the plan's nodes fetch of the run's data sets from their stores, priced."""
+def predicted_reads(session: Session, data: RunCreate, planned: queries.Planned) -> list[dict]:
+    """What the plan's workers fetch of the run's data sets from their stores over the run, priced."""
     if not data.datasets:
         return []
-    return predict_reads(session, names=data.datasets, node_ids=[w.node_id for w in planned.plan.workers])
+    facts = planned.facts
+    return predict_reads(session, names=data.datasets,
+                         node_ids=[w.node_id for w in planned.plan.workers if w.role == "worker"],
+                         global_batch=data.global_batch_size,
+                         max_steps=data.steps(facts.train_samples if facts else None), epochs=data.epochs)
 
 
 def order_profiles_for_plan(
@@ -257,8 +261,14 @@ def read_runs(
 
 @router.get("/{run_id}", response_model=RunPublic, responses=NOT_FOUND)
 def read_run(session: SessionDep, _: ReadDep, run_id: IdPath) -> RunPublic:
-    """Show a run with its plan and where each rank stands (queued: its place in the queue)."""
-    return run_public(session, queries.get_run(session, run_id=run_id))
+    """Show a run with its plan and where each rank stands (queued: its place in the queue; one
+    reading data sets from a store: how far its first epoch warmed the caches)."""
+    run = queries.get_run(session, run_id=run_id)
+    public = run_public(session, run)
+    warmup = run_warmup(session, run=run)
+    if warmup is None:
+        return public
+    return public.model_copy(update={"data_warmup": [DataWarmupPublic.model_validate(w) for w in warmup]})
 
 
 @router.post("/{run_id}/cancel", response_model=RunPublic, responses={**NOT_FOUND, **CONFLICT})

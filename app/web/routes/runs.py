@@ -35,6 +35,7 @@ from app.lifecycle.launch import TRAINING
 from app.models import Bundle, Cluster, Node, NodeStatus, RunStatus
 from app.models.runs import FINISHED_WORKER_STATUSES
 from app.queries import costs, dashboard
+from app.queries import datasets as dataset_queries
 from app.queries import runs as run_queries
 from app.queries.agents import read_logs
 from app.schemas.common import MAX_ID
@@ -231,6 +232,8 @@ def read_run_page(request: Request, session: SessionDep, viewer: ViewerDep, run_
         "charts": charts,
         "bill": charts.bill,
         "predicted": costs.predicted_vs_measured(session, run=run, bill=charts.bill),
+        # Each data set's first epoch through the caches, up to the rows the stream goes on from.
+        "warmup": dataset_queries.run_warmup(session, run=run, max_metric_id=charts.metrics_after or None),
         "logs": [_log_line(line) for line in logs],
         "active": run.status in run_data.ACTIVE,
         "addable_nodes": _addable_nodes(session, run),
@@ -324,6 +327,7 @@ class _Stream:
         self.metrics = IdCursor(metrics_after)
         self.logs = IdCursor(logs_after)
         self.last_status: dict[str, Any] | None = None
+        self.warmup_changed: list[dict[str, Any]] | None = None
         # The highest ids passed on: a client that reconnects resumes from them.
         self.sent_metrics = metrics_after
         self.sent_logs = logs_after
@@ -332,10 +336,22 @@ class _Stream:
             self.state = run_data.live_state(
                 session, run, t0=run_data.run_t0(session, run), metrics_after=metrics_after
             )
+            # The warm-up as of the rows the page showed: the new rows bring it up to date.
+            self.warmup = dataset_queries.warmup_feed(session, run=run, max_metric_id=metrics_after)
+            if self.warmup is not None:
+                self.warmup.take(active=True)
         self.events = EventFeed(events_after, t0=self.state.t0)
 
+    def warmup_view(self, rows: list[MetricRow], finished: bool) -> list[dict[str, Any]] | None:
+        """The data sets' warm-up after `rows`, when it changed (while a first epoch is read)."""
+        if self.warmup is None:
+            return None
+        self.warmup.add((r.name, r.rank, r.peer, r.step, r.value) for r in rows)
+        return self.warmup.take(active=not finished)
+
     def poll(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None, bool]:
-        """New chart points, new log lines, the status if it changed, and whether it ended."""
+        """New chart points, new log lines, the status if it changed, and whether it ended (the
+        warm-up, when it changed, waits in `warmup_changed`)."""
         now = time.monotonic()
         with self.factory() as session:
             run = run_queries.get_run(session, run_id=self.run_id)
@@ -351,6 +367,7 @@ class _Stream:
         self.sent_logs = max([self.sent_logs, *(i for i, _ in new_lines)])
         changed = status if status != self.last_status else None
         self.last_status = status
+        self.warmup_changed = self.warmup_view(fresh, status["finished"])
         return self.state.apply(fresh), [line for _, line in new_lines], changed, status["finished"]
 
 
@@ -371,7 +388,8 @@ def open_stream(
 
 @router.get("/runs/{run_id}/stream", response_class=EventSourceResponse)
 async def stream_run(request: Request, stream: Annotated[_Stream, Depends(open_stream)]) -> AsyncIterator[ServerSentEvent]:
-    """Server-sent events of a run: `metrics` (points to append), `logs`, `status`, `end`."""
+    """Server-sent events of a run: `metrics` (points to append), `logs`, `events`, `data` (the
+    data sets' warm-up), `status`, `end`."""
     # The polls of every open stream share a few threads (each holds a connection meanwhile).
     limiter = stream_limiter(request.app.state.settings)
     ended_at: float | None = None
@@ -384,6 +402,8 @@ async def stream_run(request: Request, stream: Annotated[_Stream, Depends(open_s
         events = stream.events.take()
         if events:
             yield ServerSentEvent(event="events", data={"events": events, "after": stream.events.sent})
+        if stream.warmup_changed is not None:
+            yield ServerSentEvent(event="data", data={"datasets": stream.warmup_changed})
         if status is not None:
             yield ServerSentEvent(event="status", data=status)
         if finished:

@@ -162,6 +162,39 @@ def test_a_posted_metric_reaches_the_open_chart_within_1_s_p95(page, live_server
     assert p95 < 1.0, latencies
 
 
+def test_the_data_sets_panel_follows_the_first_epoch_live(page, live_server: LiveServer) -> None:
+    from app.models import Dataset, Run
+    from app.schemas.runs import MetricRecord
+
+    with live_server.app.state.sessionmaker() as session:
+        run = seed_run(session, steps=100, workers=2, finished=False, name="live-warmup", metrics_steps=5)
+        dataset = Dataset(name=f"ds-{uuid.uuid4().hex[:8]}", url="s3://bucket/images", format="webdataset",
+                          size_bytes=40 * 10**6, shards=40, samples=1280, store_provider="aws",
+                          store_continent="north_america", store_region="us-east-1", created_by="admin")
+        session.add(dataset)
+        session.flush()
+        session.get(Run, run.run_id).datasets = [dataset.name]
+        session.commit()
+        dataset_id = dataset.id
+    sign_in_browser(page, next_path=f"/runs/{run.run_id}")
+    page.wait_for_selector('#live[data-state="open"]')
+    # Step 4 of 128 samples each has read 512 of the epoch's 1,280.
+    assert "warming caches: 16 / 40 shards (40%)" in page.inner_text("#data-warmup")
+    secret_key = live_server.app.state.settings.secret_key
+    with httpx.Client(base_url=live_server.url) as api:
+        for rank in run.worker_ranks:
+            records = [r for r in step_records(10, now_t(), [rank]) if r.rank == rank]
+            records.append(MetricRecord(rank=rank, role="worker", step=10, t=now_t(), name="data_bytes",
+                                        value=20 * 10**6, peer=dataset_id))
+            token = run_metrics_token(secret_key, run_id=run.run_id, attempt=0, rank=rank)
+            response = api.post(f"/api/v1/runs/{run.run_id}/metrics", headers={"Authorization": f"Bearer {token}"},
+                                json={"records": [r.model_dump(exclude_none=True) for r in records]})
+            assert response.status_code in (200, 201, 202), response.text
+    page.wait_for_selector('#data-warmup li[data-state="warm"]', timeout=5000)
+    assert "caches warm: the first epoch read its 40 shards, 38.1 MiB from the store" in page.inner_text("#data-warmup")
+    screenshot(page, "run-data-warmup")
+
+
 def test_launch_a_run_on_live_agents_watch_it_and_cancel_it(page, live_server: LiveServer, live_agents) -> None:
     nodes = live_agents(2)
     sign_in_browser(page, next_path="/runs/new")

@@ -6,13 +6,16 @@ import gzip
 import hashlib
 import io
 import tarfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from app.models import Bundle, Run, TokenScope
+from app.models import Bundle, Dataset, Run, TokenScope
+from app.queries.metrics import store_metrics
+from app.schemas.runs import MetricRecord
 from app.queries.nodes import node_by_join_token
 from app.web import run_form
 from app.web.assets import plotly_js_path
@@ -241,3 +244,35 @@ def test_run_page_shows_the_task_its_bundle_target_and_evaluation_chart(admin_pa
     assert "hybridtrain.tasks.digits:smallcnn" in page and "accuracy&gt;=0.9" in page
     assert f'href="/api/v1/bundles/{"ab" * 32}/archive"' in page
     assert 'id="chart-evaluation"' in page and "eval:accuracy:1" in page
+
+
+def test_run_page_and_api_show_the_first_epoch_warming_the_caches_from_stored_metrics(
+    admin_page: PageClient, client: TestClient, session: Session,
+) -> None:
+    seeded = seed_run(session, steps=100, workers=2, finished=False, metrics_steps=16)  # steps 0-15
+    dataset = Dataset(name=f"ds-{uuid.uuid4().hex[:8]}", url="s3://bucket/images", format="webdataset",
+                      size_bytes=400 * 10**6, shards=40, samples=6400, store_provider="aws",
+                      store_continent="north_america", store_region="us-east-1", created_by="admin")
+    session.add(dataset)
+    session.flush()
+    run = session.get(Run, seeded.run_id)
+    run.datasets = [dataset.name]
+    # Rank 1 fetched 12 shards from the store through the site cache, rank 2 got 10 from it.
+    store_metrics(session, run_id=run.id, records=[
+        MetricRecord(rank=1, step=s, t=seeded.t0 + s, name="data_bytes", value=30 * 10**6, peer=dataset.id)
+        for s in range(4)] + [
+        MetricRecord(rank=2, step=s, t=seeded.t0 + s, name="data_cache_bytes", value=25 * 10**6, peer=dataset.id)
+        for s in range(4)])
+    session.commit()
+
+    # 15 steps of 128 samples: 1,920 of the epoch's 6,400 (30 %), 12 of its 40 shards.
+    page = admin_page.get(f"/runs/{run.id}").text
+    panel = page[page.index('id="data-warmup"'):page.index('id="recovery"')]
+    assert "warming caches: 12 / 40 shards (30%), 114.4 MiB from the store" in panel
+    assert "114.4 MiB from the store, 95.4 MiB from the site cache" in panel
+
+    [warmup] = client.get(f"/api/v1/runs/{run.id}").json()["data_warmup"]
+    assert (warmup["dataset"], warmup["state"], warmup["shards_read"], warmup["store_bytes"]) == (
+        dataset.name, "warming", 12, 120 * 10**6)
+    [by_site] = warmup["sites"]
+    assert by_site["site_cache_bytes"] == 100 * 10**6 and len(by_site["node_ids"]) == 2
