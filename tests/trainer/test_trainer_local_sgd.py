@@ -300,10 +300,12 @@ def _diloco_run(tmp_path, steps: int, *extra: str, name: str) -> list[dict]:
     # resumed run can equal an uninterrupted one exactly; the outer momentum's velocity is the
     # state a resume must restore. fp32 values: the workers' error-feedback residuals of fp16
     # rounding are not checkpointed (as under the PS strategies), so fp16 would differ by them.
+    # No outer delay: a run that ends applies its pending outer step at once, where one that goes
+    # on applies it `delay` steps later, so the first run's last step is not the whole run's.
     args = ["--task", "hybridtrain.tasks.digits:smallcnn", "--global-batch", "48",
             "--task-args", '{"lr": 0.1, "momentum": 0.0, "schedule": "constant"}',
             "--strategy", "diloco", "--workers", "2", "--sync-every", "5", "--outer-momentum", "0.5",
-            "--eval-every", "1000", "--checkpoint-every", "7", "--value-dtype", "fp32", "--max-steps", str(steps),
+            "--outer-delay", "0", "--eval-every", "1000", "--checkpoint-every", "7", "--value-dtype", "fp32", "--max-steps", str(steps),
             # A fixed split: local SGD's default re-splits from measured (so timing-dependent) compute.
             "--allocation", "equal"]
     proc = run_cli(*args, *extra, "--metrics-out", str(tmp_path / f"{name}.jsonl"))
