@@ -36,7 +36,7 @@ doctor: install-dev
 	$(BIN)/python -m tests.doctor
 
 test: install-dev chromium doctor
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 clean:
 	rm -rf $(VENV) var
