@@ -801,7 +801,8 @@ class Training:
             m.batch = size
 
     def steps(self, first: int, last: int) -> None:
-        """Steps first..last (inclusive), each rank's records as the trainer logs them."""
+        """Steps first..last (inclusive; the trainer counts from 1), each rank's records as the
+        trainer logs them."""
         for step in range(first, last + 1):
             computes = {m.rank: m.batch / m.speed * jitter(0.06) for m in self.members}
             outer = self.sync_every is None or step % self.sync_every == 0
@@ -942,7 +943,7 @@ def seed_baseline_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory)
     training = Training(clock, t=start + 30, global_batch=1024, comm_s=1.71, server=None, members=members,
                         push_bytes=DENSE_BYTES, reply_bytes=0, pace=PACE * 1.25, proportional=False, eval_every=50,
                         target="accuracy>=0.9", max_steps=360)
-    training.steps(0, 360)
+    training.steps(1, 360)
     training.flush(api.http)
     clock.at(training.t + 3)
     for m in members:
@@ -988,7 +989,7 @@ def seed_ps_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory) -> in
     server = Reports(server_spec)
     training = ps_training(clock, server, [member(a, s) for a, s in others], t=start + 32, run_start=start + 32,
                            max_steps=steps)
-    training.steps(0, every)
+    training.steps(1, every)
     ps_checkpoint(clock, training, server, every)
     training.steps(every + 1, steps)
     ps_checkpoint(clock, training, server, steps)
@@ -1037,7 +1038,7 @@ def seed_recovery_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory)
 
     training = first = training_of(server, members, start + 32)
     shares = [m.batch for m in members]
-    training.steps(0, every)
+    training.steps(1, every)
     checkpoint(training, server, every)
     training.steps(every + 1, spot_leaves)
     # A spot notice on gcp-t4-3: its worker leaves at a step boundary, the batch is split again.
@@ -1143,10 +1144,10 @@ def seed_live_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory) -> 
                         sync_every=20, max_steps=3000, target="val_loss<=0.9")
     server = training.server
     assert server is not None
-    step = 0
+    step = 1
     while training.t < STORY_NOW - 2:
         training.steps(step, step)
-        if step and step % 100 == 0:
+        if step % 100 == 0:
             ps_checkpoint(clock, training, server, step, size=3_514_871)
         step += 1
     training.flush(api.http)
@@ -1305,11 +1306,12 @@ def _take(camera: Camera, cp: ControlPlane, inv: Inventory, runs: Runs) -> None:
         page.goto("/runs")
         camera.shot("runs")
     if camera.wants("launch"):
-        _fill_launch(page, inv, ["zrh-a100", "gcp-t4-2", "gcp-t4-3"], task="hybridtrain.tasks.digits:smallcnn")
+        _fill_launch(page, inv, ["zrh-a100", "gcp-t4-2", "gcp-t4-3"], name="smallcnn-first-try",
+                     task="hybridtrain.tasks.digits:smallcnn")
         _planned(page)
         camera.shot("launch")
     if camera.wants("launch-predictions") or camera.wants("launch-suggest"):
-        _fill_launch(page, inv, ["zrh-a100", "gcp-t4-2", "gcp-t4-3", "aws-t4-1"], task=TASK)
+        _fill_launch(page, inv, ["zrh-a100", "gcp-t4-2", "gcp-t4-3", "aws-t4-1"], name="widecnn-four-gpus", task=TASK)
         _planned(page)
         page.wait_for_selector("#prediction-table tbody tr")
         if camera.wants("launch-predictions"):
@@ -1352,9 +1354,9 @@ def _planned(page: Any) -> None:
     page.wait_for_selector("#plan-table")
 
 
-def _fill_launch(page: Any, inv: Inventory, nodes: list[str], *, task: str) -> None:
+def _fill_launch(page: Any, inv: Inventory, nodes: list[str], *, name: str, task: str) -> None:
     page.goto("/runs/new")
-    page.fill("#f-name", "widecnn-five-nodes")
+    page.fill("#f-name", name)
     page.fill("#f-task", task)
     page.fill("#f-task_args", json.dumps(TASK_ARGS))
     page.select_option("#f-strategy", "ps-bz-gc")
