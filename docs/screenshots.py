@@ -668,19 +668,19 @@ def _upload_bundle(api: Api) -> str:
 
 
 def _upload_dataset(api: Api, workdir: Path) -> str:
-    """A small data set of random 32x32 images, sharded with `hybridtrain.datasets` and put in
-    the control plane's store as `hybridtrain datasets upload` does."""
+    """1,024 of the built-in procedural shapes, sharded with `hybridtrain.datasets` and put in the
+    control plane's store as `hybridtrain datasets upload` does."""
     import torch
 
     from hybridtrain.data_access import INDEX_FILE, STORE_URL
     from hybridtrain.datasets import write_dataset
+    from hybridtrain.tasks.datasets import make_shapes
 
     name = "shapes-32px"
     folder = workdir / name
-    generator = torch.Generator().manual_seed(7)
-    samples = ((torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=generator), i % 10)
-               for i in range(1024))
-    index = write_dataset(samples, folder, shard_bytes=1 << 20)
+    images, labels = make_shapes(1024, seed=7)
+    samples = ((torch.from_numpy(image), int(label)) for image, label in zip(images, labels))
+    index = write_dataset(samples, folder, shard_bytes=4 << 20)
     for shard in index.shards:
         api.client.upload_dataset_file(name, folder / shard.name)
     # The index last: the control plane checks that every shard it names is there, whole.
