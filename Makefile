@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test doctor install install-dev chromium clean
+.PHONY: run test doctor install install-dev chromium screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ doctor: install-dev
 
 test: install-dev chromium doctor
 	$(BIN)/python -m pytest --durations=30
+
+# docs/screenshots/ again, from the real pages: a control plane on a temporary database, filled
+# through its API, photographed in Chromium (docs/screenshots.py; --out DIR writes elsewhere).
+screenshots: install-dev chromium
+	$(BIN)/python docs/screenshots.py
 
 clean:
 	rm -rf $(VENV) var

@@ -3,7 +3,6 @@ and, for the browser tests, a live uvicorn server on a database of its own with 
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import tempfile
@@ -25,9 +24,9 @@ from app.main import create_app
 from tests.app.conftest import ADMIN_TOKEN, make_settings
 
 ROOT = Path(__file__).resolve().parents[3]
-# Screenshots go to a scratch folder, so that `make test` leaves the checkout as it was;
-# `HYBRIDTRAIN_SCREENSHOTS=docs/screenshots make test` refreshes the ones the docs show.
-SCREENSHOTS = Path(os.environ.get("HYBRIDTRAIN_SCREENSHOTS") or Path(tempfile.gettempdir()) / "hybridtrain-screenshots")
+# The browser tests' screenshots go to a scratch folder, to look at after a failure; the
+# pictures the docs show come from `make screenshots` (docs/screenshots.py).
+SCREENSHOTS = Path(tempfile.gettempdir()) / "hybridtrain-screenshots"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -194,7 +193,7 @@ def sign_in_browser(tab, token: str = ADMIN_TOKEN, next_path: str = "/") -> None
 
 
 def screenshot(tab, name: str) -> None:  # type: ignore[no-untyped-def]
-    """Save a full-page screenshot into SCREENSHOTS (docs/screenshots/ when asked: see above)."""
+    """Save a full-page screenshot into SCREENSHOTS (a scratch folder: see above)."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     tab.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 

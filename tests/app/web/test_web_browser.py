@@ -2,8 +2,8 @@
 in, adding a site and a node through the forms, a refused launch, a big finished run, a metric
 reaching an open chart, and a run launched on live agents, watched and cancelled.
 
-Each test saves screenshots of the pages it visits (into docs/screenshots/ with
-HYBRIDTRAIN_SCREENSHOTS=docs/screenshots; a scratch folder otherwise).
+Each test saves screenshots of the pages it visits into a scratch folder; the docs' pictures
+come from `make screenshots` (docs/screenshots.py).
 """
 
 from __future__ import annotations
