@@ -138,7 +138,7 @@ def rank_exited(
         # A PS worker that left at a step boundary (its agent stopped it: a spot notice).
         worker.status = WorkerStatus.left
         worker.reason = exit.reason or f"rank {worker.rank} (worker) was stopped by its agent"
-        return _degrade(session, run=run, worker=worker, detail=f"{worker.reason} {where}", now=now)
+        return _degrade(session, run=run, worker=worker, detail=f"{worker.reason} ({where})", now=now)
     if exit.clean and not exit.cancelled:
         worker.status = WorkerStatus.succeeded
         session.flush()

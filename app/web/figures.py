@@ -117,24 +117,39 @@ def by_name(series: Iterable[SeriesLike], name: str, *, skip: Collection[int] = 
     )
 
 
-def total_throughput(series: Sequence[SeriesLike]) -> list[Point]:
-    """Samples/s of all workers together: at each step, the sum of every worker's latest value.
+# A worker whose last point is this many steps behind the newest is gone (it left or was
+# lost), not late: it stops counting in the total after its last step.
+GONE_AFTER_STEPS = 5
 
-    A point is emitted only once every worker has reported, so the total never dips because
-    one worker's report is late.
+
+def total_throughput(series: Sequence[SeriesLike]) -> list[Point]:
+    """Samples/s of all workers together: at each step, the sum of the latest value of every
+    worker in the run at that step (from its first point; until its last, once it is gone).
+
+    A point is emitted only once every such worker has reported, so the total never dips
+    because one worker's report is late.
     """
     events: list[tuple[int, float, int, float | None]] = []
     for s in series:
         events.extend((step, t, s.rank, value) for step, t, value in s.points)
+    if not events:
+        return []
     events.sort(key=lambda e: (e[0], e[1]))
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for step, _, rank, _ in events:
+        first.setdefault(rank, step)
+        last[rank] = step
+    newest = events[-1][0]
+    gone = {rank for rank, step in last.items() if step + GONE_AFTER_STEPS < newest}
     latest: dict[int, float] = {}
-    ranks = {s.rank for s in series}
     total: list[Point] = []
     for step, t, rank, value in events:
         if value is not None:
             latest[rank] = value
-        if len(latest) == len(ranks) and ranks:
-            point = (step, t, sum(latest.values()))
+        members = [r for r in first if first[r] <= step and not (r in gone and step > last[r])]
+        if all(r in latest for r in members):
+            point = (step, t, sum(latest[r] for r in members))
             if total and total[-1][0] == step:
                 total[-1] = (step, max(t, total[-1][1]), point[2])
             else:

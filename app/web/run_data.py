@@ -63,7 +63,8 @@ class RunRow:
     @property
     def progress_label(self) -> str:
         of = "?" if self.max_steps is None else self.max_steps
-        return f"step {0 if self.step is None else self.step + 1} of {of}"
+        # The trainer counts steps from 1: the last of 400 is step 400.
+        return f"step {0 if self.step is None else self.step} of {of}"
 
 
 @dataclass

@@ -11,8 +11,17 @@ def _series(name: str, rank: int, values: list[float], t0: float = 0.0) -> Serie
 
 
 def test_total_throughput_sums_the_workers_latest_values_once_all_reported() -> None:
-    total = figures.total_throughput([_series("samples_per_s", 1, [10, 11, 12]), Series("samples_per_s", 2, [(1, 1.0, 5.0), (2, 2.0, 6.0)])])
-    assert total == [(1, 1.0, 16.0), (2, 2.0, 18.0)]
+    late = Series("samples_per_s", 2, [(0, 0.5, 4.0), (2, 2.0, 6.0)])  # no report of step 1 yet
+    total = figures.total_throughput([_series("samples_per_s", 1, [10, 11, 12]), late])
+    assert total == [(0, 0.5, 14.0), (1, 1.0, 15.0), (2, 2.0, 18.0)]
+
+
+def test_total_throughput_counts_a_joiner_from_its_first_step_and_a_leaver_until_its_last() -> None:
+    steady = _series("samples_per_s", 1, [10.0] * 12)
+    joiner = Series("samples_per_s", 2, [(step, float(step), 5.0) for step in range(3, 12)])
+    leaver = Series("samples_per_s", 3, [(step, float(step), 7.0) for step in range(0, 4)])
+    total = {step: value for step, _, value in figures.total_throughput([steady, joiner, leaver])}
+    assert [total[s] for s in (0, 2, 3, 4, 11)] == [17.0, 17.0, 22.0, 15.0, 15.0]
 
 
 def test_throughput_figure_labels_and_leaves_out_the_server() -> None:
