@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     over.add_argument("--pipeline-chunks", type=int, help="PS strategies' pipeline (1: none)")
     over.add_argument("--server-k-fraction", type=float, help="ps-gc and ps-bz-gc server k")
     over.add_argument("--seeds", type=_seeds, help="runs per strategy, seeds 0, 1, ...; results are their means")
+    p.add_argument("--wan-mbit", type=_wan_mbit, default=None,
+                   help="a bandwidth sweep, e.g. 10,100,1000: each testbed brought up and benchmarked "
+                        "once per value with every WAN link at that many Mbit/s (derived configs "
+                        "under --state-dir); default: the links as the config writes them")
     p.add_argument("--state-dir", type=Path, default=Path("var/testbed"), help=_STATE_DIR_HELP)
     p.set_defaults(func=_bench_paper)
 
@@ -105,6 +110,24 @@ def _seeds(text: str) -> int:
     if not 1 <= value <= 20:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 20")
     return value
+
+
+def _wan_mbit(text: str) -> tuple[float, ...]:
+    values: list[float] = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = 0.0
+        # Below 0.0001 or from 1e6 up, `:g` writes an exponent, which a testbed's name cannot hold.
+        if not (math.isfinite(value) and value > 0 and "e" not in f"{value:g}"):
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} is not a bandwidth: give comma-separated Mbit/s above 0 (0.0001 to 999999), "
+                "e.g. 10,100,1000")
+        if f"{value:g}" in {f"{v:g}" for v in values}:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is given twice")
+        values.append(value)
+    return tuple(values)
 
 
 def _task(text: str) -> str:

@@ -16,6 +16,10 @@ it each workload (bench/paper/paper_workloads.py: widecnn and ResNet-18 on digit
    `summarise`, `combine_seeds` over the seeds), check the issue's targets, write results.json,
    the Markdown section of docs/BENCHMARKS.md and the charts.
 5. Tear the testbed down, also on failure, Ctrl-C or SIGTERM.
+
+With `--wan-mbit 10,100,1000` each testbed is brought up once per bandwidth, every WAN link at
+that bandwidth (`paper` becomes `paperw10`, ...), each its own part; bench/paper/report.py
+sets them side by side (share of the ideal and time to target against the bandwidth).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGIES, parse_target
 from hybridtrain.progress import duration
@@ -82,6 +87,64 @@ def placer_pause_file(state: TestbedState, variant: str) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The bandwidth sweep (--wan-mbit): each testbed again with every WAN link at one bandwidth.
+
+# Under the state dir, never in the checkout; a name with a dash is no testbed's (`up` clears
+# the folder named after the testbed it builds).
+SWEEP_DIR = "wan-sweep"
+
+
+def mbit_text(mbit: float) -> str:
+    """A bandwidth as the sweep writes it: `10`, `2.5` (no exponent: cli.py refuses those)."""
+    return f"{mbit:g}"
+
+
+def at_bandwidth(config: TestbedConfig, mbit: float) -> TestbedConfig:
+    """`config` with every WAN link at `mbit`, a name of its own (`paper` -> `paperw10`, cut to
+    the 10 characters a testbed's name may have) and a description saying so; the rest as it was."""
+    suffix = "w" + mbit_text(mbit).replace(".", "p")
+    raw = config.model_dump()
+    raw["name"] = config.name[: 10 - len(suffix)] + suffix
+    raw["wan"] = [{**link, "mbit": mbit} for link in raw["wan"]]
+    # The description names the WAN as written (`100 Mbit/s WAN`): say it was overridden.
+    said = f"every WAN link at {mbit_text(mbit)} Mbit/s (--wan-mbit)"
+    raw["description"] = f"{config.description}; {said}" if config.description else said
+    # Validated again: a name or bandwidth the config refuses is refused here, not at `up`.
+    return TestbedConfig.model_validate(raw)
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """One testbed the invocation brings up: its config file, the config, the testbed of
+    `--config` it comes from, and the bandwidth its WAN links were set to (None: as written)."""
+
+    __test__ = False
+
+    path: str
+    config: TestbedConfig
+    base: str
+    wan_mbit: float | None = None
+
+
+def sweep_testbeds(paths: list[str], configs: list[TestbedConfig], mbits: tuple[float, ...] | None,
+                   out_dir: Path) -> list[Testbed]:
+    """The testbeds to bring up in turn: the configs as they are without a sweep; with one,
+    each config at each bandwidth, its derived config written into `out_dir`."""
+    if not mbits:
+        return [Testbed(p, c, c.name) for p, c in zip(paths, configs)]
+    beds = [Testbed(str(out_dir / f"{d.name}.yaml"), d, c.name, mbit)
+            for c in configs for mbit in mbits for d in [at_bandwidth(c, mbit)]]  # fmt: skip
+    names = [b.config.name for b in beds]
+    if len(set(names)) < len(names):
+        raise TestbedError(f"--wan-mbit: the testbeds {', '.join(c.name for c in configs)} give the same "
+                           f"derived names ({', '.join(names)}); sweep them one --config at a time")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for b in beds:
+        Path(b.path).write_text(yaml.safe_dump(b.config.model_dump(mode="json"), sort_keys=False))
+    return beds
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole benchmark.
 
 
@@ -109,12 +172,15 @@ def run_bench(args: argparse.Namespace, log: Log = print,
     configs = [load_config(p) for p in paths]
     strategies = tuple(args.strategies.split(",")) if args.strategies else STRATEGIES
     check_strategies(strategies, configs)
+    mbits = getattr(args, "wan_mbit", None)
+    beds = sweep_testbeds(paths, configs, mbits, args.state_dir / SWEEP_DIR)
     started = time.monotonic()
     command = "hybridtrain " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else (
-        f"hybridtrain bench paper --config {','.join(paths)}{' --quick' if args.quick else ''} --out {args.out}")
-    tally = Tally(total=len(configs) * sum(len(strategies) * s.seeds for _, s in workloads))
+        f"hybridtrain bench paper --config {','.join(paths)}{' --quick' if args.quick else ''}"
+        f"{' --wan-mbit ' + ','.join(map(mbit_text, mbits)) if mbits else ''} --out {args.out}")
+    tally = Tally(total=len(beds) * sum(len(strategies) * s.seeds for _, s in workloads))
     log(f"bench paper: {'quick' if args.quick else 'full'} run of {', '.join(strategies)}, workloads "
-        f"{', '.join(n for n, _ in workloads)}, on {', '.join(c.name for c in configs)}: {tally.total} runs")
+        f"{', '.join(n for n, _ in workloads)}, on {', '.join(b.config.name for b in beds)}: {tally.total} runs")
     parts: list[dict[str, Any]] = []
 
     def document() -> dict[str, Any]:
@@ -127,15 +193,17 @@ def run_bench(args: argparse.Namespace, log: Log = print,
         }
 
     with lifecycle.signals_raise():
-        for path, config in zip(paths, configs):
-            state = lifecycle.up(path, state_dir=args.state_dir, services=True, log=log)
+        for bed in beds:
+            config = bed.config
+            state = lifecycle.up(bed.path, state_dir=args.state_dir, services=True, log=log)
             try:
                 with services.admin_client(state) as api:
                     for name, settings in workloads:
                         log(f"bench paper: workload {name} on {config.name}")
                         part = _bench_on(api, state, args.state_dir, config, settings, strategies, log,
-                                         tally=tally, where=f"{name} on {config.name}")
-                        parts.append({"workload": name, **part})
+                                         tally=tally, where=f"{name} on {config.name}", targets_for=bed.base)
+                        sweep = {"base_testbed": bed.base, "wan_mbit": bed.wan_mbit} if bed.wan_mbit else {}
+                        parts.append({"workload": name, **part, **sweep})
                         if save is not None:
                             save(document())
             finally:
@@ -154,6 +222,7 @@ def _bench_on(
     *,
     tally: Tally | None = None,
     where: str = "",
+    targets_for: str | None = None,
 ) -> dict[str, Any]:
     ids = state.services["node_ids"]
     worker_names = [n.name for n in config.nodes]
@@ -224,7 +293,8 @@ def _bench_on(
                 f"{summary['steps']} steps, {summary['wall_s']} s")  # fmt: skip
     results = {entry: combine_seeds(runs) for entry, runs in per_seed.items()}
     share_ideal = ideal_of_the_runs(results, ideal)
-    targets = check_targets(results, share_ideal, testbed=config.name)
+    # A sweep's testbed (`paperw10`) is held to the targets of the one it comes from (`paper`).
+    targets = check_targets(results, share_ideal, testbed=targets_for or config.name)
     return {
         "results": results,
         # What the share of the ideal is read against: the mean of the ideals measured right
@@ -274,6 +344,8 @@ def main(args: argparse.Namespace) -> int:
         print("wrote " + ", ".join(str(p) for p in written))
     for part in report.parts_of(doc):
         print(f"\n{report.part_title(part)}\n{report.markdown_table(part)}")
+    for (name, base), parts in report.sweep_groups(doc).items():
+        print(f"\nBandwidth sweep: {name} on {base}\n{report.sweep_table(parts)}\n\n{report.sweep_winners(parts)}")
     return 0
 
 

@@ -53,8 +53,66 @@ def parts_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def part_title(part: dict[str, Any]) -> str:
-    """'widecnn on paper': the part's workload and testbed."""
-    return f"{part.get('workload') or workload(part['settings'])[0]} on {part['testbed']['name']}"
+    """'widecnn on paper': the part's workload and testbed; a sweep's part with its WAN
+    bandwidth: 'widecnn on paper, WAN at 10 Mbit/s'."""
+    name = part.get("workload") or workload(part["settings"])[0]
+    if part.get("wan_mbit") is not None:
+        return f"{name} on {part['base_testbed']}, WAN at {part['wan_mbit']:g} Mbit/s"
+    return f"{name} on {part['testbed']['name']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The bandwidth sweep (--wan-mbit): a workload on a testbed at several WAN bandwidths.
+
+
+def sweep_groups(doc: dict[str, Any]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(workload, testbed) -> its sweep parts by rising bandwidth; empty without a sweep."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for part in parts_of(doc):
+        if part.get("wan_mbit") is not None:
+            key = (part.get("workload") or workload(part["settings"])[0], part["base_testbed"])
+            groups.setdefault(key, []).append(part)
+    return {k: sorted(v, key=lambda p: p["wan_mbit"]) for k, v in groups.items()}
+
+
+def share_of_ideal(part: dict[str, Any], strategy: str) -> float | None:
+    """A strategy's throughput over its part's ideal (None where either is unknown)."""
+    rate, ideal = (part["results"].get(strategy) or {}).get("samples_per_s"), part.get("ideal_samples_per_s")
+    return round(rate / ideal, 3) if rate and ideal else None
+
+
+def _sweep_strategies(parts: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(s for part in parts for s in part["results"]))
+
+
+def sweep_table(parts: list[dict[str, Any]]) -> str:
+    """One row per strategy; for each bandwidth its share of the ideal and time to target."""
+    cols = [f"{p['wan_mbit']:g} Mbit/s" for p in parts]
+    lines = ["| strategy | " + " | ".join(f"share of ideal, {c} | time to target (s), {c}" for c in cols) + " |",
+             "| --- |" + " ---: | ---: |" * len(parts)]
+    for strategy in _sweep_strategies(parts):
+        cells = " | ".join(f"{_fmt(share_of_ideal(p, strategy), '.3f')} "
+                           f"| {_fmt((p['results'].get(strategy) or {}).get('tta_s'), '.1f')}" for p in parts)
+        lines.append(f"| {strategy_label(strategy)} | {cells} |")
+    return "\n".join(lines)
+
+
+def sweep_winners(parts: list[dict[str, Any]]) -> str:
+    """Which strategy wins at each bandwidth: the highest share of the ideal, the fastest to target."""
+    said = []
+    for p in parts:
+        strategies = _sweep_strategies([p])
+        shares = {s: v for s in strategies if (v := share_of_ideal(p, s)) is not None}
+        ttas = {s: v for s in strategies if (v := (p["results"].get(s) or {}).get("tta_s")) is not None}
+        share, tta = "unknown", "none reached the target"
+        if shares:
+            best = max(shares, key=lambda s: shares[s])
+            share = f"{strategy_label(best)} ({shares[best]:.3f})"
+        if ttas:
+            best = min(ttas, key=lambda s: ttas[s])
+            tta = f"{strategy_label(best)} ({ttas[best]:.1f} s)"
+        said.append(f"at {p['wan_mbit']:g} Mbit/s, highest share of the ideal {share}, fastest to target {tta}")
+    return "Best: " + "; ".join(said) + "."
 
 
 def _seeds_text(doc: dict[str, Any]) -> str:
@@ -117,7 +175,22 @@ def figures(doc: dict[str, Any]) -> list[Any]:
     out = []
     for part in parts_of(doc):
         out += _part_figures(part, go)
+    for (name, base), parts in sweep_groups(doc).items():
+        out.append(sweep_figure(name, base, parts, go))
     return out
+
+
+def sweep_figure(name: str, base: str, parts: list[dict[str, Any]], go: Any) -> Any:
+    """Share of the ideal against the WAN's bandwidth (log scale), one line per strategy."""
+    fig = go.Figure()
+    x = [p["wan_mbit"] for p in parts]
+    for strategy in _sweep_strategies(parts):
+        fig.add_trace(go.Scatter(x=x, y=[share_of_ideal(p, strategy) for p in parts], mode="lines+markers",
+                                 name=strategy_label(strategy)))  # fmt: skip
+    fig.update_layout(title=f"{name} on {base}: share of the ideal against the WAN's bandwidth (higher is better)",
+                      xaxis_title="WAN bandwidth (Mbit/s)", xaxis_type="log",
+                      yaxis_title="share of the ideal")  # fmt: skip
+    return fig
 
 
 def _part_figures(doc: dict[str, Any], go: Any) -> list[Any]:
@@ -171,6 +244,18 @@ def section(doc: dict[str, Any], chart_links: list[str]) -> str:
     ]
     for part in parts_of(doc):
         lines += part_section(part)
+    for (name, base), parts in sweep_groups(doc).items():
+        lines += [
+            f"### Bandwidth sweep: {name} on {base}",
+            "",
+            (f"Every WAN link of `{base}` at each bandwidth in turn (the subsections above); share of "
+             "the ideal against each part's own ideal, time to target as above."),
+            "",
+            sweep_table(parts),
+            "",
+            sweep_winners(parts),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -238,6 +323,7 @@ def write_docs(doc: dict[str, Any], docs_path: Path) -> list[Path]:
 
         names = [f"{part.get('workload', 'bench')}-{part['testbed']['name']}-{kind}"
                  for part in parts_of(doc) for kind in ("tta", "throughput", "loss")]
+        names += [f"sweep-{name}-{base}" for name, base in sweep_groups(doc)]
         for fig, name in zip(figs, names):
             png = chart_dir / f"paper-{name}.png"
             fig.write_image(png)

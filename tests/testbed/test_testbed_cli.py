@@ -46,3 +46,21 @@ def test_a_bad_workload_flag_is_one_line_naming_the_flag(
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"argument {flag}" in error and says in error
+
+
+def test_a_bandwidth_sweep_is_a_list_of_mbit_per_second() -> None:
+    assert _parse("--wan-mbit", "10,100,1000").wan_mbit == (10.0, 100.0, 1000.0)
+    assert _parse("--wan-mbit", "2.5").wan_mbit == (2.5,) and _parse().wan_mbit is None
+
+
+@pytest.mark.parametrize(("value", "says"), [("0", "above 0"), ("10,-5", "'-5' is not a bandwidth"),
+                                             ("ten", "above 0"), ("1e9", "above 0"), ("inf", "above 0"),
+                                             ("10,10.0", "twice")])  # fmt: skip
+def test_a_bandwidth_that_is_not_a_positive_number_is_refused_naming_it(
+    value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _parse("--wan-mbit", value)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --wan-mbit" in error and says in error

@@ -26,9 +26,22 @@ from bench.paper.paper_workloads import (
     with_overrides,
     workloads_of,
 )
-from bench.paper.paperbench import check_strategies, placer_pause_file, write_results
-from bench.paper.report import SECTION, markdown_table, replace_section, section, strategy_label, workload
+from bench.paper.paperbench import at_bandwidth, check_strategies, placer_pause_file, sweep_testbeds, write_results
+from bench.paper.report import (
+    SECTION,
+    figures,
+    markdown_table,
+    part_title,
+    replace_section,
+    section,
+    strategy_label,
+    sweep_groups,
+    sweep_table,
+    sweep_winners,
+    workload,
+)
 from testbed.errors import TestbedError
+from testbed.topology import load_config
 
 
 def _records(
@@ -541,3 +554,101 @@ def test_a_delay_variant_overlaps_a_local_sgd_strategys_outer_exchange() -> None
     assert variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay5")["local_sgd"]["outer_delay"] == 5
     with pytest.raises(TestbedError, match="local SGD"):
         strategy_variant("ps-bz-gc+delay3")
+
+
+# ---------------------------------------------------------------------------------------------
+# The bandwidth sweep (--wan-mbit).
+
+
+def test_a_sweeps_testbed_has_every_wan_link_at_the_bandwidth_and_the_rest_unchanged() -> None:
+    config = load_config("bench/testbeds/intercontinental.yaml")
+    derived = at_bandwidth(config, 10)
+    assert len(derived.wan) == 6 and {w.mbit for w in derived.wan} == {10}
+    assert [w.between for w in derived.wan] == [w.between for w in config.wan]
+    assert derived.description.endswith("; every WAN link at 10 Mbit/s (--wan-mbit)")
+    assert derived.model_dump(exclude={"name", "wan", "description"}) == config.model_dump(
+        exclude={"name", "wan", "description"})
+
+
+def test_a_sweeps_testbed_is_named_after_its_bandwidth_within_ten_characters() -> None:
+    paper, interc = load_config("bench/testbeds/paper.yaml"), load_config("bench/testbeds/intercontinental.yaml")
+    assert [at_bandwidth(paper, m).name for m in (10, 1000, 2.5)] == ["paperw10", "paperw1000", "paperw2p5"]
+    assert at_bandwidth(interc, 1000).name == "interw1000"
+
+
+def test_a_sweep_writes_each_testbed_at_each_bandwidth_outside_the_checkout(tmp_path: Path) -> None:
+    paths = ["bench/testbeds/paper.yaml", "bench/testbeds/intercontinental.yaml"]
+    beds = sweep_testbeds(paths, [load_config(p) for p in paths], (10.0, 1000.0), tmp_path / "wan-sweep")
+    assert [(b.config.name, b.base, b.wan_mbit) for b in beds] == [
+        ("paperw10", "paper", 10.0), ("paperw1000", "paper", 1000.0),
+        ("intercw10", "interc", 10.0), ("interw1000", "interc", 1000.0)]  # fmt: skip
+    for bed in beds:
+        assert Path(bed.path).parent == tmp_path / "wan-sweep" and load_config(bed.path) == bed.config
+
+
+def test_without_a_sweep_the_testbeds_are_the_configs_as_written(tmp_path: Path) -> None:
+    config = load_config("bench/testbeds/paper.yaml")
+    beds = sweep_testbeds(["bench/testbeds/paper.yaml"], [config], None, tmp_path / "wan-sweep")
+    assert [(b.path, b.config, b.base, b.wan_mbit) for b in beds] == [
+        ("bench/testbeds/paper.yaml", config, "paper", None)]
+    assert not (tmp_path / "wan-sweep").exists()
+
+
+def test_testbeds_whose_sweep_names_collide_are_refused(tmp_path: Path) -> None:
+    config = load_config("bench/testbeds/paper.yaml")
+    twin = config.model_copy(update={"name": "paperx"})
+    with pytest.raises(TestbedError, match="same derived names"):
+        sweep_testbeds(["a.yaml", "b.yaml"], [config, twin], (1000.0,), tmp_path)
+
+
+def _sweep_part(mbit: float, ideal: float, rates: dict[str, tuple[float, float | None]]) -> dict[str, Any]:
+    return {"workload": "widecnn", "base_testbed": "paper", "wan_mbit": mbit, "ideal_samples_per_s": ideal,
+            "testbed": {"name": f"paperw{mbit:g}", "description": "d"}, "settings": asdict(FULL),
+            "results": {s: {"samples_per_s": sps, "tta_s": tta} for s, (sps, tta) in rates.items()}}  # fmt: skip
+
+
+def _sweep_doc() -> dict[str, Any]:
+    # At 10 Mbit/s diloco-gc wins both; at 1000, ps-bz-gc has the higher share and allreduce,
+    # which no longer waits on the WAN, the faster target.
+    return {"parts": [
+        _sweep_part(1000, 300.0, {"ps-bz-gc": (285.0, 20.0), "diloco-gc": (270.0, 22.0), "allreduce": (240.0, 18.0)}),
+        _sweep_part(10, 300.0, {"ps-bz-gc": (60.0, 90.0), "diloco-gc": (240.0, 30.0), "allreduce": (6.0, None)}),
+    ], "machine": {"cpus": 2, "load_avg_at_end": [1.0]}}  # fmt: skip
+
+
+def test_a_sweeps_part_is_titled_with_its_testbed_and_bandwidth() -> None:
+    assert part_title(_sweep_part(10, 300.0, {})) == "widecnn on paper, WAN at 10 Mbit/s"
+
+
+def test_the_sweep_table_has_a_row_per_strategy_with_share_and_time_to_target_by_rising_bandwidth() -> None:
+    table = sweep_table(sweep_groups(_sweep_doc())[("widecnn", "paper")]).splitlines()
+    assert table[0] == ("| strategy | share of ideal, 10 Mbit/s | time to target (s), 10 Mbit/s "
+                        "| share of ideal, 1000 Mbit/s | time to target (s), 1000 Mbit/s |")
+    assert table[2:] == ["| PS-bz-gc | 0.200 | 90.0 | 0.950 | 20.0 |", "| DiLoCo-gc | 0.800 | 30.0 | 0.900 | 22.0 |",
+                         "| All-Reduce | 0.020 | n/a | 0.800 | 18.0 |"]  # fmt: skip
+
+
+def test_the_winner_line_names_the_best_share_and_the_fastest_to_target_at_each_bandwidth() -> None:
+    line = sweep_winners(sweep_groups(_sweep_doc())[("widecnn", "paper")])
+    assert line == ("Best: at 10 Mbit/s, highest share of the ideal DiLoCo-gc (0.800), fastest to target "
+                    "DiLoCo-gc (30.0 s); at 1000 Mbit/s, highest share of the ideal PS-bz-gc (0.950), "
+                    "fastest to target All-Reduce (18.0 s).")
+
+
+def test_the_docs_section_ends_with_the_sweep_and_a_run_without_one_has_none() -> None:
+    text = section(_sweep_doc(), [])
+    heads = [line for line in text.splitlines() if line.startswith("### ")]
+    assert heads == ["### widecnn on paper, WAN at 1000 Mbit/s", "### widecnn on paper, WAN at 10 Mbit/s",
+                     "### Bandwidth sweep: widecnn on paper"]  # fmt: skip
+    assert "Best: at 10 Mbit/s" in text
+    plain = {"parts": [{**_sweep_part(10, 300.0, {}), "wan_mbit": None}],
+             "machine": {"cpus": 2, "load_avg_at_end": [1.0]}}
+    assert "Bandwidth sweep" not in section(plain, []) and sweep_groups(plain) == {}
+
+
+def test_the_sweep_chart_plots_share_of_ideal_against_a_log_bandwidth_axis_a_line_per_strategy() -> None:
+    chart = figures(_sweep_doc())[-1]
+    assert chart.layout.xaxis.type == "log"
+    assert [(t.name, list(t.x), list(t.y)) for t in chart.data] == [
+        ("PS-bz-gc", [10, 1000], [0.2, 0.95]), ("DiLoCo-gc", [10, 1000], [0.8, 0.9]),
+        ("All-Reduce", [10, 1000], [0.02, 0.8])]  # fmt: skip
