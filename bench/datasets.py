@@ -147,7 +147,7 @@ def testbed_wan(samples: int, shard_mb: float, state_dir: Path) -> dict:
             try:
                 state = lifecycle.up(path, state_dir=state_dir, log=print)
                 with services.admin_client(state) as api:
-                    dt.put_and_register(state, shards, "blobs")
+                    dt.put_and_register(api, state, shards, "blobs")
                     run = dt.run(api, state, "blobs", settings)
                     bill = api.get(f"/api/v1/runs/{run['id']}/cost").json()
                 wan = dt.store_bytes_by_site(state)
