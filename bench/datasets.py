@@ -15,6 +15,14 @@ data set the shapes images (3x32x32 float32, 12 KiB) in webdataset shards.
    their batch shares of two epochs in process, without and with one site cache per site; the
    bytes read from the store are billed as AWS (us-east-1) egress to the sites, two on-prem
    rooms (internet rate) at Table 1's prices (seed 003).
+
+With --testbed (root: it builds the namespace testbed), part 2 runs over real processes and
+emulated links instead (bench/dataset_testbed.py): an allreduce run of five nodes in three
+sites (on-prem `lab`, AWS `east` holding the store, AWS `west`) reads two epochs of a blobs
+data set, once without and once with a site cache in every site; the WAN bytes are the store's
+packets counted on each link, the $ the run's bill at the seeded prices.
+
+    sudo .venv/bin/python bench/datasets.py --testbed --out results-datasets-testbed.json
 """
 
 from __future__ import annotations
@@ -119,17 +127,75 @@ def wan_bytes(tmp: Path, url: str, endpoint: str, sites: int, per_site: int, bat
     return {"site_cache": site_cache, "by_epoch": by_epoch, "egress_usd": str(bill.egress_usd)}
 
 
+def testbed_wan(samples: int, shard_mb: float, state_dir: Path) -> dict:
+    """The same run on the testbed without and with site caches: WAN bytes on the links, the bill."""
+    from bench import dataset_testbed as dt
+    from testbed import lifecycle, services
+
+    settings = dt.RunSettings(max_steps=2 * samples // dt.RunSettings.global_batch, timeout_s=900.0)
+    result: dict = {"settings": {"samples": samples, "max_steps": settings.max_steps,
+                                 "global_batch": settings.global_batch, "nodes": dt.NODES}}
+    rows = []
+    with tempfile.TemporaryDirectory() as name, lifecycle.signals_raise():
+        tmp = Path(name)
+        shards = dt.make_dataset(tmp, samples, shard_mb)
+        index = read_index(shards)
+        result["data_set"] = {"samples": index.samples, "shards": len(index.shards), "bytes": index.size_bytes}
+        for caches in (False, True):
+            tb = "dsbench" + ("c" if caches else "n")
+            path = dt.write_config(tmp / f"{tb}.yaml", tb, site_caches=caches)
+            try:
+                state = lifecycle.up(path, state_dir=state_dir, log=print)
+                with services.admin_client(state) as api:
+                    dt.put_and_register(api, state, shards, "blobs")
+                    run = dt.run(api, state, "blobs", settings)
+                    bill = api.get(f"/api/v1/runs/{run['id']}/cost").json()
+                wan = dt.store_bytes_by_site(state)
+            finally:
+                lifecycle.down(tb, state_dir=state_dir, log=print)
+            if run["status"] != "succeeded":
+                raise SystemExit(f"the run with site caches={caches} ended {run['status']}: {run.get('reason')}")
+            reads = [link for link in bill["egress_by_link"] if link["src"] == "store of blobs"]
+            rows.append({"site_cache": caches, "wan_bytes": wan, "data_read_bytes": bill["data_read_bytes"],
+                         "data_read_usd": bill["data_read_usd"], "reads": reads})
+    result["runs"] = rows
+    return result
+
+
+def print_testbed(result: dict) -> None:
+    """The testbed part's table."""
+    d = result["data_set"]
+    print(f"\n{d['samples']} blobs in {d['shards']} shards, {d['bytes'] / 2**20:.2f} MiB, in the store on AWS east; "
+          f"{result['settings']['max_steps']} steps of {result['settings']['global_batch']} (two epochs), "
+          f"nodes {result['settings']['nodes']}")
+    print("| site cache | WAN bytes store->lab | store->west | data bytes billed | data read $ (AWS, seeded prices) |")
+    print("|---|---|---|---|---|")
+    for r in result["runs"]:
+        w = r["wan_bytes"]
+        print(f"| {'yes' if r['site_cache'] else 'no'} | {w['lab'] / 2**20:.2f} MiB | {w['west'] / 2**20:.2f} MiB | "
+              f"{r['data_read_bytes'] / 2**20:.2f} MiB | {r['data_read_usd']:.6f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the shards, put them in moto, run both parts, print the tables, write JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, default=4000)
-    p.add_argument("--shard-mb", type=float, default=4.0)
+    p.add_argument("--samples", type=int, default=None, help="default 4000 (in process), 1536 (--testbed)")
+    p.add_argument("--shard-mb", type=float, default=None, help="default 4 (in process), 0.45 (--testbed)")
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--epochs", type=int, default=3, help="of the CLI runs")
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--workers-per-site", type=int, default=3)
+    p.add_argument("--testbed", action="store_true", help="part 2 on the namespace testbed (root)")
+    p.add_argument("--state-dir", type=Path, default=Path("var/testbed"))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.testbed:
+        result = testbed_wan(args.samples or 1536, args.shard_mb or 0.45, args.state_dir)
+        print_testbed(result)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return 0
+    args.samples, args.shard_mb = args.samples or 4000, args.shard_mb or 4.0
     from shard_images import write_images
 
     result: dict = {}

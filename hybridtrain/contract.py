@@ -197,8 +197,8 @@ SYSTEM_METRICS = frozenset(
      # Local SGD's outer steps: the norm of the averaged parameter change each one applied.
      "outer_norm",
      # Data sets (hybridtrain.datasets): bytes fetched from the store and from the site cache,
-     # with the data set's id as the peer.
-     "data_bytes", "data_cache_bytes"}
+     # and the samples the loader read with their digest, with the data set's id as the peer.
+     "data_bytes", "data_cache_bytes", "data_samples", "data_sample_digest"}
 )
 # Seconds an evaluation held the run up (logged at its step). time_to_target_s counts them, as
 # the bill does; a comparison of training algorithms subtracts them (bench/paper/paper_figures.py).

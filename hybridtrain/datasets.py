@@ -29,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -51,6 +52,8 @@ DEFAULT_CACHE_BYTES = 20 * 1024**3
 # step touches (and a bounded cache must hold) few.
 DEFAULT_WINDOW = 4
 _CHUNK = 1024 * 1024
+# What `take_reads` sums besides the bytes by source: the samples the loader fetched and their digest.
+SAMPLES, DIGEST = "samples", "digest"
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -136,6 +139,19 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def sample_digest(indices: Iterable[int] | np.ndarray) -> int:
+    """The sum of a 32-bit hash (splitmix64's finaliser) of each sample index. Sums add up across
+    workers and steps, and an epoch's equal `sample_digest(range(n))` with its count equal n only
+    when every sample was read once (but for a chance of about 2**-32); a batch's digest stays
+    below 2**53, so it travels exactly as a float metric."""
+    x = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices), dtype=np.uint64)
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return int((x >> np.uint64(32)).sum(dtype=np.uint64))
 
 
 def read_index(path: str | Path) -> DatasetIndex:
@@ -244,22 +260,54 @@ class ShardRequest(BaseModel):
     shard: ShardInfo
 
 
+class IndexRequest(BaseModel):
+    """A role asking the site cache for a data set's index (read from the store each time)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    access: DatasetAccess
+
+
 @dataclass
 class SiteCache:
     """One node's cache served to its site over HTTP: a shard crosses the WAN once per site.
 
     POST /shards with a `ShardRequest` answers the shard's bytes and `X-Hybridtrain-Cache:
     hit|miss`; a miss is fetched from the store (once, whoever else asks meanwhile) into the
-    cache first. GET /health answers 200.
+    cache first. POST /index with an `IndexRequest` answers the data set's index, read from the
+    store each time (a data set rewritten in place gets its new one), so a role behind a site
+    cache never reaches the store itself. GET /health answers 200; GET /stats the counters of
+    `stats()`.
     """
 
     cache: NodeCache
     fetched_bytes: int = 0
+    served_bytes: int = 0
+    index_bytes: int = 0
+    # Per shard (by sha256): its name, the times it was fetched from the store and served.
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def _fetched(self, n: int) -> None:
+    def _count(self, shard: ShardInfo, fetched: bool) -> None:
         with self._lock:
-            self.fetched_bytes += n
+            counts = self.shards.setdefault(shard.sha256, {"name": shard.name, "fetched": 0, "served": 0})
+            counts["served"] += 1
+            self.served_bytes += shard.bytes
+            if fetched:
+                counts["fetched"] += 1
+                self.fetched_bytes += shard.bytes
+
+    def _count_index(self, n: int) -> None:
+        with self._lock:
+            self.index_bytes += n
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes of shards fetched from stores (each crossed the WAN) and served to the site,
+        bytes of indexes passed on, since the start, and per shard the times it was fetched and
+        served: how a site's WAN traffic is measured."""
+        with self._lock:
+            return {"fetched_bytes": self.fetched_bytes, "served_bytes": self.served_bytes,
+                    "index_bytes": self.index_bytes, "shards": {k: dict(v) for k, v in self.shards.items()}}
 
     def serve(self, host: str, port: int) -> ThreadingHTTPServer:
         """A started server (its thread is a daemon); `shutdown()` stops it."""
@@ -270,15 +318,24 @@ class SiteCache:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802
-                self._answer(200 if self.path == "/health" else 404, b"ok\n" if self.path == "/health" else b"")
+                if self.path == "/health":
+                    self._answer(200, b"ok\n")
+                elif self.path == "/stats":
+                    self._answer(200, json.dumps(site.stats()).encode(), "application/json")
+                else:
+                    self._answer(404, b"")
 
             def do_POST(self) -> None:  # noqa: N802
-                if self.path != "/shards":
+                if self.path not in ("/shards", "/index"):
                     self._answer(404, b"")
                     return
                 try:
                     length = int(self.headers.get("Content-Length") or 0)
-                    request = ShardRequest.model_validate_json(self.rfile.read(min(length, 1 << 20)))
+                    body = self.rfile.read(min(length, 1 << 20))
+                    if self.path == "/index":
+                        self._index(IndexRequest.model_validate_json(body))
+                        return
+                    request = ShardRequest.model_validate_json(body)
                 except (ValueError, ValidationError) as exc:
                     self._answer(422, str(exc).encode()[:2000])
                     return
@@ -287,8 +344,7 @@ class SiteCache:
                 except DatasetError as exc:
                     self._answer(502, str(exc).encode())
                     return
-                if source == FROM_STORE:
-                    site._fetched(request.shard.bytes)
+                site._count(request.shard, fetched=source == FROM_STORE)
                 with path.open("rb") as f:
                     self.send_response(200)
                     self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
@@ -296,8 +352,19 @@ class SiteCache:
                     self.end_headers()
                     shutil.copyfileobj(f, self.wfile, _CHUNK)
 
-            def _answer(self, status: int, body: bytes) -> None:
+            def _index(self, request: IndexRequest) -> None:
+                buffer = io.BytesIO()
+                try:
+                    n = Origin(request.access).fetch(INDEX_FILE, buffer)
+                except DatasetError as exc:
+                    self._answer(502, str(exc).encode())
+                    return
+                site._count_index(n)
+                self._answer(200, buffer.getvalue(), "application/json")
+
+            def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
                 self.send_response(status)
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -306,6 +373,23 @@ class SiteCache:
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, daemon=True, name="site-cache").start()
         return server
+
+
+def index_via_site(access: DatasetAccess) -> bytes:
+    """The data set's `index.json` as the site cache at `access.cache_url` read it from the store."""
+    import httpx
+
+    assert access.cache_url is not None
+    body = IndexRequest(access=access).model_dump_json()
+    try:
+        response = httpx.post(f"{access.cache_url.rstrip('/')}/index", content=body,
+                              headers={"Content-Type": "application/json"}, timeout=60.0)
+    except httpx.HTTPError as exc:
+        raise DatasetError(f"the site cache {access.cache_url} is unreachable: {exc}") from None
+    if response.status_code != 200:
+        raise DatasetError(f"the site cache {access.cache_url} could not read the index of {access.url}: "
+                           f"{response.text.strip() or response.status_code}")
+    return response.content
 
 
 def fetch_via_site(access: DatasetAccess, shard: ShardInfo, out: IO[bytes]) -> str:
@@ -396,7 +480,8 @@ class ShardedDataset(torch.utils.data.Dataset):
     which the run's loader uses in place of a plain permutation.
 
     Reads go through the node cache (and the site cache, when the access names one); bytes
-    fetched are appended to a ledger that `take_reads` sums, so loader processes count too.
+    fetched, and the batches the loader fetched, are appended to a ledger that `take_reads`
+    sums, so loader processes count too.
     """
 
     def __init__(self, access: DatasetAccess, cache: NodeCache | None, *, window: int = DEFAULT_WINDOW,
@@ -416,10 +501,14 @@ class ShardedDataset(torch.utils.data.Dataset):
             self.ledger = None
         self._ledger_at = 0
         if index is None:
-            buffer = io.BytesIO()
-            n = self.origin.fetch(INDEX_FILE, buffer)
-            self._note(FROM_STORE if self.origin.local_root is None else FROM_NODE, n)
-            index = parse_index(buffer.getvalue(), access.url)
+            if access.cache_url and self.origin.local_root is None:
+                raw = index_via_site(access)  # read from the store by the site cache, for this role
+            else:
+                buffer = io.BytesIO()
+                self.origin.fetch(INDEX_FILE, buffer)
+                raw = buffer.getvalue()
+            self._note(FROM_STORE if self.origin.local_root is None else FROM_NODE, len(raw))
+            index = parse_index(raw, access.url)
         self.index = index
         self.starts = [0]
         for shard in index.shards:
@@ -435,6 +524,15 @@ class ShardedDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample {i} of a data set of {len(self)}")
         j = bisect.bisect_right(self.starts, i) - 1
         return self.shard_samples(j)[i - self.starts[j]]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch of samples, as torch's DataLoader fetches them: counted in the ledger (how
+        many, and their `sample_digest`), so the run's reports show what each worker read."""
+        out = [self[i] for i in indices]
+        if self.ledger is not None and indices:
+            with self.ledger.open("a") as f:
+                f.write(f"{SAMPLES} {len(indices)} {sample_digest(indices)}\n")
+        return out
 
     def shard_samples(self, j: int) -> list[Any]:
         """Shard `j`'s decoded samples (the last few are kept in memory)."""
@@ -480,8 +578,9 @@ class ShardedDataset(torch.utils.data.Dataset):
 
     def take_reads(self) -> dict[str, int]:
         """Bytes fetched since the last call, by where from (`store`: over the WAN, `site`:
-        from the site cache), summed over this process and its loader processes."""
-        totals = {FROM_STORE: 0, FROM_SITE: 0}
+        from the site cache), and the `samples` the loader fetched with their `digest`, summed
+        over this process and its loader processes."""
+        totals = {FROM_STORE: 0, FROM_SITE: 0, SAMPLES: 0, DIGEST: 0}
         if self.ledger is None:
             return totals
         with self.ledger.open("rb") as f:
@@ -490,8 +589,12 @@ class ShardedDataset(torch.utils.data.Dataset):
         complete = data[: data.rfind(b"\n") + 1]
         self._ledger_at += len(complete)
         for line in complete.decode().splitlines():
-            source, _, n = line.partition(" ")
-            totals[source] = totals.get(source, 0) + int(n)
+            what, *numbers = line.split()
+            if what == SAMPLES:
+                totals[SAMPLES] += int(numbers[0])
+                totals[DIGEST] += int(numbers[1])
+            else:
+                totals[what] = totals.get(what, 0) + int(numbers[0])
         return totals
 
     def epoch_order(self, seed: int, epoch: int) -> Any:

@@ -13,6 +13,11 @@ Order (each process is recorded in the state file before `up` goes on):
    before them, unless the config's `cpu.threads_on_host` is false, the thread placer that keeps
    each node's threads but its main one off the node's quota (thread_placer.py);
 6. wait until every node is online.
+With an `object_store` in the config, moto's S3 server runs in the store's namespace (the
+control plane reads data sets from it with a key pair of this testbed's own), and each site in
+`site_caches` runs `hybridtrain datasets serve-cache` in its cache's namespace, which that
+site's agents read through; both start before the control plane and get forwarders from
+127.0.0.1, so the host can fill the store and read the caches' counters.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ import httpx
 from testbed import forward, processes, thread_placer
 from testbed.errors import ServiceError, TestbedError
 from testbed.state import TestbedState, save
-from testbed.topology import Plan
+from testbed.topology import Plan, cache_name
 
 Log = Callable[[str], None]
 REDIS_PORT = 6379
+SITE_CACHE_PORT = 8700
 READY_TIMEOUT_S = 180.0
 
 
@@ -59,6 +65,7 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
     cp_group = Path(state.endpoints["cp"]["cgroup"])
 
     t0 = time.monotonic()
+    store_env, store_secrets = _start_data_services(the_plan, state, state_dir, work)
     _start_redis(state, state_dir, cp.netns, cp.address, cp_group, work)
     _spawn_service(
         state, state_dir, name="control-plane", argv=[*_hybridtrain(), "server", "--host",
@@ -68,9 +75,10 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
             "HYBRIDTRAIN_DATABASE_URL": f"sqlite+pysqlite:///{work / 'control-plane.db'}",
             "CELERY_BROKER_URL": broker_url,
             "HYBRIDTRAIN_PUBLIC_URL": internal_url,
+            **store_env,
         },
         secret_env={"HYBRIDTRAIN_ADMIN_TOKEN": str(work / "admin_token"),
-                    "HYBRIDTRAIN_SECRET_KEY": str(work / "secret_key")},
+                    "HYBRIDTRAIN_SECRET_KEY": str(work / "secret_key"), **store_secrets},
     )  # fmt: skip
     fwd_port = forward.free_port()
     processes.spawn(
@@ -90,6 +98,7 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
                       timeout=30.0, trust_env=False) as api:  # fmt: skip
         _wait_healthy(api, state)
         log(f"testbed {state.name}: control plane up at {url} in {time.monotonic() - t0:.1f} s")
+        site_cache_urls = {site: c["internal_url"] for site, c in state.services.get("site_caches", {}).items()}
         node_ids, tokens = _register(api, the_plan, log)
         state.services["node_ids"] = node_ids
         save(state, state_dir)
@@ -114,9 +123,100 @@ def start(the_plan: Plan, state: TestbedState, state_dir: Path, *, log: Log = pr
                 "--profile-lock-path", str(work / "agents" / name / "profile.lock"),
                 "--log-level", "WARNING"],
                 netns_name=ep.netns, cgroup=Path(state.endpoints[name]["host_cgroup"]),
+                env={"HYBRIDTRAIN_AGENT_DATA_SITE_CACHE_URL": site_cache_urls[ep.site]}
+                if ep.site in site_cache_urls else None,
             )  # fmt: skip
         _wait_online(api, node_ids, state)
+        _wait_data_services(state)
     log(f"testbed {state.name}: {len(node_ids)} agents online, {time.monotonic() - t0:.1f} s")
+
+
+def _start_data_services(
+    the_plan: Plan, state: TestbedState, state_dir: Path, work: Path
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Start the object store and the site caches with their forwarders; the control plane's
+    settings for the store (plain, and secret as the files they are read from)."""
+    for site in the_plan.config.site_caches:
+        ep = the_plan.endpoint(cache_name(site))
+        folder = work / "site-caches" / site
+        _spawn_service(
+            state, state_dir, name=f"site-cache-{site}", argv=[*_hybridtrain(), "datasets", "serve-cache",
+            "--dir", str(folder), "--host", ep.address, "--port", str(SITE_CACHE_PORT)],
+            netns_name=ep.netns, cgroup=Path(state.endpoints[ep.name]["cgroup"]),
+        )  # fmt: skip
+        state.services.setdefault("site_caches", {})[site] = {
+            "internal_url": f"http://{ep.address}:{SITE_CACHE_PORT}",
+            "forwarded_url": _forward(state, state_dir, f"site-cache-{site}", ep.netns, ep.address, SITE_CACHE_PORT),
+        }
+    store_config = the_plan.config.object_store
+    if store_config is None:
+        save(state, state_dir)
+        return {}, {}
+    moto = Path(sys.executable).with_name("moto_server")
+    if not moto.exists():
+        raise ServiceError(f"the testbed's object store needs moto's server ({moto}): pip install 'moto[server]'")
+    ep = the_plan.endpoint("store")
+    _spawn_service(
+        state, state_dir, name="object-store", argv=[str(moto), "-H", ep.address, "-p", str(store_config.port)],
+        netns_name=ep.netns, cgroup=Path(state.endpoints["store"]["cgroup"]), env={"MOTO_CALL_RESET_API": "false"},
+    )  # fmt: skip
+    # moto takes any key pair; the testbed still hands out one of its own, as a real store needs.
+    _secret_file(work / "store_key_id", 12)
+    _secret_file(work / "store_secret_key", 24)
+    region = the_plan.config.site(store_config.site).region
+    internal = f"http://{ep.address}:{store_config.port}"
+    state.services["object_store"] = {
+        "internal_url": internal, "region": region,
+        "forwarded_url": _forward(state, state_dir, "object-store", ep.netns, ep.address, store_config.port),
+        "key_id_file": str(work / "store_key_id"), "secret_key_file": str(work / "store_secret_key"),
+    }  # fmt: skip
+    save(state, state_dir)
+    env = {"HYBRIDTRAIN_DATASET_S3_ENDPOINT_URL": internal, "HYBRIDTRAIN_DATASET_S3_REGION": region}
+    secrets_ = {"HYBRIDTRAIN_DATASET_S3_ACCESS_KEY_ID": str(work / "store_key_id"),
+                "HYBRIDTRAIN_DATASET_S3_SECRET_ACCESS_KEY": str(work / "store_secret_key")}
+    return env, secrets_
+
+
+def _forward(state: TestbedState, state_dir: Path, name: str, ns: str, address: str, port: int) -> str:
+    """A forwarder from a free port of 127.0.0.1 to `address:port` in namespace `ns`; its URL."""
+    listen = forward.free_port()
+    processes.spawn(
+        state, state_dir, name=f"forwarder-{name}", argv=[sys.executable, "-m", "testbed.forward",
+        "--listen-port", str(listen), "--netns", ns, "--to", f"{address}:{port}"],
+        netns_name=None, cgroup=Path(state.cgroup),
+    )  # fmt: skip
+    return f"http://127.0.0.1:{listen}"
+
+
+def _wait_data_services(state: TestbedState) -> None:
+    """Wait until the object store and the site caches answer through their forwarders."""
+    probes = [f"{c['forwarded_url']}/health" for c in state.services.get("site_caches", {}).values()]
+    if "object_store" in state.services:
+        probes.append(f"{state.services['object_store']['forwarded_url']}/moto-api/")
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for url in probes:
+        while True:
+            _alive_or_raise(state)
+            try:
+                if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServiceError(f"{url} did not answer within {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.3)
+
+
+def store_client(state: TestbedState) -> Any:
+    """A boto3 S3 client of the testbed's object store, through its forwarder, with its key pair."""
+    import boto3
+
+    store = state.services["object_store"]
+    return boto3.client(
+        "s3", endpoint_url=store["forwarded_url"], region_name=store["region"],
+        aws_access_key_id=Path(store["key_id_file"]).read_text().strip(),
+        aws_secret_access_key=Path(store["secret_key_file"]).read_text().strip(),
+    )  # fmt: skip
 
 
 def _start_redis(
@@ -276,7 +376,7 @@ def _register(api: httpx.Client, the_plan: Plan, log: Log) -> tuple[dict[str, in
     node_ids: dict[str, int] = {}
     tokens: dict[str, str] = {}
     for ep in the_plan.endpoints:
-        if ep.role == "control-plane":
+        if ep.role not in ("node", "server"):
             continue
         labels = {"testbed": cfg.name, "netns": ep.netns, "cpu_quota_cores": f"{ep.cpu_cores:.3f}"}
         body: dict[str, Any] = {"site_id": site_ids[ep.site], "name": ep.name,

@@ -28,7 +28,8 @@ from testbed.errors import ConfigError
 
 PREFIX = "ht-"
 # 10.213.0.0/16 is used only inside the namespaces the testbed creates: site i is 10.213.i.0/24,
-# its gateway (the hub's bridge address) .1, the control plane .2, the server pod .3, nodes .10+.
+# its gateway (the hub's bridge address) .1, the control plane .2, the server pod .3, the object
+# store .4, the site's cache .5, nodes .10+.
 ADDRESS_BASE = "10.213"
 NODE_IFACE = "ht-eth0"  # inside each endpoint namespace; GLOO_SOCKET_IFNAME points here
 # 10 ms, not the kernel's default 100: a quota is per period, so a process that idles for part
@@ -124,6 +125,14 @@ class ControlPlane(_Strict):
     port: int = Field(default=8000, ge=1, le=65535)
 
 
+class ObjectStore(_Strict):
+    """An S3 endpoint (moto's server, the tests' store) in its own namespace on `site`: every
+    other site reaches it over its WAN link, as a cloud's object store."""
+
+    site: Name
+    port: int = Field(default=9000, ge=1, le=65535)
+
+
 class CpuScale(_Strict):
     """How FP32 TFLOPs become a CPU quota: cores = tflops * cores_per_tflop."""
 
@@ -149,6 +158,10 @@ class TestbedConfig(_Strict):
     nodes: list[Node] = Field(min_length=1)
     server: ServerPod | None = None
     control_plane: ControlPlane | None = None
+    object_store: ObjectStore | None = None
+    # Sites with a site cache (`hybridtrain datasets serve-cache`) in a namespace of its own,
+    # which that site's agents read data sets through.
+    site_caches: list[Name] = []
 
     @model_validator(mode="after")
     def _consistent(self) -> TestbedConfig:
@@ -156,8 +169,8 @@ class TestbedConfig(_Strict):
         _unique("sites", site_names)
         endpoint_names = [n.name for n in self.nodes] + ([self.server.name] if self.server else [])
         _unique("nodes", endpoint_names)
-        if {"cp", "hub", "host"} & set(endpoint_names):
-            raise ValueError("node names 'cp', 'hub' and 'host' are reserved for the testbed")
+        if {"cp", "hub", "host", "store"} & set(endpoint_names) or any(n.endswith("-cache") for n in endpoint_names):
+            raise ValueError("node names 'cp', 'hub', 'host', 'store' and '*-cache' are reserved for the testbed")
         for i, node in enumerate(self.nodes):
             if node.site not in site_names:
                 raise ValueError(f"nodes[{i}].site: unknown site {node.site!r}")
@@ -170,6 +183,12 @@ class TestbedConfig(_Strict):
             raise ValueError(f"server.host: unknown node {self.server.host!r}")
         if self.control_plane and self.control_plane.site not in site_names:
             raise ValueError(f"control_plane.site: unknown site {self.control_plane.site!r}")
+        if self.object_store and self.object_store.site not in site_names:
+            raise ValueError(f"object_store.site: unknown site {self.object_store.site!r}")
+        for i, site in enumerate(self.site_caches):
+            if site not in site_names:
+                raise ValueError(f"site_caches[{i}]: unknown site {site!r}")
+        _unique("site_caches", list(self.site_caches))
         pairs: set[frozenset[str]] = set()
         for i, link in enumerate(self.wan):
             for end in link.between:
@@ -230,7 +249,7 @@ class Endpoint:
     """One namespace on a site's bridge: a node, the server pod or the control plane."""
 
     name: str
-    role: Literal["node", "server", "control-plane"]
+    role: Literal["node", "server", "control-plane", "store", "cache"]
     site: str
     netns: str
     address: str
@@ -280,6 +299,11 @@ class Plan:
         return sum(ep.cpu_cores for ep in self.endpoints)
 
 
+def cache_name(site: str) -> str:
+    """The endpoint of site `site`'s cache."""
+    return f"{site}-cache"
+
+
 def name_prefix(name: str) -> str:
     """The prefix of every namespace and cgroup of testbed `name`."""
     return f"{PREFIX}{name}-"
@@ -322,6 +346,12 @@ def plan(config: TestbedConfig) -> Plan:
     if config.server:
         host_site = next(n.site for n in config.nodes if n.name == config.server.host)
         add(config.server.name, "server", host_site, 3, config.server.cpu_cores)
+    # The store and the caches move bytes, which on a real machine its NIC and other cores do:
+    # no CPU quota (0), so their share of the machine is no node's compute.
+    if config.object_store:
+        add("store", "store", config.object_store.site, 4, 0.0)
+    for site_name in config.site_caches:
+        add(cache_name(site_name), "cache", site_name, 5, 0.0)
     for node in config.nodes:
         host = next_host[node.site]
         if host > 254:

@@ -99,6 +99,12 @@ class _Transformed(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Any:
         return self.transform(self.data[i])
 
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        # The data set's own batch fetch where it has one (a sharded data set counts its reads there).
+        fetch = getattr(self.data, "__getitems__", None)
+        items = fetch(indices) if fetch else [self.data[i] for i in indices]
+        return [self.transform(item) for item in items]
+
 
 class _IterableShard(IterableDataset):
     """A stream read whole by every worker, which keeps its slice of every B consecutive items."""

@@ -371,9 +371,10 @@ class DistributedOptimizer:
 
 
 def _log_data_reads(ctx: Context, step: int) -> None:
-    """Bytes this rank's data sets fetched since the last step, per data set (its id as the
-    peer): `data_bytes` over the WAN from the store, `data_cache_bytes` from the site cache."""
-    from hybridtrain.datasets import FROM_SITE, FROM_STORE, opened_datasets
+    """What this rank's data sets fetched since the last step, per data set (its id as the
+    peer): `data_bytes` over the WAN from the store, `data_cache_bytes` from the site cache,
+    and the samples its loader read with their digest (`hybridtrain.datasets.sample_digest`)."""
+    from hybridtrain.datasets import DIGEST, FROM_SITE, FROM_STORE, SAMPLES, opened_datasets
 
     for ds in opened_datasets():
         reads = ds.take_reads()
@@ -381,6 +382,9 @@ def _log_data_reads(ctx: Context, step: int) -> None:
             ctx.metrics.log(step, "data_bytes", reads[FROM_STORE], peer=ds.access.id)
         if reads[FROM_SITE]:
             ctx.metrics.log(step, "data_cache_bytes", reads[FROM_SITE], peer=ds.access.id)
+        if reads[SAMPLES]:
+            ctx.metrics.log(step, "data_samples", reads[SAMPLES], peer=ds.access.id)
+            ctx.metrics.log(step, "data_sample_digest", reads[DIGEST], peer=ds.access.id)
 
 
 def data_loader(dataset: Any, *, collate: Callable | None = None, transform: Callable | None = None,

@@ -240,7 +240,9 @@ def compute_bill(usage: RunUsage, prices: PriceLookup, *, strict: bool = True) -
         granularity=overall,
         granularity_by_worker=by_worker,
         unpriced=tuple(unpriced),
-        reads_usd=sum((link.usd for link in reads), _ZERO),
+        # From the exact amounts, rounded once as every total: a sum of the links' rounded
+        # amounts drifts by up to half a micro-dollar a link.
+        reads_usd=round_usd(sum((egress_usd(link.bytes, link.usd_per_gb) for link in reads), _ZERO)),
         read_bytes=sum(link.bytes for link in reads),
     )
 

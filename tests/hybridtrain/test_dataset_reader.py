@@ -12,11 +12,14 @@ import torch
 
 from hybridtrain.data_access import FROM_SITE, FROM_STORE, DatasetAccess, DatasetError
 from hybridtrain.datasets import (
+    DIGEST,
+    SAMPLES,
     NodeCache,
     ShardedDataset,
     SiteCache,
     pack_dir,
     read_index,
+    sample_digest,
     write_dataset,
 )
 from tests.object_store import ACCESS_KEY, REGION, SECRET_KEY
@@ -73,6 +76,30 @@ def test_two_workers_with_unequal_shares_read_each_sample_once_per_epoch(s3_serv
             assert torch.equal(b[0][:, 0], b[1].float())  # each sample is the one written
     assert per_worker == [30 * steps, 10 * steps]
     assert seen == collections.Counter(range(N))
+
+
+def test_the_sample_digest_adds_up_across_batches_in_any_order():
+    assert sample_digest([3, 1]) + sample_digest([0, 2]) == sample_digest(range(4))
+    assert sample_digest([]) == 0 and sample_digest([5]) < 2**32
+
+
+def test_the_sample_digest_tells_a_sample_read_twice_from_one_read_once_each():
+    # The same count, one sample twice and one not at all.
+    assert sample_digest([0, 1, 1, 3]) != sample_digest(range(4))
+
+
+def test_the_loaders_batches_are_counted_with_their_digest_once_per_epoch(s3_server, s3_url, tmp_path):
+    sizes, steps = [30, 10], N // 40  # one epoch: every sample once across the two workers
+    totals = {SAMPLES: 0, DIGEST: 0}
+    for worker in (0, 1):
+        ds = ShardedDataset(_access(s3_server, s3_url), NodeCache(tmp_path / f"node{worker}", 10**8))
+        ds.take_reads()
+        for _ in make_loader(ds, first_step=1, last_step=steps, worker=worker, batch_sizes=sizes, seed=3,
+                             transform=lambda sample: sample):
+            pass
+        reads = ds.take_reads()
+        totals = {k: totals[k] + reads[k] for k in totals}
+    assert totals == {SAMPLES: N, DIGEST: sample_digest(range(N))}
 
 
 def test_epoch_order_is_the_same_for_a_seed_and_differs_across_epochs(s3_server, s3_url, tmp_path):
@@ -150,6 +177,36 @@ def test_the_site_cache_fetches_each_shard_over_the_wan_once_per_site(s3_server,
         server.shutdown()
 
 
+def test_the_site_cache_reports_each_shard_fetched_once_and_served_to_each_node(s3_server, s3_url, tmp_path):
+    import httpx
+
+    server = SiteCache(NodeCache(tmp_path / "site", 10**8)).serve("127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for node in ("a", "b"):
+            ds = ShardedDataset(_access(s3_server, s3_url, cache_url=url), NodeCache(tmp_path / node, 10**8))
+            list(ds[i] for i in range(N))
+        stats = httpx.get(f"{url}/stats").json()
+    finally:
+        server.shutdown()
+    index = ds.index
+    assert (stats["fetched_bytes"], stats["served_bytes"]) == (index.size_bytes, 2 * index.size_bytes)
+    assert stats["shards"] == {s.sha256: {"name": s.name, "fetched": 1, "served": 2} for s in index.shards}
+
+
+def test_a_node_behind_a_site_cache_reads_the_index_through_it(s3_server, s3_url, folder, tmp_path):
+    site = SiteCache(NodeCache(tmp_path / "site", 10**8))
+    server = site.serve("127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        ds = ShardedDataset(_access(s3_server, s3_url, cache_url=url), NodeCache(tmp_path / "node", 10**8))
+    finally:
+        server.shutdown()
+    index_bytes = (folder / "index.json").stat().st_size
+    assert site.stats()["index_bytes"] == index_bytes
+    assert ds.take_reads()[FROM_STORE] == index_bytes  # it crossed the WAN all the same, by way of the cache
+
+
 def test_a_corrupt_shard_is_named(s3_server, folder, tmp_path):
     index = read_index(folder)
     broken = tmp_path / "broken"
@@ -172,6 +229,17 @@ def test_a_missing_credential_is_named(s3_server, s3_url, tmp_path):
 def test_an_unreadable_url_is_named(s3_server, tmp_path):
     with pytest.raises(DatasetError, match="cannot read s3://datasets-test/nothing-here/index.json: the store answered NoSuchKey"):
         ShardedDataset(_access(s3_server, "s3://datasets-test/nothing-here"), NodeCache(tmp_path, 10**8))
+
+
+def test_an_index_the_site_cache_cannot_read_is_named_with_the_stores_reason(s3_server, tmp_path):
+    server = SiteCache(NodeCache(tmp_path / "site", 10**8)).serve("127.0.0.1", 0)
+    try:
+        cache_url = f"http://127.0.0.1:{server.server_address[1]}"
+        access = _access(s3_server, "s3://datasets-test/nothing-here", cache_url=cache_url)
+        with pytest.raises(DatasetError, match="could not read the index .*the store answered NoSuchKey"):
+            ShardedDataset(access, NodeCache(tmp_path / "node", 10**8))
+    finally:
+        server.shutdown()
 
 
 def test_a_folder_of_files_becomes_samples_by_key(tmp_path):

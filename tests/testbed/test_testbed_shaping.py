@@ -42,3 +42,22 @@ def test_namespaces_of_a_testbed_cannot_reach_the_host(two_sites: TestbedState) 
         capture_output=True, text=True, timeout=30, check=False,
     ).stdout  # fmt: skip
     assert out.startswith("refused")
+
+
+def test_the_object_stores_bytes_across_the_wan_are_counted_and_shaped(
+    needs_root: None, write_config, state_dir
+) -> None:
+    from testbed import lifecycle, shaping
+    from testbed.topology import load_config, plan
+
+    path = write_config(object_store={"site": "cloud"})
+    config = load_config(path)
+    try:
+        state = lifecycle.up(path, state_dir=state_dir, services=False, log=lambda _m: None)
+        rate = _rate(state, "store", "lab-a")
+        sent = shaping.store_bytes_by_site(plan(config))
+    finally:
+        lifecycle.down(config.name, state_dir=state_dir, log=lambda _m: None)
+    assert rate == pytest.approx(100, rel=TOLERANCE)
+    # 1.5 s at 100 Mbit/s crossed into the lab, counted apart from the cloud's other traffic.
+    assert set(sent) == {"lab"} and sent["lab"] == pytest.approx(1.5 * 100e6 / 8, rel=0.3)

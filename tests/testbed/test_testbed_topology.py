@@ -44,10 +44,24 @@ def test_plan_gives_each_site_a_subnet_and_each_endpoint_a_prefixed_namespace() 
     assert the_plan.endpoint("cloud-v100-a").address.startswith("10.213.1.")
 
 
+def test_the_object_store_and_site_caches_get_namespaces_of_their_own_without_a_quota(
+    write_config: Callable[..., Path],
+) -> None:
+    the_plan = plan(load_config(write_config(object_store={"site": "cloud"}, site_caches=["lab", "cloud"])))
+    store, lab_cache = the_plan.endpoint("store"), the_plan.endpoint("lab-cache")
+    assert (store.role, store.site, store.address, store.cpu_cores) == ("store", "cloud", "10.213.1.4", 0.0)
+    assert (lab_cache.role, lab_cache.address, the_plan.endpoint("cloud-cache").address) == \
+        ("cache", "10.213.0.5", "10.213.1.5")
+    check_cpu_budget(the_plan, machine_cores=2)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"wan": []}, "no link between sites 'lab' and 'cloud'"),
+        ({"object_store": {"site": "moon"}}, "object_store.site: unknown site 'moon'"),
+        ({"site_caches": ["lab", "moon"]}, r"site_caches\[1\]: unknown site 'moon'"),
+        ({"nodes": [{"name": "store", "site": "lab", "gpu": "T4"}]}, "reserved"),
         ({"nodes": [{"name": "x", "site": "moon", "gpu": "T4"}]}, "unknown site 'moon'"),
         ({"nodes": [{"name": "x", "site": "lab", "gpu": "GTX 480"}]}, "give fp32_tflops"),
         ({"name": "Bad-Name"}, "name"),

@@ -8,7 +8,7 @@ import json
 import torch
 from trainer_testing import read_metrics, run_cli
 
-from hybridtrain.datasets import NodeCache, SiteCache, write_dataset
+from hybridtrain.datasets import NodeCache, SiteCache, sample_digest, write_dataset
 from tests.object_store import ACCESS_KEY, REGION, SECRET_KEY
 
 TASK = '''
@@ -55,6 +55,27 @@ def test_two_workers_read_a_data_set_in_s3_through_the_site_cache(s3_server, tmp
     assert site.fetched_bytes == index.size_bytes
     assert sum(fetched.values()) == index.size_bytes + 2 * index_bytes
     assert "16 steps in" in proc.stderr  # two epochs of 256 samples at 32 a step
+
+
+def test_the_workers_report_every_sample_read_once_per_epoch(s3_server, tmp_path):
+    samples = [(torch.randn(12), torch.tensor(i % 2)) for i in range(256)]
+    write_dataset(samples, tmp_path / "shards", shard_bytes=16_000)
+    url = s3_server.put_folder(tmp_path / "shards", "datasets-e2e", "counted")
+    handed = {"datasets": [{"id": 4, "name": "blobs", "url": url, "endpoint_url": s3_server.endpoint,
+                            "region": REGION, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY}],
+              "cache_dir": str(tmp_path / "node"), "cache_bytes": 10**8}
+    (tmp_path / "datasets.json").write_text(json.dumps(handed))
+    (tmp_path / "blobtask.py").write_text(TASK)
+    proc = run_cli("--task", "blobtask:task", "--strategy", "allreduce", "--workers", "2",
+                   "--batch-sizes", "24,8", "--max-steps", "16", "--datasets-file", str(tmp_path / "datasets.json"),
+                   "--metrics-out", str(tmp_path / "m.jsonl"), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_epoch = {epoch: {"data_samples": 0, "data_sample_digest": 0} for epoch in (0, 1)}
+    for r in read_metrics(tmp_path / "m.jsonl"):
+        if r.get("name") in ("data_samples", "data_sample_digest"):
+            by_epoch[(r["step"] - 1) // 8][r["name"]] += int(r["value"])  # 8 steps of 32: one epoch
+    expected = {"data_samples": 256, "data_sample_digest": sample_digest(range(256))}
+    assert by_epoch == {0: expected, 1: expected}
 
 
 def test_a_corrupt_shard_fails_the_run_with_its_name(tmp_path):

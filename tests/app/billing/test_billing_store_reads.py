@@ -61,6 +61,13 @@ def test_the_bill_names_the_part_of_its_egress_that_is_data_reads():
     assert (bill.reads_usd, bill.read_bytes) == (Decimal("0.18"), 2 * GIB)
 
 
+def test_the_data_reads_total_is_rounded_once_from_the_exact_amounts():
+    # 0.400002 micro-dollars a node: each link rounds to $0, their exact sum to $0.000001.
+    bill = compute_bill(_usage(StoreRead(STORE, "aws-east", 42950), StoreRead(STORE, "aws-west", 21475)), PRICES)
+    assert [c.usd for c in bill.egress_by_link] == [0, 0]
+    assert bill.reads_usd == bill.egress_usd == Decimal("0.000001")
+
+
 def test_reads_of_one_node_from_one_store_are_summed():
     bill = compute_bill(_usage(StoreRead(STORE, "lab", GIB), StoreRead(STORE, "lab", GIB)), PRICES)
     assert [c.bytes for c in bill.egress_by_link] == [2 * GIB]
