@@ -18,11 +18,18 @@ ALEMBIC_INI = REPO_ROOT / "alembic.ini"
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 
 
-def _enable_sqlite_foreign_keys(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+# How long a connection waits for another's write lock before "database is locked" (a 503): the
+# embedded control plane, its agent's reports and a run's metrics write to one file, and on a
+# loaded host sqlite3's default 5 s was seen to run out.
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+
+def _configure_sqlite(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
     # SQLite ignores REFERENCES unless asked per connection; without this a site with nodes
-    # could be deleted.
+    # could be deleted. WAL lets a write commit while pages are still reading.
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
 
 
@@ -38,8 +45,8 @@ def make_engine(settings: Settings) -> Engine:
     url = settings.database_url
     if settings.is_sqlite:
         ensure_sqlite_directory(url)
-        engine = create_engine(url, connect_args={"check_same_thread": False})
-        event.listen(engine, "connect", _enable_sqlite_foreign_keys)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S})
+        event.listen(engine, "connect", _configure_sqlite)
         return engine
     # Sized with the admission lanes (app/capacity.py): an admitted request never waits here.
     return create_engine(
