@@ -109,6 +109,12 @@ class LocalSgdOptions(_Section):
         description="apply each outer step this many inner steps after the change was sent, so the "
         "exchange overlaps them (below sync_every; default 0, wait for it)",
     )
+    site_replicas: Flag | None = Field(
+        default=None,
+        description="each site's workers hold one replica: they average their gradients every inner step "
+        "over the site's LAN (through the site's relay worker), and one parameter change per site crosses "
+        "the WAN every sync_every steps; default off (every worker its own replica)",
+    )
 
 
 # Where each option of the compat table sits in a request.

@@ -158,6 +158,10 @@ class TrainConfig:
     # Local SGD: apply each outer step this many inner steps after its change was sent, so the
     # exchange overlaps them (0: wait for it; below sync_every). trainer.local_sgd.
     outer_delay: int = 0
+    # Local SGD with --sites: each site's workers are one replica, averaging their gradients every
+    # inner step through the site's relay; one change per site crosses at each outer step
+    # (trainer.site_replica).
+    site_replicas: bool = False
 
     @property
     def is_ps(self) -> bool:
@@ -181,6 +185,12 @@ class TrainConfig:
     def compresses(self) -> bool:
         """Whether gradients are sparsified (`ps-gc`, `ps-bz-gc` unless --compressor none)."""
         return compresses(self.strategy, self.compressor)
+
+    @property
+    def combines_at_sites(self) -> bool:
+        """Whether a site's relay sends the server one frame for its site: per-site aggregation's
+        gradients, or the site replicas' outer steps."""
+        return self.site_aggregation or self.site_replicas
 
     @property
     def applies_in_forward(self) -> bool:
