@@ -96,7 +96,9 @@ class SiteRelay:
             self.forwards = route.forwards
             if self.combiner is not None:
                 # Members the server dropped (or let go): the relay stops waiting for their chunks.
-                for m in self.combiner.keep(route.forwards):
+                with self._lock:
+                    gone = self.combiner.keep(route.forwards)
+                for m in gone:
                     self.inbox.fail(m, ConnectionError(f"worker {m} is out of the run (the server's word)"))
             if self.cfg.site_replicas:
                 self._route_joiners(route)
@@ -137,8 +139,14 @@ class SiteRelay:
             due = sorted(m for m, first in self._joining.items() if first <= step)
             for m in due:
                 del self._joining[m]
-        if due and self.combiner is not None:
-            self.combiner.members = tuple(sorted({*self.combiner.members, *due}))
+            if due and self.combiner is not None:
+                self.combiner.members = tuple(sorted({*self.combiner.members, *due}))
+
+    def leave_out(self, member: int) -> None:
+        """Combine `member`'s frames no more (its relay found it gone, silent or leaving)."""
+        with self._lock:
+            if self.combiner is not None:
+                self.combiner.keep([m for m in self.combiner.members if m != member])
 
     def relay_lost(self, relay: int, exc: BaseException) -> None:
         """Hear the server directly from now on; under per-site aggregation, also send to it

@@ -80,9 +80,10 @@ def pieces(numel: int) -> tuple[tuple[int, int], ...]:
 
 
 class SiteReplica:
-    """A worker's part in its site's replica: the relay averages (`average` on the site's
-    relay), a member exchanges; a worker alone in its site (or cut off from it) does neither.
-    Who is who is the site relay's (`SiteRelay.site`, `SiteRelay.up`)."""
+    """A worker's part in its site's replica, each inner step (`average`): the site's relay
+    averages its members' gradients with its own, a member sends its gradient and takes the
+    mean, a worker alone in its site (or cut off from it) keeps its own. Who is which is the
+    site relay's to say (`SiteRelay.site`, `SiteRelay.up`)."""
 
     def __init__(self, cfg: TrainConfig, rank: int, transport: Transport, relay: SiteRelay, flat: FlatModel,
                  step_times: deque[float]) -> None:
@@ -90,9 +91,9 @@ class SiteReplica:
         # This worker's recent inner-step times: the relay's wait for a member scales with them.
         self.step_times = step_times
         self.pieces = pieces(flat.layout.numel)
-        # The relay's means, apart from its other frames: the server's updates, which it
-        # forwards whenever they arrive (an overlapped outer step's land amid inner steps),
-        # then never stand in a mean's way.
+        # The relay's means, kept apart from the server's updates the relay forwards: those go
+        # out whenever they arrive (an overlapped outer step's amid inner steps) and must not
+        # stand in a mean's way.
         self._means: queue.Queue[torch.Tensor] = queue.Queue()
 
     def on_frame(self, peer: int, frame: torch.Tensor) -> bool:
@@ -144,20 +145,15 @@ class SiteReplica:
             why = f"silent for {wait_s:.1f} s after this relay's own gradient" if isinstance(exc, TimeoutError) else exc
             print(f"[worker rank {self.rank}] site member {m} lost in step {step} ({why}); the site's replica "
                   "goes on without it", file=sys.stderr, flush=True)
-            self._leave_out(m)
+            self.relay.leave_out(m)
             return None
         if peek_kind(raw) == BYE:  # leaving the run (a spot notice)
-            self._leave_out(m)
+            self.relay.leave_out(m)
             return None
         got = expect(raw, SiteGrad, step, peer=m)
         if got.piece != p:
             raise ProtocolError(f"relay {self.rank}: expected piece {p} of step {step} from rank {m}, got {got.piece}")
         return got
-
-    def _leave_out(self, m: int) -> None:
-        combiner = self.relay.combiner
-        if combiner is not None:
-            combiner.keep([r for r in combiner.members if r != m])
 
     # -- a member -----------------------------------------------------------------------------
     def _exchange(self, step: int, samples: int) -> None:

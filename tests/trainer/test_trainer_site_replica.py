@@ -12,22 +12,23 @@ import torch
 import torch.nn.functional as F
 from trainer_testing import (
     RankLost,
+    Role,
     config,
     events,
     global_batch,
     run_in_process,
-    series,
     start_ps_run,
     stop_all,
     tiny_data,
     tiny_mlp,
 )
 
-from hybridtrain.contract import EVENT_WORKER_LOST
+from hybridtrain.contract import EVENT_WORKER_JOINED
 from trainer.algorithm import aggregate
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.compression import Identity, Payload
-from trainer.frames import BYE, Grad, SiteGrad, pack, unpack
+from trainer.departures import Departures
+from trainer.frames import BYE, Grad, pack, unpack
 from trainer.relay import SERVER
 from trainer.server import ParameterServer
 from trainer.site_combine import SiteCombiner
@@ -236,6 +237,26 @@ def test_a_lost_relay_leaves_its_member_training_alone_through_the_server(monkey
     assert all(torch.equal(flats[0], f) for f in flats[1:])
 
 
+def test_a_member_leaving_between_outer_steps_is_let_go_at_the_next_and_its_site_trains_on(monkeypatch):
+    seen = _samples_per_outer_step(monkeypatch)
+    lost: list[int] = []
+    lose = Departures.lose
+    monkeypatch.setattr(Departures, "lose", lambda self, rank, *a, **k: (lost.append(rank), lose(self, rank, *a, **k)))
+
+    def leave_after_6(rank: int, step: int, run) -> None:
+        if rank == 4 and step == 6:
+            run.clients[3].leave()  # a spot notice: returns once the server has let it go
+            raise RankLost
+
+    cfg = _config(sync_every=4, max_steps=10, allocation="equal")
+    run = run_in_process(cfg, 10, optimizer=_adamw, after_step=leave_after_6)
+    assert 4 not in run.server.roster and lost == []
+    # Its steps 5 and 6 are in its site's replica; step 8's frame counts its relay's samples.
+    assert seen == {4: 4 * 48, 8: 4 * 24 + 4 * 12, 10: 2 * 48}
+    flats = [_flat(run.models[r - 1]) for r in (1, 2, 3)]
+    assert all(torch.equal(flats[0], f) for f in flats[1:])
+
+
 # -- real processes over loopback -------------------------------------------------------------------
 
 # A user's loop that prints its replica's hash after every step and saves its final weights.
@@ -319,3 +340,34 @@ def test_on_real_processes_a_sites_workers_are_one_replica_and_each_site_crosses
             assert (numel * 4 <= got < 2 * numel * 4) if step % 3 == 0 else got == 0, (step, relay, got)
         # A relay's members send the server nothing while training: their HELLO, then their BYE.
         assert all(received.get((step, m), 0) == 0 if step < 9 else received[(step, m)] < 64 for m in (2, 4)), step
+
+
+def test_a_joiner_joins_its_sites_replica_from_the_step_after_the_next_outer_step(tmp_path):
+    # Rank 5 joins "away" mid-run: it takes the state of that site's relay (rank 3), its inner
+    # optimizer's momentum included, and from its first step holds the site's replica. Steps
+    # are slow until the joiner has a share, however long its process takes to start.
+    slow = "        time.sleep(0.03 if sum(1 for n in ctx.batch_sizes if n) > 4 else 0.2)\n"
+    (tmp_path / "train.py").write_text(SCRIPT.replace("lr=0.1)", "lr=0.1, momentum=0.9)")
+                                       .replace("        opt.step()\n", "        opt.step()\n" + slow)
+                                       .replace("import hashlib", "import hashlib, time"))
+    args = ["--strategy", "diloco", "--site-replicas", "--global-batch", "48", "--allocation", "equal",
+            "--sync-every", "5", "--max-steps", "100", "--eval-every", "1000", "--timeout-s", "60",
+            "--code-dir", str(tmp_path), "--script", "train.py"]
+    server, workers, port = start_ps_run(tmp_path, 4, [*args, "--sites", ",".join(SITES)], cwd=tmp_path)
+    try:
+        server.wait_for("[ps] step 5/")
+        workers[5] = Role("worker", 5, 6, port, [*args, "--sites", ",".join((*SITES, "away")), "--join"],
+                          metrics=tmp_path / "rank5.jsonl", cwd=tmp_path)
+        assert server.wait() == 0, server.output[-3000:]
+        for role in workers.values():
+            assert role.wait() == 0, role.output[-3000:]
+    finally:
+        stop_all(server, *workers.values())
+    joined = events(server.records(), EVENT_WORKER_JOINED)
+    assert [e["subject"] for e in joined] == [5] and "state of worker 3" in joined[0]["detail"]
+    hashes = {r: {int(s): h for s, h in re.findall(rf"PARAMS {r} (\d+) ([0-9a-f]{{16}})", role.output)}
+              for r, role in workers.items()}
+    first = min(hashes[5])
+    assert first == joined[0]["step"] + 5 + 1 and max(hashes[5]) == 100
+    assert all(hashes[5][s] == hashes[3][s] == hashes[4][s] for s in range(first, 101))
+    assert hashes[5][100] == hashes[1][100]
