@@ -93,7 +93,7 @@ class SiteRelay:
             assert isinstance(route, Route)
             if hasattr(self.transport, "peer_addresses"):
                 self.transport.peer_addresses.update(route.peers)
-            self.forwards = route.forwards
+            before, self.forwards = self.forwards, route.forwards
             if self.combiner is not None:
                 # Members the server dropped (or let go): the relay stops waiting for their chunks.
                 with self._lock:
@@ -101,7 +101,7 @@ class SiteRelay:
                 for m in gone:
                     self.inbox.fail(m, ConnectionError(f"worker {m} is out of the run (the server's word)"))
             if self.cfg.site_replicas:
-                self._route_joiners(route)
+                self._route_joiners(route, before)
             old = self.update_source
             if route.source is not None and old != route.source:
                 # The server dropped this worker's relay, which may be silent rather than closed:
@@ -119,15 +119,17 @@ class SiteRelay:
         self.transport.send_many(forwards, frame)
         return False
 
-    def _route_joiners(self, route: Route) -> None:
-        """Site replicas: a worker the server routed behind this one is a joiner of its site (it
-        computes from the inner step after the next outer step); one no longer routed is gone."""
+    def _route_joiners(self, route: Route, before: tuple[int, ...]) -> None:
+        """Site replicas: a worker the server newly routed behind this one (not among `before`)
+        is a joiner of its site, which computes from the inner step after the next outer step;
+        one no longer routed is gone. (A member this relay left out stays routed to it until the
+        server drops it, and is no joiner.)"""
         if self.combiner is None and route.forwards:
             self._relay_site(())
         first = (route.step // self.cfg.sync_every + 1) * self.cfg.sync_every + 1
         with self._lock:
             for m in route.forwards:
-                if m not in self.site and m not in self._joining:
+                if m not in before and m not in self._joining:
                     self._joining[m] = first
                     self.inbox.add(m)
             for m in [m for m in self._joining if m not in route.forwards]:

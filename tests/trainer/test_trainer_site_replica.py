@@ -28,10 +28,11 @@ from trainer.algorithm import aggregate
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.compression import Identity, Payload
 from trainer.departures import Departures
-from trainer.frames import BYE, Grad, pack, unpack
+from trainer.frames import BYE, Grad, Route, Welcome, pack, unpack
 from trainer.relay import SERVER
 from trainer.server import ParameterServer
 from trainer.site_combine import SiteCombiner
+from trainer.site_relay import SiteRelay
 from trainer.site_replica import PIECE, pieces, site_mean
 from trainer.transport import InMemoryHub, InMemoryTransport, Inbox
 
@@ -120,6 +121,41 @@ def test_site_replicas_take_a_local_sgd_strategy_and_sites():
     cfg = config_from_args(parser.parse_args(["--strategy", "diloco-gc", "--site-replicas", "--workers", "4",
                                               "--sites", ",".join(SITES)]))
     assert cfg.site_replicas and cfg.combines_at_sites and not cfg.site_aggregation
+
+
+def _relay_of(members: tuple[int, ...]) -> SiteRelay:
+    """Rank 3, the "away" site's relay for `members`, as its WELCOME makes it (H = 5)."""
+    hub = InMemoryHub(timeout_s=5.0)
+    relay = SiteRelay(_config(sync_every=5), 3, hub.transport(3), ((0, 8),))
+    relay.inbox = Inbox(hub.transport(3), [SERVER], timeout_s=5.0, last_kinds=frozenset({BYE}))
+    relay.take_welcome(Welcome((12, 12, 12, 12), (0.1,) * 4, 100, forwards=members))
+    return relay
+
+
+def test_a_joiner_routed_behind_a_relay_joins_its_sites_exchange_after_the_next_outer_step():
+    relay = _relay_of((4,))
+    # Admitted after step 10: it applies outer step 15 with the others and computes from 16.
+    relay.on_frame(SERVER, pack(Route(10, (4, 5))))
+    relay.admit_joiners(15)
+    assert relay.site == (4,)
+    relay.admit_joiners(16)
+    assert relay.site == (4, 5)
+
+
+def test_a_member_its_relay_left_out_is_no_joiner_while_the_server_still_routes_it():
+    relay = _relay_of((4, 5))
+    relay.leave_out(4)
+    relay.on_frame(SERVER, pack(Route(10, (4, 5, 6))))  # rank 6 joins; 4 is not dropped yet
+    relay.admit_joiners(16)
+    assert relay.site == (5, 6)
+
+
+def test_a_joiner_the_server_drops_before_its_first_step_never_joins():
+    relay = _relay_of((4,))
+    relay.on_frame(SERVER, pack(Route(10, (4, 5))))
+    relay.on_frame(SERVER, pack(Route(12, (4,))))
+    relay.admit_joiners(16)
+    assert relay.site == (4,)
 
 
 # -- whole runs in one process ----------------------------------------------------------------------
