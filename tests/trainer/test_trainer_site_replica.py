@@ -330,12 +330,12 @@ def _script_data() -> tuple[torch.nn.Module, torch.utils.data.TensorDataset]:
 
 
 def _sites_run(tmp_path, *extra: str) -> tuple[list[dict], dict[int, dict[int, str]]]:
-    """SCRIPT on two sites of two workers as separate processes: the server's records and each
-    worker's replica hash by step."""
+    """SCRIPT on two sites of two workers as separate processes, each outer step applied at once:
+    the server's records and each worker's replica hash by step."""
     (tmp_path / "train.py").write_text(SCRIPT)
     args = ["--strategy", "diloco", "--site-replicas", "--sites", ",".join(SITES), "--global-batch", "48",
-            "--allocation", "equal", "--eval-every", "1000", "--timeout-s", "60", "--code-dir", str(tmp_path),
-            "--script", "train.py", *extra]
+            "--allocation", "equal", "--outer-delay", "0", "--eval-every", "1000", "--timeout-s", "60",
+            "--code-dir", str(tmp_path), "--script", "train.py", *extra]
     server, workers, _ = start_ps_run(tmp_path, 4, args, cwd=tmp_path)
     try:
         assert server.wait() == 0, server.output[-3000:]
@@ -386,8 +386,9 @@ def test_a_joiner_joins_its_sites_replica_from_the_step_after_the_next_outer_ste
     (tmp_path / "train.py").write_text(SCRIPT.replace("lr=0.1)", "lr=0.1, momentum=0.9)")
                                        .replace("        opt.step()\n", "        opt.step()\n" + slow)
                                        .replace("import hashlib", "import hashlib, time"))
+    # Without an outer delay: a joiner starts from the common model, its site D inner steps on.
     args = ["--strategy", "diloco", "--site-replicas", "--global-batch", "48", "--allocation", "equal",
-            "--sync-every", "5", "--max-steps", "100", "--eval-every", "1000", "--timeout-s", "60",
+            "--sync-every", "5", "--outer-delay", "0", "--max-steps", "100", "--eval-every", "1000", "--timeout-s", "60",
             "--code-dir", str(tmp_path), "--script", "train.py"]
     server, workers, port = start_ps_run(tmp_path, 4, [*args, "--sites", ",".join(SITES)], cwd=tmp_path)
     try:
