@@ -39,6 +39,7 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
     "outer_momentum": (LOCAL_SGD_STRATEGIES, "sets local SGD's outer momentum"),
     "outer_density": ((DILOCO_GC,), "sets the top-k density of diloco-gc's parameter change"),
     "outer_delay": (LOCAL_SGD_STRATEGIES, "overlaps local SGD's outer exchange with inner steps"),
+    "site_replicas": (LOCAL_SGD_STRATEGIES, "makes each site's workers one local SGD replica"),
     "powersgd_rank": ((ALLREDUCE_POWERSGD,), "sets PowerSGD's rank"),
 }
 

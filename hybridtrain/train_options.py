@@ -110,6 +110,12 @@ class LocalSgdOptions(_Section):
         f"exchange overlaps them (below sync_every; default {contract.DEFAULT_OUTER_DELAY}, or H - 1 "
         "when H is smaller; 0 waits for it)",
     )
+    site_replicas: Flag | None = Field(
+        default=None,
+        description="each site's workers hold one replica: they average their gradients every inner step "
+        "over the site's LAN (through the site's relay worker), and one parameter change per site crosses "
+        "the WAN every sync_every steps; default off (every worker its own replica)",
+    )
 
 
 # Where each option of the compat table sits in a request.

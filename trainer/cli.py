@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"server keeps 2.5 times it (default {d.outer_density})")
     local.add_argument("--outer-momentum", type=float, default=None,
                        help=f"the outer Nesterov SGD's momentum, 0 for plain SGD (default {d.outer_momentum})")
+    local.add_argument("--site-replicas", action="store_true",
+                       help="with --sites: each site's workers are one replica, averaging their gradients "
+                            "every inner step through the site's relay over the LAN; one change per site "
+                            "crosses the WAN at each outer step")
     io = p.add_argument_group("evaluation, checkpoints, metrics")
     io.add_argument("--eval-every", type=int, default=d.eval_every)
     io.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: never")
@@ -227,6 +231,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
             raise UsageError(f"--sites {list(args.sites)}: need {workers + 1} non-empty labels, the server's first")
     if fields.get("site_aggregation") and not args.sites:
         raise UsageError("--aggregate-at-sites combines each remote site's gradients at its relay: give --sites")
+    if fields.get("site_replicas") and not args.sites:
+        raise UsageError("--site-replicas makes each site's workers one replica: give --sites")
     if args.expect_ranks and not (ps and all(1 <= r <= workers for r in args.expect_ranks)):
         raise UsageError(f"--expect-ranks {list(args.expect_ranks)}: need worker ranks in 1..{workers} "
                          "of a parameter-server run")

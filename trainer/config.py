@@ -159,6 +159,10 @@ class TrainConfig:
     # exchange overlaps them (0: wait for it; below sync_every). trainer.local_sgd. A run's
     # options default to contract.default_outer_delay (trainer.run_options.option_fields).
     outer_delay: int = 0
+    # Local SGD with --sites: each site's workers are one replica, averaging their gradients every
+    # inner step through the site's relay; one change per site crosses at each outer step
+    # (trainer.site_replica).
+    site_replicas: bool = False
 
     @property
     def is_ps(self) -> bool:
@@ -182,6 +186,12 @@ class TrainConfig:
     def compresses(self) -> bool:
         """Whether gradients are sparsified (`ps-gc`, `ps-bz-gc` unless --compressor none)."""
         return compresses(self.strategy, self.compressor)
+
+    @property
+    def combines_at_sites(self) -> bool:
+        """Whether a site's relay sends the server one frame for its site: per-site aggregation's
+        gradients, or the site replicas' outer steps."""
+        return self.site_aggregation or self.site_replicas
 
     @property
     def applies_in_forward(self) -> bool:

@@ -176,7 +176,7 @@ class Departures:
         say(f"{what}; training on with {len(self.roster)} workers, batch shares "
             f"{[n for n in self.roster.batch_sizes if n]}")
         for w in orphans:
-            if self.cfg.site_aggregation:
+            if self.cfg.combines_at_sites:
                 # Its gradients went up through the relay: what reached the server counts once,
                 # and it sends the rest again itself (PSClient keeps them until applied).
                 self.covered[w] = upto

@@ -18,9 +18,10 @@ class Donors:
                  departures: Departures) -> None:
         self.cfg, self.roster, self.transport, self.inbox, self.departures = cfg, roster, transport, inbox, departures
 
-    def pick(self) -> int | None:
-        """The worker to ask (`Roster.donor`); None if no live worker reads the server's frames."""
-        return self.roster.donor()
+    def pick(self, site: str | None = None) -> int | None:
+        """The worker to ask (`Roster.donor`, for a joiner of `site`); None if no live worker
+        reads the server's frames."""
+        return self.roster.donor(site)
 
     def ask(self, donor: int, step: int) -> bool:
         """FETCH to `donor`; False, and it is lost, if its connection has ended."""
@@ -60,9 +61,10 @@ class Donors:
             for item in reversed(held):
                 self.inbox.unget(donor, item)
 
-    def any_state(self, step: int, *, after_bye: bool = False) -> tuple[int, State] | None:
-        """(donor, its state) from the first live worker that answers FETCH; None if none is left."""
-        while (donor := self.pick()) is not None:
+    def any_state(self, step: int, *, after_bye: bool = False, site: str | None = None) -> tuple[int, State] | None:
+        """(donor, its state) from the first live worker that answers FETCH (for a joiner of
+        `site`, one of its site's if it can); None if none is left."""
+        while (donor := self.pick(site)) is not None:
             state = self.fetch(donor, step, after_bye=after_bye)
             if state is not None:
                 return donor, state

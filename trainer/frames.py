@@ -13,7 +13,9 @@ come from the server whenever a worker waits for it: the worker answers with STA
 weights and optimizer state as of its last step) and waits on. ROUTE, from the server to a
 site's relay, names the workers it forwards the update to from then on (a joiner of its site
 added, one dropped); the relay's receiving thread takes it, so its main loop never sees one.
-ABORT, either way, carries the reason a run cannot go on.
+ABORT, either way, carries the reason a run cannot go on. Under site replicas a site's workers
+also exchange, every inner step and over their LAN only, SITE_GRAD (a member's gradient, piece by
+piece, to the site's relay) and SITE_MEAN (the site's mean gradient, back to each member).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from trainer.compression import Payload
 from trainer.wire import Message, decode, encode
 
 SERVER = 0
-HELLO, WELCOME, STATE, GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT, BYE, ABORT, FETCH, ROUTE = range(1, 14)
+(HELLO, WELCOME, STATE, GRAD, UPDATE, BUFFERS, BUFFERS_AVG, EVAL, EVAL_RESULT, BYE, ABORT, FETCH, ROUTE,
+ SITE_GRAD, SITE_MEAN) = range(1, 16)
 KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", STATE: "STATE", GRAD: "GRAD", UPDATE: "UPDATE",
               BUFFERS: "BUFFERS", BUFFERS_AVG: "BUFFERS_AVG", EVAL: "EVAL",
-              EVAL_RESULT: "EVAL_RESULT", BYE: "BYE", ABORT: "ABORT", FETCH: "FETCH", ROUTE: "ROUTE"}
+              EVAL_RESULT: "EVAL_RESULT", BYE: "BYE", ABORT: "ABORT", FETCH: "FETCH", ROUTE: "ROUTE",
+              SITE_GRAD: "SITE_GRAD", SITE_MEAN: "SITE_MEAN"}
 # A peer's last frame: after one of these its receiving thread stops (trainer.transport.Inbox).
 LAST_KINDS = frozenset({BYE, ABORT})
 
@@ -379,9 +383,50 @@ class Route:
                    d.get("source"))
 
 
-Frame = Hello | Welcome | State | Grad | Update | Buffers | BuffersAvg | Eval | EvalResult | Bye | Abort | Fetch | Route
+@dataclass(frozen=True)
+class SiteGrad:
+    """Site replicas: one piece of a member's gradient of an inner step, to its site's relay,
+    with the samples it was computed on (its weight in the site's mean). fp32: the mean is exact."""
+
+    step: int
+    sender: int
+    piece: int
+    samples: int
+    values: torch.Tensor
+    kind: ClassVar[int] = SITE_GRAD
+
+    def message(self) -> Message:
+        return Message(SITE_GRAD, self.step, self.sender, [self.piece, self.samples], [_dense(self.values)])
+
+    @classmethod
+    def parse(cls, m: Message) -> SiteGrad:
+        piece, samples = m.scalars
+        return cls(m.step, m.sender, int(piece), int(samples), m.payloads[0].values)
+
+
+@dataclass(frozen=True)
+class SiteMean:
+    """Site replicas: one piece of the site's mean gradient of an inner step, from its relay to
+    each member (the relay steps on the same values, so the site's replicas stay equal)."""
+
+    step: int
+    sender: int
+    piece: int
+    values: torch.Tensor
+    kind: ClassVar[int] = SITE_MEAN
+
+    def message(self) -> Message:
+        return Message(SITE_MEAN, self.step, self.sender, [self.piece], [_dense(self.values)])
+
+    @classmethod
+    def parse(cls, m: Message) -> SiteMean:
+        return cls(m.step, m.sender, int(m.scalars[0]), m.payloads[0].values)
+
+
+Frame = (Hello | Welcome | State | Grad | Update | Buffers | BuffersAvg | Eval | EvalResult | Bye | Abort | Fetch
+         | Route | SiteGrad | SiteMean)
 _PARSERS: dict[int, type] = {c.kind: c for c in (Hello, Welcome, State, Grad, Update, Buffers, BuffersAvg,
-                                                 Eval, EvalResult, Bye, Abort, Fetch, Route)}
+                                                 Eval, EvalResult, Bye, Abort, Fetch, Route, SiteGrad, SiteMean)}
 
 
 class ProtocolError(RuntimeError):
@@ -425,5 +470,5 @@ def check(frame: Frame, cls: type, step: int | None = None, *, peer: int | None 
 
 
 __all__ = ["Abort", "Buffers", "BuffersAvg", "Bye", "Eval", "EvalResult", "Fetch", "Frame", "Grad", "Hello",
-           "LayoutSpec", "ProtocolError", "ROUTE", "Route", "SERVER", "State", "Update", "Welcome", "check", "expect",
-           "pack", "unpack"]
+           "LayoutSpec", "ProtocolError", "ROUTE", "Route", "SERVER", "SITE_MEAN", "SiteGrad", "SiteMean", "State",
+           "Update", "Welcome", "check", "expect", "pack", "unpack"]

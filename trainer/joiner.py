@@ -192,7 +192,7 @@ class Joiner:
             # The same rank again: a restarted process whose old one the server has not missed yet.
             self.departures.lose(rank, ConnectionError("replaced by a new process of the same rank"), step)
         self.checkpoints.settle(self.donors, step)
-        answer = self.donors.any_state(step)
+        answer = self.donors.any_state(step, site=hello.site)
         if answer is None:
             self.transport.refuse(conn, pack(Abort(SERVER, f"worker {rank} cannot join: no live worker "
                                                            "holds the model")))
@@ -209,7 +209,10 @@ class Joiner:
         if relay is not None and address is not None:
             # Before the update the joiner catches up with: the relay reads frames in order.
             reroute(self.transport, self.roster, relay, step, peers={rank: address})
-        self.transport.send(rank, pack(self._welcome(rank, step, max_steps, donor=SERVER, catch_up=True)))
+        # Its relay's address too: a site replica's member sends it its gradients.
+        to_relay = {relay: self.roster.members[relay].address} if relay is not None else {}
+        self.transport.send(rank, pack(self._welcome(rank, step, max_steps, donor=SERVER, catch_up=True,
+                                                     peers={r: a for r, a in to_relay.items() if a})))
         self.transport.send(rank, pack(state))
         share = self.roster.batch_sizes[rank - 1]
         self.metrics.event(step, EVENT_WORKER_JOINED, subject=rank,

@@ -80,7 +80,7 @@ class Roster:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.members: dict[int, Member] = {}
-        self.plan = plan_relay(cfg.sites, cfg.workers)
+        self.plan = plan_relay(cfg.sites, cfg.workers, every_site=cfg.site_replicas)
         self.batch_sizes = initial_batch_sizes(cfg)
         self.densities = [cfg.densities[0]] * cfg.workers
         self.step_s: deque[float] = deque(maxlen=20)
@@ -143,8 +143,11 @@ class Roster:
         """The worker a joiner of `site` hears the update from: the lowest-ranked worker of that
         site that computes and hears the server itself (its plan relay while it lives). None in
         the server's own site, without sites, or with per-site aggregation, whose relays also
-        combine gradients and are planned once."""
-        if not site or not self.cfg.sites or self.cfg.site_aggregation or site == self.cfg.sites[SERVER]:
+        combine gradients and are planned once. Under site replicas the joiner joins its site's
+        replica, whichever site: behind its relay, with which it averages every inner step."""
+        if not site or not self.cfg.sites or self.cfg.site_aggregation:
+            return None
+        if site == self.cfg.sites[SERVER] and not self.cfg.site_replicas:
             return None
         ranks = [r for r in self.active() if self.members[r].site == site and self.source(r) == SERVER]
         return ranks[0] if ranks else None
@@ -161,17 +164,20 @@ class Roster:
         """The workers whose GRAD frames reach the server: every active one, or with per-site
         aggregation those not behind a relay."""
         active = self.active()
-        if not self.cfg.site_aggregation:
+        if not self.cfg.combines_at_sites:
             return active
         return [r for r in active if self.source(r) == SERVER]
 
-    def donor(self) -> int | None:
+    def donor(self, site: str | None = None) -> int | None:
         """A worker to ask for the run's state: one that reads the server's frames itself, in
-        the server's site when there is one (its link is the fast one)."""
+        the server's site when there is one (its link is the fast one). Under site replicas a
+        joiner of `site` takes its site's relay's: the inner optimizer's state is its replica's."""
         direct = [r for r in self.active() if self.source(r) == SERVER]
         if not direct:
             return None
         home = self.cfg.sites[SERVER] if self.cfg.sites else None
+        if site is not None and self.cfg.site_replicas:
+            home = site
         local = [r for r in direct if home is not None and self.members[r].site == home]
         return (local or direct)[0]
 

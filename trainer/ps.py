@@ -20,8 +20,9 @@ Per step t (seed 000, section III), `PSClient.push_pull` is the whole of it:
 Local SGD (DiLoCo, Douillard et al. 2023, algorithm 1; `trainer.local_sgd`): steps 2-4 run
 every H-th step only, on the pseudo-gradient (the change since the last outer step) instead of
 the gradient; the other steps are the task's optimizer on the worker's own gradient
-(`_inner_step`), and step 4 is the outer Nesterov step (`_outer_step`), overlapped with
-`--outer-delay` inner steps when asked.
+(`_inner_step`), or under `--site-replicas` on its site's mean gradient (`trainer.site_replica`),
+and step 4 is the outer Nesterov step (`_outer_step`), overlapped with `--outer-delay` inner
+steps when asked.
 
 What a worker hears from the server is `trainer.server_link`'s; its state for a joiner or a
 checkpoint `trainer.replica_state`'s; its part in its site's relays `trainer.site_relay`'s.
@@ -51,6 +52,7 @@ from trainer.replica_state import load_state, state_frame
 from trainer.server_link import ServerLink
 from trainer.sgd_rules import SgdRules, adapt_sgd, add_decay
 from trainer.site_relay import SiteRelay
+from trainer.site_replica import SiteReplica
 from trainer.transport import Inbox, Transport
 from trainer.uplink import Upload, Uplink
 from trainer.updates import UpdateApplier
@@ -92,14 +94,18 @@ class PSClient:
         # replicas lurch. Accumulated before compression, the velocity itself is what travels.
         self.velocity = torch.zeros(self.layout.sparse_numel, device=device) if self.rules.momentum else None
         self.relay = SiteRelay(cfg, rank, transport, self.bounds)
+        self.uplink = Uplink(cfg, rank, self.flat, self.bounds, transport, self.relay, velocity=self.velocity,
+                             momentum=self.rules.momentum)
+        # Site replicas: the site's workers average every inner step through its relay.
+        self.site = (SiteReplica(cfg, rank, transport, self.relay, self.flat, self.uplink.step_times)
+                     if cfg.site_replicas and self.local is not None else None)
         # The server may pause below --min-workers: a worker waits that long on top.
         wait = cfg.timeout_s + (cfg.min_workers_wait_s if cfg.min_workers > 1 else 0.0)
-        self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=LAST_KINDS, on_frame=self.relay.on_frame)
+        self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=LAST_KINDS,
+                           on_frame=self.relay.on_frame if self.site is None else self.site.on_frame)
         self.relay.inbox = self.inbox
         self.link = ServerLink(rank, self.inbox, self.relay, len(self.bounds), answer_fetch=self._answer_fetch,
                                on_end=self._ended)
-        self.uplink = Uplink(cfg, rank, self.flat, self.bounds, transport, self.relay, velocity=self.velocity,
-                             momentum=self.rules.momentum)
         self.applier = UpdateApplier(self.flat, optimizer, self.bounds, velocity=self.velocity,
                                      outer=self.local is not None)
         self.in_forward = (ApplyInForward(model, optimizer, self.applier, self.link, self._take, self._caught_up)
@@ -275,19 +281,21 @@ class PSClient:
 
     # -- local SGD ------------------------------------------------------------------------------
     def _inner_step(self, step: int, *, loss: float, samples: int, compute_s: float) -> bool:
-        """The task's optimizer steps on this worker's gradient alone. True when the outer step
-        follows (the caller sends the pseudo-gradient); else the step is done here."""
+        """The task's optimizer steps on this worker's gradient alone, or under site replicas on
+        its site's mean gradient. True when the outer step follows (the caller sends the
+        pseudo-gradient); else the step is done here."""
+        waited = self.site.average(step, samples) if self.site is not None else 0.0
         self.optimizer.step()
         self.local.progress.note(loss, samples, compute_s)
         if self.local.due(step, self.max_steps):
             return True
-        waited = 0.0
         if self._outer_pending is not None and step >= self._outer_pending + self.cfg.outer_delay:
             t0 = time.perf_counter()
             self._apply_outer()
             # Waiting for an outer step that is late is communication, not compute.
-            waited = time.perf_counter() - t0
-            self.metrics.log(step, "wait_s", waited)
+            late = time.perf_counter() - t0
+            self.metrics.log(step, "wait_s", late)
+            waited += late
         self.step = step
         self.uplink.step_times.append(compute_s + waited)
         self._log_step(step, loss=loss, samples=samples, total_s=compute_s + waited, compute_s=compute_s,

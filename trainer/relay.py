@@ -8,6 +8,10 @@ workers over the fast local network before decoding it itself. Workers in the se
 keep the direct link. Only the per-step update travels this way; the rare evaluation messages
 stay direct, where they cost nothing worth saving.
 
+Under site replicas (`--site-replicas`) every site with several workers has a relay, the
+server's own too: its workers average their gradients through it every inner step
+(`trainer.site_replica`), and it sends the server the site's one change per outer step.
+
 Choice (the paper is silent): the relay is the lowest rank of its site. Forwarding costs it one
 local send per peer (milliseconds at 1 Gbit/s), far less than the inter-site copy it saves.
 
@@ -49,8 +53,10 @@ def direct_plan(workers: int) -> RelayPlan:
     return RelayPlan(tuple(range(1, workers + 1)))
 
 
-def plan_relay(sites: Sequence[str], workers: int) -> RelayPlan:
-    """The plan for ranks placed at `sites` (index = rank, 0 the server); direct without sites."""
+def plan_relay(sites: Sequence[str], workers: int, *, every_site: bool = False) -> RelayPlan:
+    """The plan for ranks placed at `sites` (index = rank, 0 the server); direct without sites.
+    `every_site`: the server's own site gets a relay too (site replicas: every site's workers
+    average their gradients through one of them)."""
     if not sites:
         return direct_plan(workers)
     if len(sites) != workers + 1:
@@ -61,7 +67,7 @@ def plan_relay(sites: Sequence[str], workers: int) -> RelayPlan:
     sends: list[int] = []
     forwards: dict[int, tuple[int, ...]] = {}
     for site, ranks in by_site.items():
-        if site == sites[SERVER] or len(ranks) == 1:
+        if (site == sites[SERVER] and not every_site) or len(ranks) == 1:
             sends.extend(ranks)
         else:
             sends.append(ranks[0])

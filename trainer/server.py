@@ -219,9 +219,9 @@ class ParameterServer:
         return frames
 
     def account_sites(self, step: int, chunk: int, frames: dict[int, Grad]) -> None:
-        """Per-site aggregation: note whose gradients each frame brought; at the last chunk, drop
-        a site's workers its relay went on without."""
-        if not self.cfg.site_aggregation:
+        """Per-site aggregation (and site replicas' outer steps): note whose gradients each frame
+        brought; at the last chunk, drop a site's workers its relay went on without."""
+        if not self.cfg.combines_at_sites:
             return
         self.departures.passed_on(list(frames), step, chunk)
         if chunk == self.aggregator.chunks - 1:

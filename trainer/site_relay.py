@@ -2,11 +2,14 @@
 updates it forwards to its site's peers (and the server's ROUTE, which changes who those are),
 the site's gradient chunks it combines for the server under per-site aggregation, and where its
 updates come from and its chunks go when its own relay is lost. The plan is `trainer.relay`'s
-and `trainer.membership.Roster`'s; the combining is `trainer.site_combine`'s (docs/elastic.md)."""
+and `trainer.membership.Roster`'s; the combining is `trainer.site_combine`'s (docs/elastic.md).
+Under site replicas the same relay combines its site's outer-step changes, and the site's joiners
+become its members at their first inner step (`trainer.site_replica` averages through it)."""
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 
@@ -41,6 +44,10 @@ class SiteRelay:
         self.up = SERVER
         self.combiner: SiteCombiner | None = None
         self.unacked: list[tuple[int, torch.Tensor]] = []
+        # Site replicas: workers the server routed behind this one (joiners), each with the
+        # first inner step it computes; they join the site's exchanges from that step.
+        self._joining: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     @property
     def site(self) -> tuple[int, ...]:
@@ -68,7 +75,7 @@ class SiteRelay:
             self.transport.peer_addresses.update(welcome.peers)
         self.update_source = welcome.source
         self.forwards = welcome.forwards
-        if self.cfg.site_aggregation:
+        if self.cfg.combines_at_sites:
             self.up = welcome.source
             self._relay_site(welcome.forwards)
         for peer in sorted({welcome.source, *self.site} - {SERVER}):
@@ -86,11 +93,15 @@ class SiteRelay:
             assert isinstance(route, Route)
             if hasattr(self.transport, "peer_addresses"):
                 self.transport.peer_addresses.update(route.peers)
-            self.forwards = route.forwards
+            before, self.forwards = self.forwards, route.forwards
             if self.combiner is not None:
                 # Members the server dropped (or let go): the relay stops waiting for their chunks.
-                for m in self.combiner.keep(route.forwards):
+                with self._lock:
+                    gone = self.combiner.keep(route.forwards)
+                for m in gone:
                     self.inbox.fail(m, ConnectionError(f"worker {m} is out of the run (the server's word)"))
+            if self.cfg.site_replicas:
+                self._route_joiners(route, before)
             old = self.update_source
             if route.source is not None and old != route.source:
                 # The server dropped this worker's relay, which may be silent rather than closed:
@@ -107,6 +118,37 @@ class SiteRelay:
             return False
         self.transport.send_many(forwards, frame)
         return False
+
+    def _route_joiners(self, route: Route, before: tuple[int, ...]) -> None:
+        """Site replicas: a worker the server newly routed behind this one (not among `before`)
+        is a joiner of its site, which computes from the inner step after the next outer step;
+        one no longer routed is gone. (A member this relay left out stays routed to it until the
+        server drops it, and is no joiner.)"""
+        if self.combiner is None and route.forwards:
+            self._relay_site(())
+        first = (route.step // self.cfg.sync_every + 1) * self.cfg.sync_every + 1
+        with self._lock:
+            for m in route.forwards:
+                if m not in before and m not in self._joining:
+                    self._joining[m] = first
+                    self.inbox.add(m)
+            for m in [m for m in self._joining if m not in route.forwards]:
+                del self._joining[m]
+
+    def admit_joiners(self, step: int) -> None:
+        """Site replicas: the joiners whose first inner step is `step` or earlier become members."""
+        with self._lock:
+            due = sorted(m for m, first in self._joining.items() if first <= step)
+            for m in due:
+                del self._joining[m]
+            if due and self.combiner is not None:
+                self.combiner.members = tuple(sorted({*self.combiner.members, *due}))
+
+    def leave_out(self, member: int) -> None:
+        """Combine `member`'s frames no more (its relay found it gone, silent or leaving)."""
+        with self._lock:
+            if self.combiner is not None:
+                self.combiner.keep([m for m in self.combiner.members if m != member])
 
     def relay_lost(self, relay: int, exc: BaseException) -> None:
         """Hear the server directly from now on; under per-site aggregation, also send to it

@@ -21,6 +21,7 @@ from trainer.flat_model import FlatModel
 from trainer.frames import Grad, pack
 from trainer.linkclock import LinkClock
 from trainer.membership import relay_wait_s
+from trainer.relay import SERVER
 from trainer.site_relay import SiteRelay
 from trainer.transport import Inbox, Transport
 
@@ -63,6 +64,13 @@ class Uplink:
         """Warm-up steps and uncompressed strategies send the whole gradient."""
         return sends_dense(self.cfg, step)
 
+    def own_dense(self, step: int) -> bool:
+        """Whether this worker's own chunks skip the codec: on a dense step, and under site
+        replicas for a relay and its members, whose changes (the same one) the relay compresses
+        once for the whole site, with the site's one error-feedback residual."""
+        in_site = self.cfg.site_replicas and (self.relay.up != SERVER or self.relay.combiner is not None)
+        return in_site or self.dense_step(step)
+
     def compress(self, step: int, chunk: int, density: float) -> tuple[Payload, Payload]:
         """Step 2 for one chunk: (the dense part, on the dense chunk only; the chunk through the codec)."""
         layout, grad = self.flat.layout, self.flat.grad
@@ -78,7 +86,7 @@ class Uplink:
         sparse = worker_sparsify(
             grad[layout.dense_numel + a : layout.dense_numel + b], codec=self.codec, state=state,
             velocity=None if self.velocity is None else self.velocity[a:b],
-            momentum=self.momentum, dense_step=self.dense_step(step))
+            momentum=self.momentum, dense_step=self.own_dense(step))
         return dense, replace(sparse, values=sparse.values.cpu(),
                               indices=None if sparse.indices is None else sparse.indices.cpu())
 

@@ -96,6 +96,9 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     create.add_argument("--outer-density", type=float, default=None, help="diloco-gc: default 0.1")
     create.add_argument("--outer-delay", type=int, default=None, metavar="STEPS",
                         help="diloco, diloco-gc: overlap the outer exchange with this many inner steps")
+    create.add_argument("--site-replicas", action="store_true", default=None,
+                        help="diloco, diloco-gc: each site's workers one replica, averaging every inner "
+                             "step over their LAN; one change per site crosses the WAN")
     life = create.add_argument_group("checkpoints, restarts, membership")
     life.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="default 100 (0: never)")
     life.add_argument("--checkpoint-every-s", type=float, default=None, metavar="S", help="default 600 (0: off)")

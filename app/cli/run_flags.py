@@ -92,7 +92,8 @@ def run_body(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             body[key] = value
     for section, names in (("compression", ("compressor", "density", "value_dtype")),
-                           ("local_sgd", ("sync_every", "outer_lr", "outer_momentum", "outer_density", "outer_delay"))):
+                           ("local_sgd", ("sync_every", "outer_lr", "outer_momentum", "outer_density", "outer_delay",
+                                          "site_replicas"))):
         given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
         if given:
             body[section] = {**(body.get(section) or {}), **given}

@@ -34,6 +34,10 @@ def train_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
     if compression.get("aggregate_at_sites") and not across:
         # Only where there are sites to aggregate at: a run within one site has none.
         del compression["aggregate_at_sites"]
+    local_sgd = dict(run.local_sgd or {})
+    if local_sgd.get("site_replicas") and not (sites and all(sites)):
+        # Only where every rank's site is known: the trainer groups the replicas by them.
+        del local_sgd["site_replicas"]
     options = TrainOptions(
         strategy=run.strategy,
         task=run.task, task_args=run.task_args or {}, script=run.script,
@@ -47,7 +51,7 @@ def train_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
         # it re-splits them from observed times (its default for the strategy unless asked).
         allocation="measured" if run.rebalance_every is not None else None,
         rebalance_every=run.rebalance_every,
-        compression=compression or None, local_sgd=run.local_sgd or None,
+        compression=compression or None, local_sgd=local_sgd or None,
     )
     return options.model_dump(mode="json", exclude_none=True)
 
@@ -71,8 +75,10 @@ def _trainer_options(run: Run, sites: Sequence[str]) -> dict[str, Any]:
     if is_ps(run.strategy) and run.min_workers is not None:
         options["min-workers"] = run.min_workers
         options["min-workers-wait-s"] = run.min_workers_wait_s
-    if is_ps(run.strategy) and len(set(sites)) > 1 and all(sites):
-        # The server's update then crosses to each remote site once (trainer/relay.py).
+    replicas = bool((run.local_sgd or {}).get("site_replicas"))
+    if is_ps(run.strategy) and (len(set(sites)) > 1 or replicas) and sites and all(sites):
+        # The server's update then crosses to each remote site once (trainer/relay.py); site
+        # replicas group the workers by them, within one site too (one replica).
         options["sites"] = ",".join(sites)
     return options
 

@@ -31,6 +31,7 @@ TEXT_FIELDS = (
     "compression_error_feedback", "compression_momentum_correction", "compression_warmup_steps",
     "compression_pipeline_chunks", "compression_powersgd_rank", "local_sgd_sync_every",
     "local_sgd_outer_lr", "local_sgd_outer_momentum", "local_sgd_outer_density", "local_sgd_outer_delay",
+    "local_sgd_site_replicas",
     "idempotency_key", "suggest_goal", "suggest_budget",
     "checkpoint_every", "checkpoint_every_s", "max_restarts", "min_workers", "min_workers_wait_s",
 )
@@ -169,6 +170,7 @@ def _compression(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
 def _local_sgd(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     raw = {k.removeprefix("local_sgd_"): v for k, v in values.items() if k.startswith("local_sgd_") and isinstance(v, str)}
     data, errors = forms.typed(raw, ints=LOCAL_SGD_INTS, floats=LOCAL_SGD_FLOATS)
+    data["site_replicas"] = {"on": True, "off": False}.get(raw.get("site_replicas", ""), "")
     return forms.non_blank(data), {f"local_sgd_{k}": v for k, v in errors.items()}
 
 

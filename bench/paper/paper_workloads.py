@@ -163,7 +163,8 @@ def quick(full: BenchSettings) -> BenchSettings:
         task=full.task, task_args=full.task_args, workdir=full.workdir, global_batch=full.global_batch // 2,
         max_steps=4,
         target="accuracy>=0.2", compression=full.compression, pipeline_chunks=full.pipeline_chunks,
-        local_sgd=full.local_sgd | {"sync_every": 2},
+        # An outer step every 2 steps; an overlap, if the workload has one, must stay below it.
+        local_sgd=full.local_sgd | {"sync_every": 2} | ({"outer_delay": 1} if full.local_sgd.get("outer_delay") else {}),
         skip_steps=1, standalone_seconds=2.0, run_timeout_s=180.0,
     )
 
@@ -256,10 +257,12 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # before 2026-12-01, testbed/thread_placer.py); `+chunksN`, a PS strategy with its step
 # pipelined in N chunks instead of the workload's `pipeline_chunks`; `+delayN`, a local SGD strategy
 # applying each outer step N inner steps after its exchange began (`local_sgd.outer_delay`;
-# `+delay0` waits for it, against the default of 3).
+# `+delay0` waits for it, against the default of 3); `+replicas`, a local SGD strategy whose
+# sites are its replicas, each site's workers averaging every inner step over their LAN and one
+# change per site crossing the WAN (`local_sgd.site_replicas`).
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN")
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "replicas")
 
 
 def delay_of(variant: str) -> int | None:
@@ -281,7 +284,7 @@ def strategy_variant(entry: str) -> tuple[str, str]:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if (variant in ("sites", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
-    if delay_of(variant) is not None and strategy not in LOCAL_SGD_STRATEGIES:
+    if (delay_of(variant) is not None or variant == "replicas") and strategy not in LOCAL_SGD_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
@@ -304,6 +307,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
                        "compression": body.get("compression", {}) | {"apply_in_forward": True}}
     if variant == "quotaio":
         return body | {"name": f"{body['name']}-quotaio"}
+    if variant == "replicas":
+        return body | {"name": f"{body['name']}-replicas",
+                       "local_sgd": body.get("local_sgd", {}) | {"site_replicas": True}}
     if (delay := delay_of(variant)) is not None:
         return body | {"name": f"{body['name']}-{variant}",
                        "local_sgd": body.get("local_sgd", {}) | {"outer_delay": delay}}

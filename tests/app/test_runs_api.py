@@ -513,6 +513,7 @@ def test_a_local_sgd_knob_given_in_both_places_is_refused(online_node, client):
     ("allreduce", {"local_sgd": {"outer_lr": 0.5}}, "local_sgd.outer_lr"),
     ("ps-gc", {"local_sgd": {"outer_density": 0.2}}, "local_sgd.outer_density"),
     ("diloco", {"compression": {"aggregate_at_sites": True}}, "compression.aggregate_at_sites"),
+    ("ps-bz-gc", {"local_sgd": {"site_replicas": True}}, "local_sgd.site_replicas"),
     ("diloco-gc", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4}}, "compression.apply_in_forward"),
     ("allreduce", {"compression": {"pipeline_chunks": 2}}, "compression.pipeline_chunks"),
     ("ps-bz-gc", {"compression": {"powersgd_rank": 4}}, "compression.powersgd_rank"),

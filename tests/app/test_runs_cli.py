@@ -91,6 +91,12 @@ def test_a_config_file_gives_every_request_field_and_the_flags_given_win(tmp_pat
     assert body["node_ids"] == [1] and body["name"] == "r"
 
 
+def test_site_replicas_reach_the_requests_local_sgd_section():
+    body = _body("--strategy", "diloco", "--sync-every", "10", "--site-replicas")
+    assert body["local_sgd"] == {"sync_every": 10, "site_replicas": True}
+    assert "local_sgd" not in _body("--strategy", "diloco")
+
+
 @pytest.mark.parametrize("text, says", [("- a\n- b\n", "a mapping"), ("compression: 4\n", "compression must"),
                                         ("{: nope", "not YAML")])
 def test_a_config_file_that_is_not_a_mapping_of_fields_is_a_usage_error(tmp_path, text, says):

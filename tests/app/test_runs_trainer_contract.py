@@ -95,6 +95,7 @@ EVERY_OPTION = {
     "rebalance_every": (3, None),
     "local_sgd.sync_every": (11, None), "local_sgd.outer_lr": (0.7, None), "local_sgd.outer_momentum": (0.4, None),
     "local_sgd.outer_density": (0.05, None), "local_sgd.outer_delay": (4, None),
+    "local_sgd.site_replicas": (True, None),
 }
 _COMMON = [p for p in EVERY_OPTION if "." not in p and p != "rebalance_every"]
 _CODEC = [f"compression.{n}" for n in ("compressor", "value_dtype", "select", "density", "density_min", "density_max",
@@ -175,6 +176,21 @@ def test_rank_sites_become_the_trainers_relay_plan():
     sites = ["4", "4", "9", "9"]
     for order in launch_orders(run, metrics_token=_token, public_url="http://cp", sites=sites):
         assert _config(order)[1].sites == ("4", "4", "9", "9")
+
+
+def test_a_run_of_site_replicas_gets_its_sites_even_within_one_site():
+    # All its workers then make one replica; without sites the trainer could not tell.
+    run = _run("diloco", {}, {"site_replicas": True})
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp", sites=["4", "4", "4", "4"]):
+        cfg = _config(order)[1]
+        assert cfg.site_replicas and cfg.sites == ("4", "4", "4", "4")
+
+
+def test_site_replicas_are_left_out_of_a_run_whose_sites_are_unknown():
+    run = _run("diloco", {}, {"site_replicas": True, "sync_every": 5})
+    for order in launch_orders(run, metrics_token=_token, public_url="http://cp", sites=["4", "", "4", "9"]):
+        assert order.spec["train_options"]["local_sgd"] == {"sync_every": 5}
+        assert not _config(order)[1].site_replicas
 
 
 def test_an_all_reduce_run_gets_no_sites_even_across_sites():

@@ -19,6 +19,7 @@ def _loc(exc: pytest.ExceptionInfo[ValidationError]) -> tuple:
     ({"strategy": "allreduce", "compression": {"pipeline_chunks": 2}}, ("compression", "pipeline_chunks")),
     ({"strategy": "diloco", "local_sgd": {"sync_every": 4, "outer_delay": 4}}, ("local_sgd", "outer_delay")),
     ({"strategy": "allreduce", "rebalance_every": 5}, ("rebalance_every",)),
+    ({"strategy": "ps-bz-gc", "local_sgd": {"site_replicas": True}}, ("local_sgd", "site_replicas")),
     ({"strategy": "ps-gc", "compression": {"apply_in_forward": True, "pipeline_chunks": 2, "aggregate_at_sites": True}},
      ("compression", "apply_in_forward")),
 ])

@@ -529,6 +529,9 @@ def test_local_sgd_targets_compare_with_the_ideal_ps_bz_gc_and_allreduce() -> No
     assert targets["diloco-gc WAN bytes a sample, allreduce's over its"]["met"] is False
     with_variant = check_targets({**results, "diloco+delay3": {"samples_per_s": 345.0}}, 359.0)
     assert with_variant["diloco+delay3 share of ideal"] == {"value": 0.961, "goal": ">= 95%", "met": True}
+    replicas = check_targets({**results, "diloco+replicas": {"samples_per_s": 280.0, "tta_s": 15.0}}, 310.0)
+    assert replicas["diloco+replicas tta over diloco's"] == {"value": 0.833, "goal": "< 1x", "met": True}
+    assert "diloco+delay3 tta over diloco's" not in with_variant
 
 
 def test_wan_bytes_count_only_what_crosses_between_sites_per_sample() -> None:
@@ -652,3 +655,26 @@ def test_the_sweep_chart_plots_share_of_ideal_against_a_log_bandwidth_axis_a_lin
     assert [(t.name, list(t.x), list(t.y)) for t in chart.data] == [
         ("PS-bz-gc", [10, 1000], [0.2, 0.95]), ("DiLoCo-gc", [10, 1000], [0.8, 0.9]),
         ("All-Reduce", [10, 1000], [0.02, 0.8])]  # fmt: skip
+
+
+def test_every_local_sgd_run_of_the_quick_smoke_is_one_the_api_takes() -> None:
+    from app.schemas.runs import RunCreate
+
+    for entry in ("diloco", "diloco-gc", "diloco+replicas"):
+        strategy, variant = entry.partition("+")[::2]
+        body = variant_body(run_body(strategy, QUICK, [1, 2, 3, 4], 9, "t"), variant)
+        RunCreate.model_validate(body)
+        assert body["local_sgd"]["outer_delay"] < body["local_sgd"]["sync_every"] == 2
+
+
+def test_a_replicas_variant_makes_each_site_one_replica_of_a_local_sgd_strategy() -> None:
+    from hybridtrain.train_options import TrainOptions
+
+    assert strategy_variant("diloco+replicas") == ("diloco", "replicas")
+    body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "replicas")
+    assert body["name"].endswith("-replicas")
+    # The workload's own local SGD settings stay: the variant differs from plain diloco in this only.
+    assert body["local_sgd"] == {"sync_every": 10, "outer_delay": 3, "site_replicas": True}
+    TrainOptions.model_validate({k: body[k] for k in ("strategy", "local_sgd", "compression")})
+    with pytest.raises(TestbedError, match="local SGD"):
+        strategy_variant("ps-bz-gc+replicas")

@@ -22,6 +22,8 @@ from trainer.frames import (
     LayoutSpec,
     ProtocolError,
     Route,
+    SiteGrad,
+    SiteMean,
     State,
     Update,
     Welcome,
@@ -159,6 +161,19 @@ def test_averaged_buffers_round_trip():
     values = torch.randn(16)
     out = roundtrip(BuffersAvg(4, values))
     assert out.step == 4 and torch.equal(out.values, values)
+
+
+def test_a_site_members_gradient_piece_round_trips_its_samples_and_exact_values():
+    values = torch.randn(16)
+    out = roundtrip(SiteGrad(7, 4, 2, 24, values))
+    assert (out.step, out.sender, out.piece, out.samples) == (7, 4, 2, 24)
+    assert torch.equal(out.values, values)
+
+
+def test_a_sites_mean_piece_round_trips_its_exact_values():
+    values = torch.randn(16)
+    out = roundtrip(SiteMean(7, 3, 1, values))
+    assert (out.step, out.sender, out.piece) == (7, 3, 1) and torch.equal(out.values, values)
 
 
 def test_eval_round_trips_sums_with_unicode_metric_names():

@@ -155,3 +155,17 @@ def test_the_donor_is_a_worker_in_the_servers_site():
     for rank, site in ((1, "away"), (2, "home"), (3, "away")):
         roster.add(Member(rank, site=site))
     assert roster.donor() == 2
+
+
+def test_under_site_replicas_a_joiner_joins_its_sites_replica_behind_its_relay_the_servers_site_too():
+    roster = _sited(("home", "home", "home", "away", "away"), strategy="diloco", site_replicas=True)
+    assert [roster.source(r) for r in (1, 2, 3, 4)] == [SERVER, 1, SERVER, 3]
+    assert (roster.relay_for("home"), roster.relay_for("away")) == (1, 3)
+    assert roster.senders() == [1, 3]
+
+
+def test_under_site_replicas_a_joiner_takes_its_state_from_its_own_sites_relay():
+    # The inner optimizer's state is its site replica's; the other site's would set it apart.
+    roster = _sited(("home", "home", "home", "away", "away"), strategy="diloco", site_replicas=True)
+    assert (roster.donor("away"), roster.donor("home"), roster.donor()) == (3, 1, 1)
+    assert _sited(("home", "home", "away", "away")).donor("away") == 1  # otherwise the server's site's

@@ -45,6 +45,12 @@ def test_each_remote_site_gets_its_own_relay():
     assert plan.forwards_of(3) == ()
 
 
+def test_under_site_replicas_the_servers_own_site_has_a_relay_too():
+    plan = plan_relay(("home", "home", "home", "away", "away", "solo"), 5, every_site=True)
+    assert plan.server_sends == (1, 3, 5)
+    assert plan.forwards == {1: (2,), 3: (4,)}
+
+
 def test_a_site_list_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match="need a site"):
         plan_relay(("a", "b"), 4)

@@ -128,6 +128,9 @@ def test_launch_form_sends_local_sgds_fields_as_their_own_section() -> None:
     body, errors = run_form.run_create(base | {"local_sgd_sync_every": "12", "local_sgd_outer_lr": "0.7"})
     assert errors == {} and body is not None and body.local_sgd is not None
     assert (body.local_sgd.sync_every, body.local_sgd.outer_lr) == (12, 0.7)
+    replicas, errors = run_form.run_create(base | {"local_sgd_site_replicas": "on"})
+    assert errors == {} and replicas is not None and replicas.local_sgd is not None
+    assert replicas.local_sgd.site_replicas is True and body.local_sgd.site_replicas is None
 
 
 def test_launch_form_shows_a_local_sgd_rule_beside_its_field() -> None:
