@@ -33,7 +33,7 @@ import psutil
 from agents import probe, profiles, task_context
 from agents import supervisor as supervision
 from agents.bundles import BundleCache
-from agents.client import ControlPlaneClient, call_with_retry, retry_conflicts
+from agents.client import ControlPlaneClient, beat_retry_delay_s, call_with_retry, retry_conflicts
 from agents.config import AgentSettings
 from agents.errors import AgentAuthError, AgentConfigError, ControlPlaneError, ControlPlaneRejected
 from agents.gpu_usage import GpuUsage
@@ -304,7 +304,9 @@ class Agent:
     def _heartbeat_loop(self) -> None:
         interval = self.settings.heartbeat_interval_s
         failures = 0
-        while not self._stop.wait(interval):
+        wait = interval
+        while not self._stop.wait(wait):
+            wait = interval
             try:
                 self._apply_heartbeat_answer(self.client.heartbeat(self._heartbeat_body()))
                 if failures:
@@ -318,7 +320,10 @@ class Agent:
                 return
             except ControlPlaneError as exc:
                 failures += 1
-                log.warning("heartbeat failed (%d in a row): %s", failures, exc)
+                # A shed beat goes again soon: the node's silence then stays far inside the
+                # liveness pass's grace (app/lifecycle/liveness.py).
+                wait = beat_retry_delay_s(exc.retry_after_s, interval_s=interval, failures=failures)
+                log.warning("heartbeat failed (%d in a row): %s; next in %.1f s", failures, exc, wait)
 
     # -- running --------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ probes and bundle downloads."""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -139,7 +140,7 @@ def _raise_for_status(response: httpx.Response, path: str) -> None:
     if response.status_code >= 500:
         raise ControlPlaneUnavailable(
             f"control plane failed on {path}: {response.status_code} {response.text[:300]}",
-            status_code=response.status_code,
+            status_code=response.status_code, retry_after_s=_retry_after_s(response),
         )
     if response.status_code in (401, 403):
         raise AgentAuthError(
@@ -151,6 +152,28 @@ def _raise_for_status(response: httpx.Response, path: str) -> None:
             f"control plane rejected {path}: {response.status_code} {_detail(response)}",
             status_code=response.status_code,
         )
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """The Retry-After of an answer in seconds; None when absent or a date (we never send one)."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < 3600 else None
+
+
+def beat_retry_delay_s(
+    retry_after_s: float | None, *, interval_s: float, failures: int, rng: random.Random | None = None
+) -> float:
+    """How long the heartbeat loop waits after `failures` failed beats in a row. A beat the
+    control plane shed (an answer with Retry-After) is sent again after Retry-After, stretched
+    by up to half again so that agents shed together come back spread out, doubling with each
+    refusal in a row; never later than the regular interval, which any other failure waits."""
+    if retry_after_s is None:
+        return interval_s
+    spread = (rng or random).uniform(1.0, 1.5)
+    return min(interval_s, retry_after_s * 2 ** (max(failures, 1) - 1) * spread)
 
 
 def call_with_retry(
@@ -207,4 +230,4 @@ def _detail(response: httpx.Response) -> str:
     return str(body)[:300]
 
 
-__all__ = ["ControlPlaneClient", "ControlPlaneError", "call_with_retry", "retry_conflicts"]
+__all__ = ["ControlPlaneClient", "ControlPlaneError", "beat_retry_delay_s", "call_with_retry", "retry_conflicts"]

@@ -25,9 +25,11 @@ class AgentConfigError(AgentError):
 class ControlPlaneError(AgentError):
     """A call to the control plane failed."""
 
-    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+    def __init__(self, message: str, *, status_code: int | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        # The answer's Retry-After in seconds, where it named one (a 503 from a full lane).
+        self.retry_after_s = retry_after_s
 
 
 class ControlPlaneUnavailable(ControlPlaneError):

@@ -13,9 +13,11 @@ clients at rising load levels, against 1 and then 2 API processes, in one invoca
    level of 6 s at the lowest load warms each server up.
 4. Print per process count and level, per route: requests offered and answered per second,
    the client's p50/p99 (ms), the errors (503s apart), nodes among the active agents that are
-   not online afterwards, the server's memory; then the knee of each process count (the first
-   level missing a target: heartbeat p99 < 250 ms, page p99 < 1 s, no errors, no node offline)
-   and 2 processes' ratios to 1.
+   not online afterwards, the server's memory; per level, the CPU the server and Postgres
+   spent (cores, and ms per answered request: on a machine shared with other work the one
+   figure that says what the requests cost rather than how busy the machine was); then the
+   knee of each process count (the first level missing a target: heartbeat p99 < 250 ms,
+   page p99 < 1 s, no errors, no node offline) and 2 processes' ratios to 1.
 
     .venv/bin/python bench/load.py --levels 100,300,1000 --seconds 20 --processes 1,2
 """
@@ -152,11 +154,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _with_children(pid: int) -> list[int]:
+    return [pid, *(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
+
+
 def _rss_mb(pid: int) -> float:
     """Resident memory of the server: the process and its children (uvicorn's workers)."""
-    pids = [pid, *(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
     total = 0
-    for one in pids:
+    for one in _with_children(pid):
         try:
             total += int(Path(f"/proc/{one}/status").read_text().split("VmRSS:")[1].split()[0])
         except (FileNotFoundError, IndexError):
@@ -164,10 +169,52 @@ def _rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def _cpu_s(pids: list[int]) -> dict[int, float]:
+    """CPU seconds (user + system) each live process of `pids` has used so far."""
+    used = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        used[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
+
+
+def _backends(database: str) -> list[int]:
+    """The Postgres backends serving `database` (the server's pools, the liveness monitor)."""
+    with psycopg.connect(POSTGRES, autocommit=True) as admin_db:
+        return [r[0] for r in admin_db.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", (database,))]
+
+
+@dataclass
+class CpuMeter:
+    """CPU the server (its processes) and Postgres (the database's backends) spend during a
+    level: the figure a machine shared with other work cannot blur the way it blurs latency."""
+
+    server_pid: int
+    database: str
+    start: dict[int, float] = field(default_factory=dict)
+
+    def begin(self) -> None:
+        self.start = _cpu_s([*_with_children(self.server_pid), *_backends(self.database)])
+
+    def cores(self, seconds: float) -> tuple[float, float]:
+        """(server, Postgres) CPU since `begin`, in cores; a backend that connected since counts whole."""
+        server = _cpu_s(_with_children(self.server_pid))
+        postgres = _cpu_s(_backends(self.database))
+
+        def spent(now: dict[int, float]) -> float:
+            return sum(used - self.start.get(pid, 0.0) for pid, used in now.items())
+
+        return spent(server) / seconds, spent(postgres) / seconds
+
+
 class Server:
     """`hybridtrain server --workers P` on `database_url`, in a process group of its own."""
 
     def __init__(self, database_url: str, broker_url: str, processes: int) -> None:
+        self.database = database_url.rsplit("/", 1)[1]
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDTRAIN_")} | {
@@ -179,7 +226,8 @@ class Server:
             [sys.executable, "-m", "app.cli", "server", "--port", str(self.port), "--workers", str(processes),
              "--log-level", "warning", "--no-access-log"],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 120
+        # Migrating a fresh database takes minutes when other work shares the machine.
+        deadline = time.monotonic() + 300
         while True:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the server with {processes} process(es) did not start")
@@ -210,6 +258,17 @@ class Fleet:
     read_token: str = ""
 
 
+async def _post(client: httpx.AsyncClient, url: str, **kwargs: Any) -> httpx.Response:
+    """POST, sent again after Retry-After while the server sheds it: the set-up must not fail
+    because the server was busy (the levels count 503s as errors; the set-up is not measured)."""
+    for _ in range(60):
+        response = await client.post(url, **kwargs)
+        if response.status_code != 503:
+            break
+        await asyncio.sleep(float(response.headers.get("retry-after", 1)))
+    return response
+
+
 async def _declare(base: str, count: int, runs: int) -> Fleet:
     fleet = Fleet()
     admin_headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -222,10 +281,10 @@ async def _declare(base: str, count: int, runs: int) -> Fleet:
 
         async def one(i: int) -> tuple[int, str]:
             async with gate:
-                node = (await admin.post(f"{API}/nodes", json={
+                node = (await _post(admin, f"{API}/nodes", json={
                     "name": f"load-{i:05d}", "site_id": site["id"], "gpus": [{"model": "T4", "count": 1}]})).json()
                 token = "hta_" + secrets.token_urlsafe(32)
-                joined = await admin.post(f"{API}/agent/register", headers={"Authorization": ""}, json={
+                joined = await _post(admin, f"{API}/agent/register", headers={"Authorization": ""}, json={
                     "join_token": node["join_token"], "agent_token": token,
                     "hardware": {"hostname": f"load-{i}", "address": "127.0.0.1", "cpu_cores": 16, "gpus": [],
                                  "benchmark": {"samples_per_s": 500.0}}})
@@ -239,7 +298,7 @@ async def _declare(base: str, count: int, runs: int) -> Fleet:
             fleet.agent_tokens.append(token)
         for i in range(min(runs, count)):
             node_id = fleet.node_ids[i]
-            run = await admin.post(f"{API}/runs", json={
+            run = await _post(admin, f"{API}/runs", json={
                 "name": f"load-run-{i}", "node_ids": [node_id], "strategy": "ps", "ps_node_id": node_id,
                 "global_batch_size": 64, "max_steps": 20})
             run.raise_for_status()
@@ -280,6 +339,8 @@ class Level:
     rows: list[Row]
     not_online: int
     rss_mb: float
+    server_cores: float
+    postgres_cores: float
 
     def of(self, route: str) -> list[Row]:
         return [r for r in self.rows if r[0] == route]
@@ -303,6 +364,11 @@ class Level:
     def p(self, route: str, q: float, column: int = 2) -> float | None:
         values = sorted(r[column] for r in self.of(route))
         return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+    def cpu_ms_per_answer(self) -> float | None:
+        """Server and Postgres CPU per request answered 2xx/3xx, all routes together."""
+        answered = sum(self.answered_per_s(route) for route in ROUTES)
+        return (self.server_cores + self.postgres_cores) * 1000 / answered if answered else None
 
     def lag_p99(self) -> float:
         """The client's lateness, p99 over every request of the level."""
@@ -330,6 +396,9 @@ class Level:
 def _run_level(server: Server, fleet: Fleet, cookies: dict[str, str], processes: int, agents: int,
                seconds: float) -> Level:
     users, ci = max(1, agents // 20), max(1, agents // 100)
+    meter = CpuMeter(server.process.pid, server.database)
+    meter.begin()
+    started = time.monotonic()
     tokens = fleet.agent_tokens[:agents]
     clients = [_spawn("agents", {"base": server.base, "tokens": tokens[i:i + AGENTS_PER_CLIENT], "seconds": seconds})
                for i in range(0, len(tokens), AGENTS_PER_CLIENT)]
@@ -341,12 +410,13 @@ def _run_level(server: Server, fleet: Fleet, cookies: dict[str, str], processes:
         out = process.stdout.read()
         process.wait(timeout=60)
         rows += [(r[0], r[1], r[2], r[3]) for r in json.loads(out)]
+    server_cores, postgres_cores = meter.cores(time.monotonic() - started)
     rss = _rss_mb(server.process.pid)
     nodes = httpx.get(f"{server.base}{API}/nodes?limit=1000", timeout=60,
                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()["data"]
     active = set(fleet.node_ids[:agents])
     not_online = sum(1 for n in nodes if n["id"] in active and n["status"] != "online")
-    return Level(processes, agents, users, ci, seconds, rows, not_online, rss)
+    return Level(processes, agents, users, ci, seconds, rows, not_online, rss, server_cores, postgres_cores)
 
 
 def _ms(value: float | None) -> str:
@@ -364,6 +434,13 @@ def _report(levels: list[Level], processes: list[int]) -> None:
                   f"| {level.offered_per_s(route):.1f} | {level.answered_per_s(route):.1f} "
                   f"| {_ms(level.p(route, 0.5))} | {_ms(level.p(route, 0.99))} | {errors} "
                   f"| {_ms(level.p(route, 0.99, column=3))} | {level.not_online} | {level.rss_mb:.0f} |")
+    print()
+    print("| processes | agents | server CPU, cores | Postgres CPU, cores | CPU ms per answered request |")
+    print("|---|---|---|---|---|")
+    for level in levels:
+        per = level.cpu_ms_per_answer()
+        print(f"| {level.processes} | {level.agents} | {level.server_cores:.2f} | {level.postgres_cores:.2f} "
+              f"| {'-' if per is None else f'{per:.1f}'} |")
     print()
     for count in processes:
         mine = [lv for lv in levels if lv.processes == count]
@@ -436,8 +513,20 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-        with psycopg.connect(POSTGRES, autocommit=True) as admin_db:
-            admin_db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        _drop(name)
+
+
+def _drop(name: str) -> None:
+    """Drop the scratch database; a server just stopped may still be closing its connections."""
+    for attempt in range(10):
+        try:
+            with psycopg.connect(POSTGRES, autocommit=True) as admin_db:
+                admin_db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            return
+        except psycopg.errors.ObjectInUse:
+            if attempt == 9:
+                raise
+            time.sleep(2)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,22 @@
     def create_run(session: SessionDep, principal: CiDep, ...) -> ...
 
 Tests swap any of them with `app.dependency_overrides[get_session] = ...`.
+
+FastAPI runs a plain `def` dependency in a worker thread, one hop per dependency per request;
+those that only read the request or check a value are `async def`, so a request takes a
+thread only for the work that waits on the database.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from app.config import Settings
 from app.dispatch import Dispatcher
@@ -26,15 +31,23 @@ from app.security import secrets_equal
 from app.token_limits import action_of, refusal
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     """The settings the running app was created with."""
     return request.app.state.settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
+async def get_session(request: Request) -> AsyncIterator[Session]:
     """A session for one request. Handlers commit once at their end; anything else rolls back."""
-    with request.app.state.sessionmaker() as session:
+    session: Session = request.app.state.sessionmaker()
+    try:
         yield session
+    finally:
+        # Creating a session touches no database, nor does closing one whose work was committed;
+        # rolling back an open transaction does, and waits in a thread, not on the event loop.
+        if session.in_transaction():
+            await run_in_threadpool(session.close)
+        else:
+            session.close()
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -115,11 +128,11 @@ def get_principal(
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require_scope(needed: TokenScope) -> Callable[..., Principal]:
+def require_scope(needed: TokenScope) -> Callable[..., Coroutine[None, None, Principal]]:
     """A dependency that admits callers whose scope includes `needed` and whose action limit,
     if any, names what the request does (403 otherwise). Every REST route goes through it."""
 
-    def check_scope(request: Request, principal: PrincipalDep) -> Principal:
+    async def check_scope(request: Request, principal: PrincipalDep) -> Principal:
         if not principal.scope.allows(needed):
             raise HTTPException(
                 status.HTTP_403_FORBIDDEN,
@@ -149,7 +162,7 @@ class Pagination:
     limit: int
 
 
-def get_pagination(
+async def get_pagination(
     skip: Annotated[int, Query(ge=0, le=1_000_000_000, description="rows to skip")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000, description="rows to return")] = 100,
 ) -> Pagination:
@@ -167,7 +180,7 @@ TextQuery = Annotated[str | None, Query(min_length=1, max_length=64, pattern=r"^
 # --- runs and agents --------------------------------------------------------------------------
 
 
-def get_dispatcher(request: Request) -> Dispatcher:
+async def get_dispatcher(request: Request) -> Dispatcher:
     """The publisher of launch and cancel orders to the node agents."""
     return request.app.state.dispatcher
 
@@ -180,19 +193,31 @@ agent_bearer = HTTPBearer(
 )
 
 
-def get_agent_node(
-    session: SessionDep,
+async def get_agent_token(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(agent_bearer)],
-) -> Node:
-    """The node whose agent presents this bearer token; 401 otherwise."""
-    from app.queries.agents import node_by_agent_token
-
+) -> str:
+    """The bearer token of an agent call (checked against the nodes by `agent_node`); 401 if absent."""
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise _unauthorized("missing agent token: send 'Authorization: Bearer <agent token>'")
-    node = node_by_agent_token(session, token=credentials.credentials)
+    return credentials.credentials
+
+
+AgentTokenDep = Annotated[str, Depends(get_agent_token)]
+
+
+def agent_node(session: Session, token: str) -> Node:
+    """The node whose agent holds `token`; 401 otherwise."""
+    from app.queries.agents import node_by_agent_token
+
+    node = node_by_agent_token(session, token=token)
     if node is None:
         raise _unauthorized("unknown agent token: the node was deleted or re-joined elsewhere")
     return node
+
+
+def get_agent_node(session: SessionDep, token: AgentTokenDep) -> Node:
+    """The node whose agent presents this bearer token; 401 otherwise."""
+    return agent_node(session, token)
 
 
 AgentNodeDep = Annotated[Node, Depends(get_agent_node)]
@@ -203,7 +228,7 @@ metrics_bearer = HTTPBearer(
 )
 
 
-def get_metrics_token(
+async def get_metrics_token(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(metrics_bearer)],
 ) -> str:
     """The bearer token of a metrics POST (checked against the run by the handler)."""

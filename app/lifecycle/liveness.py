@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.capacity import RETRY_AFTER_S
 from app.config import Settings
 from app.dispatch import Order
 from app.lifecycle.launch import TRAINING, WAITING, resend_unacknowledged
@@ -26,12 +27,31 @@ log = logging.getLogger(__name__)
 
 # The run event of a rank whose end its agent never reported after a cancel.
 CANCEL_TIMEOUT = "cancel_timeout"
+# How often agents are asked to beat (`heartbeat_interval_s` of their registration): six beats
+# inside the heartbeat timeout.
+BEATS_PER_TIMEOUT = 6
+
+
+def heartbeat_interval_s(settings: Settings) -> float:
+    """How often an agent is asked to beat."""
+    return settings.heartbeat_timeout_s / BEATS_PER_TIMEOUT
+
+
+def offline_after_s(settings: Settings) -> float:
+    """How long a node may be silent before the pass takes it offline: `heartbeat_timeout_s`,
+    and never less than a beat shed by a full heartbeat lane (app/capacity.py) can silence a
+    live node: the beat waits in the lane's queue and is refused, its agent sends it again
+    after Retry-After (stretched by up to half) and that one waits too, or an agent that does
+    not retry sends its next beat an interval later."""
+    interval = heartbeat_interval_s(settings)
+    shed = 2 * settings.admission_wait_s + 1.5 * RETRY_AFTER_S
+    return max(settings.heartbeat_timeout_s, 2 * interval + shed)
 
 
 def check_liveness(session: Session, *, settings: Settings, now: datetime | None = None) -> list[Order]:
     """One pass; returns the orders to send after commit.
 
-    1. Online nodes silent for `heartbeat_timeout_s` go offline; each unfinished rank of an
+    1. Online nodes silent for `offline_after_s` go offline; each unfinished rank of an
        active run on them is lost (a PS worker: the run is degraded; a server: it restarts).
     2. Runs launching (or restarting) for `launch_timeout_s` with ranks that never started
        fail, naming them; a worker that never joined a training run is lost instead.
@@ -54,7 +74,7 @@ def check_liveness(session: Session, *, settings: Settings, now: datetime | None
 
 
 def _silent_nodes(session: Session, *, settings: Settings, now: datetime) -> list[Order]:
-    timeout = settings.heartbeat_timeout_s
+    timeout = offline_after_s(settings)
     stale = session.scalars(
         select(Node)
         .where(Node.status == NodeStatus.online, Node.last_heartbeat < now - timedelta(seconds=timeout))

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import Update, bindparam, delete, exists, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.util import identity_key
 
 from app import lifecycle
 from app.config import Settings
@@ -22,7 +23,7 @@ from app.models import Node, NodeAgent, NodeStatus, Run, RunLog, RunStatus, RunW
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES, FINISHED_WORKER_STATUSES
 from app.queries.links import join_probe_orders
-from app.queries.nodes import node_by_join_token
+from app.queries.nodes import node_by_join_token, refresh_mismatch
 from app.queries.runs import get_run
 from app.schemas.agent import MAX_LINE, HardwareReport, Heartbeat, LogBatch, RoleEvent, RoleState
 from app.security import hash_secret
@@ -44,42 +45,12 @@ class JoinRefused(Exception):
 # -- registration ------------------------------------------------------------------------------
 
 
-def hardware_mismatch(node: Node, detected_gpus: list[dict[str, Any]]) -> str | None:
-    """A warning when the declared GPUs differ from the detected ones, else None."""
-    declared = {g.gpu_model.name: g.count for g in node.gpus}
-    detected: dict[str, int] = {}
-    for gpu in detected_gpus:
-        detected[gpu["model"]] = detected.get(gpu["model"], 0) + int(gpu["count"])
-    if declared == detected:
-        return None
-
-    def show(gpus: dict[str, int]) -> str:
-        return ", ".join(f"{n}x {m}" for m, n in sorted(gpus.items())) or "no GPU"
-
-    return (
-        f"declared {show(declared)} but the agent detected {show(detected)}; runs are planned "
-        "with the declared GPUs unless allocation 'measured' is asked for"
-    )
-
-
 def record_hardware(node: Node, hardware: HardwareReport) -> None:
     """Store what the agent detected next to the declared GPUs, with any mismatch warning."""
     node.detected_hardware = hardware.model_dump(mode="json")
     refresh_mismatch(node)
     if hardware.benchmark is not None:
         node.measured_samples_per_s = hardware.benchmark.samples_per_s
-
-
-def refresh_mismatch(node: Node) -> None:
-    """Recompute the declared-versus-detected warning (the declared GPUs may have been edited)."""
-    if node.detected_hardware is None:
-        return
-    warning = hardware_mismatch(node, node.detected_hardware.get("gpus") or [])
-    if node.detected_hardware.get("mismatch", "unset") != warning:
-        if warning:
-            log.warning("node %s (id %s): %s", node.name, node.id, warning)
-        # A new dict: the JSON column sees assignments, not in-place changes.
-        node.detected_hardware = {**node.detected_hardware, "mismatch": warning}
 
 
 def register_agent(
@@ -192,6 +163,55 @@ def _exit(event: RoleEvent | RoleState) -> lifecycle.Exit:
 class HeartbeatOutcome:
     stop: list[dict[str, Any]] = field(default_factory=list)
     orders: list[Order] = field(default_factory=list)
+
+
+def _plain_beat(with_gpus: bool) -> Update:
+    # Each condition rules out a part of `apply_heartbeat` with work to do: a node back online
+    # (it rejoins its runs), the probes ordered on joining, ranks the agent no longer reports.
+    nodes, agents, workers, runs = (m.__table__ for m in (Node, NodeAgent, RunWorker, Run))
+    node_of_token = select(agents.c.node_id).where(agents.c.token_hash == bindparam("token_hash"))
+    running_here = exists().where(
+        workers.c.node_id == nodes.c.id,
+        workers.c.status == WorkerStatus.running,
+        runs.c.id == workers.c.run_id,
+        runs.c.status.in_(ACTIVE_RUN_STATUSES),
+    )
+    values: dict[str, Any] = {"last_heartbeat": bindparam("now")}
+    if with_gpus:
+        values["gpu_usage"] = bindparam("gpus", type_=nodes.c.gpu_usage.type)
+    return (
+        update(nodes)
+        .where(
+            nodes.c.id == node_of_token.scalar_subquery(),
+            nodes.c.status == NodeStatus.online,
+            nodes.c.detected_hardware[PROBE_ON_JOIN].as_boolean().is_not(True),
+            ~running_here,
+        )
+        .values(values)
+        .returning(nodes.c.id)
+    )
+
+
+# Built once: a heartbeat only binds its values.
+_PLAIN_BEAT = {True: _plain_beat(with_gpus=True), False: _plain_beat(with_gpus=False)}
+
+
+def record_plain_beat(session: Session, *, token: str, beat: Heartbeat, now: datetime | None = None) -> int | None:
+    """Record a beat that has nothing to reconcile in one UPDATE, and return the node's id: the
+    node of `token`'s agent is online, runs no rank and awaits no join probe, and the beat
+    reports no role and no hardware. Otherwise None, and nothing changed: the beat is
+    `apply_heartbeat`'s (as is a token no agent holds, refused there)."""
+    if beat.roles or beat.hardware is not None:
+        return None
+    params: dict[str, Any] = {"token_hash": hash_secret(token), "now": now or utcnow()}
+    if beat.gpus is not None:
+        params["gpus"] = [gpu.model_dump() for gpu in beat.gpus]
+    node_id = session.connection().execute(_PLAIN_BEAT[beat.gpus is not None], params).scalar_one_or_none()
+    loaded = session.identity_map.get(identity_key(Node, node_id)) if node_id is not None else None
+    if loaded is not None:
+        # The UPDATE went past the session: a node it had loaded reads the new values again.
+        session.expire(loaded, ["last_heartbeat", "gpu_usage", "updated_at"])
+    return node_id
 
 
 def apply_heartbeat(

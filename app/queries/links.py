@@ -273,10 +273,19 @@ def probe_orders(
 def join_probe_orders(session: Session, *, node: Node) -> list[ProbeOrder]:
     """Probes between a newly joined node and up to JOIN_PROBE_PEERS other online nodes, both
     ways; the peers are taken from as many sites as possible."""
+    newest_first = (Node.last_heartbeat.desc().nulls_last(), Node.id)
+    # At most JOIN_PROBE_PEERS per site can be chosen: a fleet joining at once must not load
+    # every node for each one that joins.
+    ranked = (
+        select(Node.id, func.row_number().over(partition_by=Node.site_id, order_by=newest_first).label("rank"))
+        .where(
+            Node.id != node.id, Node.status == NodeStatus.online, Node.address.is_not(None),
+            Node.detected_hardware["probe_port"].is_not(None),
+        )
+        .subquery()
+    )
     peers = session.scalars(
-        select(Node)
-        .where(Node.id != node.id, Node.status == NodeStatus.online, Node.address.is_not(None))
-        .order_by(Node.last_heartbeat.desc().nulls_last(), Node.id)
+        select(Node).join(ranked, ranked.c.id == Node.id).where(ranked.c.rank <= JOIN_PROBE_PEERS).order_by(*newest_first)
     ).all()
     peers = [p for p in peers if probe_port(p) is not None]
     # One node per site in turn, so a few peers already cover many site pairs.

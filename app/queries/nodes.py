@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -16,6 +17,8 @@ from app.queries.gpu_models import gpu_models_by_name
 from app.queries.sites import get_site
 from app.schemas.nodes import GpuCount, NodeCreate, NodeUpdate
 from app.security import JOIN_TOKEN_PREFIX, hash_secret, new_secret
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=tuple[Any, ...])
 
@@ -168,6 +171,7 @@ def update_node(session: Session, *, node_id: int, data: NodeUpdate) -> Node:
             node.gpus.clear()
             session.flush()  # the old rows go before new ones reuse their keys
             node.gpus.extend(_declared_gpus(session, data.gpus))
+            refresh_mismatch(node)
     apply_changes(node, changes, nullable={"address", "instance_type"})
     session.flush()
     return node
@@ -180,6 +184,36 @@ def rotate_join_token(session: Session, *, node_id: int) -> str:
     node.join_token_hash = hash_secret(join_token)
     session.flush()
     return join_token
+
+
+def hardware_mismatch(node: Node, detected_gpus: list[dict[str, Any]]) -> str | None:
+    """A warning when the declared GPUs differ from the detected ones, else None."""
+    declared = {g.gpu_model.name: g.count for g in node.gpus}
+    detected: dict[str, int] = {}
+    for gpu in detected_gpus:
+        detected[gpu["model"]] = detected.get(gpu["model"], 0) + int(gpu["count"])
+    if declared == detected:
+        return None
+
+    def show(gpus: dict[str, int]) -> str:
+        return ", ".join(f"{n}x {m}" for m, n in sorted(gpus.items())) or "no GPU"
+
+    return (
+        f"declared {show(declared)} but the agent detected {show(detected)}; runs are planned "
+        "with the declared GPUs unless allocation 'measured' is asked for"
+    )
+
+
+def refresh_mismatch(node: Node) -> None:
+    """Recompute the declared-versus-detected warning (the declared GPUs may have been edited)."""
+    if node.detected_hardware is None:
+        return
+    warning = hardware_mismatch(node, node.detected_hardware.get("gpus") or [])
+    if node.detected_hardware.get("mismatch", "unset") != warning:
+        if warning:
+            log.warning("node %s (id %s): %s", node.name, node.id, warning)
+        # A new dict: the JSON column sees assignments, not in-place changes.
+        node.detected_hardware = {**node.detected_hardware, "mismatch": warning}
 
 
 def node_by_join_token(session: Session, *, join_token: str) -> Node | None:

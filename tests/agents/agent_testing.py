@@ -95,6 +95,11 @@ class FakeControlPlane:
         self.down = False
         # Registrations answered 409 ("retry") before one is taken.
         self.conflicts = 0
+        # Heartbeats answered 503 with Retry-After, as by a full heartbeat lane, before one is
+        # taken; `beat_times` has when each heartbeat arrived (time.monotonic), shed or not.
+        self.shed_beats = 0
+        self.retry_after_s = 1
+        self.beat_times: list[float] = []
         # The answer to POST /agent/broker; None answers 404, as a control plane that hands
         # out no broker.
         self.broker: dict[str, Any] | None = None
@@ -108,9 +113,11 @@ class FakeControlPlane:
             def do_POST(self) -> None:  # noqa: N802
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
-                status, answer = plane.handle(self.path, self.headers.get("Authorization"), body)
+                status, answer, *extra = plane.handle(self.path, self.headers.get("Authorization"), body)
                 data = json.dumps(answer).encode()
                 self.send_response(status)
+                for name, value in (extra[0] if extra else {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -134,7 +141,8 @@ class FakeControlPlane:
             return False
         return hashlib.sha256(auth[7:].encode()).hexdigest() == self.agent_token_hash
 
-    def handle(self, path: str, auth: str | None, body: dict[str, Any]) -> tuple[int, Any]:
+    def handle(self, path: str, auth: str | None, body: dict[str, Any]) -> tuple[Any, ...]:
+        """(status, answer) or (status, answer, headers)."""
         with self.lock:
             if self.down:
                 return 503, {"detail": "control plane restarting"}
@@ -160,6 +168,10 @@ class FakeControlPlane:
             if path == "/api/v1/agent/broker":
                 return (404, {"detail": "Not Found"}) if self.broker is None else (200, self.broker)
             if path == "/api/v1/agent/heartbeat":
+                self.beat_times.append(time.monotonic())
+                if self.shed_beats > 0:
+                    self.shed_beats -= 1
+                    return 503, {"detail": "the server is at capacity; retry"}, {"Retry-After": str(self.retry_after_s)}
                 self.heartbeats.append(body)
                 stop, self.stop_orders = self.stop_orders, []
                 return 200, {"node_id": self.node_id, "status": "online", "stop": stop}

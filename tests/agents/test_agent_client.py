@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import time
 
+import httpx
 import pytest
 
-from agents.client import retry_conflicts
-from agents.errors import ControlPlaneRejected
+from agents.client import ControlPlaneClient, beat_retry_delay_s, retry_conflicts
+from agents.errors import ControlPlaneRejected, ControlPlaneUnavailable
 
 
 def _conflicts(n: int):
@@ -49,3 +51,31 @@ def test_retry_conflicts_does_not_retry_other_rejections():
     with pytest.raises(ControlPlaneRejected, match="422"):
         retry_conflicts(register, deadline_s=10, conflict_deadline_s=10, first_delay_s=0.01)
     assert len(calls) == 1
+
+
+# -- a shed heartbeat ------------------------------------------------------------------------
+
+
+def test_a_503_names_its_retry_after():
+    def shed(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, headers={"Retry-After": "1"}, json={"detail": "the server is at capacity; retry"})
+
+    client = ControlPlaneClient("http://control-plane", agent_token="hta_x", transport=httpx.MockTransport(shed))
+    with pytest.raises(ControlPlaneUnavailable) as raised:
+        client.heartbeat({"roles": []})
+    assert raised.value.status_code == 503 and raised.value.retry_after_s == 1.0
+
+
+def test_a_failure_without_retry_after_waits_for_the_next_beat():
+    assert beat_retry_delay_s(None, interval_s=5.0, failures=1) == 5.0
+
+
+def test_a_shed_beat_goes_again_after_retry_after_spread_by_up_to_half():
+    delays = [beat_retry_delay_s(1.0, interval_s=5.0, failures=1, rng=random.Random(seed)) for seed in range(200)]
+    assert 1.0 <= min(delays) and max(delays) <= 1.5 and max(delays) - min(delays) > 0.3
+
+
+def test_refusals_in_a_row_back_off_up_to_the_interval():
+    rng = random.Random(7)
+    delays = [beat_retry_delay_s(1.0, interval_s=5.0, failures=n, rng=rng) for n in (1, 2, 3, 4, 5)]
+    assert 1.0 <= delays[0] <= 1.5 and 2.0 <= delays[1] <= 3.0 and delays[3:] == [5.0, 5.0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import pytest
@@ -119,8 +120,8 @@ def test_require_scope_admits_the_needed_scope_and_those_above(
     principal = Principal(name="t", scope=held)
     request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
     if allowed:
-        assert check(request, principal) is principal
+        assert asyncio.run(check(request, principal)) is principal
     else:
         with pytest.raises(HTTPException) as raised:
-            check(request, principal)
+            asyncio.run(check(request, principal))
         assert raised.value.status_code == 403

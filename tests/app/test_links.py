@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import get_dispatcher
 from app.dispatch import Order, ProbeOrder
 from app.models import LinkMeasurement, Node, NodeStatus, SiteLink, TokenScope
-from app.queries.links import PROBE_SLOT_OVERHEAD_S, LinkEstimate, link_estimates, probe_rounds
+from app.queries.links import JOIN_PROBE_PEERS, PROBE_SLOT_OVERHEAD_S, LinkEstimate, link_estimates, probe_rounds
 from hybridtrain.contract import PROBE_LINKS_TASK
 
 
@@ -391,3 +391,18 @@ def test_join_probes_leave_out_nodes_without_a_probe_server(joined, recorded):
     c = joined()
     c.agent.post(f"{API}/agent/heartbeat", json={"roles": []})
     assert recorded.sent == []
+
+
+def test_join_probes_take_the_peers_that_beat_last_sixteen_at_most_from_a_site(joined, recorded, session):
+    site = joined().site_id
+    peers = [joined(site_id=site) for _ in range(JOIN_PROBE_PEERS + 1)]
+    # The first-made peer has been silent longest: it is the one left out.
+    session.get(Node, peers[0].id).last_heartbeat = datetime.now(UTC) - timedelta(seconds=20)
+    session.commit()
+    recorded.sent.clear()
+    c = joined()
+
+    c.agent.post(f"{API}/agent/heartbeat", json={"roles": []})
+
+    targets = {t["node_id"] for o in recorded.sent if o.node_id == c.id for t in o.spec["targets"]}
+    assert len(targets) == JOIN_PROBE_PEERS and peers[0].id not in targets

@@ -7,20 +7,23 @@ import logging
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AgentNodeDep, DispatcherDep, IdPath, SessionDep, SettingsDep
+from app.api.deps import AgentNodeDep, AgentTokenDep, DispatcherDep, IdPath, SessionDep, SettingsDep, agent_node
 from app.api.responses import CONFLICT, NOT_FOUND_OR_CONFLICT
 from app.broker_access import BrokerAccessError, BrokerOutOfReach, agent_broker, keep_node_user
 from app.config import Settings
-from app.models import Node, NodeAgent
+from app.models import NodeAgent, NodeStatus
 from app.schemas.common import ErrorMessage
-from app.dispatch import node_queue
+from app.dispatch import Dispatcher, LaunchOrder, node_queue
 from app.queries import agents as queries
 from app.queries.reports import store_spooled_report
 from app.queries.runs import get_run
 from app.schemas.reports import ReportBatch
 from app.schemas.runs import MetricsStored
 from app.lifecycle import run_state_lock, start_queued
+from app.lifecycle.liveness import heartbeat_interval_s
+from app.security import hash_secret
 from app.schemas.agent import (
     AgentBroker,
     AgentRegister,
@@ -36,9 +39,6 @@ from app.schemas.agent import (
 
 log = logging.getLogger(__name__)
 router = APIRouter()
-
-# How often agents should beat: five beats inside the offline threshold.
-BEATS_PER_TIMEOUT = 6
 
 
 @router.post(
@@ -64,7 +64,7 @@ def register_agent(
         response.status_code = status.HTTP_200_OK
     return AgentRegistered(
         node_id=node.id, node_name=node.name, queue=node_queue(node.id),
-        heartbeat_interval_s=settings.heartbeat_timeout_s / BEATS_PER_TIMEOUT,
+        heartbeat_interval_s=heartbeat_interval_s(settings),
     )
 
 
@@ -92,35 +92,43 @@ def broker_for_agent(session: SessionDep, settings: SettingsDep, node: AgentNode
 
 
 @router.post("/heartbeat", response_model=HeartbeatAnswer)
-def heartbeat(
+async def heartbeat(
     session: SessionDep,
     settings: SettingsDep,
     dispatcher: DispatcherDep,
-    node: AgentNodeDep,
+    token: AgentTokenDep,
     body: Heartbeat,
 ) -> HeartbeatAnswer:
     """Keep the node online; answer with the roles it should stop."""
-    grace = max(10.0, 2 * settings.heartbeat_timeout_s / BEATS_PER_TIMEOUT)
+    # One worker thread for the whole beat (docs/control-plane.md, "Capacity").
+    return await run_in_threadpool(_beat, session, settings, dispatcher, token, body)
+
+
+def _beat(session: Session, settings: Settings, dispatcher: Dispatcher, token: str, body: Heartbeat) -> HeartbeatAnswer:
+    outcome = queries.HeartbeatOutcome()
+    launches: list[LaunchOrder] = []
     with run_state_lock(settings.is_sqlite):
-        outcome = queries.apply_heartbeat(session, node=node, beat=body, grace_s=grace, settings=settings)
-        # A run this beat ended, or a node back online, may let queued runs start.
-        launches = start_queued(session, settings=settings)
+        # Most beats say "alive, nothing changed": one UPDATE, which also checks the token.
+        node_id = queries.record_plain_beat(session, token=token, beat=body)
+        status_now = NodeStatus.online
+        if node_id is None:
+            node = agent_node(session, token)
+            grace = max(10.0, 2 * heartbeat_interval_s(settings))
+            outcome = queries.apply_heartbeat(session, node=node, beat=body, grace_s=grace, settings=settings)
+            # A run this beat ended, or a node back online, may let queued runs start.
+            launches = start_queued(session, settings=settings)
+            node_id, status_now = node.id, node.status
         session.commit()
     dispatcher.send_quietly([*outcome.orders, *launches])
     if body.broker_user:
-        _keep_broker_user(session, settings, node)
-    return HeartbeatAnswer(
-        node_id=node.id, status=str(node.status), stop=[StopOrder(**s) for s in outcome.stop]
-    )
+        _keep_broker_user(settings, node_id=node_id, agent_token_hash=hash_secret(token))
+    return HeartbeatAnswer(node_id=node_id, status=str(status_now), stop=[StopOrder(**s) for s in outcome.stop])
 
 
-def _keep_broker_user(session: Session, settings: Settings, node: Node) -> None:
-    agent = session.get(NodeAgent, node.id)
-    if agent is None:
-        return
+def _keep_broker_user(settings: Settings, *, node_id: int, agent_token_hash: str) -> None:
     try:
-        if keep_node_user(settings, node_id=node.id, agent_token_hash=agent.token_hash):
-            log.warning("the broker had lost node %s's user (restarted without an ACL file?); re-created it", node.id)
+        if keep_node_user(settings, node_id=node_id, agent_token_hash=agent_token_hash):
+            log.warning("the broker had lost node %s's user (restarted without an ACL file?); re-created it", node_id)
     except BrokerAccessError as exc:
         log.warning("%s", exc)
 
