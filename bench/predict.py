@@ -87,8 +87,9 @@ class TaskSettings:
 # The paper benchmark's workload (bench/paper/paper_workloads.py FULL) at a fixed batch: 320 is what its
 # calibration chose on this machine (1.5 s of balanced compute on the paper testbed), so a `ps`
 # step is ~5 s and a run of 12 steps about a minute after ~35 s of start-up.
-# Its task, learning rate, compression, pipeline and re-split are FULL's own; the held-out
-# split is the task's default (evaluation is off here, and it does not change a sample's compute).
+# Its task and learning rate are FULL's own, its compression, pipeline and re-split the
+# strategies' defaults (FULL leaves them unset); the held-out split is the task's default
+# (evaluation is off here, and it does not change a sample's compute).
 WIDECNN = TaskSettings(
     key="widecnn",
     task=FULL.task,
@@ -96,9 +97,6 @@ WIDECNN = TaskSettings(
     global_batch=320,
     max_steps=12,
     skip_steps=3,
-    compression=FULL.compression,
-    pipeline_chunks=FULL.pipeline_chunks,
-    rebalance_every=FULL.rebalance_every,
 )
 # ResNet-18 (11.2M parameters, 44.7 MB dense gradient: 3.6 s per direction on the paper's
 # 100 Mbit/s WAN) computes 43 samples/s on one full core at 32x32: ~46 samples/s over the paper
@@ -112,9 +110,6 @@ RESNET18 = TaskSettings(
     global_batch=64,
     max_steps=8,
     skip_steps=2,
-    compression=WIDECNN.compression,
-    pipeline_chunks=4,
-    rebalance_every=5,
 )
 TASKS = {t.key: t for t in (WIDECNN, RESNET18)}
 
@@ -629,7 +624,7 @@ def model_prediction(strategy: str, *, profiles: Mapping[str, Mapping[str, Any]]
     # A bench body may still give local SGD's knobs under compression, as requests once did.
     given = dict(compression or {})
     local = {k: given.pop(k) for k in LEGACY_LOCAL_SGD if k in given}
-    comp = compression_spec(CompressionOptions(**given) if given else None, eval_every=eval_every,
+    comp = compression_spec(strategy, CompressionOptions(**given) if given else None, eval_every=eval_every,
                             local_sgd=LocalSgdOptions(**local) if local else None)
     pred = predict(strategy, workers=workers, server=node(server) if server else None, links=specs,
                    task=TaskSpec.from_profile(profiles[names[0]], with_eval=False), compression=comp, relay=True,

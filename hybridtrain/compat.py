@@ -23,6 +23,7 @@ from hybridtrain.contract import (
     PS_GC,
     PS_STRATEGIES,
 )
+from hybridtrain.strategy_defaults import default_by_name
 
 # The parameter-server strategies that exchange every step.
 PER_STEP_PS = (PS, PS_GC, PS_BZ_GC)
@@ -49,6 +50,7 @@ CLASHES: tuple[tuple[str, str, str], ...] = (
 )
 
 # An option on needs another option's value to pass a test: (option, other, test, what it needs).
+# An unset other is the strategy's default (hybridtrain.strategy_defaults).
 NEEDS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("apply_in_forward", "pipeline_chunks", lambda v: (v or 1) > 1, "the update in chunks: more than one"),
     ("apply_in_forward", "momentum_correction", lambda v: v is not False,
@@ -80,13 +82,19 @@ def problems(strategy: str, options: Mapping[str, Any]) -> list[Problem]:
     on = {k for k, v in options.items() if is_on(k, v)}
     found = [Problem("strategy", k, TAKES[k][1]) for k in sorted(on & TAKES.keys()) if strategy not in TAKES[k][0]]
     found += [Problem("clash", a, why, b) for a, b, why in CLASHES if a in on and b in on]
-    found += [Problem("needs", a, why, b) for a, b, test, why in NEEDS if a in on and not test(options.get(b))]
+    found += [Problem("needs", a, why, b) for a, b, test, why in NEEDS
+              if a in on and not test(_or_default(strategy, options, b))]
     # An overlapped outer step must land before the next one is due.
     every = options.get("sync_every") or DEFAULT_SYNC_EVERY
     if "outer_delay" in on and options["outer_delay"] >= every:
         found.append(Problem("needs", "outer_delay", f"more than the delay {options['outer_delay']} (H is {every})",
                              "sync_every"))
     return found
+
+
+def _or_default(strategy: str, options: Mapping[str, Any], option: str) -> Any:
+    value = options.get(option)
+    return default_by_name(strategy, option) if value is None else value
 
 
 def for_strategy(strategy: str, options: Mapping[str, Any]) -> dict[str, Any]:

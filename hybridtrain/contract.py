@@ -39,17 +39,10 @@ DEFAULT_SYNC_EVERY = 20
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.0
 # diloco-gc's top-k density: a change of H steps is denser than one gradient, and 1 % (the PS
-# strategies' default) left the character model 0.43 nats above allreduce after 300 steps.
+# strategies' default then) left the character model 0.43 nats above allreduce after 300 steps.
 DEFAULT_OUTER_DENSITY = 0.1
-# The inner steps an outer step lands after its exchange began, so the exchange overlaps them:
-# 3 took diloco from 0.871 to 0.962 of the ideal on the paper testbed's 100 Mbit/s WAN and
-# diloco-gc to 0.985, 0.2 points of accuracy apart (docs/BENCHMARKS.md, local SGD).
-DEFAULT_OUTER_DELAY = 3
-
-
-def default_outer_delay(sync_every: int) -> int:
-    """The outer delay a run gets when it names none: DEFAULT_OUTER_DELAY, below its H."""
-    return min(DEFAULT_OUTER_DELAY, sync_every - 1)
+# What each strategy gets for an option a run leaves unset (these, the outer delay, the paper
+# benchmark's pipeline, compression and re-split): hybridtrain.strategy_defaults.
 
 
 def outer_density_plan(density: float) -> tuple[float, float, float, float]:

@@ -1,7 +1,9 @@
 """A run's training options, typed once: what the API takes, the control plane stores and
 forwards, the launch order carries as JSON and the trainer freezes into its `TrainConfig`.
 
-Unset (None) means the trainer's default. Which options go with which strategy is
+Unset (None) means the strategy's default: the paper benchmark's configuration where
+`hybridtrain.strategy_defaults` has one (`TrainOptions.with_defaults`), else the trainer's.
+Which options go with which strategy is
 `hybridtrain.compat`'s table; the validators here ask it, so every door (the API, the form,
 `runs create`, the trainer's own flags) refuses the same runs with the same words. Options are
 grouped as the request names them: the exchange's knobs under `compression`, local SGD's under
@@ -16,7 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from hybridtrain import compat, contract
+from hybridtrain import compat, contract, strategy_defaults
+from hybridtrain.strategy_defaults import describe
 
 # Literals for the OpenAPI schema, built from the one list of each in hybridtrain.contract.
 Strategy = Literal[contract.STRATEGIES]  # type: ignore[valid-type]
@@ -38,26 +41,46 @@ class _Section(BaseModel):
 
 class CompressionOptions(_Section):
     """How a strategy exchanges: gradient compression of the compressing strategies, the
-    parameter server's pipelining and its per-step variants (trainer defaults if unset)."""
+    parameter server's pipelining and its per-step variants (the strategy's defaults if unset)."""
 
     compressor: Literal[contract.COMPRESSORS] | None = None  # type: ignore[valid-type]
     value_dtype: Literal[contract.VALUE_DTYPES] | None = None  # type: ignore[valid-type]
     select: Literal[contract.SELECT_METHODS] | None = None  # type: ignore[valid-type]
-    density: Fraction | None = None
-    density_min: Fraction | None = None
-    density_max: Fraction | None = None
-    server_k_fraction: Fraction | None = None
+    density: Fraction | None = Field(
+        default=None,
+        description="each worker's top-k density to start from, adapted per worker to its link's "
+        f"time within [density_min, density_max] (default {describe('compression.density')})",
+    )
+    density_min: Fraction | None = Field(
+        default=None,
+        description=f"the lowest adapted density (default {describe('compression.density_min')}; "
+        "with density given, 0.4 times it)",
+    )
+    density_max: Fraction | None = Field(
+        default=None,
+        description=f"the highest adapted density (default {describe('compression.density_max')}; "
+        "with density given, twice it)",
+    )
+    server_k_fraction: Fraction | None = Field(
+        default=None,
+        description="the share of the aggregated gradient's values the server keeps and sends back "
+        f"(default {describe('compression.server_k_fraction')})",
+    )
     error_feedback: Flag | None = None
     momentum_correction: Flag | None = Field(
         default=None,
         description="accumulate momentum on the workers before compression (DGC's momentum "
         "correction) instead of applying it to the sparse update; default on",
     )
-    warmup_steps: SmallCount | None = None
+    warmup_steps: SmallCount | None = Field(
+        default=None,
+        description=f"the first steps sent uncompressed (default {describe('compression.warmup_steps')})",
+    )
     pipeline_chunks: Annotated[int, Field(ge=1, le=64, strict=True)] | None = Field(
         default=None,
         description="PS strategies: send and aggregate the gradient in this many pipelined chunks "
-        "(the server and the wire work on one while the workers compress the next); default 1",
+        "(the server and the wire work on one while the workers compress the next); default "
+        f"{describe('compression.pipeline_chunks')}; 1: one piece",
     )
     powersgd_rank: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
     aggregate_at_sites: Flag | None = Field(
@@ -83,7 +106,7 @@ class CompressionOptions(_Section):
 
 
 class LocalSgdOptions(_Section):
-    """Local SGD's outer steps (`diloco`, `diloco-gc`; trainer defaults if unset)."""
+    """Local SGD's outer steps (`diloco`, `diloco-gc`; the strategy's defaults if unset)."""
 
     sync_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
         default=None,
@@ -107,7 +130,7 @@ class LocalSgdOptions(_Section):
     outer_delay: Annotated[int, Field(ge=0, le=1_000_000, strict=True)] | None = Field(
         default=None,
         description="apply each outer step this many inner steps after the change was sent, so the "
-        f"exchange overlaps them (below sync_every; default {contract.DEFAULT_OUTER_DELAY}, or H - 1 "
+        f"exchange overlaps them (below sync_every; default {strategy_defaults.DEFAULT_OUTER_DELAY}, or H - 1 "
         "when H is smaller; 0 waits for it)",
     )
     site_replicas: Flag | None = Field(
@@ -175,7 +198,7 @@ class TrainOptions(BaseModel):
         default=None,
         description="PS strategies: re-split the global batch every N steps from the workers' "
         "observed compute and compression times, starting from the plan (straggler mitigation); "
-        "off by default",
+        f"default {describe('rebalance_every')}, off for the others",
     )
 
     @model_validator(mode="before")
@@ -220,9 +243,40 @@ class TrainOptions(BaseModel):
                               options.get(first.option))
         return self
 
+    @model_validator(mode="after")
+    def _bounds_hold_the_default_density(self) -> TrainOptions:
+        # A density given brings its own band; bounds given alone must hold the strategy's density.
+        given = self.compression
+        effective = self.with_defaults().compression
+        if given is None or given.density is not None or effective is None or effective.density is None:
+            return self
+        for name, outside in (("density_min", lambda v: v > effective.density),
+                              ("density_max", lambda v: v < effective.density)):
+            value = getattr(given, name)
+            if value is not None and outside(value):
+                raise field_error(f"compression.{name}", f"{value:g} leaves out {self.strategy}'s default density "
+                                  f"{effective.density:g}: give the density too", value)
+        return self
+
     def options(self) -> dict[str, Any]:
         """The options the compat table rules on, by name (None: the default)."""
         return _flat(dict(self))
+
+    def sections(self) -> dict[str, Any]:
+        """The options the strategies' defaults cover, in the request's shape (unset left out)."""
+        return {"compression": self.compression.model_dump(exclude_none=True) if self.compression else {},
+                "local_sgd": self.local_sgd.model_dump(exclude_none=True) if self.local_sgd else {},
+                "rebalance_every": self.rebalance_every}
+
+    def with_defaults(self) -> TrainOptions:
+        """These options as the trainer runs them: the strategy's defaults
+        (hybridtrain.strategy_defaults) where they leave one unset."""
+        filled = strategy_defaults.effective(self.strategy, self.sections())
+        return self.model_copy(update={
+            "compression": CompressionOptions.model_construct(**filled["compression"]) if filled["compression"] else None,
+            "local_sgd": LocalSgdOptions.model_construct(**filled["local_sgd"]) if filled["local_sgd"] else None,
+            "rebalance_every": filled["rebalance_every"],
+        })
 
     def for_strategy(self, strategy: str) -> TrainOptions:
         """These options planned for `strategy`: those it does not take dropped (the plan

@@ -84,6 +84,12 @@ def float_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for _, b in model.named_buffers() if b.dtype.is_floating_point]
 
 
+def chunk_count(sparse_numel: int, asked: int) -> int:
+    """How many chunks a step is cut into: as asked (--pipeline-chunks), at most one per compressed
+    element; a model with no compressed part (every tensor dense) sends one empty chunk."""
+    return max(1, min(asked, sparse_numel))
+
+
 def chunks(sparse_numel: int, count: int) -> tuple[tuple[int, int], ...]:
     """`count` contiguous, near-equal (start, stop) ranges tiling the compressed part."""
     if not 1 <= count <= max(1, sparse_numel):

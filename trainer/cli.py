@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from hybridtrain.contract import ALLOCATIONS, COMPRESSORS, DEVICES, SELECT_METHODS, STRATEGIES, VALUE_DTYPES, is_ps
+from hybridtrain.strategy_defaults import DEFAULT_OUTER_DELAY, describe
 from trainer.config import TrainConfig
 from trainer.run_options import UsageError, option_fields, options_from_args
 
@@ -38,11 +39,24 @@ def _labels(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(","))
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except None: such a flag's help says what it defaults to (per strategy)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _default(path: str) -> str:
+    """A training option's per-strategy defaults in a flag's help (the trainer's own for the rest):
+    the paper benchmark's configuration (hybridtrain.strategy_defaults)."""
+    return describe(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's options; defaults give a one-minute CPU run on the bundled digits."""
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="hybridtrain train", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_Help)
     run = p.add_argument_group("run")
     run.add_argument("--strategy", choices=STRATEGIES, default=d.strategy)
     run.add_argument("--workers", type=int, default=None, help="workers (default 4, or from --world-size)")
@@ -51,11 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="explicit per-worker batch sizes n_m (worker order), honoured exactly")
     run.add_argument("--global-batch", type=int, default=None, help=f"B (default {d.global_batch})")
     run.add_argument("--allocation", choices=ALLOCATIONS, default=None,
-                     help="batch split: equal, flops (by --speeds), measured (re-balanced); "
-                          "default flops for ps-bz-gc, equal otherwise")
+                     help="batch split: equal, flops (by --speeds), measured (by --speeds, then re-split "
+                          "from measured times); default measured where the run re-splits "
+                          "(--rebalance-every or its strategy's default), else flops for ps-bz-gc, equal")
     run.add_argument("--rebalance-every", type=int, default=None,
-                     help=f"with --allocation measured: re-split every N steps (default {d.rebalance_every}; "
-                          "local SGD: every outer step)")
+                     help=f"re-split every N steps from measured times (default {_default('rebalance_every')}; "
+                          f"with --allocation measured, {d.rebalance_every} for the others)")
     run.add_argument("--max-steps", type=int, default=d.max_steps)
     run.add_argument("--epochs", type=float, default=None,
                      help="train this many passes over the task's training data instead of --max-steps")
@@ -81,25 +96,33 @@ def build_parser() -> argparse.ArgumentParser:
     code.add_argument("--data-workers", type=int, default=None,
                       help="DataLoader processes per worker (default: the task's, else 0)")
     code.add_argument("--amp", action="store_true", help="bf16 autocast around the task's forward pass and loss")
-    gc = p.add_argument_group("compression")
+    gc = p.add_argument_group("compression", "a flag left out takes the strategy's default, the paper "
+                              "benchmark's configuration where one is given (docs/trainer.md, \"Defaults\")")
     gc.add_argument("--compressor", choices=COMPRESSORS, default=d.compressor)
     gc.add_argument("--value-dtype", choices=VALUE_DTYPES, default=d.value_dtype)
     gc.add_argument("--select", choices=SELECT_METHODS, default=d.select, help="top-k selection method")
-    gc.add_argument("--density", type=float, default=d.density, help="initial and mean worker density")
-    gc.add_argument("--density-min", type=float, default=d.density_min)
-    gc.add_argument("--density-max", type=float, default=d.density_max)
+    gc.add_argument("--density", type=float, default=None,
+                    help=f"initial and mean worker density (default {_default('compression.density')})")
+    gc.add_argument("--density-min", type=float, default=None,
+                    help=f"default {_default('compression.density_min')}; with --density, 0.4 times it")
+    gc.add_argument("--density-max", type=float, default=None,
+                    help=f"default {_default('compression.density_max')}; with --density, twice it")
     gc.add_argument("--density-gamma", type=float, default=d.density_gamma)
     gc.add_argument("--density-time-floor", type=float, default=d.density_time_floor_s,
                     help="transmission times below this many seconds count as equal")
-    gc.add_argument("--server-k-fraction", type=float, default=d.server_k_fraction)
+    gc.add_argument("--server-k-fraction", type=float, default=None,
+                    help=f"the share of the aggregate the server sends back (default "
+                         f"{_default('compression.server_k_fraction')})")
     gc.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback)
     gc.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
                     default=d.momentum_correction,
                     help="compressing strategies: momentum accumulated before compression (DGC)")
-    gc.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="uncompressed first steps")
-    gc.add_argument("--pipeline-chunks", type=int, default=d.pipeline_chunks,
+    gc.add_argument("--warmup-steps", type=int, default=None,
+                    help=f"uncompressed first steps (default {_default('compression.warmup_steps')})")
+    gc.add_argument("--pipeline-chunks", type=int, default=None,
                     help="PS strategies: compress, send, aggregate and answer the gradient in this many "
-                         "chunks, one on the wire and at the server while the next is compressed")
+                         "chunks, one on the wire and at the server while the next is compressed "
+                         f"(default {_default('compression.pipeline_chunks')})")
     gc.add_argument("--apply-in-forward", action="store_true",
                     help="PS strategies with --pipeline-chunks N > 1: apply the update's later chunks "
                          "during the next forward pass, each just before the first layer that needs it")
@@ -116,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {d.outer_lr})")
     local.add_argument("--outer-delay", type=int, default=None,
                        help="apply each outer step this many inner steps after the change was sent, so the "
-                            "exchange overlaps them (0, the default: wait; below --sync-every)")
+                            f"exchange overlaps them (default {DEFAULT_OUTER_DELAY}, or H - 1 when H is "
+                            "smaller; 0: wait)")
     local.add_argument("--outer-density", type=float, default=None,
                        help=f"diloco-gc: the change's top-k density, adapted within half to twice it; the "
                             f"server keeps 2.5 times it (default {d.outer_density})")

@@ -72,6 +72,9 @@ class TrainConfig:
     # imported, so a user's top-level `trainer/` or `hybridtrain/` cannot replace them.
     code_dir: str | None = None
     data_workers: int | None = None
+    # The exchange's defaults here are the trainer's own: a run's options (flags, --options-json)
+    # take their strategy's first, the paper benchmark's configuration (hybridtrain.strategy_defaults:
+    # a 4-chunk pipeline, density 0.05 in [0.02, 0.1], server k 1/8, one warm-up step, ...).
     compressor: str = "topk"
     value_dtype: str = "fp16"
     select: str = "estimate"
@@ -157,7 +160,7 @@ class TrainConfig:
     outer_density: float = DEFAULT_OUTER_DENSITY
     # Local SGD: apply each outer step this many inner steps after its change was sent, so the
     # exchange overlaps them (0: wait for it; below sync_every). trainer.local_sgd. A run's
-    # options default to contract.default_outer_delay (trainer.run_options.option_fields).
+    # options default to 3 (hybridtrain.strategy_defaults, through trainer.run_options.option_fields).
     outer_delay: int = 0
     # Local SGD with --sites: each site's workers are one replica, averaging their gradients every
     # inner step through the site's relay; one change per site crosses at each outer step

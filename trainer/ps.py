@@ -39,7 +39,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from trainer.algorithm import Layout, chunks, float_buffers
+from trainer.algorithm import Layout, chunk_count, chunks, float_buffers
 from trainer.codec_state import join_residuals, split_residual
 from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.flat_model import FlatModel
@@ -79,7 +79,7 @@ class PSClient:
         self.left = False
         self.layout = Layout.of(model, cfg.dense_numel, forward=cfg.applies_in_forward)
         self.flat = FlatModel(model, self.layout, device)
-        self.bounds = chunks(self.layout.sparse_numel, cfg.pipeline_chunks)
+        self.bounds = chunks(self.layout.sparse_numel, chunk_count(self.layout.sparse_numel, cfg.pipeline_chunks))
         # Local SGD: the common parameters of the last outer step and the outer optimizer; the
         # inner steps use the task's optimizer as it is.
         self.local = (LocalSGD(cfg.sync_every, lr=cfg.outer_lr, momentum=cfg.outer_momentum,

@@ -12,9 +12,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from hybridtrain.compat import TAKES, describe, problems
-from hybridtrain.contract import default_allocation, default_outer_delay, is_local_sgd, parse_target
+from hybridtrain.contract import default_allocation, parse_target
 from hybridtrain.train_options import CompressionOptions, LocalSgdOptions, TrainOptions
-from trainer.config import TrainConfig
 
 
 class UsageError(ValueError):
@@ -89,7 +88,9 @@ def _task_args(text: str) -> dict[str, Any]:
 
 
 def option_fields(opts: TrainOptions) -> dict[str, Any]:
-    """The TrainConfig fields that `opts` sets (the trainer's defaults for those it leaves unset)."""
+    """The TrainConfig fields that `opts` sets: those given, the strategy's defaults
+    (hybridtrain.strategy_defaults) for those it leaves unset; TrainConfig's own for the rest."""
+    opts = opts.with_defaults()
     compression = opts.compression.model_dump(exclude_none=True) if opts.compression else {}
     if "aggregate_at_sites" in compression:
         compression["site_aggregation"] = compression.pop("aggregate_at_sites")
@@ -98,13 +99,13 @@ def option_fields(opts: TrainOptions) -> dict[str, Any]:
         "strategy": opts.strategy, "task": opts.task, "task_args": json.dumps(opts.task_args, sort_keys=True),
         "script": opts.script, "global_batch": opts.global_batch_size, "epochs": opts.epochs,
         "target": opts.target, "stop_at_target": opts.stop_at_target, "seed": opts.seed, "device": opts.device,
-        "allocation": opts.allocation or default_allocation(opts.strategy),
-        # Local SGD re-splits the batch at every outer step unless told otherwise.
-        "rebalance_every": opts.rebalance_every or (1 if is_local_sgd(opts.strategy) else TrainConfig.rebalance_every),
+        # A run that re-splits (rebalance_every given, or its strategy's default) starts from the
+        # split it was given and refines it from measured times, as a run from the API does.
+        "allocation": opts.allocation or ("measured" if opts.rebalance_every else default_allocation(opts.strategy)),
         **compression, **local_sgd,
     }
-    if is_local_sgd(opts.strategy) and "outer_delay" not in fields:
-        fields["outer_delay"] = default_outer_delay(fields.get("sync_every", TrainConfig.sync_every))
+    if opts.rebalance_every is not None:
+        fields["rebalance_every"] = opts.rebalance_every
     if opts.max_steps is not None:
         fields["max_steps"] = opts.max_steps
     if opts.eval_every is not None:

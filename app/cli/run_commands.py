@@ -18,6 +18,7 @@ from typing import Any
 
 from app.cli.run_flags import UsageError, cluster_ref, ids, pack, run_body, upload
 from hybridtrain.contract import ALLOCATIONS, COMPRESSORS, DEVICES, STRATEGIES, VALUE_DTYPES
+from hybridtrain.strategy_defaults import describe
 
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
@@ -84,21 +85,43 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     create.add_argument("--device", choices=DEVICES, default=None)
     create.add_argument("--ps-node", type=int, default=None, help="node id of the server")
     create.add_argument("--rebalance-every", type=int, default=None,
-                        help="PS strategies: re-split the batch every N steps from compute times")
+                        help="PS strategies: re-split the batch every N steps from compute times "
+                             f"(default {describe('rebalance_every')})")
     create.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps")
-    create.add_argument("--compressor", choices=COMPRESSORS, default=None)
-    create.add_argument("--density", type=float, default=None)
-    create.add_argument("--value-dtype", choices=VALUE_DTYPES, default=None)
-    create.add_argument("--sync-every", type=int, default=None, metavar="H",
-                        help="diloco, diloco-gc: inner steps between outer steps (default 20)")
-    create.add_argument("--outer-lr", type=float, default=None, help="diloco, diloco-gc: default 1")
-    create.add_argument("--outer-momentum", type=float, default=None, help="diloco, diloco-gc: default 0")
-    create.add_argument("--outer-density", type=float, default=None, help="diloco-gc: default 0.1")
-    create.add_argument("--outer-delay", type=int, default=None, metavar="STEPS",
-                        help="diloco, diloco-gc: overlap the outer exchange with this many inner steps")
-    create.add_argument("--site-replicas", action="store_true", default=None,
-                        help="diloco, diloco-gc: each site's workers one replica, averaging every inner "
-                             "step over their LAN; one change per site crosses the WAN")
+    exchange = create.add_argument_group(
+        "the exchange", "an option left out takes the strategy's default: the configuration the paper "
+        "benchmark measured best (docs/user-guide.md, \"Defaults\"); the run shows them as effective_options")
+    exchange.add_argument("--compressor", choices=COMPRESSORS, default=None)
+    exchange.add_argument("--value-dtype", choices=VALUE_DTYPES, default=None)
+    exchange.add_argument("--pipeline-chunks", type=int, default=None, metavar="N",
+                          help=f"PS strategies: the step in N pipelined chunks "
+                               f"(default {describe('compression.pipeline_chunks')}; 1: one piece)")
+    exchange.add_argument("--density", type=float, default=None,
+                          help=f"top-k density to start from (default {describe('compression.density')})")
+    exchange.add_argument("--density-min", type=float, default=None,
+                          help=f"the lowest adapted density (default {describe('compression.density_min')}; "
+                               "with --density, 0.4 times it)")
+    exchange.add_argument("--density-max", type=float, default=None,
+                          help=f"the highest adapted density (default {describe('compression.density_max')}; "
+                               "with --density, twice it)")
+    exchange.add_argument("--server-k-fraction", type=float, default=None,
+                          help=f"the share of the aggregate the server sends back "
+                               f"(default {describe('compression.server_k_fraction')})")
+    exchange.add_argument("--warmup-steps", type=int, default=None,
+                          help=f"first steps sent uncompressed (default {describe('compression.warmup_steps')})")
+    exchange.add_argument("--sync-every", type=int, default=None, metavar="H",
+                          help=f"inner steps between outer steps (default {describe('local_sgd.sync_every')})")
+    exchange.add_argument("--outer-lr", type=float, default=None, help=f"default {describe('local_sgd.outer_lr')}")
+    exchange.add_argument("--outer-momentum", type=float, default=None,
+                          help=f"default {describe('local_sgd.outer_momentum')}")
+    exchange.add_argument("--outer-density", type=float, default=None,
+                          help=f"default {describe('local_sgd.outer_density')}")
+    exchange.add_argument("--outer-delay", type=int, default=None, metavar="STEPS",
+                          help="overlap the outer exchange with this many inner steps "
+                               f"(default {describe('local_sgd.outer_delay')}, or H - 1 when H is smaller)")
+    exchange.add_argument("--site-replicas", action="store_true", default=None,
+                          help="diloco, diloco-gc: each site's workers one replica, averaging every inner "
+                               "step over their LAN; one change per site crosses the WAN")
     life = create.add_argument_group("checkpoints, restarts, membership")
     life.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="default 100 (0: never)")
     life.add_argument("--checkpoint-every-s", type=float, default=None, metavar="S", help="default 600 (0: off)")

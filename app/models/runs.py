@@ -27,6 +27,8 @@ from sqlalchemy.orm import Mapped, mapped_column, relationship
 from app.models.base import Base, TimestampMixin, str_enum, utcnow
 # Imported here so that its table is registered with the runs' (ON DELETE CASCADE).
 from app.models.checkpoints import RunCheckpoint
+from hybridtrain.strategy_defaults import effective
+from hybridtrain.train_options import CompressionOptions
 
 __all__ = [
     "NodeAgent",
@@ -212,6 +214,15 @@ class Run(TimestampMixin, Base):
     def latest_checkpoint(self) -> RunCheckpoint | None:
         """The newest uploaded checkpoint, if any."""
         return self.checkpoints[0] if self.checkpoints else None
+
+    @property
+    def effective_options(self) -> dict[str, Any]:
+        """compression, local_sgd and rebalance_every as the run's trainer runs them: as given,
+        with the strategy's defaults where unset (hybridtrain.strategy_defaults)."""
+        # A run stored before an option was removed (`overlap`) launches without it.
+        compression = {k: v for k, v in (self.compression or {}).items() if k in CompressionOptions.model_fields}
+        return effective(self.strategy, {"compression": compression, "local_sgd": dict(self.local_sgd or {}),
+                                         "rebalance_every": self.rebalance_every})
 
 
 class RunWorker(Base):

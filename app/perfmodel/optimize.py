@@ -152,8 +152,8 @@ class _Search:
     """Evaluates plans once each (memoised by strategy, server and subset)."""
 
     def __init__(self, candidates: Sequence[Candidate], *, global_batch: int, links: Mapping[tuple[int, int], LinkSpec],
-                 task: TaskSpec, compression: CompressionSpec, prices: PriceLookup, at: datetime,
-                 relay: bool, max_steps: int | None, strategies: Sequence[str],
+                 task: TaskSpec, compression: CompressionSpec | Mapping[str, CompressionSpec], prices: PriceLookup,
+                 at: datetime, relay: bool, max_steps: int | None, strategies: Sequence[str],
                  servers: Sequence[int] | None, key, budget: float | None, deadline: float | None,
                  datasets: Sequence[DataSetSpec] = (), epochs: float | None = None) -> None:
         self.key, self.budget, self.deadline = key, budget, deadline
@@ -176,8 +176,9 @@ class _Search:
             # serve ps-bz-gc on the same nodes and server.
             twin = self.cache.get(({PS_BZ_GC: PS_GC, PS_GC: PS_BZ_GC}.get(strategy), subset, server))
             densities = [r["density"] for r in twin.prediction.per_worker] if twin else None
+            comp = self.compression[strategy] if isinstance(self.compression, Mapping) else self.compression
             pred = predict(strategy, workers=list(zip(nodes, shares)), server=srv, links=self.links,
-                           task=self.task, compression=self.compression, relay=self.relay,
+                           task=self.task, compression=comp, relay=self.relay,
                            max_steps=self.max_steps, densities=densities)
             reads = self.reads_of(subset)
             costs = predict_costs(pred, nodes=[c.usage for c in self.by_id.values()], prices=self.prices,
@@ -228,14 +229,16 @@ def _fits(p: PlanChoice, budget: float | None, deadline: float | None) -> bool:
 
 def optimize(candidates: Sequence[Candidate], *, global_batch: int, goal: Goal | str,
              links: Mapping[tuple[int, int], LinkSpec], task: TaskSpec, prices: PriceLookup, at: datetime,
-             compression: CompressionSpec = CompressionSpec(), budget_usd_per_h: float | None = None,
+             compression: CompressionSpec | Mapping[str, CompressionSpec] = CompressionSpec(),
+             budget_usd_per_h: float | None = None,
              deadline_s: float | None = None, max_steps: int | None = None,
              strategies: Sequence[str] = STRATEGIES, relay: bool = True,
              servers: Sequence[int] | None = None, datasets: Sequence[DataSetSpec] = (),
              epochs: float | None = None) -> OptimizeResult:
     """The best plan over node subsets x strategies x server placements for `goal`, within the
-    budget and deadline; `servers` limits where a parameter server may go; the workers' reads of
-    `datasets` (over `max_steps`, else `epochs`, else one epoch) count in the cost."""
+    budget and deadline; `servers` limits where a parameter server may go; `compression` is one
+    spec for every strategy, or each strategy's own (its defaults differ: app.queries.predictions);
+    the workers' reads of `datasets` (over `max_steps`, else `epochs`, else one epoch) count in the cost."""
     goal = _check(candidates, global_batch, goal, budget_usd_per_h, deadline_s, max_steps, strategies, servers)
     search = _Search(candidates, global_batch=global_batch, links=links, task=task, compression=compression,
                      prices=prices, at=at, relay=relay, max_steps=max_steps, strategies=strategies,

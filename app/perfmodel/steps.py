@@ -224,7 +224,7 @@ def grad_bytes(dense_numel: int, chunks: tuple[int, ...], density: float | None,
 
 
 def _chunks(task: TaskSpec, comp: CompressionSpec) -> tuple[int, ...]:
-    return tuple(chunk_sizes(task.sparse_params, comp.pipeline_chunks) if task.sparse_params else [0])
+    return tuple(chunk_sizes(task.sparse_params, min(comp.pipeline_chunks, task.sparse_params)) if task.sparse_params else [0])
 
 
 def ps_step(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,

@@ -29,7 +29,8 @@ from app.planner import Plan, PlanNode
 from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
 from app.queries.profiles import SCRIPT_PREFIX, latest_profiles, task_key
 from app.schemas.runs import CompressionOptions, LocalSgdOptions
-from hybridtrain.contract import VALUE_BYTES, default_outer_delay, is_ps
+from hybridtrain import strategy_defaults
+from hybridtrain.contract import STRATEGIES, VALUE_BYTES, is_ps
 
 # The profile fields without which the model cannot size a step.
 _REQUIRED = ("params", "dense_params", "samples_per_s")
@@ -38,7 +39,8 @@ _REQUIRED = ("params", "dense_params", "samples_per_s")
 @dataclass(frozen=True)
 class ModelInputs:
     """Everything the model needs for some nodes: their specs, pricing and sites, the links
-    between them, the task's size, the run's compression settings and the prices."""
+    between them, the task's size, the run's compression settings as each strategy would run
+    them (`compression_spec`) and the prices."""
 
     specs: dict[int, NodeSpec]
     usages: dict[int, NodeUsage]
@@ -46,7 +48,7 @@ class ModelInputs:
     links: dict[tuple[int, int], LinkSpec]
     measured_at: dict[tuple[int, int], datetime | None]
     task: TaskSpec
-    compression: CompressionSpec
+    compressions: dict[str, CompressionSpec]
     prices: PriceLookup
     at: datetime
     max_steps: int | None
@@ -65,28 +67,32 @@ class ModelInputs:
                              epochs=self.epochs, prices=self.prices, at=self.at)
 
 
-def compression_spec(options: CompressionOptions | None, *, eval_every: int | None,
+def compression_spec(strategy: str, options: CompressionOptions | None, *, eval_every: int | None,
                      local_sgd: LocalSgdOptions | None = None) -> CompressionSpec:
-    """The model's view of a run's compression and local SGD options (the trainer's defaults
-    where unset)."""
-    spec = CompressionSpec()
+    """The model's view of a run's compression and local SGD options under `strategy`, as its
+    trainer runs them (trainer.run_options): the strategy's defaults where unset
+    (hybridtrain.strategy_defaults), the trainer's own for the rest."""
+    given = {"compression": options.model_dump(exclude_none=True) if options else {},
+             "local_sgd": local_sgd.model_dump(exclude_none=True) if local_sgd else {}}
+    sections = strategy_defaults.effective(strategy, given)
     changes: dict[str, Any] = {}
     if eval_every is not None:
         changes["eval_every"] = eval_every
-    if options is not None:
-        for name in ("density", "density_min", "density_max", "server_k_fraction", "warmup_steps",
-                     "pipeline_chunks", "compressor", "powersgd_rank"):
-            value = getattr(options, name)
-            if value is not None:
-                changes[name] = value
-        if options.value_dtype is not None:
-            changes["value_bytes"] = VALUE_BYTES[options.value_dtype]
-    if local_sgd is not None:
-        changes |= {name: getattr(local_sgd, name) for name in ("sync_every", "outer_density", "outer_delay")
-                    if getattr(local_sgd, name) is not None}
-    # As the trainer does (trainer.run_options): an unset overlap is the default one for its H.
-    changes.setdefault("outer_delay", default_outer_delay(changes.get("sync_every", spec.sync_every)))
-    return replace(spec, **changes)
+    compression = sections["compression"]
+    changes |= {name: compression[name] for name in ("density", "density_min", "density_max", "server_k_fraction",
+                                                     "warmup_steps", "pipeline_chunks", "compressor", "powersgd_rank")
+                if name in compression}
+    if "value_dtype" in compression:
+        changes["value_bytes"] = VALUE_BYTES[compression["value_dtype"]]
+    changes |= {name: sections["local_sgd"][name] for name in ("sync_every", "outer_density", "outer_delay")
+                if name in sections["local_sgd"]}
+    return replace(CompressionSpec(), **changes)
+
+
+def compression_specs(options: CompressionOptions | None, *, eval_every: int | None,
+                      local_sgd: LocalSgdOptions | None = None) -> dict[str, CompressionSpec]:
+    """`compression_spec` under every strategy (the side-by-side plans and the optimizer try each)."""
+    return {s: compression_spec(s, options, eval_every=eval_every, local_sgd=local_sgd) for s in STRATEGIES}
 
 
 def _profile_call(task: str, task_args: dict[str, Any], bundle_sha256: str | None, node_ids: list[int]) -> str:
@@ -140,7 +146,7 @@ def model_inputs(
         links={k: LinkSpec(e.mbps, e.rtt_ms, e.source) for k, e in estimates.items()},
         measured_at={k: e.measured_at for k, e in estimates.items()},
         task=task_spec,
-        compression=compression_spec(compression, eval_every=eval_every, local_sgd=local_sgd),
+        compressions=compression_specs(compression, eval_every=eval_every, local_sgd=local_sgd),
         prices=CachedPriceLookup(DbPriceLookup(session)),
         at=at or datetime.now(UTC),
         max_steps=max_steps,
@@ -170,7 +176,7 @@ def usable_profile(profile: Any) -> bool:
 
 def _priced(inputs: ModelInputs, strategy: str, workers: list[tuple[NodeSpec, int]], server: NodeSpec | None):
     prediction = predict(strategy, workers=workers, server=server, links=inputs.links, task=inputs.task,
-                         compression=inputs.compression, relay=True, max_steps=inputs.max_steps)
+                         compression=inputs.compressions[strategy], relay=True, max_steps=inputs.max_steps)
     node_ids = {w.node_id for w, _ in workers} | ({server.node_id} if server is not None else set())
     reads = inputs.reads([w.node_id for w, _ in workers], sum(n for _, n in workers))
     costs = predict_costs(prediction, nodes=[inputs.usages[i] for i in node_ids], prices=inputs.prices,
@@ -248,7 +254,7 @@ def run_optimizer(inputs: ModelInputs, *, node_ids: Sequence[int], servers: Sequ
     if any(is_ps(s) for s in (strategies or ("ps",))):
         kwargs["servers"] = list(servers)
     return optimize(candidates, global_batch=global_batch, goal=goal, links=inputs.links, task=inputs.task,
-                    prices=inputs.prices, at=inputs.at, compression=inputs.compression,
+                    prices=inputs.prices, at=inputs.at, compression=inputs.compressions,
                     budget_usd_per_h=budget_usd_per_h, deadline_s=deadline_s, max_steps=inputs.max_steps,
                     relay=True, datasets=inputs.datasets, epochs=inputs.epochs, **kwargs)
 

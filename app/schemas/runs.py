@@ -232,9 +232,15 @@ class RunPublic(PublicSchema):
     seed: int
     allocation: str
     device: str
-    compression: dict[str, Any]
+    compression: dict[str, Any] = Field(description="the exchange's options as given (effective_options: as run)")
     local_sgd: dict[str, Any] = Field(default_factory=dict, description="local SGD's outer-step options as given")
     rebalance_every: int | None
+    effective_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="compression, local_sgd and rebalance_every as the trainer runs them: those given, and "
+        "the strategy's defaults (the paper benchmark's configuration, docs/user-guide.md) where unset; "
+        "an option in neither is the trainer's own default, the same for every strategy",
+    )
     eval_every: int | None
     cluster_id: int | None
     ps_node_id: int | None

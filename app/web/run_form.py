@@ -19,7 +19,8 @@ from app.schemas.predictions import OptimizeRequest, OptimizeResultPublic, PlanW
 from app.schemas.runs import RunCreate
 from app.perfmodel.provenance import input_lines
 from app.web import forms
-from hybridtrain.contract import DEFAULT_TASK, is_ps
+from hybridtrain.contract import DEFAULT_STRATEGY, DEFAULT_TASK, STRATEGIES, is_ps
+from hybridtrain.strategy_defaults import defaults
 
 TEXT_FIELDS = (
     "name", "place", "cluster_id", "strategy", "kind", "task", "task_args", "bundle_sha256", "script",
@@ -45,7 +46,7 @@ LOCAL_SGD_FLOATS = ("outer_lr", "outer_momentum", "outer_density")
 # The request's option sections, each a group of the form's fields named SECTION_OPTION.
 SECTIONS = ("compression", "local_sgd")
 DEFAULTS = {
-    "place": "nodes", "strategy": "ps-bz-gc", "kind": "task", "task": DEFAULT_TASK, "task_args": "",
+    "place": "nodes", "strategy": DEFAULT_STRATEGY, "kind": "task", "task": DEFAULT_TASK, "task_args": "",
     "global_batch_size": "64", "length": "steps", "max_steps": "300", "device": "auto",
     "seed": "0", "allocation": "", "compression_error_feedback": "",
     "compression_momentum_correction": "", "at_target": "stop", "suggest_goal": "cost",
@@ -54,6 +55,12 @@ DEFAULTS = {
 }
 # Above this share of the bill, the preview calls egress out: it is then the cost to cut.
 EGRESS_CALLOUT_SHARE = 1 / 3
+
+
+def strategy_placeholders() -> dict[str, dict[str, str]]:
+    """Each strategy's defaults (hybridtrain.strategy_defaults) by form field: the placeholders of
+    the form's blank fields, switched with its strategy."""
+    return {s: {path.replace(".", "_"): f"{value:g}" for path, value in defaults(s).items()} for s in STRATEGIES}
 
 
 def field_name(loc: str) -> str:

@@ -57,7 +57,7 @@ class FaultSettings:
     standalone_seconds: float = 8.0
     # `ps-bz-gc` as the paper benchmark runs it: the batch re-split every N steps from measured
     # compute and compression times, so that a survivor whose compression is slow on its
-    # quota'd CPU is not the one every step waits for (None: the split of the given speeds).
+    # quota'd CPU is not the one every step waits for (None: the strategy's default, 5).
     rebalance_every: int | None = FULL.rebalance_every
     # The cloud site's gradients combined at its relay (`compression.aggregate_at_sites`).
     aggregate_at_sites: bool = False

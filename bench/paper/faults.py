@@ -224,7 +224,7 @@ def _body(s: FaultSettings, node_ids: list[int], ps_node_id: int | None, name: s
     body["name"] = name
     body["checkpoint_every"] = s.checkpoint_every
     if s.aggregate_at_sites:
-        body["compression"] = {**body["compression"], "aggregate_at_sites": True}
+        body["compression"] = {**body.get("compression", {}), "aggregate_at_sites": True}
     return body
 
 

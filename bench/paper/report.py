@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
+from hybridtrain.strategy_defaults import effective
 from bench.paper.paper_workloads import chunks_of, split_entry
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
@@ -259,6 +260,16 @@ def section(doc: dict[str, Any], chart_links: list[str]) -> str:
     return "\n".join(lines)
 
 
+def exchange_text(s: dict[str, Any]) -> str:
+    """ps-bz-gc's pipeline, compression and re-split as a part's settings ran them: those the
+    workload set, the strategy's defaults (hybridtrain.strategy_defaults) for the rest."""
+    compression = dict(s.get("compression") or {})
+    if s.get("pipeline_chunks"):
+        compression["pipeline_chunks"] = s["pipeline_chunks"]
+    ran = effective(PS_BZ_GC, {"compression": compression, "rebalance_every": s.get("rebalance_every")})
+    return f"`{json.dumps(ran['compression'], sort_keys=True)}`, re-split every {ran['rebalance_every']} steps"
+
+
 def part_section(doc: dict[str, Any]) -> list[str]:
     """One (testbed, workload) part's subsection: what ran, results, targets, step profile."""
     s = doc["settings"]
@@ -270,8 +281,8 @@ def part_section(doc: dict[str, Any]) -> list[str]:
         (f"Testbed `{tb['name']}` ({tb['description']}); see docs/testbed.md. Workload: task "
          f"`{task}` with args `{json.dumps(task_args)}`, global batch {s['global_batch']}, "
          f"{_seeds_text(doc)}, at most {s['max_steps']} steps, evaluation every "
-         f"{s.get('eval_every') or 'trainer default'} steps, target `{target}`; compression "
-         f"{s['compression'] or 'trainer defaults'}. Throughput is the steady state after "
+         f"{s.get('eval_every') or 'trainer default'} steps, target `{target}`; ps-bz-gc's exchange "
+         f"{exchange_text(s)}. Throughput is the steady state after "
          f"{s['skip_steps']} steps; time to target is the trainer's own (training time, "
          "start-up excluded) less the evaluations before it, which throughput leaves out too."),
         "",

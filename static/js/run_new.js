@@ -23,6 +23,13 @@
     form.querySelectorAll("[data-length]").forEach(function (el) { el.hidden = el.getAttribute("data-length") !== length; });
   }
 
+  // Each strategy's defaults (hybridtrain/strategy_defaults.py) as the blank fields' placeholders.
+  var defaults = JSON.parse(form.getAttribute("data-defaults") || "{}");
+  function syncDefaults() {
+    var shown = defaults[document.getElementById("f-strategy").value] || {};
+    form.querySelectorAll("input[data-default]").forEach(function (input) { input.placeholder = shown[input.name] || ""; });
+  }
+
   function el(tag, attrs, text) {
     var node = document.createElement(tag);
     Object.keys(attrs || {}).forEach(function (k) { node.setAttribute(k, attrs[k]); });
@@ -192,6 +199,7 @@
     explanation.textContent = s.explanation;
     explanation.hidden = false;
     syncSections();
+    syncDefaults();
     preview();
   }
 
@@ -222,7 +230,7 @@
     timer = setTimeout(preview, 250);
   }
 
-  form.addEventListener("change", function () { syncSections(); schedule(); });
+  form.addEventListener("change", function () { syncSections(); syncDefaults(); schedule(); });
   form.addEventListener("input", schedule);
   if (suggestButton) suggestButton.addEventListener("click", suggest);
   form.addEventListener("submit", function () {

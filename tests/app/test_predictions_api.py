@@ -7,6 +7,7 @@ import pytest
 from sqlalchemy import select
 
 from app.models import Run, TaskProfile
+from hybridtrain import strategy_defaults
 from hybridtrain.contract import STRATEGIES
 from predictions_testing import RESULT, TASK, add_profile
 from runs_testing import API, dispatched_fixture, online_node_fixture, run_body, runs_redis_url_fixture  # noqa: F401 (fixtures)
@@ -70,6 +71,21 @@ def test_plan_of_all_strategies_keeps_local_sgds_options_for_its_strategies_and_
     assert list(rare) == list(STRATEGIES)
     assert rare["diloco"]["egress_bytes_per_step"] < often["diloco"]["egress_bytes_per_step"]
     assert rare["ps-bz-gc"] == often["ps-bz-gc"]
+
+
+def test_a_plan_that_leaves_options_unset_predicts_the_strategys_defaults_as_the_trainer_runs_them(client, hybrid):
+    def prediction(**options) -> dict:
+        body = run_body(hybrid, task=TASK, strategy="ps-bz-gc", ps_node_id=hybrid[0].id, **options)
+        response = client.post(f"{API}/runs/plan", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["prediction"]
+
+    given = strategy_defaults.effective("ps-bz-gc", {"compression": {}})
+    unset = prediction()
+    assert unset == prediction(**given)
+    assert unset != prediction(compression=given["compression"] | {"pipeline_chunks": 1})
+    chunks = strategy_defaults.default("ps-bz-gc", "compression.pipeline_chunks")
+    assert any(note.startswith(f"{chunks} pipelined chunks") for note in unset["assumptions"])
 
 
 def test_the_model_places_the_server_where_cloud_uploads_stay_inside_the_cloud(client, hybrid):

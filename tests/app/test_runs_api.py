@@ -16,6 +16,8 @@ from app.models import Node, NodeStatus
 from app.models.base import utcnow
 from app.lifecycle import check_liveness
 from app.queries.runs import get_run
+from hybridtrain import strategy_defaults
+from hybridtrain.strategy_defaults import default
 
 
 def _create(client, body, key=None):
@@ -469,11 +471,33 @@ def test_apply_in_forward_is_sent_to_the_trainers(online_node, client, dispatche
 
 
 @pytest.mark.parametrize("compression, says", [
-    ({"apply_in_forward": True}, "needs compression.pipeline_chunks"),
+    ({"apply_in_forward": True, "pipeline_chunks": 1}, "needs compression.pipeline_chunks"),
 ])
 def test_apply_in_forward_where_it_cannot_work_is_refused(online_node, client, compression, says):
     response = client.post(f"{API}/runs", json=run_body([online_node()], compression=compression))
     assert response.status_code == 422 and says in response.text
+
+
+def test_apply_in_forward_alone_takes_the_strategys_pipeline(online_node, client):
+    # ps-bz-gc's default pipeline has several chunks (hybridtrain.strategy_defaults).
+    assert default("ps-bz-gc", "compression.pipeline_chunks") > 1
+    response = _create(client, run_body([online_node()], compression={"apply_in_forward": True}))
+    assert response.json()["effective_options"]["compression"]["pipeline_chunks"] == default(
+        "ps-bz-gc", "compression.pipeline_chunks")
+
+
+def test_a_run_shows_the_options_it_runs_with_its_strategys_defaults_where_it_gave_none(online_node, client):
+    run = _create(client, run_body([online_node()], strategy="ps-bz-gc", compression={"density": 0.01})).json()
+
+    assert run["compression"] == {"density": 0.01}
+    effective = run["effective_options"]
+    assert effective == strategy_defaults.effective("ps-bz-gc", {"compression": {"density": 0.01}, "local_sgd": {},
+                                                                 "rebalance_every": None})
+    # What was given wins; a density given alone brings its own band; the rest are the table's.
+    assert effective["compression"]["density"] == 0.01
+    assert effective["compression"]["density_max"] == pytest.approx(0.02)
+    assert effective["compression"]["pipeline_chunks"] == default("ps-bz-gc", "compression.pipeline_chunks")
+    assert effective["rebalance_every"] == default("ps-bz-gc", "rebalance_every")
 
 
 @pytest.mark.parametrize("flag", ["aggregate_at_sites", "apply_in_forward"])

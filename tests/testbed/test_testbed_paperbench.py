@@ -16,6 +16,7 @@ from bench.paper.paper_figures import check_targets, combine_seeds, ideal_of_the
 from bench.paper.paper_workloads import (
     FULL,
     QUICK,
+    RESNET18,
     WORKLOADS,
     calibrate,
     calibrated_batch,
@@ -40,6 +41,7 @@ from bench.paper.report import (
     sweep_winners,
     workload,
 )
+from hybridtrain.contract import STRATEGIES
 from testbed.errors import TestbedError
 from testbed.topology import load_config
 
@@ -239,9 +241,9 @@ def test_the_balanced_compute_time_can_be_overridden_and_is_still_calibrated() -
 
 
 def test_pipeline_and_server_k_can_be_overridden_for_an_a_b_comparison() -> None:
-    s = with_overrides(FULL, argparse.Namespace(pipeline_chunks=1, server_k_fraction=0.5))
+    s = with_overrides(RESNET18, argparse.Namespace(pipeline_chunks=1, server_k_fraction=0.5))
     assert s.pipeline_chunks == 1 and s.compression["server_k_fraction"] == 0.5
-    assert s.compression["density"] == FULL.compression["density"]
+    assert s.compression["density"] == RESNET18.compression["density"]
 
 
 def test_every_parameter_server_strategy_gets_the_same_pipeline() -> None:
@@ -274,7 +276,8 @@ def test_a_workload_of_the_users_own_code_is_measured_and_run_from_its_directory
     assert (workdir_of(CHARLM) / "charlm.py").is_file()
     body = run_body("diloco", CHARLM, [1, 2], 3, "t", "ab" * 32)
     assert body["bundle_sha256"] == "ab" * 32 and body["task"] == "charlm:task"
-    assert body["local_sgd"] == {"sync_every": 20} and "compression" not in body
+    # Its 1.1 MB gradient is sent in one piece, not the default's four.
+    assert body["local_sgd"] == {"sync_every": 20} and body["compression"] == {"pipeline_chunks": 1}
 
 
 def test_the_docs_section_has_a_subsection_per_workload_and_testbed_naming_task_and_target() -> None:
@@ -516,6 +519,27 @@ def test_the_run_configs_in_bench_hold_what_the_benchmark_runs(strategy) -> None
     RunCreate.model_validate({**config, "name": "r", "node_ids": [1]})
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_paper_workload_runs_each_strategys_defaults(strategy) -> None:
+    # The benchmarked configuration is what a run launched with the defaults gets: the workload
+    # sets none of what hybridtrain.strategy_defaults sets, but H (its runs are 50 steps long).
+    from hybridtrain.strategy_defaults import defaults
+
+    body = run_body(strategy, FULL, [1], 9, "t")
+    given = {f"{section}.{name}" for section in ("compression", "local_sgd") for name in body.get(section, {})}
+    given |= {"rebalance_every"} & body.keys()
+    assert given & defaults(strategy).keys() <= {"local_sgd.sync_every"}
+
+
+@pytest.mark.parametrize("workload", [*WORKLOADS, "quick"])
+def test_every_workloads_run_is_a_valid_request_for_every_strategy(workload) -> None:
+    from app.schemas.runs import RunCreate
+
+    settings = QUICK if workload == "quick" else WORKLOADS[workload]
+    for strategy in STRATEGIES:
+        RunCreate.model_validate(run_body(strategy, settings, [1, 2], 3, "t") | {"name": "r"})
+
+
 def test_local_sgd_targets_compare_with_the_ideal_ps_bz_gc_and_allreduce() -> None:
     results = {"ps-bz-gc": {"samples_per_s": 270.0, "tta_s": 40.0, "wan_bytes_per_sample": 4e4},
                "allreduce": {"samples_per_s": 130.0, "tta_s": 80.0, "wan_bytes_per_sample": 5e6},
@@ -551,9 +575,9 @@ def test_a_delay_variant_overlaps_a_local_sgd_strategys_outer_exchange() -> None
     from bench.paper.paper_workloads import strategy_variant, variant_body
 
     assert strategy_variant("diloco+delay3") == ("diloco", "delay3")
-    body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay3")
-    assert body["compression"] == {"pipeline_chunks": 4}
-    assert body["local_sgd"] == {"sync_every": 10, "outer_delay": 3}
+    body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay0")
+    assert "compression" not in body
+    assert body["local_sgd"] == {"sync_every": 10, "outer_delay": 0}
     assert variant_body(run_body("diloco", FULL, [1], 9, "t"), "delay5")["local_sgd"]["outer_delay"] == 5
     with pytest.raises(TestbedError, match="local SGD"):
         strategy_variant("ps-bz-gc+delay3")
@@ -664,7 +688,7 @@ def test_every_local_sgd_run_of_the_quick_smoke_is_one_the_api_takes() -> None:
         strategy, variant = entry.partition("+")[::2]
         body = variant_body(run_body(strategy, QUICK, [1, 2, 3, 4], 9, "t"), variant)
         RunCreate.model_validate(body)
-        assert body["local_sgd"]["outer_delay"] < body["local_sgd"]["sync_every"] == 2
+        assert body["local_sgd"].get("outer_delay", 0) < body["local_sgd"]["sync_every"] == 2
 
 
 def test_a_replicas_variant_makes_each_site_one_replica_of_a_local_sgd_strategy() -> None:
@@ -674,7 +698,7 @@ def test_a_replicas_variant_makes_each_site_one_replica_of_a_local_sgd_strategy(
     body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "replicas")
     assert body["name"].endswith("-replicas")
     # The workload's own local SGD settings stay: the variant differs from plain diloco in this only.
-    assert body["local_sgd"] == {"sync_every": 10, "outer_delay": 3, "site_replicas": True}
-    TrainOptions.model_validate({k: body[k] for k in ("strategy", "local_sgd", "compression")})
+    assert body["local_sgd"] == {"sync_every": 10, "site_replicas": True}
+    TrainOptions.model_validate({k: body[k] for k in ("strategy", "local_sgd", "compression") if k in body})
     with pytest.raises(TestbedError, match="local SGD"):
         strategy_variant("ps-bz-gc+replicas")

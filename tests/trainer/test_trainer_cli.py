@@ -9,6 +9,8 @@ import time
 import pytest
 from trainer_testing import DIGITS, read_metrics, replica_hashes, run_cli, series, with_replica_script
 
+from hybridtrain.contract import STRATEGIES
+from hybridtrain.strategy_defaults import defaults
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.launch import free_port
 from trainer_testing import ROOT
@@ -39,7 +41,8 @@ def test_cli_exits_zero_and_writes_wire_format_metrics(gc_run):
         assert set(r) - {"peer"} == {"rank", "role", "step", "t", "name", "value", "stream", "seq"}
         assert ("peer" in r) == r["name"].startswith("bytes_")
         assert r["role"] == ("ps" if r["rank"] == 0 else "worker")
-    assert series(records, "batch_size", 1)[10] == 25 and series(records, "batch_size", 3)[10] == 8
+    # The run starts from the split of --speeds (the default then re-splits it from measured times).
+    assert series(records, "batch_size", 1)[1] == 25 and series(records, "batch_size", 3)[1] == 8
     # Every byte a worker sent to the server was received by it, step by step.
     sent = {(r["step"], r["rank"]): r["value"] for r in records if r["name"] == "bytes_sent" and r["rank"] > 0}
     recv = {(r["step"], r["peer"]): r["value"] for r in records if r["name"] == "bytes_recv" and r["rank"] == 0}
@@ -70,7 +73,7 @@ def test_ps_bz_gc_reaches_within_one_point_of_ps_accuracy(gc_run, tmp_path):
 def test_resume_from_a_checkpoint_continues_the_loss_curve(tmp_path):
     # A fixed density (min = max) makes the run deterministic, so the curves must coincide.
     args = [*FAST, "--strategy", "ps-gc", "--workers", "2", "--max-steps", "30", "--eval-every", "30",
-            "--density-min", "0.01", "--density-max", "0.01", "--checkpoint-every", "15",
+            "--density", "0.01", "--density-min", "0.01", "--density-max", "0.01", "--checkpoint-every", "15",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     full = run_cli(*args, "--metrics-out", str(tmp_path / "full.jsonl"))
     assert full.returncode == 0, full.stderr
@@ -141,6 +144,26 @@ def test_the_removed_overlap_flag_is_refused():
 def _config(*argv: str):
     parser = build_parser()
     return config_from_args(parser.parse_args(list(argv)), parser)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_run_that_names_no_option_gets_its_strategys_defaults(strategy):
+    cfg = _config("--strategy", strategy)
+    fields = {path.rpartition(".")[2]: value for path, value in defaults(strategy).items()}
+    assert {name: getattr(cfg, name) for name in fields} == fields
+
+
+def test_a_flag_given_at_the_trainers_own_default_is_kept_over_the_strategys():
+    cfg = _config("--strategy", "ps-bz-gc", "--pipeline-chunks", "1", "--density", "0.01", "--warmup-steps", "5")
+    assert (cfg.pipeline_chunks, cfg.density, cfg.warmup_steps) == (1, 0.01, 5)
+    # A density given alone brings its band with it, not the default's bounds.
+    assert cfg.densities[1:3] == pytest.approx((0.004, 0.02))
+
+
+def test_a_strategy_that_re_splits_by_default_starts_from_the_given_split_and_refines_it():
+    assert (_config("--strategy", "ps-bz-gc").allocation, _config("--strategy", "ps").allocation) == ("measured", "equal")
+    assert _config("--strategy", "ps", "--rebalance-every", "3").allocation == "measured"
+    assert _config("--strategy", "ps-bz-gc", "--allocation", "flops").allocation == "flops"
 
 
 def test_options_json_makes_the_same_config_as_the_flags_it_stands_for():

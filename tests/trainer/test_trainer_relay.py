@@ -9,7 +9,7 @@ import pytest
 import torch
 from trainer_testing import RankLost, run_in_process, sgd, tiny_mlp
 
-from trainer.algorithm import Layout, chunks
+from trainer.algorithm import Layout, chunk_count, chunks
 from trainer.config import TrainConfig, initial_batch_sizes
 from trainer.metrics import MetricsLogger
 from trainer.ps import PSClient
@@ -91,6 +91,12 @@ def test_the_compressed_part_splits_into_near_equal_chunks_that_tile_it():
     assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
     with pytest.raises(ValueError, match="chunks"):
         chunks(layout.sparse_numel, layout.sparse_numel + 1)
+
+
+def test_a_model_smaller_than_the_pipeline_is_cut_into_as_many_chunks_as_it_has_compressed_elements():
+    # The default pipeline's chunks meet models with few or no compressed elements (all dense).
+    assert [chunk_count(n, 4) for n in (0, 1, 3, 4, 10**6)] == [1, 1, 3, 4, 4]
+    assert chunks(0, chunk_count(0, 4)) == ((0, 0),)
 
 
 def test_a_pipelined_step_learns_exactly_what_a_whole_step_learns_when_nothing_is_dropped():

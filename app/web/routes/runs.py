@@ -93,6 +93,7 @@ def _form_page(
         "cluster_options": [(c.id, c.name) for c in session.scalars(select(Cluster).order_by(Cluster.name))],
         "ps_options": [(n.id, f"{n.name} ({n.site.name})") for n in nodes],
         "strategy_options": [(s, s) for s in STRATEGIES],
+        "defaults": run_form.strategy_placeholders(),
         "bundle_options": [
             (b.sha256, f"{b.filename or 'bundle'} · {b.sha256[:12]} · {b.created_at:%Y-%m-%d %H:%M}")
             for b in list_bundles(session, skip=0, limit=BUNDLE_CHOICES)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import re
 import tarfile
 import uuid
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from app.schemas.runs import MetricRecord
 from app.queries.nodes import node_by_join_token
 from app.web import run_form
 from app.web.assets import plotly_js_path
+from hybridtrain.strategy_defaults import default
 from tests.app.web.conftest import ROOT, PageClient, field_errors
 from tests.app.web.run_seed import seed_run
 
@@ -279,3 +281,34 @@ def test_run_page_and_api_show_the_first_epoch_warming_the_caches_from_stored_me
         dataset.name, "warming", 12, 120 * 10**6)
     [by_site] = warmup["sites"]
     assert by_site["site_cache_bytes"] == 100 * 10**6 and len(by_site["node_ids"]) == 2
+
+
+def test_run_page_shows_the_options_it_runs_with_marking_its_strategys_defaults(admin_page: PageClient,
+                                                                                 session: Session) -> None:
+    run = seed_run(session, steps=10, workers=2, finished=True)  # ps-bz-gc, compression {"density": 0.01}
+
+    page = admin_page.get(f"/runs/{run.run_id}").text
+
+    compression = page.split('id="run-compression">')[1].split("</strong>")[0]
+    assert compression.startswith("density=0.01,")  # given: no mark
+    chunks = default("ps-bz-gc", "compression.pipeline_chunks")
+    assert f'pipeline_chunks={chunks}<span class="muted"> (default)</span>' in compression
+    rebalance = page.split('id="run-rebalance">')[1].split("</strong>")[0]
+    assert rebalance.startswith(f"{default('ps-bz-gc', 'rebalance_every')} steps") and "(default)" in rebalance
+
+
+def test_launch_form_shows_the_chosen_strategys_defaults_as_placeholders(admin_page: PageClient) -> None:
+    page = admin_page.get("/runs/new").text
+
+    def placeholder(name: str) -> str:
+        found = re.search(rf'name="{name}"[^>]*placeholder="([^"]*)"', page)
+        assert found, name
+        return found.group(1)
+
+    assert placeholder("compression_pipeline_chunks") == str(default("ps-bz-gc", "compression.pipeline_chunks"))
+    assert placeholder("rebalance_every") == str(default("ps-bz-gc", "rebalance_every"))
+    assert placeholder("local_sgd_sync_every") == ""  # not an option of ps-bz-gc's
+    # The page switches them with the strategy (static/js/run_new.js) from every strategy's own.
+    assert run_form.strategy_placeholders()["diloco"]["local_sgd_outer_delay"] == str(default("diloco", "local_sgd.outer_delay"))
+    assert "data-defaults=" in page
+
