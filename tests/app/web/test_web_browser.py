@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import text
 
 from app.run_secrets import run_metrics_token
+from hybridtrain.strategy_defaults import default
 from tests.app.web.conftest import LiveServer, screenshot, sign_in_browser
 from tests.app.web.run_seed import now_t, seed_run, step_records
 
@@ -108,6 +109,17 @@ def test_an_invalid_launch_shows_the_error_beside_the_field_and_keeps_the_input(
     assert page.input_value("#f-name") == "too-small-batch"
     assert page.input_value("#f-global_batch_size") == "0"
     assert page.input_value("#f-task_args") == '{"lr": 0.05}'
+
+
+def test_the_launch_forms_blank_fields_show_the_chosen_strategys_defaults(page, live_server: LiveServer) -> None:
+    sign_in_browser(page, next_path="/runs/new")
+    chunks = str(default("ps-bz-gc", "compression.pipeline_chunks"))
+    assert page.get_attribute("#f-compression_pipeline_chunks", "placeholder") == chunks
+    page.select_option("#f-strategy", "diloco")
+    assert page.get_attribute("#f-local_sgd_outer_delay", "placeholder") == str(default("diloco", "local_sgd.outer_delay"))
+    assert page.get_attribute("#f-compression_density", "placeholder") == ""  # diloco's density is outer_density
+    page.select_option("#f-strategy", "allreduce")
+    assert page.get_attribute("#f-compression_pipeline_chunks", "placeholder") == ""
 
 
 def test_a_finished_run_of_10000_steps_and_4_workers_opens_in_under_2_s(page, live_server: LiveServer) -> None:
