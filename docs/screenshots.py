@@ -339,7 +339,7 @@ class Agent:
     heartbeating its roles and GPU readings, reporting their starts and exits."""
 
     def __init__(self, url: str, spec: NodeSpec, node_id: int, join_token: str) -> None:
-        from agents.agent import new_agent_token
+        from agents.state import new_agent_token
         from agents.client import ControlPlaneClient
         from agents.hardware import GpuDevice, Hardware
 

@@ -8,7 +8,8 @@ import hashlib
 import pytest
 from agent_testing import FakeControlPlane
 
-from agents.agent import Agent, AgentState
+from agents.agent import Agent
+from agents.state import AgentState
 from agents.celery_app import redact_url
 from agents.client import ControlPlaneClient
 from agents.config import AgentSettings
