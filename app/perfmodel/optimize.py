@@ -13,8 +13,8 @@ among the plans within `budget_usd_per_h` (egress + compute + the data sets' rea
 the run) and finishing `max_steps` within `deadline_s`. The data sets' reads
 (`app.perfmodel.data.predict_reads`: bytes fetched from each store by a site's cache, else by
 each node, times the epochs fetched, priced by traffic class) count in $/h and $/1M samples, so
-with the data in one cloud a plan near it can come out cheapest. Its explanation compares it, in
-numbers a person can check, with the best plan on all the candidates, says where the server went
+with the data in one cloud a plan near it can come out cheapest. Its explanation (`app.perfmodel.explain`) compares it,
+in numbers a person can check, with the best plan on all the candidates, says where the server went
 and what the next-best server would cost, and what the data sets' reads cost.
 
 Inputs:
@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
-from app.billing import BYTES_PER_GB, NodeUsage, PriceLookup, Site
+from app.billing import NodeUsage, PriceLookup, Site
 from app.errors import InvalidFieldError
 from app.perfmodel.data import NO_READS, DataCache, DataReads, DataSetSpec, predict_reads
+from app.perfmodel.explain import describe, explain
 from app.perfmodel.predict import (
     CompressionSpec,
     CostPrediction,
@@ -256,7 +257,9 @@ def optimize(candidates: Sequence[Candidate], *, global_batch: int, goal: Goal |
     baseline = min(all_plans, key=key) if all_plans else None
     left_out = tuple(i for i in ids if i not in best.node_ids)
     runners = tuple(_runners_up(fitting, best))
-    return OptimizeResult(best, baseline, _explain(best, baseline, goal, search), goal, len(search.cache),
+    why = explain(best, baseline, goal, next_server=_next_server(best, goal, search),
+                  ruled_out=_why_not(baseline, search))
+    return OptimizeResult(best, baseline, why, goal, len(search.cache),
                           left_out, runners)
 
 
@@ -330,11 +333,11 @@ def _no_plan(plans: list[PlanChoice], budget: float | None, deadline: float | No
         cheapest = min(plans, key=lambda p: (p.usd_per_h, -p.prediction.samples_per_s))
         return NoPlanError("budget_usd_per_h",
                            f"budget_usd_per_h: no plan costs at most ${budget:.2f}/h; the cheapest is "
-                           f"{_describe(cheapest)} at ${cheapest.usd_per_h:.2f}/h", cheapest)
+                           f"{describe(cheapest)} at ${cheapest.usd_per_h:.2f}/h", cheapest)
     fastest = min(within, key=lambda p: (p.prediction.time_to_max_steps_s or math.inf, p.usd_per_h))
     return NoPlanError("deadline_s",
                        f"deadline_s: no plan{' within the budget' if budget is not None else ''} finishes in "
-                       f"{deadline:.0f} s; the fastest is {_describe(fastest)} in "
+                       f"{deadline:.0f} s; the fastest is {describe(fastest)} in "
                        f"{fastest.prediction.time_to_max_steps_s:.0f} s at ${fastest.usd_per_h:.2f}/h", fastest)
 
 
@@ -348,119 +351,23 @@ def _runners_up(fitting: list[PlanChoice], best: PlanChoice) -> list[PlanChoice]
     return out
 
 
-# -- the explanation --------------------------------------------------------------------------
+def _next_server(best: PlanChoice, goal: Goal, search: _Search) -> PlanChoice | None:
+    """The best plan of `best`'s strategy and nodes with the server anywhere else, if it has one."""
+    if best.server_node_id is None:
+        return None
+    alts = [search.plan(best.strategy, best.node_ids, s) for s in search.servers if s != best.server_node_id]
+    return min(alts, key=_key(goal)) if alts else None
 
 
-def _names(p: PlanChoice, ids: Sequence[int]) -> str:
-    names = p.prediction.node_names
-    return ", ".join(names.get(i, str(i)) for i in ids)
-
-
-def _describe(p: PlanChoice) -> str:
-    where = f" with the server on {p.prediction.node_names[p.server_node_id]}" if p.server_node_id is not None else ""
-    return f"{p.strategy} on {_names(p, p.node_ids)}{where}"
-
-
-def _g(p: PlanChoice) -> str:
-    g = p.prediction.granularity
-    return "unbounded" if g is None else f"{g:.1f}"
-
-
-def _change(before: float, after: float, *, unit: str) -> str:
-    if before == after or not (math.isfinite(before) and math.isfinite(after)) or before == 0:
-        return f"keeps {unit} at {after:.3g}"
-    pct = abs(after - before) / before * 100
-    verb = "raises" if after > before else "lowers"
-    return f"{verb} {unit} by {pct:.0f}% ({before:.3g} -> {after:.3g})"
-
-
-def _two(a: float, b: float) -> tuple[str, str] | None:
-    """`a` and `b` with 3 significant digits, or as many more (up to 6) as tell them apart;
-    None when 6 do not."""
-    for digits in range(3, 7):
-        x, y = f"{a:.{digits}g}", f"{b:.{digits}g}"
-        if x != y:
-            return x, y
-    return None
-
-
-def _gb(n: float) -> str:
-    return f"{n / BYTES_PER_GB:.3g} GB"
-
-
-def _data_sentence(best: PlanChoice, baseline: PlanChoice | None) -> str:
-    """What the data sets' reads cost on `best`, by traffic class, and on the baseline's nodes
-    where that differs."""
-    by_class: dict[str, int] = {}
-    for r in best.reads.reads:
-        by_class[r.traffic_class] = by_class.get(r.traffic_class, 0) + r.bytes
-    classes = ", ".join(f"{_gb(b)} {c.replace('_', '-')}" for c, b in by_class.items())
-    out = f"Reading the data sets costs ${best.costs.data_usd:.3g} over the run here ({classes})"
-    if baseline is not None and baseline.node_ids != best.node_ids \
-            and abs(baseline.costs.data_usd - best.costs.data_usd) > 5e-7:
-        out += f", against ${baseline.costs.data_usd:.3g} on every candidate"
-    return out + "."
-
-
-def _explain(best: PlanChoice, baseline: PlanChoice | None, goal: Goal, search: _Search) -> str:
-    parts = []
-
-    def cost_phrase(a: PlanChoice, b: PlanChoice) -> str:
-        return _change(a.usd_per_million, b.usd_per_million, unit="$/1M samples")
-
-    def speed_phrase(a: PlanChoice, b: PlanChoice) -> str:
-        return _change(a.prediction.samples_per_s, b.prediction.samples_per_s, unit="samples/s")
-
-    main = cost_phrase if goal is Goal.cost else speed_phrase
-    other = speed_phrase if goal is Goal.cost else cost_phrase
+def _why_not(baseline: PlanChoice | None, search: _Search) -> str:
+    """Why the plan on every candidate was not chosen, when a limit ruled it out."""
     if baseline is None:
-        parts.append(f"{_describe(best)} is the best plan for {goal.value} "
-                     f"(the global batch is too small to use every candidate).")
-    elif baseline is best:
-        parts.append(f"{_describe(best)}: every candidate is worth using "
-                     f"(granularity {_g(best)}, ${best.usd_per_million:.3g}/1M samples, "
-                     f"{best.prediction.samples_per_s:.3g} samples/s).")
-    else:
-        left = [i for i in baseline.node_ids if i not in best.node_ids]
-        change = []
-        if left:
-            change.append(f"leaving out {_names(baseline, left)}")
-        if best.strategy != baseline.strategy:
-            change.append(f"running {best.strategy} instead of {baseline.strategy}")
-        if best.server_node_id != baseline.server_node_id and best.server_node_id is not None \
-                and baseline.server_node_id is not None:
-            change.append(f"moving the server from {baseline.prediction.node_names[baseline.server_node_id]} "
-                          f"to {best.prediction.node_names[best.server_node_id]}")
-        what = " and ".join(change) or "this plan"
-        why = ""
-        if not _fits(baseline, search.budget, None):
-            why = f" (${baseline.usd_per_h:.3g}/h, over the budget)"
-        elif not _fits(baseline, None, search.deadline):
-            why = f" ({baseline.prediction.time_to_max_steps_s:.0f} s, past the deadline)"
-        parts.append(f"Compared with {_describe(baseline)}{why}, {what} changes granularity from {_g(baseline)} "
-                     f"to {_g(best)}, {main(baseline, best)} and {other(baseline, best)}.")
-    if best.server_node_id is not None:
-        alts = [search.plan(best.strategy, best.node_ids, s) for s in search.servers if s != best.server_node_id]
-        if alts:
-            alt = min(alts, key=_key(goal))
-            here = best.prediction.node_names[best.server_node_id]
-            there = alt.prediction.node_names[alt.server_node_id]
-            if goal is Goal.cost:
-                pair, unit, sign = _two(alt.usd_per_million, best.usd_per_million), "per 1M samples", "$"
-                same = f"${best.usd_per_million:.3g}"
-            else:
-                pair, unit, sign = _two(alt.prediction.samples_per_s, best.prediction.samples_per_s), "samples/s", ""
-                same = f"{best.prediction.samples_per_s:.3g}"
-            metric = (f"{sign}{pair[0]} rather than {sign}{pair[1]} {unit}" if pair
-                      else f"the same {same} {unit} (a tie, broken by the other goal, then by order)")
-            parts.append(f"The server goes on {here}: on {there}, the next best place, it would give {metric}, "
-                         f"with egress at ${alt.costs.egress_usd_per_h:.3g}/h rather than "
-                         f"${best.costs.egress_usd_per_h:.3g}/h.")
-    if best.reads.reads:
-        parts.append(_data_sentence(best, baseline))
-    if best.costs.unpriced:
-        parts.append(f"No price is in force for {'; '.join(best.costs.unpriced)}: counted as $0.")
-    return " ".join(parts)
+        return ""
+    if not _fits(baseline, search.budget, None):
+        return f"${baseline.usd_per_h:.3g}/h, over the budget"
+    if not _fits(baseline, None, search.deadline):
+        return f"{baseline.prediction.time_to_max_steps_s:.0f} s, past the deadline"
+    return ""
 
 
 __all__ = ["Candidate", "EXHAUSTIVE_MAX", "Goal", "NoPlanError", "OptimizeResult", "PlanChoice", "optimize"]
