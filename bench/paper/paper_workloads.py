@@ -150,8 +150,8 @@ def quick(full: BenchSettings) -> BenchSettings:
         task=full.task, task_args=full.task_args, workdir=full.workdir, global_batch=full.global_batch // 2,
         max_steps=4,
         target="accuracy>=0.2", compression=full.compression, pipeline_chunks=full.pipeline_chunks,
-        # An outer step every 2 steps; the default overlap follows H (1 here), a given one must stay below it.
-        local_sgd=full.local_sgd | {"sync_every": 2} | ({"outer_delay": 1} if full.local_sgd.get("outer_delay") else {}),
+        # An outer step every 2 steps; the default overlap follows H (1 here).
+        local_sgd=full.local_sgd | {"sync_every": 2},
         skip_steps=1, standalone_seconds=2.0, run_timeout_s=180.0,
     )
 
