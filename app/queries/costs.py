@@ -240,11 +240,13 @@ def run_bill(
     now: datetime | None = None,
     links: dict[tuple[int, int], int] | None = None,
     samples: int | None = None,
+    prices: PriceLookup | None = None,
 ) -> Bill:
-    """The bill of `run` so far at the prices in force at its start; unpriced items count as $0."""
+    """The bill of `run` so far at the prices in force at its start; unpriced items count as $0.
+    `prices`: a lookup the caller shares with its other pricing (one query per key and instant)."""
     usage = run_usage(session, run=run, now=now, links=links, samples=samples)
     # strict=False: a live view must not fail for one missing price; the bill lists it instead.
-    return compute_bill(usage, DbPriceLookup(session), strict=False)
+    return compute_bill(usage, prices or CachedPriceLookup(DbPriceLookup(session)), strict=False)
 
 
 def _sums_by_rank(

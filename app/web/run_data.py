@@ -192,9 +192,9 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     t0 = run_t0(session, run)
     eval_names = evaluation_names(session, run)
     data = run_series(session, run, names=(*SERIES_NAMES, *eval_names))
-    rates, unpriced = link_rates(
-        costs.run_sites_by_rank(session, run=run), costs.DbPriceLookup(session), costs.run_priced_at(run)
-    )
+    # One lookup for the links and the bill: each asks the same few prices for every pair of ranks.
+    prices = costs.CachedPriceLookup(costs.DbPriceLookup(session))
+    rates, unpriced = link_rates(costs.run_sites_by_rank(session, run=run), prices, costs.run_priced_at(run))
     egress_series, _ = cumulative_by_class(data.link_buckets, rates)
     planned = {w.rank: w.batch_size for w in run.workers if w.role == "worker" and w.batch_size}
     servers = server_ranks(run)
@@ -210,7 +210,7 @@ def run_charts(session: Session, run: Run) -> RunCharts:
         "batch": figures.batch_figure(data.series, t0, planned, servers=servers),
     }
     charts = {key: figures.with_events(fig, events) for key, fig in charts.items()}
-    bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples)
+    bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples, prices=prices)
     events_after = max((e.id for e in stored_events), default=0)
     return RunCharts(charts, t0, metrics_after, logs_after, bill, unpriced, events, events_after)
 
@@ -224,9 +224,8 @@ def events_after(session: Session, *, run_id: int, after_id: int) -> list[RunEve
 
 def live_state(session: Session, run: Run, *, t0: float, metrics_after: int) -> LiveState:
     """The stream's starting state: link prices and the egress dollars up to `metrics_after`."""
-    rates, _ = link_rates(
-        costs.run_sites_by_rank(session, run=run), costs.DbPriceLookup(session), costs.run_priced_at(run)
-    )
+    prices = costs.CachedPriceLookup(costs.DbPriceLookup(session))
+    rates, _ = link_rates(costs.run_sites_by_rank(session, run=run), prices, costs.run_priced_at(run))
     buckets = [
         LinkBucket(rank, peer, 0, 0, 0.0, total)
         for rank, peer, total in dashboard.link_bytes_until(session, run_id=run.id, max_id=metrics_after)
