@@ -414,13 +414,15 @@ def allreduce_step(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[tuple
 
 
 def local_sgd_step(round_: Step, every: int, value_share: float = 1.0, delay: int = 0) -> Step:
-    """Local SGD's mean step: its compute, and 1/`every` of an outer step's exchange, the PS step
-    `round_` less its compute (the pseudo-gradient travels as a gradient would, and the outer
+    """Local SGD's mean step: its compute (the slowest worker's), and 1/`every` of an outer step's
+    exchange, the PS step `round_` less that compute (the pseudo-gradient travels as a gradient would, and the outer
     step's arithmetic is the same elementwise work as an update's). `value_share` scales the
     exchange's bytes and time, for a dense change sent narrower than the dense frames `round_`
     was sized with (fp16 is half of fp32); an overlapped exchange (`delay` inner steps) hides up
     to that many steps' compute of it."""
-    compute = round_.breakdown["compute_s"]
+    # Each worker takes its inner steps on its own: the slowest compute paces them, which need
+    # not be the worker whose upload reached the server last.
+    compute = max(row["compute_s"] for row in round_.workers)
     share = value_share / every
     whole = (round_.step_s - compute) * value_share
     exchange = max(0.0, whole - delay * compute) / every
@@ -519,7 +521,7 @@ def site_replicas_step(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[t
         fans.append([Transfer(relay, nodes[i], update_b[s]) for i in idx[1:]])
     lan_s = (max((max(concurrent(u, links)) for u in ups if u), default=0.0)
              + max((max(concurrent(f, links)) for f in fans if f), default=0.0))
-    whole = (round_.step_s - round_.breakdown["compute_s"]) * value_share + lan_s
+    whole = (round_.step_s - max(site.compute_s)) * value_share + lan_s
     exchange = max(0.0, whole - delay * site.step_s) / every
     pace = site.pacing
     breakdown = {"compute_s": site.compute_s[pace], "site_exchange_s": site.exchange_s[pace],

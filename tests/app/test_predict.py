@@ -478,3 +478,15 @@ def test_sites_as_replicas_pipeline_the_in_site_exchange_over_the_gradients_piec
     site_grad = 3 * (8 + 23 + 2 * 8 + 10 + 4 * 2**20)  # SITE_MEAN: one scalar fewer a piece
     up, down = xfer(site_grad, 1000, 0), xfer(site_grad - 3 * 8, 1000, 0)
     assert p.breakdown["site_exchange_s"] == pytest.approx((up + down) / 3 + 2 / 3 * up, rel=1e-12)
+
+
+def test_local_sgds_inner_steps_are_paced_by_the_slowest_compute_not_the_last_upload():
+    # a computes 0.2 s on a fast link, b 0.1 s on a slow one whose upload reaches the server last.
+    s, a, b = node(1), node(2, sps=50), node(3)
+    fast, slow = LinkSpec(1000, 0.0, "assumed"), LinkSpec(0.1, 0.0, "assumed")
+    links = {(2, 1): fast, (1, 2): fast, (3, 1): slow, (1, 3): slow}
+    spec = CompressionSpec(value_bytes=4, sync_every=10, outer_delay=0)
+    p = predict("diloco", workers=[(a, 10), (b, 10)], server=s, links=links, task=TASK, compression=spec)
+    ps = predict("ps", workers=[(a, 10), (b, 10)], server=s, links=links, task=TASK, relay=False)
+    assert p.breakdown["compute_s"] == pytest.approx(0.2)
+    assert p.step_s == pytest.approx(0.2 + (ps.step_s - 0.2) / 10, rel=1e-12)
