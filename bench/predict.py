@@ -58,6 +58,11 @@ GOAL_PCT = 10.0
 BAR_PCT = 15.0
 TESTBEDS = {"paper": "bench/testbeds/paper.yaml", "interc": "bench/testbeds/intercontinental.yaml"}
 QUICK_STRATEGIES = ("ps", "ps-bz-gc", "allreduce")
+# Variants run beside the strategies: label -> (strategy, options the run body adds). Local SGD
+# with sites as replicas: each site's workers one replica, one change per site on the WAN.
+VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
+    "diloco+replicas": ("diloco", {"local_sgd": {"site_replicas": True}}),
+}
 # The trainer starts PowerSGD at step 10 (--powersgd-start, not exposed by the API): its runs
 # need 10 more steps before the steady state.
 POWERSGD_START = 10
@@ -135,6 +140,11 @@ def verdict(err: float | None) -> str:
     return "bar" if abs(err) <= BAR_PCT else "off"
 
 
+def strategy_of(label: str) -> str:
+    """The strategy a cell's label runs ('diloco' for 'diloco+replicas')."""
+    return VARIANTS[label][0] if label in VARIANTS else label
+
+
 def steps_for(settings: TaskSettings, strategy: str) -> tuple[int, int]:
     """(max_steps, skip_steps) of one strategy's run: PowerSGD's run waits for its start step."""
     if strategy == "allreduce-powersgd":
@@ -142,17 +152,21 @@ def steps_for(settings: TaskSettings, strategy: str) -> tuple[int, int]:
     return settings.max_steps, settings.skip_steps
 
 
-def run_body(strategy: str, s: TaskSettings, node_ids: list[int], ps_node_id: int | None,
+def run_body(label: str, s: TaskSettings, node_ids: list[int], ps_node_id: int | None,
              name: str) -> dict[str, Any]:
-    """The POST /api/v1/runs body of one strategy (bench.paper.api_runs's, without a target, evaluation
-    off: an evaluation interval is not a training step, and the model times training)."""
+    """The POST /api/v1/runs body of one strategy or variant (bench.paper.api_runs's, without a target,
+    evaluation off: an evaluation interval is not a training step, and the model times training)."""
+    strategy = strategy_of(label)
     max_steps, _ = steps_for(s, strategy)
     body: dict[str, Any] = {
         "name": name, "node_ids": node_ids, "strategy": strategy, "task": s.task,
         "task_args": dict(s.task_args), "global_batch_size": s.global_batch,
         "max_steps": max_steps, "seed": 0, "device": "cpu", "eval_every": 100_000,
     }  # fmt: skip
-    return body | strategy_fields(strategy, s, ps_node_id)
+    body |= strategy_fields(strategy, s, ps_node_id)
+    for section, values in VARIANTS.get(label, ("", {}))[1].items():
+        body[section] = (body.get(section) or {}) | values
+    return body
 
 
 def plan_body(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -609,7 +623,6 @@ def model_prediction(strategy: str, *, profiles: Mapping[str, Mapping[str, Any]]
     from app.perfmodel.predict import LinkSpec, NodeSpec, TaskSpec, predict
     from app.queries.predictions import compression_spec
     from app.schemas.runs import CompressionOptions, LocalSgdOptions
-    from hybridtrain.train_options import LEGACY_LOCAL_SGD
 
     names = sorted(profiles)
     node_id = {n: i + 1 for i, n in enumerate(names)}
@@ -621,9 +634,9 @@ def model_prediction(strategy: str, *, profiles: Mapping[str, Mapping[str, Any]]
     workers = [(node(n), int(b)) for n, b in batch_sizes.items()]
     specs = {(node_id[a], node_id[b]): LinkSpec(mbps, rtt_ms, "measured")
              for (a, b), (mbps, rtt_ms) in links.items() if a in node_id and b in node_id}  # fmt: skip
-    # A bench body may still give local SGD's knobs under compression, as requests once did.
+    # The body's compression and local_sgd sections as one (as bodies once gave local SGD's knobs).
     given = dict(compression or {})
-    local = {k: given.pop(k) for k in LEGACY_LOCAL_SGD if k in given}
+    local = {k: given.pop(k) for k in LocalSgdOptions.model_fields if k in given}
     comp = compression_spec(strategy, CompressionOptions(**given) if given else None, eval_every=eval_every,
                             local_sgd=LocalSgdOptions(**local) if local else None)
     pred = predict(strategy, workers=workers, server=node(server) if server else None, links=specs,
@@ -671,7 +684,7 @@ def _repredict_run(doc: Mapping[str, Any], cell: dict[str, Any]) -> dict[str, An
     if not inputs or not info.get("links"):
         return cell | {"prediction_source": "not repredicted (no inputs recorded)"}
     links = {(ln["src"], ln["dst"]): (ln["mbps"], ln["rtt_ms"] or 0.0) for ln in info["links"]}
-    pred, site_of = model_prediction(cell["strategy"], profiles=inputs["profiles"], batch_sizes=inputs["batch_sizes"],
+    pred, site_of = model_prediction(strategy_of(cell["strategy"]), profiles=inputs["profiles"], batch_sizes=inputs["batch_sizes"],
                                      server=inputs["server"], links=links, site_of_name=inputs["sites"],
                                      compression=inputs["compression"], eval_every=inputs["eval_every"],
                                      max_steps=STEADY_MAX_STEPS)  # fmt: skip
@@ -791,7 +804,7 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
         for strategy in strategies:
             body = run_body(strategy, s, workers, server, f"predict-{key}-{s.key}-{strategy}-{tag}")
             plan = check_response(api.post("/api/v1/runs/plan", json=plan_body(body)), f"plan {strategy}")
-            pred = extract_predictions(plan).get(strategy)
+            pred = extract_predictions(plan).get(strategy_of(strategy))
             source = "api"
             if local_profiles is None:
                 with_result = {name_of[n]: p["result"] for n, p in api_profiles.items() if isinstance(p.get("result"), dict)
@@ -802,7 +815,7 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
                 # the API's in its links only (compression costs from the local profile).
                 local_profiles = {n: dict(v) | {"samples_per_s": api_profiles[ids_of[n]]["samples_per_s"]}
                                   for n, v in local_profiles.items()}  # fmt: skip
-            on_probe = local_prediction(strategy, body, plan, profiles=local_profiles, site_rates=site_rates,
+            on_probe = local_prediction(strategy_of(strategy), body, plan, profiles=local_profiles, site_rates=site_rates,
                                         name_of=name_of, site_of_name=site_of_name)  # fmt: skip
             if pred is None:
                 source = "local (app.perfmodel.predict)"
@@ -819,7 +832,7 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
             records = fetch_metrics(api, run["id"], "density")
             rank_site = {w["rank"]: site_of[w["node_id"]] for w in run["workers"] if w["node_id"] in site_of}
             _, skip = steps_for(s, strategy)
-            measured = measure_run(records, strategy=strategy, global_batch=s.global_batch, skip_steps=skip,
+            measured = measure_run(records, strategy=strategy_of(strategy), global_batch=s.global_batch, skip_steps=skip,
                                    rank_site=rank_site)
             cell = {"testbed": key, "task": s.key, "strategy": strategy, "prediction_source": source,
                     "run_id": run["id"], "status": run["status"], "reason": run.get("reason"),
@@ -843,7 +856,8 @@ def bench_task(api: httpx.Client, state: Any, args: argparse.Namespace, config: 
             cell["prediction"] = pred
             # What the prediction was made from, so that a change of the model can be checked
             # against these runs without running them again (`local_prediction`).
-            cell["inputs"] = {"profiles": local_profiles, "compression": body.get("compression"),
+            cell["inputs"] = {"profiles": local_profiles,
+                              "compression": {**(body.get("compression") or {}), **(body.get("local_sgd") or {})},
                               "eval_every": body.get("eval_every"), "window": list(window),
                               "batch_sizes": {name_of[w["node_id"]]: w["batch_size"] for w in plan["workers"]
                                               if w.get("role") == "worker"},
@@ -904,7 +918,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="paper testbed, widecnn, ps/ps-bz-gc/allreduce")
     p.add_argument("--testbeds", help="comma-separated of " + ", ".join(TESTBEDS))
     p.add_argument("--tasks", help="comma-separated of " + ", ".join(TASKS))
-    p.add_argument("--strategies", help="comma-separated (default: all five)")
+    p.add_argument("--strategies", help="comma-separated strategies and variants (" + ", ".join(VARIANTS)
+                   + "); default all of them")
     p.add_argument("--out", type=Path, default=Path("var/bench/predict.json"))
     p.add_argument("--docs", help="Markdown file to write the section into ('-': none; default "
                    "docs/BENCHMARKS.md for a full run, none for --quick or a subset)")
@@ -937,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
     args.state_dir = args.state_dir or DEFAULT_STATE_DIR
     testbeds = args.testbeds.split(",") if args.testbeds else (["paper"] if args.quick else list(TESTBEDS))
     tasks = [TASKS[t] for t in (args.tasks.split(",") if args.tasks else (["widecnn"] if args.quick else list(TASKS)))]
-    strategies = tuple(args.strategies.split(",")) if args.strategies else (QUICK_STRATEGIES if args.quick else STRATEGIES)
+    strategies = (tuple(args.strategies.split(",")) if args.strategies
+                  else QUICK_STRATEGIES if args.quick else (*STRATEGIES, *VARIANTS))
     if args.quick:
         tasks = [replace(t, max_steps=8, skip_steps=2) for t in tasks]
     started = time.monotonic()

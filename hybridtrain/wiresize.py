@@ -36,6 +36,11 @@ _MAX_GAP = {DELTA8: 255, DELTA16: 65535}
 # chunk of a step (M = 0 on the others).
 GRAD_SCALARS = 6
 UPDATE_SCALARS = 3
+# Sites as replicas (trainer.site_replica): a gradient crosses the site's LAN in pieces of this
+# many fp32 elements, SITE_GRAD carrying piece and samples, SITE_MEAN the piece.
+SITE_PIECE = 1 << 20
+SITE_GRAD_SCALARS = 2
+SITE_MEAN_SCALARS = 1
 
 
 def kept_for(numel: int, density: float) -> int:
@@ -125,6 +130,24 @@ def update_frame_bytes(dense_numel: int, sparse_numel: int, kept: int | None, va
     sparse_vbytes = 4 if kept is None else value_bytes
     return frame_bytes(UPDATE_SCALARS + 2 * workers, payload_bytes(dense_numel, None, 4)
                        + payload_bytes(sparse_numel, kept, sparse_vbytes))
+
+
+def site_pieces(numel: int) -> list[int]:
+    """The sizes of the pieces a site's gradient of `numel` elements travels in
+    (`trainer.site_replica.pieces`: near-equal, at most SITE_PIECE each)."""
+    count = max(1, math.ceil(numel / SITE_PIECE))
+    bounds = [round(i * numel / count) for i in range(count + 1)]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def site_grad_bytes(numel: int) -> float:
+    """A member's SITE_GRAD frames of one inner step: its whole gradient, fp32, piece by piece."""
+    return sum(frame_bytes(SITE_GRAD_SCALARS, payload_bytes(n, None, 4)) for n in site_pieces(numel))
+
+
+def site_mean_bytes(numel: int) -> float:
+    """The relay's SITE_MEAN frames of one inner step to one member: the site's mean, fp32."""
+    return sum(frame_bytes(SITE_MEAN_SCALARS, payload_bytes(n, None, 4)) for n in site_pieces(numel))
 
 
 def eval_frame_bytes(metric_text_bytes: int) -> float:

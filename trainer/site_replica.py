@@ -45,6 +45,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridtrain.wiresize import SITE_PIECE
 from trainer.algorithm import chunks
 from trainer.config import TrainConfig
 from trainer.flat_model import FlatModel
@@ -56,8 +57,9 @@ from trainer.transport import Transport
 from trainer.wire import peek_kind
 
 # Elements a piece: 4 MB of fp32, 34 ms at 1 Gbit/s, so the relay's first mean leaves while the
-# rest of a large model is still on its way to it; a small model is one piece.
-PIECE = 1 << 20
+# rest of a large model is still on its way to it; a small model is one piece. The performance
+# model sizes the frames with the same constant.
+PIECE = SITE_PIECE
 # How often a member waiting for its mean looks whether its relay or the server is gone.
 POLL_S = 0.05
 

@@ -142,6 +142,8 @@ class CompressionSpec:
     sync_every: int = DEFAULT_SYNC_EVERY
     outer_density: float = DEFAULT_OUTER_DENSITY
     outer_delay: int = 0
+    # Sites as replicas (local SGD): each site's workers average every inner step over its LAN.
+    site_replicas: bool = False
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ from app.perfmodel.steps import (
     link,
     local_sgd_step,
     ps_step,
+    site_exchange,
+    site_replicas,
+    site_replicas_step,
 )
 from hybridtrain.contract import (
     ALLREDUCE,
@@ -256,11 +259,29 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
         target, low, high, server_k = outer_density_plan(comp.outer_density)
         outer = replace(comp, warmup_steps=0, density=target, density_min=low, density_max=high,
                         server_k_fraction=server_k)
-        rounds = _ps_phases(workers, server, links, task, outer, relay, strategy, densities)
         share = 1.0 if contract_compresses(strategy, comp.compressor) else comp.value_bytes / 4
-        phases = [_Phase(1, None, local_sgd_step(rounds[-1].step, comp.sync_every, share, comp.outer_delay))]
-        notes.append(f"an outer step every {comp.sync_every} steps: each step pays its compute and 1/"
-                     f"{comp.sync_every} of a PS step's exchange of the pseudo-gradient")
+        if comp.site_replicas:
+            # One replica per site: the outer step's PS step is the sites' relays'.
+            site = site_exchange(workers, links, task)
+            rounds = _ps_phases(site_replicas(workers, site), server, links, task, outer, relay, strategy, densities)
+            step = site_replicas_step(workers, links, task, comp, rounds[-1].step, site, share)
+            notes.append(f"sites as replicas: every step each site's workers send their fp32 gradient to the "
+                         f"site's relay and take the mean back over the LAN ({len(site.sites)} replicas; "
+                         "pieces pipelined, the relay's averaging at the profile's dense decode and encode "
+                         "costs); the slowest site paces the step")
+            notes.append(f"an outer step every {comp.sync_every} steps: one change per site crosses to the "
+                         "server (its relay's), the members' changes reach the relay uncompressed and the "
+                         f"reply is fanned out on the LAN; each step pays 1/{comp.sync_every} of it")
+            _note_unmeasured(notes, [w for w, _ in workers], "dense_encode_s_per_element",
+                             "the in-site exchange's encode and decode")
+        else:
+            rounds = _ps_phases(workers, server, links, task, outer, relay, strategy, densities)
+            step = local_sgd_step(rounds[-1].step, comp.sync_every, share, comp.outer_delay)
+            notes.append(f"an outer step every {comp.sync_every} steps: each step pays its compute and 1/"
+                         f"{comp.sync_every} of a PS step's exchange of the pseudo-gradient")
+        phases = [_Phase(1, None, step)]
+        if comp.outer_delay:
+            notes.append(f"the outer exchange overlaps {comp.outer_delay} inner steps (outer_delay)")
     else:
         phases = _ps_phases(workers, server, links, task, comp, relay, strategy, densities)
         if len(phases) > 1 or phases[0].step.workers[0]["density"] < 1.0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -30,8 +30,10 @@ from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
 from app.queries.profiles import SCRIPT_PREFIX, latest_profiles, task_key
 from app.schemas.runs import CompressionOptions, LocalSgdOptions
 from hybridtrain import strategy_defaults
-from hybridtrain.contract import STRATEGIES, VALUE_BYTES, is_ps
+from hybridtrain.contract import STRATEGIES, VALUE_BYTES, is_local_sgd, is_ps
 
+# How the comparison names a local SGD strategy run with sites as replicas ("diloco+replicas").
+REPLICAS_SUFFIX = "+replicas"
 # The profile fields without which the model cannot size a step.
 _REQUIRED = ("params", "dense_params", "samples_per_s")
 
@@ -86,6 +88,8 @@ def compression_spec(strategy: str, options: CompressionOptions | None, *, eval_
         changes["value_bytes"] = VALUE_BYTES[compression["value_dtype"]]
     changes |= {name: sections["local_sgd"][name] for name in ("sync_every", "outer_density", "outer_delay")
                 if name in sections["local_sgd"]}
+    if is_local_sgd(strategy):
+        changes["site_replicas"] = bool(sections["local_sgd"].get("site_replicas"))
     return replace(CompressionSpec(), **changes)
 
 
@@ -174,9 +178,11 @@ def usable_profile(profile: Any) -> bool:
     return bool(result) and all(result.get(k) is not None for k in _REQUIRED) and result["samples_per_s"] > 0
 
 
-def _priced(inputs: ModelInputs, strategy: str, workers: list[tuple[NodeSpec, int]], server: NodeSpec | None):
+def _priced(inputs: ModelInputs, strategy: str, workers: list[tuple[NodeSpec, int]], server: NodeSpec | None,
+            compression: CompressionSpec | None = None):
     prediction = predict(strategy, workers=workers, server=server, links=inputs.links, task=inputs.task,
-                         compression=inputs.compressions[strategy], relay=True, max_steps=inputs.max_steps)
+                         compression=compression or inputs.compressions[strategy], relay=True,
+                         max_steps=inputs.max_steps)
     node_ids = {w.node_id for w, _ in workers} | ({server.node_id} if server is not None else set())
     reads = inputs.reads([w.node_id for w, _ in workers], sum(n for _, n in workers))
     costs = predict_costs(prediction, nodes=[inputs.usages[i] for i in node_ids], prices=inputs.prices,
@@ -205,6 +211,54 @@ def predict_plan(inputs: ModelInputs, plan: Plan) -> dict[str, Any]:
         for s, d, _ in prediction.bytes_per_step if (s, d) in inputs.links
     ]
     return _finite(out)
+
+
+def strategy_variants(inputs: ModelInputs) -> list[tuple[str, CompressionSpec]]:
+    """What the comparison predicts: every strategy as the run's options and the strategy's
+    defaults give it (`inputs.compressions`), local SGD both with and without sites as replicas."""
+    out = []
+    for strategy in STRATEGIES:
+        spec = inputs.compressions[strategy]
+        out.append((strategy, spec))
+        if is_local_sgd(strategy):
+            out.append((strategy, replace(spec, site_replicas=not spec.site_replicas)))
+    return out
+
+
+def variant_name(strategy: str, spec: CompressionSpec) -> str:
+    """'diloco', or 'diloco+replicas' with sites as replicas."""
+    return f"{strategy}{REPLICAS_SUFFIX}" if is_local_sgd(strategy) and spec.site_replicas else strategy
+
+
+def compare_strategies(inputs: ModelInputs, plans: Mapping[str, Plan], chosen: Plan) -> list[dict[str, Any]]:
+    """Where each strategy wins on these nodes and links: each variant's predicted samples/s, its
+    share of the ideal (the sum of the workers' compute-only rates), WAN bytes per sample and
+    $ per 1M samples, under its own plan in `plans` (by strategy), most samples/s first (ties:
+    the cheaper); `chosen` marks the plan's own. Variants the model cannot predict are left out."""
+    mine = variant_name(chosen.strategy, inputs.compressions[chosen.strategy])
+    rows = []
+    for strategy, spec in strategy_variants(inputs):
+        plan = plans.get(strategy)
+        if plan is None:
+            continue
+        workers = _workers(inputs, plan)
+        server = inputs.specs.get(plan.ps_node_id) if plan.ps_node_id is not None else None
+        try:
+            prediction, costs, _ = _priced(inputs, strategy, workers, server, spec)
+        except InvalidFieldError:
+            continue
+        wan = sum(b for s, d, b in prediction.bytes_per_step if inputs.sites.get(s) != inputs.sites.get(d))
+        ideal = sum(w.samples_per_s for w, _ in workers)
+        name = variant_name(strategy, spec)
+        rows.append(_finite({
+            "name": name, "strategy": strategy, "site_replicas": bool(is_local_sgd(strategy) and spec.site_replicas),
+            "server_node_id": prediction.server_node_id, "samples_per_s": prediction.samples_per_s,
+            "ideal_share": prediction.samples_per_s / ideal, "wan_bytes_per_sample": wan / prediction.global_batch,
+            "usd_per_million_samples": costs.usd_per_million_samples, "chosen": name == mine,
+        }))
+    rows.sort(key=lambda r: (-r["samples_per_s"], math.inf if r["usd_per_million_samples"] is None
+                             else r["usd_per_million_samples"]))
+    return rows
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -25,7 +25,7 @@ from app.queries.profiles import latest_profiles, profiled_as
 from app.schemas.runs import RunCreate
 from app.run_secrets import METRICS_TOKEN_PREFIX, run_metrics_token
 from app.security import hash_secret, new_secret
-from hybridtrain.contract import is_ps
+from hybridtrain.contract import STRATEGIES, is_ps
 
 _EPOCH = datetime.fromtimestamp(0, UTC)
 
@@ -172,14 +172,18 @@ class Planned:
     facts: TaskFacts | None
     prediction: dict[str, Any] | None = None
     prediction_unavailable: str | None = None
+    # Every strategy's prediction on the same nodes, best first (`predictions.compare_strategies`).
+    strategies: list[dict[str, Any]] = field(default_factory=list)
 
 
-def make_planned(session: Session, *, data: RunCreate) -> Planned:
-    """Plan `data` over its nodes (or cluster) without storing anything, with the prediction.
+def make_planned(session: Session, *, data: RunCreate, compare: bool = False) -> Planned:
+    """Plan `data` over its nodes (or cluster) without storing anything, with the prediction
+    and (`compare`) every strategy's beside it.
 
     A PS run whose server is not pinned gets the server the model prefers (lowest predicted
     $/1M samples, ties to the fastest) where every node has a profile of the task; otherwise
-    the planner's link weights place it.
+    the planner's link weights place it. In the comparison every PS strategy uses the plan's
+    server (the planner's placement when the plan has none).
     """
     if data.bundle_sha256 is not None:
         get_bundle(session, sha256=data.bundle_sha256, field="bundle_sha256")
@@ -191,10 +195,10 @@ def make_planned(session: Session, *, data: RunCreate) -> Planned:
     facts = task_facts(session, data=data, node_ids=[n.id for n in nodes])
     plan_nodes = [plan_node(n) for n in nodes]
 
-    def planned(server: PlanNode | None) -> Plan:
+    def planned(server: PlanNode | None, strategy: str = data.strategy) -> Plan:
         try:
             return plan_run(
-                strategy=data.strategy,
+                strategy=strategy,
                 global_batch_size=data.global_batch_size,
                 nodes=plan_nodes,
                 allocation=data.allocation,
@@ -221,9 +225,21 @@ def make_planned(session: Session, *, data: RunCreate) -> Planned:
         if best is not None and best != plan.ps_node_id:
             plan = planned(next(n for n in plan_nodes if n.id == best))
     try:
-        return Planned(plan, facts, predictions.predict_plan(inputs, plan))
+        prediction = predictions.predict_plan(inputs, plan)
     except InvalidFieldError as exc:
         return Planned(plan, facts, None, f"the model cannot predict this plan: {exc.message}")
+    if not compare:
+        return Planned(plan, facts, prediction)
+    pinned = [plan_node(ps_node)] if ps_node is not None else []
+    server = next((n for n in [*pinned, *plan_nodes] if n.id == plan.ps_node_id), None)
+    plans: dict[str, Plan] = {}
+    for strategy in STRATEGIES:
+        try:
+            plans[strategy] = plan if strategy == plan.strategy else planned(server if is_ps(strategy) else None,
+                                                                              strategy)
+        except InvalidFieldError:
+            continue  # a strategy this allocation or these nodes cannot plan has no row
+    return Planned(plan, facts, prediction, strategies=predictions.compare_strategies(inputs, plans, plan))
 
 
 def make_plan(session: Session, *, data: RunCreate) -> tuple[Plan, TaskFacts | None]:

@@ -157,10 +157,29 @@ class DataReadPublic(PublicSchema):
     usd: float
 
 
+class StrategyComparisonPublic(PublicSchema):
+    """One strategy's predicted throughput and cost on the plan's nodes and links, beside the others."""
+
+    name: str = Field(description='the strategy, or a local SGD one with "+replicas" (sites as replicas)')
+    strategy: str
+    site_replicas: bool = Field(description="local SGD with each site's workers one replica")
+    server_node_id: int | None = Field(description="the parameter server's node (PS strategies)")
+    samples_per_s: float
+    ideal_share: float = Field(description="samples/s over the sum of the workers' compute-only samples/s")
+    wan_bytes_per_sample: float = Field(description="bytes that leave their site per training sample")
+    usd_per_million_samples: float | None = Field(description="compute, egress and data reads; null: no samples")
+    chosen: bool = Field(description="the plan's own strategy (and its site_replicas)")
+
+
 class PlanWithPrediction(PlanPublic):
     """A plan and what the model predicts of it (null, with the reason, when it cannot)."""
 
     prediction: PredictionPublic | None = None
+    strategies: list[StrategyComparisonPublic] = Field(
+        default_factory=list,
+        description="where each strategy wins: every strategy (local SGD with and without sites as replicas) "
+                    "predicted on the same nodes with its defaults where the run leaves options unset, most "
+                    "samples/s first; empty without a prediction and in each plan of \"strategies\": \"all\"")
     prediction_unavailable: str | None = Field(default=None, description="why there is no prediction")
     profiling: list[ProfilingPublic] = Field(
         default_factory=list, description="nodes being profiled for this plan (with profile_missing)")

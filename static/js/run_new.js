@@ -101,6 +101,54 @@
     renderInputs(json);
   }
 
+  function bytes(value) {
+    if (value === null || value === undefined) return "—";
+    var units = ["B", "kB", "MB", "GB"], i = 0;
+    while (value >= 1000 && i < units.length - 1) { value /= 1000; i++; }
+    return value.toFixed(value >= 100 || i === 0 ? 0 : 1) + " " + units[i];
+  }
+
+  // Where each strategy wins on these nodes and links: the plan's comparison, most samples/s first.
+  function renderStrategies(plan) {
+    var rows = plan.strategies || [];
+    if (!rows.length) return;
+    var section = el("div", { "id": "strategy-comparison" });
+    section.appendChild(el("h3", {}, "Where each strategy wins"));
+    var table = el("table", { "class": "table plan-table", "id": "strategy-table" });
+    var head = el("tr");
+    ["Strategy", "Samples/s", "Of ideal", "WAN / sample", "$ / 1M samples"].forEach(function (h) {
+      head.appendChild(el("th", h === "Of ideal" ? { "title": "samples/s over the workers' compute-only samples/s" } : {}, h));
+    });
+    table.appendChild(el("thead")).appendChild(head);
+    var tbody = el("tbody");
+    var cheapest = Math.min.apply(null, rows.map(function (r) { return r.usd_per_million_samples === null ? Infinity : r.usd_per_million_samples; }));
+    rows.forEach(function (r, i) {
+      var row = el("tr", { "data-strategy": r.name });
+      if (r.chosen) row.setAttribute("class", "chosen");
+      var name = el("td", {}, r.name);
+      var marks = [];
+      if (r.chosen) marks.push("chosen");
+      if (i === 0) marks.push("fastest");
+      if (r.usd_per_million_samples === cheapest) marks.push("cheapest");
+      if (marks.length) name.appendChild(el("div", { "class": "small muted" }, marks.join(" · ")));
+      row.appendChild(name);
+      row.appendChild(el("td", { "class": "num" }, fixed(r.samples_per_s, 1)));
+      row.appendChild(el("td", { "class": "num" }, (r.ideal_share * 100).toFixed(0) + "%"));
+      row.appendChild(el("td", { "class": "num" }, bytes(r.wan_bytes_per_sample)));
+      row.appendChild(el("td", { "class": "num" }, usd(r.usd_per_million_samples, 4)));
+      tbody.appendChild(row);
+    });
+    table.appendChild(tbody);
+    var scroller = el("div");
+    scroller.style.overflowX = "auto";
+    scroller.appendChild(table);
+    section.appendChild(scroller);
+    section.appendChild(el("p", { "class": "small muted" },
+      "Each strategy on these nodes and links with its defaults where the form leaves options blank; " +
+      "+replicas: local SGD with each site's workers one replica (they average every step over the site's LAN)."));
+    predictionBody.insertBefore(section, predictionBody.firstChild);
+  }
+
   // What the numbers rest on: each node's profile (how old, how noisy, profiler or a run) and each link.
   function renderInputs(json) {
     if (!json.inputs || !json.inputs.length) return;
@@ -180,6 +228,7 @@
       if (result.ok) {
         renderPlan(result.json.plan);
         renderPredictions(result.json, result.json.plan.strategy);
+        renderStrategies(result.json.plan);
       } else renderErrors(result.json.errors || { "__form__": result.json.detail || "cannot plan" });
     }).catch(function () {
       if (mine === sequence) state.textContent = "preview unavailable";

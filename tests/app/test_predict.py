@@ -1,7 +1,7 @@
 """The performance model on hand-computed cases: one link, two sites sharing a pipe, a relay
 saving a WAN copy, the all-reduce ring paced by its slowest link, pipelining, warm-up, dense
 frames' encode and decode, PowerSGD's work, the densities' path and fixed point, and an hour of
-it priced through the bill."""
+it priced through the bill, and local SGD with sites as replicas."""
 
 from __future__ import annotations
 
@@ -429,3 +429,64 @@ def test_an_overlapped_outer_exchange_hides_up_to_its_delays_compute():
     exchange = waits.breakdown["outer_exchange_s"] * 10
     assert overlapped.breakdown["outer_exchange_s"] == pytest.approx(max(0.0, exchange - 2 * compute) / 10)
     assert overlapped.step_s < waits.step_s and overlapped.bytes_per_step == waits.bytes_per_step
+
+
+def test_sites_as_replicas_add_the_in_site_exchange_to_each_step_and_send_one_change_per_site():
+    s, a, b = node(1, site=1), node(2, site=2), node(3, site=2)
+    spec = CompressionSpec(value_bytes=4, sync_every=10, outer_delay=0, site_replicas=True)
+    p = predict("diloco", workers=[(a, 10), (b, 10)], server=s, links=mesh([s, a, b]), task=TASK, compression=spec)
+    # In-site: b's 1000 fp32 elements to its relay a (SITE_GRAD: piece, samples) and the mean
+    # back (SITE_MEAN: piece), one piece each way over the 1 Gbit/s LAN.
+    site_grad, site_mean = 8 + 23 + 2 * 8 + (10 + 4000), 8 + 23 + 1 * 8 + (10 + 4000)
+    inner = 10 / 100 + xfer(site_grad, 1000, 1) + xfer(site_mean, 1000, 1)
+    # Outer: the site's one change (a's GRAD, dense fp32) over the WAN and the server's reply
+    # naming one worker; on the LAN b's change to a and a's copy of the reply to b.
+    reply = update_frame_bytes(100, 900, None, workers=1)
+    outer = xfer(DENSE_UP, 100, 40) + xfer(reply, 100, 40) + xfer(DENSE_UP, 1000, 1) + xfer(reply, 1000, 1)
+    assert p.step_s == pytest.approx(inner + outer / 10, rel=1e-12)
+    assert p.breakdown["site_exchange_s"] == pytest.approx(inner - 10 / 100)
+    assert dict(((src, dst), n) for src, dst, n in p.bytes_per_step) == {
+        (2, 1): round(DENSE_UP / 10), (1, 2): round(reply / 10),
+        (3, 2): round(site_grad + DENSE_UP / 10), (2, 3): round(site_mean + reply / 10)}
+    assert [r["relay_for"] for r in p.per_worker] == [[3], []]
+    assert any("sites as replicas" in note for note in p.assumptions)
+
+
+def test_sites_as_replicas_cut_the_wan_uploads_by_the_workers_per_site():
+    s, *cloud = node(1, site=1), node(2, site=2), node(3, site=2), node(4, site=2)
+    workers = [(w, 10) for w in cloud]
+    spec = CompressionSpec(sync_every=10, site_replicas=True)
+
+    def uploads(p) -> int:
+        return sum(n for src, dst, n in p.bytes_per_step if dst == s.node_id)
+
+    plain = predict("diloco", workers=workers, server=s, links=mesh([s, *cloud]), task=TASK,
+                    compression=replace(spec, site_replicas=False))
+    replicas = predict("diloco", workers=workers, server=s, links=mesh([s, *cloud]), task=TASK, compression=spec)
+    assert uploads(replicas) == pytest.approx(uploads(plain) / 3, abs=1)
+
+
+def test_sites_as_replicas_pipeline_the_in_site_exchange_over_the_gradients_pieces():
+    # 3 pieces of 2^20 fp32 elements: one piece through upload and download, then two more at
+    # the pace of the slower stage (both equal here), so 4/3 of one direction, not 2.
+    s, a, b = node(1, site=1, sps=1e6), node(2, site=2, sps=1e6), node(3, site=2, sps=1e6)
+    task = TaskSpec(params=3 * 2**20, dense_params=0)
+    lan = LinkSpec(1000, 0.0, "assumed")
+    spec = CompressionSpec(sync_every=10, site_replicas=True)
+    p = predict("diloco", workers=[(a, 1), (b, 1)], server=s, links=mesh([s, a, b], lan=lan), task=task,
+                compression=spec)
+    site_grad = 3 * (8 + 23 + 2 * 8 + 10 + 4 * 2**20)  # SITE_MEAN: one scalar fewer a piece
+    up, down = xfer(site_grad, 1000, 0), xfer(site_grad - 3 * 8, 1000, 0)
+    assert p.breakdown["site_exchange_s"] == pytest.approx((up + down) / 3 + 2 / 3 * up, rel=1e-12)
+
+
+def test_local_sgds_inner_steps_are_paced_by_the_slowest_compute_not_the_last_upload():
+    # a computes 0.2 s on a fast link, b 0.1 s on a slow one whose upload reaches the server last.
+    s, a, b = node(1), node(2, sps=50), node(3)
+    fast, slow = LinkSpec(1000, 0.0, "assumed"), LinkSpec(0.1, 0.0, "assumed")
+    links = {(2, 1): fast, (1, 2): fast, (3, 1): slow, (1, 3): slow}
+    spec = CompressionSpec(value_bytes=4, sync_every=10, outer_delay=0)
+    p = predict("diloco", workers=[(a, 10), (b, 10)], server=s, links=links, task=TASK, compression=spec)
+    ps = predict("ps", workers=[(a, 10), (b, 10)], server=s, links=links, task=TASK, relay=False)
+    assert p.breakdown["compute_s"] == pytest.approx(0.2)
+    assert p.step_s == pytest.approx(0.2 + (ps.step_s - 0.2) / 10, rel=1e-12)

@@ -3,10 +3,15 @@ model places, the prediction a run stores, and GET /runs/{id}/cost's predicted v
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from sqlalchemy import select
 
 from app.models import Run, TaskProfile
+from app.perfmodel.predict import predict
+from app.queries.predictions import compression_spec, model_inputs
+from app.queries.runs import load_plan_nodes
 from hybridtrain import strategy_defaults
 from hybridtrain.contract import STRATEGIES
 from predictions_testing import RESULT, TASK, add_profile
@@ -86,6 +91,36 @@ def test_a_plan_that_leaves_options_unset_predicts_the_strategys_defaults_as_the
     assert unset != prediction(compression=given["compression"] | {"pipeline_chunks": 1})
     chunks = strategy_defaults.default("ps-bz-gc", "compression.pipeline_chunks")
     assert any(note.startswith(f"{chunks} pipelined chunks") for note in unset["assumptions"])
+
+
+def test_plan_compares_every_strategy_on_its_nodes_as_the_model_predicts_each_best_first(client, hybrid, session):
+    body = run_body(hybrid, task=TASK, strategy="diloco", allocation="equal", ps_node_id=hybrid[0].id,
+                    global_batch_size=60)
+    response = client.post(f"{API}/runs/plan", json=body)
+    assert response.status_code == 200, response.text
+    plan = response.json()
+    rows = plan["strategies"]
+    assert sorted(r["name"] for r in rows) == sorted([*STRATEGIES, "diloco+replicas", "diloco-gc+replicas"])
+    assert [r["samples_per_s"] for r in rows] == sorted((r["samples_per_s"] for r in rows), reverse=True)
+    assert [r["name"] for r in rows if r["chosen"]] == ["diloco"]
+    chosen = next(r for r in rows if r["chosen"])
+    assert chosen["samples_per_s"] == pytest.approx(plan["prediction"]["samples_per_s"])
+    nodes = load_plan_nodes(session, node_ids=[n.id for n in hybrid], cluster_id=None)
+    inputs = model_inputs(session, nodes=nodes, task=TASK, task_args={}, bundle_sha256=None, compression=None,
+                          eval_every=None, max_steps=body["max_steps"])
+    batch = body["global_batch_size"] // len(hybrid)
+    workers = [(inputs.specs[n.id], batch) for n in hybrid]
+    sites = {n.id: n.site_id for n in hybrid}
+    for row in rows:
+        spec = compression_spec(row["strategy"], None, eval_every=None)
+        server = inputs.specs[hybrid[0].id] if row["server_node_id"] is not None else None
+        expected = predict(row["strategy"], workers=workers, server=server, links=inputs.links, task=inputs.task,
+                           compression=replace(spec, site_replicas=row["site_replicas"]), max_steps=body["max_steps"])
+        wan = sum(b for s, d, b in expected.bytes_per_step if sites[s] != sites[d])
+        assert row["samples_per_s"] == pytest.approx(expected.samples_per_s), row["name"]
+        assert row["ideal_share"] == pytest.approx(expected.samples_per_s / (3 * RESULT["samples_per_s"]))
+        assert row["wan_bytes_per_sample"] == pytest.approx(wan / body["global_batch_size"]), row["name"]
+        assert row["usd_per_million_samples"] > 0
 
 
 def test_the_model_places_the_server_where_cloud_uploads_stay_inside_the_cloud(client, hybrid):

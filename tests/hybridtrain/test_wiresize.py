@@ -11,7 +11,9 @@ import torch
 
 from hybridtrain import wiresize
 from trainer.compression import Payload, random_indices
-from trainer.frames import Buffers, Grad, Update, pack
+from trainer.frames import Buffers, Grad, SiteGrad, SiteMean, Update, pack
+from trainer.site_replica import PIECE as SITE_PIECE
+from trainer.site_replica import pieces as site_pieces
 from trainer.wire import _encoding
 
 WIRE = 8  # the transport's length prefix
@@ -101,3 +103,12 @@ def test_expected_fillers_match_a_monte_carlo_mean():
 def test_expected_fillers_are_zero_when_no_gap_can_exceed_the_limit():
     assert wiresize.expected_fillers(200, 10, 255) == 0.0
     assert math.isclose(wiresize.expected_fillers(10_000, 10_000, 255), 0.0, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("numel", [1, 5000, SITE_PIECE, SITE_PIECE + 1, 3 * SITE_PIECE - 7])
+def test_site_frames_bytes_match_a_members_pieces_and_the_relays_means(numel):
+    flat = torch.randn(numel)
+    parts = [flat[a:b] for a, b in site_pieces(numel)]
+    grads = sum(pack(SiteGrad(4, 2, p, 32, part)).numel() + WIRE for p, part in enumerate(parts))
+    means = sum(pack(SiteMean(4, 1, p, part)).numel() + WIRE for p, part in enumerate(parts))
+    assert (wiresize.site_grad_bytes(numel), wiresize.site_mean_bytes(numel)) == (grads, means)

@@ -258,3 +258,35 @@ def test_repredict_predicts_each_of_a_cells_runs_and_merges_them_again() -> None
     predicted = bp.repredict(_recorded_run())["cells"][0]["predicted_samples_per_s"]
     assert [r["error_samples_pct"] for r in cell["runs"]] == [bp.error_pct(predicted, m) for m in (2.0, 4.0, 8.0)]
     assert cell["error_samples_pct"] == round(bp.error_pct(predicted, 4.0), 1)
+
+
+def test_run_body_of_a_variant_runs_its_strategy_with_the_variants_options() -> None:
+    body = bp.run_body("diloco+replicas", bp.WIDECNN, [1, 2], 3, "x")
+    assert body["strategy"] == "diloco" and body["ps_node_id"] == 3
+    assert body["local_sgd"]["site_replicas"] is True
+    assert "site_replicas" not in (bp.run_body("diloco", bp.WIDECNN, [1, 2], 3, "x").get("local_sgd") or {})
+
+
+def test_repredict_of_diloco_with_sites_as_replicas_predicts_one_replica_per_site() -> None:
+    from app.perfmodel.predict import LinkSpec, NodeSpec, TaskSpec, predict
+    from app.queries.predictions import compression_spec
+    from app.schemas.runs import LocalSgdOptions
+
+    doc = _recorded_run(strategy="diloco+replicas")
+    inputs = doc["cells"][0]["inputs"]
+    profile = inputs["profiles"]["w"]
+    inputs |= {"profiles": {"w": profile, "v": profile, "s": profile}, "batch_sizes": {"w": 16, "v": 16},
+               "sites": {"w": "cloud", "v": "cloud", "s": "onprem"},
+               "compression": {"sync_every": 10, "site_replicas": True}}
+    doc["testbeds"]["paper"]["links"] = [{"src": a, "dst": b, "mbps": 100.0, "rtt_ms": 1.0}
+                                         for a in "wvs" for b in "wvs" if a != b]
+    cell = bp.repredict(doc)["cells"][0]
+    s, v, w = (NodeSpec.from_profile(i, n, 1 if n == "s" else 2, profile) for i, n in ((1, "s"), (2, "v"), (3, "w")))
+    link = LinkSpec(100.0, 1.0, "measured")
+    spec = compression_spec("diloco", None, eval_every=100_000,
+                            local_sgd=LocalSgdOptions(sync_every=10, site_replicas=True))
+    expected = predict("diloco", workers=[(w, 16), (v, 16)], server=s, links=dict.fromkeys(
+        [(a, b) for a in (1, 2, 3) for b in (1, 2, 3) if a != b], link), task=TaskSpec(1_000_000, 1000),
+        compression=spec, max_steps=bp.STEADY_MAX_STEPS)
+    assert cell["predicted_samples_per_s"] == pytest.approx(expected.samples_per_s, rel=1e-3)
+    assert "site_exchange_s" in cell["prediction"]["breakdown"]

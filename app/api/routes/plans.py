@@ -88,7 +88,7 @@ def optimize_plan(
         ps_node_id=best.server_node_id, compression=chosen["compression"], local_sgd=chosen["local_sgd"],
         eval_every=body.eval_every, datasets=body.datasets,
     )
-    planned = run_queries.make_planned(session, data=data)
+    planned = run_queries.make_planned(session, data=data, compare=True)
     return OptimizeResultPublic(
         goal=result.goal.value,
         plan=plan_public(data, planned, data_reads=predicted_reads(session, data, planned)),

@@ -69,7 +69,7 @@ def plan_run(
             plan_public(data, planned, profiling=profiling, data_reads=predicted_reads(session, data, planned))
             for planned in plans
         ])
-    planned = queries.make_planned(session, data=data)
+    planned = queries.make_planned(session, data=data, compare=True)
     return plan_public(data, planned, profiling=profiling, data_reads=predicted_reads(session, data, planned))
 
 
@@ -153,6 +153,7 @@ def plan_public(data: RunCreate, planned: queries.Planned, *, profiling: list[di
             profiled_nodes=facts.profiled_nodes,
         ) if facts else None,
         prediction=planned.prediction,
+        strategies=planned.strategies,
         data_reads=data_reads or [],
         prediction_unavailable=planned.prediction_unavailable,
         profiling=profiling or [],

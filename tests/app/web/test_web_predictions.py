@@ -43,6 +43,15 @@ def test_preview_gives_every_strategys_prediction_and_calls_out_heavy_egress(adm
     assert "ps (" in body["egress_callout"]
 
 
+def test_preview_plan_compares_the_strategies_best_first_with_the_chosen_one_marked(admin_page: PageClient, hybrid) -> None:
+    admin_page.get("/runs/new")
+    body = admin_page.post("/runs/plan", form(hybrid, strategy="diloco-gc")).json()
+    rows = body["plan"]["strategies"]
+    assert [r["samples_per_s"] for r in rows] == sorted((r["samples_per_s"] for r in rows), reverse=True)
+    assert [r["name"] for r in rows if r["chosen"]] == ["diloco-gc"]
+    assert {"diloco+replicas", "diloco-gc+replicas"} <= {r["name"] for r in rows}
+
+
 def test_preview_says_how_old_and_noisy_each_input_is_and_where_it_comes_from(admin_page: PageClient, hybrid) -> None:
     admin_page.get("/runs/new")
     body = admin_page.post("/runs/plan", form(hybrid)).json()

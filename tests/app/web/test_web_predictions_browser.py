@@ -1,5 +1,5 @@
 """Predictions in real headless Chromium against the live server: the launch form's table of
-every strategy's predicted throughput and cost with the egress callout, its Suggest button
+every strategy's predicted throughput and cost with the egress callout and where each wins, its Suggest button
 filling the form with the optimizer's choice, and a run page's predicted beside measured."""
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def test_the_preview_shows_every_strategys_prediction_and_the_egress_callout(
     assert float(cells.nth(1).inner_text()) > 0  # samples/s
     assert cells.nth(6).inner_text().startswith("$")  # $ per 1M samples
     assert "Egress is over a third of the bill" in page.inner_text("#egress-callout")
+    # Where each strategy wins: local SGD with and without sites as replicas too, ps marked.
+    assert page.locator("#strategy-table tbody tr").count() == len(STRATEGIES) + 2
+    assert page.locator("#strategy-table tr.chosen").get_attribute("data-strategy") == "ps"
     screenshot(page, "launch-predictions")
 
 
