@@ -157,6 +157,21 @@ def total_throughput(series: Sequence[SeriesLike]) -> list[Point]:
     return total
 
 
+def mean_by_bucket(series: Sequence[SeriesLike], width: int) -> list[Point]:
+    """The mean over ranks of each step bucket of `width` steps (a point's step is its bucket's
+    last), over the ranks that reported in it: a joiner counts from its first bucket, a leaver
+    until its last, and no rank's missing bucket shifts another's."""
+    buckets: dict[int, tuple[int, float, list[float]]] = {}
+    for s in series:
+        for step, t, value in s.points:
+            last, latest, values = buckets.get(step // width, (step, t, []))
+            if value is not None:
+                values.append(value)
+            buckets[step // width] = (max(last, step), max(latest, t), values)
+    return [(step, t, sum(values) / len(values) if values else None)
+            for step, t, values in (buckets[b] for b in sorted(buckets))]
+
+
 def throughput_figure(series: Sequence[SeriesLike], t0: float, *, servers: Collection[int] = ()) -> Figure:
     """Throughput: samples/s of every worker and of the run in total (a parameter server's
     own figure, rank in `servers`, would count the workers twice and is left out)."""

@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from app.api.deps import SessionDep
 from app.errors import NotFoundError
-from app.queries import costs
+from app.queries import costs, dashboard
 from app.queries import runs as run_queries
 from app.web import figures, run_data
 from app.web.auth import ViewerDep
@@ -36,21 +36,6 @@ def parse_run_ids(values: list[str]) -> tuple[list[int], list[str]]:
     return ids, bad
 
 
-def mean_loss(series: list[figures.SeriesLike]) -> list[figures.Point]:
-    """The workers' mean loss per downsampled point (ranks share their step buckets)."""
-    losses = figures.by_name(series, "loss")
-    if not losses:
-        return []
-    length = min(len(s.points) for s in losses)
-    out: list[figures.Point] = []
-    for i in range(length):
-        values = [s.points[i][2] for s in losses if s.points[i][2] is not None]
-        step = max(s.points[i][0] for s in losses)
-        t = max(s.points[i][1] for s in losses)
-        out.append((step, t, sum(values) / len(values) if values else None))
-    return out
-
-
 def summary(session, run) -> figures.RunSummary:  # type: ignore[no-untyped-def]
     """What the comparison shows of one run."""
     data = run_data.run_series(session, run, names=("loss", "samples_per_s"), max_points=MAX_POINTS)
@@ -61,7 +46,8 @@ def summary(session, run) -> figures.RunSummary:  # type: ignore[no-untyped-def]
         run_id=run.id,
         label=f"#{run.id} {run.name}",
         t0=run_data.run_t0(session, run),
-        loss=mean_loss([s for s in series if s.rank not in servers]),
+        loss=figures.mean_by_bucket(figures.by_name(series, "loss", skip=servers),
+                                    dashboard.bucket_width(run.max_steps or 0, MAX_POINTS)),
         throughput=figures.total_throughput(figures.by_name(series, "samples_per_s", skip=servers)),
         # The bill reads the legacy metric name of older runs too.
         time_to_target_s=bill.time_to_target_s,

@@ -24,6 +24,14 @@ def test_total_throughput_counts_a_joiner_from_its_first_step_and_a_leaver_until
     assert [total[s] for s in (0, 2, 3, 4, 11)] == [17.0, 17.0, 22.0, 15.0, 15.0]
 
 
+def test_mean_by_bucket_averages_the_ranks_that_reported_in_each_bucket() -> None:
+    steady = Series("loss", 1, [(1, 1.0, 4.0), (3, 3.0, 2.0), (5, 5.0, 1.0)])
+    joiner = Series("loss", 2, [(3, 3.5, 6.0), (5, 5.5, 3.0)])  # joined in the second bucket
+    leaver = Series("loss", 3, [(0, 0.5, 8.0)])  # left in the first: its bucket's last step is 0
+    assert figures.mean_by_bucket([steady, joiner, leaver], width=2) == [
+        (1, 1.0, 6.0), (3, 3.5, 4.0), (5, 5.5, 2.0)]
+
+
 def test_throughput_figure_labels_and_leaves_out_the_server() -> None:
     fig = figures.throughput_figure([_series("samples_per_s", 0, [99]), _series("samples_per_s", 1, [10])], t0=0.0, servers={0})
     assert [t["uid"] for t in fig["data"]] == ["sps:total", "sps:1"]
