@@ -22,7 +22,8 @@ every H-th step only, on the pseudo-gradient (the change since the last outer st
 the gradient; the other steps are the task's optimizer on the worker's own gradient
 (`_inner_step`), or under `--site-replicas` on its site's mean gradient (`trainer.site_replica`),
 and step 4 is the outer Nesterov step (`_outer_step`), overlapped with `--outer-delay` inner
-steps when asked.
+steps when asked, or under `--async-outer` applied at the first inner step after its update has
+arrived (`_outer_lands`).
 
 What a worker hears from the server is `trainer.server_link`'s; its state for a joiner or a
 checkpoint `trainer.replica_state`'s; its part in its site's relays `trainer.site_relay`'s.
