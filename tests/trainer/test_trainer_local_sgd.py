@@ -353,10 +353,12 @@ def test_a_joiner_of_a_diloco_run_waits_for_the_next_outer_step_and_ends_on_the_
     assert f"from step {first} " in joined[0]["detail"]
 
 
-def test_a_worker_leaving_a_diloco_run_between_outer_steps_drops_its_inner_steps_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--async-outer"]])
+def test_a_worker_leaving_a_diloco_run_between_outer_steps_drops_its_inner_steps_and_the_run_goes_on(tmp_path,
+                                                                                                   extra):
     (tmp_path / "train.py").write_text(SCRIPT.replace("time.sleep(0.03)", "time.sleep(0.05)"))
     args = ["--strategy", "diloco", "--sync-every", "10", "--global-batch", "48", "--max-steps", "60",
-            "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py"]
+            "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py", *extra]
     server, workers, _ = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
     try:
         server.wait_for("[ps] step 10/")
