@@ -270,7 +270,9 @@ def _async_run(monkeypatch, delay_s: float, **changes) -> dict[int, dict[int, fl
         log(self, step, name, value, peer)
 
     monkeypatch.setattr(MetricsLogger, "log", record)
-    run = run_in_process(cfg, 20, optimizer=_adamw, transport=lambda hub, rank: _SlowUpdates(rank, hub, delay_s))
+    # 10 ms an inner step: an update that is not slowed is back well within one.
+    run = run_in_process(cfg, 20, optimizer=_adamw, after_step=lambda *_: time.sleep(0.01),
+                         transport=lambda hub, rank: _SlowUpdates(rank, hub, delay_s))
     flats = [_flat(m) for m in run.models]
     assert all(torch.equal(flats[0], f) for f in flats[1:])
     assert all(c.local.synced_step == 20 for c in run.clients)
@@ -290,7 +292,7 @@ def test_an_asynchronous_outer_step_lands_as_soon_as_its_update_is_here(monkeypa
     seen = _async_run(monkeypatch, 0.0)
     assert all(set(by_step) == {8, 16, 20} and by_step[20] == 0 for by_step in seen.values()), seen
     staleness = [by_step[step] for by_step in seen.values() for step in (8, 16)]
-    assert all(1 <= v <= 7 for v in staleness) and min(staleness) < 4, seen
+    assert all(1 <= v <= 7 for v in staleness) and min(staleness) < 3, seen
 
 
 def replace_cfg(cfg, **changes):
