@@ -40,6 +40,8 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
     "outer_momentum": (LOCAL_SGD_STRATEGIES, "sets local SGD's outer momentum"),
     "outer_density": ((DILOCO_GC,), "sets the top-k density of diloco-gc's parameter change"),
     "outer_delay": (LOCAL_SGD_STRATEGIES, "overlaps local SGD's outer exchange with inner steps"),
+    "asynchronous": (LOCAL_SGD_STRATEGIES, "applies each local SGD outer step as soon as it arrives"),
+    "max_staleness": (LOCAL_SGD_STRATEGIES, "bounds how late an asynchronous outer step may land"),
     "site_replicas": (LOCAL_SGD_STRATEGIES, "makes each site's workers one local SGD replica"),
     "powersgd_rank": ((ALLREDUCE_POWERSGD,), "sets PowerSGD's rank"),
 }
@@ -47,6 +49,10 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
 # Options that cannot both be on, and why.
 CLASHES: tuple[tuple[str, str, str], ...] = (
     ("apply_in_forward", "aggregate_at_sites", "a relay combines its site's chunks"),
+    ("outer_delay", "asynchronous", "asynchronous outer steps replace the fixed delay"),
+    # A site's workers step on one mean gradient and must take each outer step at the same inner
+    # step to stay one replica; each would see the update arrive at its own time.
+    ("asynchronous", "site_replicas", "a site's workers must apply each outer step at the same inner step"),
 )
 
 # An option on needs another option's value to pass a test: (option, other, test, what it needs).
@@ -55,6 +61,7 @@ NEEDS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("apply_in_forward", "pipeline_chunks", lambda v: (v or 1) > 1, "the update in chunks: more than one"),
     ("apply_in_forward", "momentum_correction", lambda v: v is not False,
      "it on: each chunk is applied as plain SGD, the momentum being in the compressed gradient"),
+    ("max_staleness", "asynchronous", lambda v: v is True, "it on, being the bound of asynchronous outer steps"),
     ("apply_in_forward", "compressor", lambda v: v != "none", "a compressor other than none"),
 )
 
@@ -89,6 +96,12 @@ def problems(strategy: str, options: Mapping[str, Any]) -> list[Problem]:
     if "outer_delay" in on and options["outer_delay"] >= every:
         found.append(Problem("needs", "outer_delay", f"more than the delay {options['outer_delay']} (H is {every})",
                              "sync_every"))
+    if "asynchronous" in on and every < 2:
+        found.append(Problem("needs", "asynchronous", "more than 1: an outer step lands at least one inner step "
+                             "after its exchange began", "sync_every"))
+    if "max_staleness" in on and options["max_staleness"] >= every:
+        found.append(Problem("needs", "max_staleness", f"more than the bound {options['max_staleness']} "
+                             f"(H is {every})", "sync_every"))
     return found
 
 

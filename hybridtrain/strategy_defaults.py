@@ -80,6 +80,11 @@ DERIVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 
 
+# Defaults that an option given switches off: option path -> the option that replaces it.
+# Asynchronous outer steps land when they arrive, not a fixed delay later.
+REPLACED_BY: dict[str, str] = {"local_sgd.outer_delay": "local_sgd.asynchronous"}
+
+
 def default_outer_delay(sync_every: int) -> int:
     """The outer delay a run of H = `sync_every` gets when it names none: DEFAULT_OUTER_DELAY, below H."""
     return min(DEFAULT_OUTER_DELAY, sync_every - 1)
@@ -91,7 +96,7 @@ def defaults(strategy: str, given: Mapping[str, Any] | None = None) -> dict[str,
     given = {k: v for k, v in (given or {}).items() if v is not None}
     out: dict[str, Any] = {}
     for path, values in TABLE.items():
-        if path in given or strategy not in values:
+        if path in given or strategy not in values or given.get(REPLACED_BY.get(path, "")):
             continue
         source, rule = DERIVED.get(path, ("", None))
         out[path] = rule(given[source]) if rule is not None and source in given else values[strategy]

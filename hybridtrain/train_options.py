@@ -133,6 +133,17 @@ class LocalSgdOptions(_Section):
         f"exchange overlaps them (below sync_every; default {strategy_defaults.DEFAULT_OUTER_DELAY}, or H - 1 "
         "when H is smaller; 0 waits for it)",
     )
+    asynchronous: Flag | None = Field(
+        default=None,
+        description="apply each outer step as soon as its mean change has come back, checked at every "
+        "inner step, instead of a fixed outer_delay later: no worker waits on a slow round unless it "
+        "is max_staleness inner steps old (replaces outer_delay; default off)",
+    )
+    max_staleness: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
+        default=None,
+        description="asynchronous: the most inner steps an outer step may land after its change was sent; "
+        "a worker waits for it there (1 to sync_every - 1; default sync_every - 1)",
+    )
     site_replicas: Flag | None = Field(
         default=None,
         description="each site's workers hold one replica: they average their gradients every inner step "

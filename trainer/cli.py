@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="apply each outer step this many inner steps after the change was sent, so the "
                             f"exchange overlaps them (default {DEFAULT_OUTER_DELAY}, or H - 1 when H is "
                             "smaller; 0: wait)")
+    local.add_argument("--async-outer", dest="async_outer", action="store_true",
+                       help="apply each outer step as soon as its mean change has arrived (checked at every "
+                            "inner step) instead of --outer-delay steps later; wait only at --max-staleness")
+    local.add_argument("--max-staleness", type=int, default=None,
+                       help="with --async-outer: the most inner steps an outer step may land after its "
+                            "change was sent (1 to H - 1; default H - 1)")
     local.add_argument("--outer-density", type=float, default=None,
                        help=f"diloco-gc: the change's top-k density, adapted within half to twice it; the "
                             f"server keeps 2.5 times it (default {d.outer_density})")

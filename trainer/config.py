@@ -162,6 +162,11 @@ class TrainConfig:
     # exchange overlaps them (0: wait for it; below sync_every). trainer.local_sgd. A run's
     # options default to 3 (hybridtrain.strategy_defaults, through trainer.run_options.option_fields).
     outer_delay: int = 0
+    # Local SGD: apply each outer step at the first inner step boundary after its mean change has
+    # arrived, instead of outer_delay steps later; wait for it only once it is max_staleness inner
+    # steps old (None: sync_every - 1). trainer.ps.PSClient._inner_step.
+    asynchronous: bool = False
+    max_staleness: int | None = None
     # Local SGD with --sites: each site's workers are one replica, averaging their gradients every
     # inner step through the site's relay; one change per site crosses at each outer step
     # (trainer.site_replica).
@@ -176,6 +181,14 @@ class TrainConfig:
     def is_local_sgd(self) -> bool:
         """Whether workers take inner steps locally between outer steps (`diloco`, `diloco-gc`)."""
         return is_local_sgd(self.strategy)
+
+    @property
+    def staleness_bound(self) -> int:
+        """The inner steps after its change was sent at which a worker waits for an outer step:
+        the asynchronous bound, or the fixed --outer-delay (0: at once)."""
+        if self.asynchronous:
+            return self.max_staleness or self.sync_every - 1
+        return self.outer_delay
 
     @property
     def densities(self) -> tuple[float, float, float, float]:

@@ -21,7 +21,7 @@ speed (the paper's rule: FLOPs first, then re-split from each round's measured c
 reach the outer step together and the global batch of every inner step is the run's, whereas a
 timed outer step would give each worker its own step count and break the sharding of each global
 batch. With --outer-delay the outer step lands a few inner steps after its exchange began
-(`LocalSGD.parameters_after`).
+(`LocalSGD.parameters_after`); with --async-outer at the first inner step after its mean arrived.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ every H-th step only, on the pseudo-gradient (the change since the last outer st
 the gradient; the other steps are the task's optimizer on the worker's own gradient
 (`_inner_step`), or under `--site-replicas` on its site's mean gradient (`trainer.site_replica`),
 and step 4 is the outer Nesterov step (`_outer_step`), overlapped with `--outer-delay` inner
-steps when asked.
+steps when asked, or under `--async-outer` applied at the first inner step after its update has
+arrived (`_outer_lands`).
 
 What a worker hears from the server is `trainer.server_link`'s; its state for a joiner or a
 checkpoint `trainer.replica_state`'s; its part in its site's relays `trainer.site_relay`'s.
@@ -113,6 +114,8 @@ class PSClient:
         # Local SGD with --outer-delay: the outer step whose change was sent but whose update is
         # applied a few inner steps later (trainer.local_sgd.LocalSGD.parameters_after).
         self._outer_pending: int | None = None
+        # The inner step after which that outer step is being applied (its staleness is the gap).
+        self._landing_at: int | None = None
         self._flushed_for: int | None = None
 
     @property
@@ -289,9 +292,9 @@ class PSClient:
         self.local.progress.note(loss, samples, compute_s)
         if self.local.due(step, self.max_steps):
             return True
-        if self._outer_pending is not None and step >= self._outer_pending + self.cfg.outer_delay:
+        if self._outer_pending is not None and self._outer_lands(step):
             t0 = time.perf_counter()
-            self._apply_outer()
+            self._apply_outer(step)
             # Waiting for an outer step that is late is communication, not compute.
             late = time.perf_counter() - t0
             self.metrics.log(step, "wait_s", late)
@@ -305,15 +308,15 @@ class PSClient:
     def _send_pseudo_gradient(self, upload: Upload) -> None:
         """The round's change since the last outer step goes up in the flat gradient; the frames
         report the whole round's samples, loss and compute."""
-        self._apply_outer()  # an overlapped one still on its way (--outer-delay >= H: none)
+        self._apply_outer(upload.step)  # an overlapped one still on its way (the bounds are below H: none)
         round_ = self.local.progress
         upload.samples, upload.loss = round_.samples, round_.loss
         upload.compute_s = round_.compute_s
         params = self.flat.values()
         self.local.delta(params, out=self.flat.grad)
-        # Overlapped: the outer step is applied --outer-delay inner steps later; the run's last
-        # one at once, so that the run ends on the common model.
-        later = self.cfg.outer_delay > 0 and upload.step < self.max_steps
+        # Overlapped: the outer step is applied --outer-delay inner steps later, or asynchronous
+        # when it has arrived; the run's last one at once, so that the run ends on the common model.
+        later = self.cfg.staleness_bound > 0 and upload.step < self.max_steps
         self.local.sent(params if later else None)
         if later:
             self._outer_pending = upload.step
@@ -325,12 +328,26 @@ class PSClient:
         overlapped = self.local.drift_from is not None
         self.flat.load(self.local.parameters_after(self.flat.values()) if overlapped else self.local.common)
         self.metrics.log(step, "outer_norm", norm)
+        # Inner steps between the change's send and this outer step (0: applied before the next).
+        landed, self._landing_at = self._landing_at, None
+        self.metrics.log(step, "outer_staleness", 0 if landed is None else landed - step)
 
-    def _apply_outer(self) -> None:
-        """Read and apply the overlapped outer step still on its way (a no-op without one)."""
+    def _outer_lands(self, step: int) -> bool:
+        """Whether the outer step on its way is applied after inner step `step`: once it is
+        staleness_bound steps old (a fixed --outer-delay; asynchronous, --max-staleness, where the
+        worker waits for it), or asynchronous as soon as its update is here."""
+        assert self._outer_pending is not None
+        if step - self._outer_pending >= self.cfg.staleness_bound:
+            return True
+        return self.cfg.asynchronous and self.link.update_arrived(self._outer_pending)
+
+    def _apply_outer(self, at: int | None = None) -> None:
+        """Read and apply the overlapped outer step still on its way (a no-op without one), after
+        inner step `at` (default: the last step taken)."""
         if self._outer_pending is None or self.ended_by_server:
             return
         step, self._outer_pending = self._outer_pending, None
+        self._landing_at = self.step if at is None else at
         self.link.read_update(step, self._take)
 
     @contextmanager

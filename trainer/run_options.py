@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from hybridtrain.compat import TAKES, describe, problems
 from hybridtrain.contract import default_allocation, parse_target
-from hybridtrain.train_options import CompressionOptions, LocalSgdOptions, TrainOptions
+from hybridtrain.train_options import CompressionOptions, LocalSgdOptions, TrainOptions, field_path
 
 
 class UsageError(ValueError):
@@ -29,13 +29,14 @@ OPTION_DESTS = {
     "eval_every": "eval_every", "rebalance_every": "rebalance_every",
     **{f"compression.{name}": name for name in CompressionOptions.model_fields},
     **{f"local_sgd.{name}": name for name in LocalSgdOptions.model_fields},
+    "local_sgd.asynchronous": "async_outer",
 }
 
 
 def _flag(option: str) -> str:
     """The flag of a training option ('compression.pipeline_chunks', 'sync_every')."""
     name = option.rpartition(".")[2]
-    return "--" + OPTION_DESTS.get(option, OPTION_DESTS.get(f"compression.{name}", name)).replace("_", "-")
+    return "--" + OPTION_DESTS.get(option, OPTION_DESTS.get(field_path(name), name)).replace("_", "-")
 
 
 def options_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TrainOptions:
@@ -117,7 +118,8 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
     """The options given against the strategy and each other: hybridtrain.compat's one table
     (an option left at its default is unset, as in a request)."""
     names = [*TAKES, *(n for n in ("momentum_correction", "compressor") if n not in TAKES)]
-    options = {n: (None if getattr(args, n) == parser.get_default(n) else getattr(args, n)) for n in names}
+    dests = {n: OPTION_DESTS.get(field_path(n), n) for n in names}
+    options = {n: (None if getattr(args, d) == parser.get_default(d) else getattr(args, d)) for n, d in dests.items()}
     found = problems(args.strategy, options)
     if found:
         raise UsageError(describe(found[0], args.strategy, _flag))

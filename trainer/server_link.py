@@ -8,10 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from trainer.frames import Bye, Fetch, ProtocolError, Update, check, expect, unpack
+import torch
+
+from trainer.frames import ABORT, BYE, UPDATE, Bye, Fetch, ProtocolError, Update, check, expect, unpack
 from trainer.relay import SERVER
 from trainer.site_relay import SiteRelay
 from trainer.transport import Inbox
+from trainer.wire import peek_head
 
 
 class ServerLink:
@@ -42,6 +45,17 @@ class ServerLink:
             if isinstance(frame, cls) and (step is None or frame.step == step):
                 return frame
             return expect(raw, cls, step, peer=SERVER)
+
+    def update_arrived(self, step: int) -> bool:
+        """Whether reading `step`'s update would not wait for the wire: its last chunk is here, or
+        the run's end or a lost link is (reading it then ends at once). Never waits."""
+        last = self.chunks - 1
+
+        def ends_the_wait(raw: torch.Tensor) -> bool:
+            kind, at, first = peek_head(raw)
+            return (kind == UPDATE and at == step and first == last) or kind in (BYE, ABORT)
+
+        return self.inbox.holds(self.relay.update_source, ends_the_wait)
 
     def read_update(self, step: int, take: Callable[[Update], None], *, start: int = 0,
                     stop: int | None = None) -> None:

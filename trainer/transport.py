@@ -250,6 +250,13 @@ class Inbox:
         with self._cond:
             return sorted(self._queues)
 
+    def holds(self, peer: int, match: Callable[[torch.Tensor], bool]) -> bool:
+        """Whether `peer`'s queue holds a frame `match` says yes to, or the error that ended its
+        thread; never waits, and takes nothing."""
+        with self._cond:
+            q = self._queues.get(peer)
+            return bool(q) and any(isinstance(item, BaseException) or match(item[0]) for item in q)
+
     def unget(self, peer: int, item: tuple[torch.Tensor, float]) -> None:
         """Put a frame back at the front of `peer`'s queue (read early, handled later)."""
         self.transport.bytes_recv[peer] -= 8 + item[0].numel()

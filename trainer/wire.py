@@ -73,6 +73,15 @@ def peek_kind(frame: torch.Tensor) -> int:
     return int(frame[KIND_OFFSET])
 
 
+def peek_head(frame: torch.Tensor) -> tuple[int, int, float]:
+    """An encoded frame's kind, step and first scalar (NaN if none), without decoding the rest
+    (a worker looks whether an update's last chunk has come, leaving it queued)."""
+    buf = memoryview(frame.contiguous().numpy()).cast("B")
+    _, _, kind, step, _, nscalars, _, _ = _MSG.unpack_from(buf, 0)
+    first = struct.unpack_from("<d", buf, _MSG.size)[0] if nscalars else float("nan")
+    return kind, step, first
+
+
 def _fillers(gaps: torch.Tensor, max_gap: int) -> torch.Tensor:
     return torch.div(gaps - 1, max_gap, rounding_mode="floor")
 

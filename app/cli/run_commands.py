@@ -119,6 +119,12 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     exchange.add_argument("--outer-delay", type=int, default=None, metavar="STEPS",
                           help="overlap the outer exchange with this many inner steps "
                                f"(default {describe('local_sgd.outer_delay')}, or H - 1 when H is smaller)")
+    exchange.add_argument("--async-outer", dest="asynchronous", action="store_true", default=None,
+                          help="diloco, diloco-gc: apply each outer step as soon as it has arrived instead of "
+                               "--outer-delay steps later; a worker waits only at --max-staleness")
+    exchange.add_argument("--max-staleness", type=int, default=None, metavar="STEPS",
+                          help="with --async-outer: the most inner steps an outer step may land after its "
+                               "change was sent (default H - 1)")
     exchange.add_argument("--site-replicas", action="store_true", default=None,
                           help="diloco, diloco-gc: each site's workers one replica, averaging every inner "
                                "step over their LAN; one change per site crosses the WAN")

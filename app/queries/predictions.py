@@ -86,10 +86,13 @@ def compression_spec(strategy: str, options: CompressionOptions | None, *, eval_
                 if name in compression}
     if "value_dtype" in compression:
         changes["value_bytes"] = VALUE_BYTES[compression["value_dtype"]]
-    changes |= {name: sections["local_sgd"][name] for name in ("sync_every", "outer_density", "outer_delay")
-                if name in sections["local_sgd"]}
+    local = sections["local_sgd"]
+    changes |= {name: local[name] for name in ("sync_every", "outer_density", "outer_delay") if name in local}
+    if local.get("asynchronous") and "sync_every" in local:
+        # An asynchronous outer step hides its exchange behind up to max_staleness inner steps.
+        changes["outer_delay"] = local.get("max_staleness") or local["sync_every"] - 1
     if is_local_sgd(strategy):
-        changes["site_replicas"] = bool(sections["local_sgd"].get("site_replicas"))
+        changes["site_replicas"] = bool(local.get("site_replicas"))
     return replace(CompressionSpec(), **changes)
 
 

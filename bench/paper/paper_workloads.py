@@ -246,10 +246,12 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # applying each outer step N inner steps after its exchange began (`local_sgd.outer_delay`;
 # `+delay0` waits for it, against the default of 3); `+replicas`, a local SGD strategy whose
 # sites are its replicas, each site's workers averaging every inner step over their LAN and one
-# change per site crossing the WAN (`local_sgd.site_replicas`).
+# change per site crossing the WAN (`local_sgd.site_replicas`); `+async`, a local SGD strategy
+# applying each outer step as soon as it has arrived instead of a fixed delay later
+# (`local_sgd.asynchronous`, bounded by its default max_staleness, H - 1).
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "replicas")
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "replicas", "async")
 
 
 def delay_of(variant: str) -> int | None:
@@ -271,7 +273,7 @@ def strategy_variant(entry: str) -> tuple[str, str]:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if (variant in ("sites", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
-    if (delay_of(variant) is not None or variant == "replicas") and strategy not in LOCAL_SGD_STRATEGIES:
+    if (delay_of(variant) is not None or variant in ("replicas", "async")) and strategy not in LOCAL_SGD_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
@@ -297,6 +299,10 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "replicas":
         return body | {"name": f"{body['name']}-replicas",
                        "local_sgd": body.get("local_sgd", {}) | {"site_replicas": True}}
+    if variant == "async":
+        # Asynchronous outer steps replace the fixed delay a workload may set.
+        local = {k: v for k, v in body.get("local_sgd", {}).items() if k != "outer_delay"}
+        return body | {"name": f"{body['name']}-async", "local_sgd": local | {"asynchronous": True}}
     if (delay := delay_of(variant)) is not None:
         return body | {"name": f"{body['name']}-{variant}",
                        "local_sgd": body.get("local_sgd", {}) | {"outer_delay": delay}}

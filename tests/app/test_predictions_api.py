@@ -210,3 +210,13 @@ def test_an_agents_profile_report_with_a_negative_compression_time_is_refused(
                                json={"status": "done", "result": RESULT | {"aggregate_s": -1}})
     assert reported.status_code == 422
     assert reported.json()["detail"][0]["loc"][-1] == "aggregate_s"
+
+
+def test_an_asynchronous_runs_prediction_hides_its_exchange_behind_up_to_max_staleness_steps():
+    from app.queries.predictions import compression_spec
+    from hybridtrain.train_options import LocalSgdOptions
+
+    spec = compression_spec("diloco", None, eval_every=None, local_sgd=LocalSgdOptions(asynchronous=True))
+    assert (spec.sync_every, spec.outer_delay) == (20, 19)
+    bounded = LocalSgdOptions(sync_every=8, asynchronous=True, max_staleness=2)
+    assert compression_spec("diloco-gc", None, eval_every=None, local_sgd=bounded).outer_delay == 2

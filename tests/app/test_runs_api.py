@@ -545,6 +545,12 @@ def test_a_local_sgd_knob_given_in_both_places_is_refused(online_node, client):
     # An overlapped outer step must land before the next is due.
     ("diloco", {"local_sgd": {"sync_every": 5, "outer_delay": 5}}, "local_sgd.outer_delay"),
     ("diloco", {"local_sgd": {"outer_delay": 20}}, "local_sgd.outer_delay"),
+    # Asynchronous outer steps: local SGD's only, instead of a fixed delay, bounded below H.
+    ("ps-gc", {"local_sgd": {"asynchronous": True}}, "local_sgd.asynchronous"),
+    ("diloco", {"local_sgd": {"asynchronous": True, "outer_delay": 3}}, "local_sgd.outer_delay"),
+    ("diloco-gc", {"local_sgd": {"asynchronous": True, "site_replicas": True}}, "local_sgd.asynchronous"),
+    ("diloco", {"local_sgd": {"max_staleness": 2}}, "local_sgd.max_staleness"),
+    ("diloco", {"local_sgd": {"asynchronous": True, "sync_every": 5, "max_staleness": 5}}, "local_sgd.max_staleness"),
     # Accepted once, and then every rank refused it at start: ps compresses nothing.
     ("ps", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4}}, "compression.apply_in_forward"),
     ("ps-gc", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4, "compressor": "none"}},
@@ -569,6 +575,8 @@ _WALKED = [
     ("local_sgd.outer_momentum", 0.5, ["--outer-momentum", "0.5"]),
     ("local_sgd.outer_density", 0.2, ["--outer-density", "0.2"]),
     ("local_sgd.outer_delay", 5, ["--outer-delay", "5"]),
+    ("local_sgd.asynchronous", True, ["--async-outer"]),
+    ("local_sgd.max_staleness", 5, ["--max-staleness", "5"]),
     ("rebalance_every", 10, ["--rebalance-every", "10"]),
 ]
 

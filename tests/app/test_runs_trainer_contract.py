@@ -96,14 +96,18 @@ EVERY_OPTION = {
     "local_sgd.sync_every": (11, None), "local_sgd.outer_lr": (0.7, None), "local_sgd.outer_momentum": (0.4, None),
     "local_sgd.outer_density": (0.05, None), "local_sgd.outer_delay": (4, None),
     "local_sgd.site_replicas": (True, None),
+    "local_sgd.asynchronous": (True, None), "local_sgd.max_staleness": (5, None),
 }
+# Asynchronous outer steps replace the fixed delay and keep off site replicas: a walk of their own.
+_ASYNC = ["local_sgd.asynchronous", "local_sgd.max_staleness"]
 _COMMON = [p for p in EVERY_OPTION if "." not in p and p != "rebalance_every"]
 _CODEC = [f"compression.{n}" for n in ("compressor", "value_dtype", "select", "density", "density_min", "density_max",
                                        "server_k_fraction", "error_feedback", "momentum_correction", "warmup_steps")]
 # No strategy takes every option: each walk sets those its strategy takes (hybridtrain.compat).
 WALKS = {
     "diloco-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "rebalance_every",
-                  *(p for p in EVERY_OPTION if p.startswith("local_sgd."))],
+                  *(p for p in EVERY_OPTION if p.startswith("local_sgd.") and p not in _ASYNC)],
+    "diloco": [*_ASYNC, "local_sgd.sync_every"],
     "ps-bz-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "compression.aggregate_at_sites",
                  "rebalance_every"],
     "ps-gc": ["compression.pipeline_chunks", "compression.apply_in_forward"],

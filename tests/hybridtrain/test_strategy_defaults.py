@@ -40,6 +40,11 @@ def test_a_density_given_alone_brings_its_band_and_an_h_given_its_overlap():
     assert [defaults("diloco", {"local_sgd.sync_every": h})["local_sgd.outer_delay"] for h in (1, 3, 10)] == [0, 2, 3]
 
 
+def test_asynchronous_outer_steps_switch_off_the_default_delay():
+    assert "local_sgd.outer_delay" not in defaults("diloco", {"local_sgd.asynchronous": True})
+    assert defaults("diloco", {"local_sgd.asynchronous": False})["local_sgd.outer_delay"] == 3
+
+
 def test_a_strategy_without_a_default_for_an_option_leaves_it_to_the_trainer():
     assert defaults("allreduce") == {}
     assert "rebalance_every" not in defaults("ps") and "compression.density" not in defaults("ps")

@@ -20,6 +20,14 @@ def _loc(exc: pytest.ExceptionInfo[ValidationError]) -> tuple:
     ({"strategy": "diloco", "local_sgd": {"sync_every": 4, "outer_delay": 4}}, ("local_sgd", "outer_delay")),
     ({"strategy": "allreduce", "rebalance_every": 5}, ("rebalance_every",)),
     ({"strategy": "ps-bz-gc", "local_sgd": {"site_replicas": True}}, ("local_sgd", "site_replicas")),
+    # Asynchronous outer steps replace the fixed delay, and a site replica's workers apply each together.
+    ({"strategy": "diloco", "local_sgd": {"asynchronous": True, "outer_delay": 2}}, ("local_sgd", "outer_delay")),
+    ({"strategy": "diloco", "local_sgd": {"asynchronous": True, "site_replicas": True}}, ("local_sgd", "asynchronous")),
+    ({"strategy": "diloco", "local_sgd": {"max_staleness": 3}}, ("local_sgd", "max_staleness")),
+    ({"strategy": "diloco", "local_sgd": {"asynchronous": True, "sync_every": 4, "max_staleness": 4}},
+     ("local_sgd", "max_staleness")),
+    ({"strategy": "diloco", "local_sgd": {"asynchronous": True, "sync_every": 1}}, ("local_sgd", "asynchronous")),
+    ({"strategy": "ps-bz-gc", "local_sgd": {"asynchronous": True}}, ("local_sgd", "asynchronous")),
     ({"strategy": "ps-gc", "compression": {"apply_in_forward": True, "pipeline_chunks": 2, "aggregate_at_sites": True}},
      ("compression", "apply_in_forward")),
 ])

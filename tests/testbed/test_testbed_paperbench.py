@@ -583,6 +583,19 @@ def test_a_delay_variant_overlaps_a_local_sgd_strategys_outer_exchange() -> None
         strategy_variant("ps-bz-gc+delay3")
 
 
+def test_an_async_variant_applies_a_local_sgd_strategys_outer_steps_as_they_arrive() -> None:
+    from bench.paper.api_runs import run_body
+    from bench.paper.paper_workloads import strategy_variant, variant_body
+    from testbed.errors import TestbedError
+
+    assert strategy_variant("diloco+async") == ("diloco", "async")
+    body = variant_body(run_body("diloco", FULL, [1], 9, "t") | {"local_sgd": {"sync_every": 10, "outer_delay": 3}},
+                        "async")
+    assert body["local_sgd"] == {"sync_every": 10, "asynchronous": True} and body["name"].endswith("-async")
+    with pytest.raises(TestbedError, match="local SGD"):
+        strategy_variant("ps-bz-gc+async")
+
+
 # ---------------------------------------------------------------------------------------------
 # The bandwidth sweep (--wan-mbit).
 

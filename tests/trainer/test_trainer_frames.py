@@ -274,3 +274,11 @@ def test_state_carries_its_optimizer_bytes_exactly_and_as_they_are():
 
 def test_state_without_optimizer_state_round_trips_empty():
     assert roundtrip(State(1, torch.ones(3), torch.zeros(0))).optimizer == b""
+
+
+def test_a_frames_head_is_read_without_decoding_its_payloads():
+    from trainer.wire import peek_head
+
+    update = Update(12, 3, Payload(4, torch.arange(4.0)), Payload(0, torch.zeros(0)), 0.5)
+    assert peek_head(pack(update)) == (Update.kind, 12, 3.0)
+    assert peek_head(pack(Bye(7, 2, leaving=True))) == (Bye.kind, 7, 1.0)

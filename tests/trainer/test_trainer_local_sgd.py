@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 
 import pytest
 import torch
@@ -30,11 +31,12 @@ from trainer.algorithm import aggregate
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.codec_state import codec
 from trainer.compression import CompressionState, Payload
-from trainer.frames import Grad
+from trainer.frames import UPDATE, Grad
 from trainer.local_sgd import LocalSGD, Progress, outer_step, pseudo_gradient
 from trainer.metrics import MetricsLogger
 from trainer.ps import PSClient
-from trainer.transport import InMemoryHub
+from trainer.transport import InMemoryHub, InMemoryTransport
+from trainer.wire import peek_kind
 
 
 def _flat(model) -> torch.Tensor:
@@ -170,6 +172,21 @@ def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
     assert (cfg.sync_every, cfg.allocation, cfg.rebalance_every, cfg.compresses) == (7, "measured", 1, True)
 
 
+def test_the_cli_takes_asynchronous_outer_steps_instead_of_the_fixed_delay():
+    parser = build_parser()
+    cfg = config_from_args(parser.parse_args(["--strategy", "diloco", "--async-outer", "--sync-every", "8"]))
+    assert (cfg.asynchronous, cfg.outer_delay, cfg.staleness_bound) == (True, 0, 7)
+    bounded = config_from_args(parser.parse_args(["--strategy", "diloco-gc", "--async-outer", "--max-staleness", "2"]))
+    assert bounded.staleness_bound == 2
+    for extra, match in ((["--outer-delay", "2"], "--outer-delay and --async-outer"),
+                         (["--max-staleness", "20"], "--max-staleness needs --sync-every"),
+                         (["--sync-every", "1"], "--async-outer needs --sync-every")):
+        with pytest.raises(UsageError, match=match):
+            config_from_args(parser.parse_args(["--strategy", "diloco", "--async-outer", *extra]))
+    with pytest.raises(UsageError, match="--max-staleness needs --async-outer"):
+        config_from_args(parser.parse_args(["--strategy", "diloco", "--max-staleness", "2"]))
+
+
 def test_the_outer_exchange_overlaps_three_inner_steps_unless_told_or_h_is_smaller():
     parser = build_parser()
     delay = {argv: config_from_args(parser.parse_args(["--strategy", "diloco", *argv])).outer_delay
@@ -226,6 +243,58 @@ def test_overlapped_outer_steps_keep_the_common_model_identical_and_end_on_it():
     assert not torch.equal(_flat(plain.models[0]), flats[0])  # the overlap changes the arithmetic
 
 
+class _SlowUpdates(InMemoryTransport):
+    """The server's updates take `delay_s` a chunk to arrive: a WAN far slower than the inner steps."""
+
+    def __init__(self, rank: int, hub: InMemoryHub, delay_s: float) -> None:
+        super().__init__(rank, hub)
+        self.delay_s = delay_s
+
+    def recv(self, peer: int, *, count: bool = True) -> torch.Tensor:
+        frame = super().recv(peer, count=count)
+        if peer == 0 and peek_kind(frame) == UPDATE:
+            time.sleep(self.delay_s)
+        return frame
+
+
+def _async_run(monkeypatch, delay_s: float, **changes) -> dict[int, dict[int, float]]:
+    """An asynchronous run of 3 workers, H = 8, 20 steps; rank -> outer step -> its staleness."""
+    cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=8, max_steps=20, asynchronous=True,
+                 **changes)
+    seen: dict[int, dict[int, float]] = {}
+    log = MetricsLogger.log
+
+    def record(self, step, name, value, peer=None):
+        if name == "outer_staleness":
+            seen.setdefault(self.rank, {})[step] = value
+        log(self, step, name, value, peer)
+
+    monkeypatch.setattr(MetricsLogger, "log", record)
+    # 10 ms an inner step: an update that is not slowed is back well within one.
+    run = run_in_process(cfg, 20, optimizer=_adamw, after_step=lambda *_: time.sleep(0.01),
+                         transport=lambda hub, rank: _SlowUpdates(rank, hub, delay_s))
+    flats = [_flat(m) for m in run.models]
+    assert all(torch.equal(flats[0], f) for f in flats[1:])
+    assert all(c.local.synced_step == 20 for c in run.clients)
+    return seen
+
+
+def test_an_asynchronous_outer_step_waits_for_a_slow_update_only_at_the_staleness_bound(monkeypatch):
+    # Updates far slower than the inner steps: every overlapped outer step lands at the bound,
+    # the last at once.
+    seen = _async_run(monkeypatch, 0.15, max_staleness=2)
+    assert all(seen[r] == {8: 2, 16: 2, 20: 0} for r in (1, 2, 3)), seen
+
+
+def test_an_asynchronous_outer_step_lands_as_soon_as_its_update_is_here(monkeypatch):
+    # Nothing slows the wire: the outer steps land before the bound, H - 1 = 7 (the last round
+    # is 4 steps: step 16's lands by step 20's send).
+    seen = _async_run(monkeypatch, 0.0)
+    assert all(set(by_step) == {8, 16, 20} and by_step[20] == 0 for by_step in seen.values()), seen
+    staleness = [by_step[step] for by_step in seen.values() for step in (8, 16)]
+    assert all(1 <= v <= 7 for v in staleness) and min(staleness) < 3, seen
+
+
 def replace_cfg(cfg, **changes):
     from dataclasses import replace
 
@@ -237,7 +306,8 @@ def replace_cfg(cfg, **changes):
 
 @pytest.mark.parametrize("strategy, extra", [("diloco", []), ("diloco-gc", []),
                                              # evaluations (every 15) while an outer step is on its way
-                                             ("diloco", ["--outer-delay", "3", "--eval-every", "15"])])
+                                             ("diloco", ["--outer-delay", "3", "--eval-every", "15"]),
+                                             ("diloco", ["--async-outer", "--eval-every", "15"])])
 def test_a_local_sgd_run_trains_the_digits_and_sends_a_fraction_of_a_ps_runs_bytes(tmp_path, strategy, extra):
     out = tmp_path / "m.jsonl"
     result = run_cli(*DIGITS, "--strategy", strategy, "--workers", "2", "--max-steps", "120", "--sync-every", "10",
@@ -248,6 +318,14 @@ def test_a_local_sgd_run_trains_the_digits_and_sends_a_fraction_of_a_ps_runs_byt
     assert series(records, "accuracy")[120] >= (0.85 if strategy == "diloco" else 0.75)
     # The server's rounds are the outer steps; a norm is charted for each.
     assert sorted(series(records, "outer_norm", rank=1)) == list(range(10, 121, 10))
+    staleness = series(records, "outer_staleness", rank=1)
+    assert sorted(staleness) == list(range(10, 121, 10)) and staleness[120] == 0
+    if "--async-outer" in extra:
+        # Within the bound H - 1; on loopback most land a step or two after the send, sooner
+        # than the fixed delay of 3. An evaluation right after the send (30, 60, 90) waits.
+        assert all(staleness[s] == 0 for s in (30, 60, 90))
+        landed = sorted(staleness[s] for s in range(10, 120, 10) if s % 30)
+        assert all(1 <= v <= 9 for v in landed) and landed[len(landed) // 2] < 3, landed
     sent = sum(r["value"] for r in records if r.get("name") == "bytes_sent" and r["rank"] == 1)
     dense_ps_step = 4 * sum(p.numel() for p in _digits_model().parameters())
     # H = 10 and half-width values (the small tensors stay fp32): over a twelfth less than a
@@ -261,10 +339,11 @@ def _digits_model():
     return smallcnn(lr=0.1).model()
 
 
-def test_a_joiner_of_a_diloco_run_waits_for_the_next_outer_step_and_ends_on_the_common_model(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--async-outer"]])
+def test_a_joiner_of_a_diloco_run_waits_for_the_next_outer_step_and_ends_on_the_common_model(tmp_path, extra):
     (tmp_path / "train.py").write_text(SCRIPT)
     args = ["--strategy", "diloco", "--sync-every", "5", "--global-batch", "48", "--max-steps", "100",
-            "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py"]
+            "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py", *extra]
     server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 5/", rank=3, cwd=tmp_path)
     joined = events(server.records(), EVENT_WORKER_JOINED)
     assert [e["subject"] for e in joined] == [3]
@@ -276,10 +355,12 @@ def test_a_joiner_of_a_diloco_run_waits_for_the_next_outer_step_and_ends_on_the_
     assert f"from step {first} " in joined[0]["detail"]
 
 
-def test_a_worker_leaving_a_diloco_run_between_outer_steps_drops_its_inner_steps_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--async-outer"]])
+def test_a_worker_leaving_a_diloco_run_between_outer_steps_drops_its_inner_steps_and_the_run_goes_on(tmp_path,
+                                                                                                   extra):
     (tmp_path / "train.py").write_text(SCRIPT.replace("time.sleep(0.03)", "time.sleep(0.05)"))
     args = ["--strategy", "diloco", "--sync-every", "10", "--global-batch", "48", "--max-steps", "60",
-            "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py"]
+            "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py", *extra]
     server, workers, _ = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
     try:
         server.wait_for("[ps] step 10/")
@@ -295,7 +376,8 @@ def test_a_worker_leaving_a_diloco_run_between_outer_steps_drops_its_inner_steps
     assert " step 60 " in workers[1].wait_for("RESULT")
 
 
-def _diloco_run(tmp_path, steps: int, *extra: str, name: str) -> list[dict]:
+def _diloco_run(tmp_path, steps: int, *extra: str, name: str, overlap: tuple[str, ...] = ("--outer-delay", "0"),
+                ) -> list[dict]:
     # Inner SGD without momentum at a constant rate: the inner optimizer holds no state, so a
     # resumed run can equal an uninterrupted one exactly; the outer momentum's velocity is the
     # state a resume must restore. fp32 values: the workers' error-feedback residuals of fp16
@@ -305,7 +387,7 @@ def _diloco_run(tmp_path, steps: int, *extra: str, name: str) -> list[dict]:
     args = ["--task", "hybridtrain.tasks.digits:smallcnn", "--global-batch", "48",
             "--task-args", '{"lr": 0.1, "momentum": 0.0, "schedule": "constant"}',
             "--strategy", "diloco", "--workers", "2", "--sync-every", "5", "--outer-momentum", "0.5",
-            "--outer-delay", "0", "--eval-every", "1000", "--checkpoint-every", "7", "--value-dtype", "fp32", "--max-steps", str(steps),
+            *overlap, "--eval-every", "1000", "--checkpoint-every", "7", "--value-dtype", "fp32", "--max-steps", str(steps),
             # A fixed split: local SGD's default re-splits from measured (so timing-dependent) compute.
             "--allocation", "equal"]
     proc = run_cli(*args, *extra, "--metrics-out", str(tmp_path / f"{name}.jsonl"))
@@ -329,3 +411,20 @@ def test_a_diloco_run_checkpoints_at_outer_steps_and_resumes_with_its_outer_velo
     resumed = torch.load(tmp_path / "ck" / "run-step-00000030.pt", weights_only=False)
     whole = torch.load(tmp_path / "whole" / "run-step-00000030.pt", weights_only=False)
     torch.testing.assert_close(resumed["params"], whole["params"], rtol=0, atol=1e-6)
+
+
+def test_an_asynchronous_diloco_run_checkpoints_the_common_model_and_resumes_from_it(tmp_path):
+    from trainer import checkpoint
+
+    overlap = ("--async-outer",)
+    first = _diloco_run(tmp_path, 20, "--checkpoint-dir", str(tmp_path / "ck"), name="first", overlap=overlap)
+    # The outer step on its way is applied before the state is taken: the checkpoint holds the
+    # common model of its step.
+    assert [e["step"] for e in events(first, "checkpoint")] == [10, 20]
+    saved = torch.load(tmp_path / "ck" / "run-step-00000010.pt", weights_only=False)
+    assert checkpoint.from_bytes(saved["optimizer"])["outer"]["synced_step"] == 10
+    resumed = _diloco_run(tmp_path, 30, "--checkpoint-dir", str(tmp_path / "ck"), "--resume", name="resumed",
+                          overlap=overlap)
+    assert [e["step"] for e in events(resumed, "checkpoint")] == [25, 30]
+    assert min(series(resumed, "batch_size", rank=1)) == 21
+    assert set(series(resumed, "outer_staleness", rank=1)) == {25, 30}

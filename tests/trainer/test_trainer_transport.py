@@ -116,6 +116,22 @@ def test_a_peer_marked_lost_ends_a_wait_on_it_once_its_frames_are_read():
     assert time.monotonic() - t0 < 1.0
 
 
+def test_an_inbox_says_whether_a_frame_is_queued_without_waiting_or_taking_it():
+    hub = InMemoryHub(timeout_s=30)
+    inbox = Inbox(hub.transport(0), [1], timeout_s=30, last_kinds=frozenset({LAST}))
+    sevens = lambda frame: int(frame[0]) == 7  # noqa: E731
+    assert not inbox.holds(1, sevens)
+    hub.transport(1).send(0, torch.full((4,), 5, dtype=torch.uint8))
+    hub.transport(1).send(0, torch.full((4,), 7, dtype=torch.uint8))
+    deadline = time.monotonic() + 5
+    while not inbox.holds(1, sevens) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inbox.holds(1, sevens) and not inbox.holds(1, lambda frame: int(frame[0]) == 9)
+    assert [int(inbox.get(1)[0][0]) for _ in range(2)] == [5, 7]  # both still there, in order
+    inbox.fail(1, ConnectionError("gone"))
+    assert inbox.holds(1, sevens)  # a lost peer: reading it ends at once
+
+
 def test_a_worker_may_start_before_the_server_listens():
     port = free_port()
     box: dict = {}

@@ -135,6 +135,16 @@ def test_launch_form_sends_local_sgds_fields_as_their_own_section() -> None:
     assert replicas.local_sgd.site_replicas is True and body.local_sgd.site_replicas is None
 
 
+def test_launch_form_sends_asynchronous_outer_steps_and_shows_their_rule_beside_the_field() -> None:
+    base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
+        "name": "r", "node_ids": ["1"], "strategy": "diloco"}
+    body, errors = run_form.run_create(base | {"local_sgd_asynchronous": "on", "local_sgd_max_staleness": "5"})
+    assert errors == {} and body is not None and body.local_sgd is not None
+    assert (body.local_sgd.asynchronous, body.local_sgd.max_staleness) == (True, 5)
+    _, errors = run_form.run_create(base | {"local_sgd_asynchronous": "on", "local_sgd_outer_delay": "2"})
+    assert "local_sgd.outer_delay" in errors["local_sgd_outer_delay"]
+
+
 def test_launch_form_shows_a_local_sgd_rule_beside_its_field() -> None:
     base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {"name": "r", "node_ids": ["1"]}
     _, errors = run_form.run_create(base | {"local_sgd_sync_every": "12"})  # ps-bz-gc has no outer steps
