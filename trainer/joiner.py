@@ -227,7 +227,7 @@ class Joiner:
         or under local SGD the next outer step's) and computes from the step after it."""
         if not self.cfg.is_local_sgd:
             return step + 2
-        return next_sync(step, self.cfg.sync_every, max_steps) + 1
+        return next_sync(step, self.cfg.sync_every, max_steps, self.cfg.fragments if self.cfg.streams else 1) + 1
 
     def _welcome(self, rank: int, step: int, max_steps: int, *, donor: int, peers: dict | None = None,
                  catch_up: bool = False) -> Welcome:
