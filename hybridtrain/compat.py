@@ -41,12 +41,15 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
     "outer_density": ((DILOCO_GC,), "sets the top-k density of diloco-gc's parameter change"),
     "outer_delay": (LOCAL_SGD_STRATEGIES, "overlaps local SGD's outer exchange with inner steps"),
     "site_replicas": (LOCAL_SGD_STRATEGIES, "makes each site's workers one local SGD replica"),
+    "fragments": (LOCAL_SGD_STRATEGIES, "streams local SGD's outer steps in staggered fragments"),
     "powersgd_rank": ((ALLREDUCE_POWERSGD,), "sets PowerSGD's rank"),
 }
 
 # Options that cannot both be on, and why.
 CLASHES: tuple[tuple[str, str, str], ...] = (
     ("apply_in_forward", "aggregate_at_sites", "a relay combines its site's chunks"),
+    # A site's relay combines and fans out whole outer steps; a fragment's round is not built there.
+    ("fragments", "site_replicas", "a site's relay exchanges the whole model at each outer step"),
 )
 
 # An option on needs another option's value to pass a test: (option, other, test, what it needs).
@@ -74,7 +77,7 @@ def is_on(option: str, value: Any) -> bool:
     """Whether `value` asks for `option` (a flag on, a value given; one pipeline chunk is none)."""
     if value is None or value is False:
         return False
-    return not (option == "pipeline_chunks" and value == 1)
+    return not (option in ("pipeline_chunks", "fragments") and value == 1)
 
 
 def problems(strategy: str, options: Mapping[str, Any]) -> list[Problem]:
@@ -88,6 +91,10 @@ def problems(strategy: str, options: Mapping[str, Any]) -> list[Problem]:
     every = options.get("sync_every") or DEFAULT_SYNC_EVERY
     if "outer_delay" in on and options["outer_delay"] >= every:
         found.append(Problem("needs", "outer_delay", f"more than the delay {options['outer_delay']} (H is {every})",
+                             "sync_every"))
+    # At most one fragment's outer step a step (hybridtrain.contract.fragment_offsets).
+    if "fragments" in on and options["fragments"] > every:
+        found.append(Problem("needs", "fragments", f"at least the {options['fragments']} fragments (H is {every})",
                              "sync_every"))
     return found
 
