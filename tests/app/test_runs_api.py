@@ -545,6 +545,11 @@ def test_a_local_sgd_knob_given_in_both_places_is_refused(online_node, client):
     # An overlapped outer step must land before the next is due.
     ("diloco", {"local_sgd": {"sync_every": 5, "outer_delay": 5}}, "local_sgd.outer_delay"),
     ("diloco", {"local_sgd": {"outer_delay": 20}}, "local_sgd.outer_delay"),
+    # Streaming: local SGD only, at most one fragment's outer step an inner step, not with site
+    # replicas (whose relays exchange whole outer steps).
+    ("ps-bz-gc", {"local_sgd": {"fragments": 4}}, "local_sgd.fragments"),
+    ("diloco", {"local_sgd": {"sync_every": 4, "fragments": 5}}, "local_sgd.fragments"),
+    ("diloco-gc", {"local_sgd": {"fragments": 2, "site_replicas": True}}, "local_sgd.fragments"),
     # Accepted once, and then every rank refused it at start: ps compresses nothing.
     ("ps", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4}}, "compression.apply_in_forward"),
     ("ps-gc", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4, "compressor": "none"}},
@@ -569,6 +574,7 @@ _WALKED = [
     ("local_sgd.outer_momentum", 0.5, ["--outer-momentum", "0.5"]),
     ("local_sgd.outer_density", 0.2, ["--outer-density", "0.2"]),
     ("local_sgd.outer_delay", 5, ["--outer-delay", "5"]),
+    ("local_sgd.fragments", 4, ["--fragments", "4"]),
     ("rebalance_every", 10, ["--rebalance-every", "10"]),
 ]
 

@@ -95,7 +95,7 @@ EVERY_OPTION = {
     "rebalance_every": (3, None),
     "local_sgd.sync_every": (11, None), "local_sgd.outer_lr": (0.7, None), "local_sgd.outer_momentum": (0.4, None),
     "local_sgd.outer_density": (0.05, None), "local_sgd.outer_delay": (4, None),
-    "local_sgd.site_replicas": (True, None),
+    "local_sgd.site_replicas": (True, None), "local_sgd.fragments": (3, None),
 }
 _COMMON = [p for p in EVERY_OPTION if "." not in p and p != "rebalance_every"]
 _CODEC = [f"compression.{n}" for n in ("compressor", "value_dtype", "select", "density", "density_min", "density_max",
@@ -103,7 +103,9 @@ _CODEC = [f"compression.{n}" for n in ("compressor", "value_dtype", "select", "d
 # No strategy takes every option: each walk sets those its strategy takes (hybridtrain.compat).
 WALKS = {
     "diloco-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "rebalance_every",
-                  *(p for p in EVERY_OPTION if p.startswith("local_sgd."))],
+                  *(p for p in EVERY_OPTION if p.startswith("local_sgd.") and p != "local_sgd.fragments")],
+    # Streaming goes without site replicas.
+    "diloco": ["local_sgd.sync_every", "local_sgd.outer_delay", "local_sgd.fragments"],
     "ps-bz-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "compression.aggregate_at_sites",
                  "rebalance_every"],
     "ps-gc": ["compression.pipeline_chunks", "compression.apply_in_forward"],

@@ -20,6 +20,9 @@ def _loc(exc: pytest.ExceptionInfo[ValidationError]) -> tuple:
     ({"strategy": "diloco", "local_sgd": {"sync_every": 4, "outer_delay": 4}}, ("local_sgd", "outer_delay")),
     ({"strategy": "allreduce", "rebalance_every": 5}, ("rebalance_every",)),
     ({"strategy": "ps-bz-gc", "local_sgd": {"site_replicas": True}}, ("local_sgd", "site_replicas")),
+    ({"strategy": "diloco", "local_sgd": {"sync_every": 3, "fragments": 4}}, ("local_sgd", "fragments")),
+    ({"strategy": "diloco", "local_sgd": {"fragments": 2, "site_replicas": True}}, ("local_sgd", "fragments")),
+    ({"strategy": "diloco", "local_sgd": {"sync_every": 40, "fragments": 17}}, ("local_sgd", "fragments")),
     ({"strategy": "ps-gc", "compression": {"apply_in_forward": True, "pipeline_chunks": 2, "aggregate_at_sites": True}},
      ("compression", "apply_in_forward")),
 ])

@@ -206,11 +206,21 @@ def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
     parser = build_parser()
     for extra, match in ((["--apply-in-forward"], "--apply-in-forward"),
                          (["--sync-every", "0"], "--sync-every"), (["--outer-momentum", "1"], "--outer-momentum"),
-                         (["--outer-lr", "0"], "--outer-lr"), (["--outer-delay", "20"], "--outer-delay")):
+                         (["--outer-lr", "0"], "--outer-lr"), (["--outer-delay", "20"], "--outer-delay"),
+                         (["--sync-every", "4", "--fragments", "5"], "--fragments")):
         with pytest.raises(UsageError, match=match):
             config_from_args(parser.parse_args(["--strategy", "diloco", *extra]))
     cfg = config_from_args(parser.parse_args(["--strategy", "diloco-gc", "--sync-every", "7"]))
     assert (cfg.sync_every, cfg.allocation, cfg.rebalance_every, cfg.compresses) == (7, "measured", 1, True)
+
+
+def test_streaming_makes_the_exchanges_chunks_its_fragments():
+    parser = build_parser()
+    cfg = config_from_args(parser.parse_args(["--strategy", "diloco", "--fragments", "4", "--pipeline-chunks", "2"]))
+    assert (cfg.fragments, cfg.streams, cfg.exchange_chunks) == (4, True, 4)
+    assert cfg.round_chunks(5, 4, 100) == (0,) and cfg.round_chunks(7, 4, 100) == () and cfg.round_chunks(100, 4, 100) == (0, 1, 2, 3)
+    plain = config_from_args(parser.parse_args(["--strategy", "diloco", "--pipeline-chunks", "2"]))
+    assert (plain.streams, plain.exchange_chunks, plain.round_chunks(20, 2, 100)) == (False, 2, (0, 1))
 
 
 def test_the_outer_exchange_overlaps_three_inner_steps_unless_told_or_h_is_smaller():
