@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.contract import COMPRESSING_STRATEGIES, LOCAL_SGD_STRATEGIES, PS_STRATEGIES
+from hybridtrain.contract import COMPRESSING_STRATEGIES, DEFAULT_SYNC_EVERY, LOCAL_SGD_STRATEGIES, PS_STRATEGIES
 from testbed.errors import TestbedError
 
 
@@ -246,10 +246,13 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # applying each outer step N inner steps after its exchange began (`local_sgd.outer_delay`;
 # `+delay0` waits for it, against the default of 3); `+replicas`, a local SGD strategy whose
 # sites are its replicas, each site's workers averaging every inner step over their LAN and one
-# change per site crossing the WAN (`local_sgd.site_replicas`).
+# change per site crossing the WAN (`local_sgd.site_replicas`); `+streaming`, a local SGD strategy
+# whose outer steps go in STREAMING_FRAGMENTS staggered fragments (at most H of them), each exchange
+# 1/P of the model (`local_sgd.fragments`, Streaming DiLoCo).
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "replicas")
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "replicas", "streaming")
+STREAMING_FRAGMENTS = 4
 
 
 def delay_of(variant: str) -> int | None:
@@ -271,7 +274,7 @@ def strategy_variant(entry: str) -> tuple[str, str]:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if (variant in ("sites", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
-    if (delay_of(variant) is not None or variant == "replicas") and strategy not in LOCAL_SGD_STRATEGIES:
+    if (delay_of(variant) is not None or variant in ("replicas", "streaming")) and strategy not in LOCAL_SGD_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
@@ -297,6 +300,10 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "replicas":
         return body | {"name": f"{body['name']}-replicas",
                        "local_sgd": body.get("local_sgd", {}) | {"site_replicas": True}}
+    if variant == "streaming":
+        local_sgd = body.get("local_sgd", {})
+        fragments = min(STREAMING_FRAGMENTS, local_sgd.get("sync_every") or DEFAULT_SYNC_EVERY)
+        return body | {"name": f"{body['name']}-streaming", "local_sgd": local_sgd | {"fragments": fragments}}
     if (delay := delay_of(variant)) is not None:
         return body | {"name": f"{body['name']}-{variant}",
                        "local_sgd": body.get("local_sgd", {}) | {"outer_delay": delay}}
