@@ -172,7 +172,7 @@ class ParameterServer:
             frames = self.gather_chunk(step, chunk, frames, arrival, first=round_[0])
             laps.add("wait_s")
             self.account_sites(step, chunk, frames)
-            update = self.aggregate(step, list(frames.values()), chunk, arrival, last=round_[-1])
+            update = self.aggregate(step, list(frames.values()), chunk, arrival)
             kept += update.sparse.count
             frame = pack(update)
             self.departures.sent(frame)  # sent again to a relay's workers should it be lost
@@ -234,12 +234,11 @@ class ParameterServer:
                 if g.members:
                     self.departures.settle_site(g.sender, tuple(int(r[0]) for r in g.members), self.step)
 
-    def aggregate(self, step: int, grads: list[Grad], chunk: int, arrival: dict[int, float] | None = None, *,
-                  last: int | None = None) -> Update:
+    def aggregate(self, step: int, grads: list[Grad], chunk: int, arrival: dict[int, float] | None = None) -> Update:
         """Steps 3 and 5 for one chunk: the weighted sum (eq. 1-2) and server compression; with
-        the round's `last` chunk (default the model's last), the step's loss and next step's plan."""
+        the round's last chunk (streaming: its last fragment's), the step's loss and next step's plan."""
         dense, payload = self.aggregator.combine(step, chunk, grads)
-        last = self.aggregator.chunks - 1 if last is None else last
+        last = self.cfg.round_chunks(step, self.aggregator.chunks, self.max_steps)[-1]
         if chunk == 0 and self.cfg.applies_in_forward and last:
             self.planner.plan_early(step, grads, self.aggregator.chunks)
             return Update(step, chunk, Payload(dense.numel(), dense), payload,
