@@ -218,7 +218,8 @@ def test_streaming_makes_the_exchanges_chunks_its_fragments():
     parser = build_parser()
     cfg = config_from_args(parser.parse_args(["--strategy", "diloco", "--fragments", "4", "--pipeline-chunks", "2"]))
     assert (cfg.fragments, cfg.streams, cfg.exchange_chunks) == (4, True, 4)
-    assert cfg.round_chunks(5, 4, 100) == (0,) and cfg.round_chunks(7, 4, 100) == () and cfg.round_chunks(100, 4, 100) == (0, 1, 2, 3)
+    # H = 20 in 4: fragment 0 after step 5, none after 7, all four after the last.
+    assert [cfg.round_chunks(s, 4, 100) for s in (5, 7, 100)] == [(0,), (), (0, 1, 2, 3)]
     plain = config_from_args(parser.parse_args(["--strategy", "diloco", "--pipeline-chunks", "2"]))
     assert (plain.streams, plain.exchange_chunks, plain.round_chunks(20, 2, 100)) == (False, 2, (0, 1))
 
