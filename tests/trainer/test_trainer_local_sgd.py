@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from test_trainer_elastic import SCRIPT, run_with_a_late_worker
 from trainer_testing import (
     DIGITS,
+    RankLost,
     config,
     events,
     global_batch,
@@ -299,6 +300,21 @@ def test_streaming_fragments_land_staggered_on_every_worker_and_the_replicas_end
     assert all(c.local.synced == [21] * 4 for c in run.clients)
     flats = [_flat(m) for m in run.models]
     assert all(torch.equal(flats[0], f) for f in flats[1:])
+
+
+def test_a_worker_leaving_a_streaming_run_between_fragments_leaves_the_others_equal_to_the_end():
+    def leave_after_7(rank: int, step: int, run) -> None:
+        if rank == 3 and step == 7:  # fragment 2's outer step of step 6 is still on its way
+            run.clients[2].leave()
+            raise RankLost
+
+    cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=8, max_steps=21, fragments=4,
+                 outer_delay=3, dense_numel=100)
+    run = run_in_process(cfg, 21, optimizer=_adamw, after_step=leave_after_7)
+    assert 3 not in run.server.roster
+    stayed = [c for c in run.clients if c.rank != 3]
+    assert len(stayed) == 2 and all(c.local.synced == [21] * 4 for c in stayed)
+    assert torch.equal(_flat(run.models[0]), _flat(run.models[1]))
 
 
 def replace_cfg(cfg, **changes):
