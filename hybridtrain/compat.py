@@ -43,6 +43,7 @@ TAKES: dict[str, tuple[tuple[str, ...], str]] = {
     "asynchronous": (LOCAL_SGD_STRATEGIES, "applies each local SGD outer step as soon as it arrives"),
     "max_staleness": (LOCAL_SGD_STRATEGIES, "bounds how late an asynchronous outer step may land"),
     "site_replicas": (LOCAL_SGD_STRATEGIES, "makes each site's workers one local SGD replica"),
+    "fragments": (LOCAL_SGD_STRATEGIES, "streams local SGD's outer steps in staggered fragments"),
     "powersgd_rank": ((ALLREDUCE_POWERSGD,), "sets PowerSGD's rank"),
 }
 
@@ -53,6 +54,10 @@ CLASHES: tuple[tuple[str, str, str], ...] = (
     # A site's workers step on one mean gradient and must take each outer step at the same inner
     # step to stay one replica; each would see the update arrive at its own time.
     ("asynchronous", "site_replicas", "a site's workers must apply each outer step at the same inner step"),
+    # A site's relay combines and fans out whole outer steps; a fragment's round is not built there.
+    ("fragments", "site_replicas", "a site's relay exchanges the whole model at each outer step"),
+    # Asynchronous outer steps wait for one whole update at a time; a fragment's round is its own.
+    ("asynchronous", "fragments", "an asynchronous outer step applies the whole model's update"),
 )
 
 # An option on needs another option's value to pass a test: (option, other, test, what it needs).
@@ -81,7 +86,7 @@ def is_on(option: str, value: Any) -> bool:
     """Whether `value` asks for `option` (a flag on, a value given; one pipeline chunk is none)."""
     if value is None or value is False:
         return False
-    return not (option == "pipeline_chunks" and value == 1)
+    return not (option in ("pipeline_chunks", "fragments") and value == 1)
 
 
 def problems(strategy: str, options: Mapping[str, Any]) -> list[Problem]:
@@ -102,6 +107,10 @@ def problems(strategy: str, options: Mapping[str, Any]) -> list[Problem]:
     if "max_staleness" in on and options["max_staleness"] >= every:
         found.append(Problem("needs", "max_staleness", f"more than the bound {options['max_staleness']} "
                              f"(H is {every})", "sync_every"))
+    # At most one fragment's outer step a step (hybridtrain.contract.fragment_offsets).
+    if "fragments" in on and options["fragments"] > every:
+        found.append(Problem("needs", "fragments", f"at least the {options['fragments']} fragments (H is {every})",
+                             "sync_every"))
     return found
 
 

@@ -83,15 +83,38 @@ def default_allocation(strategy: str) -> str:
     return "flops" if strategy == PS_BZ_GC else "equal"
 
 
-def sync_due(step: int, every: int, max_steps: int) -> bool:
-    """Whether local SGD's outer step follows inner step `step`: every `every` steps counted from
-    step 0, and at the run's last step, so that a run ends on the common model."""
-    return step % every == 0 or step >= max_steps
+def sync_due(step: int, every: int, max_steps: int, fragments: int = 1) -> bool:
+    """Whether local SGD's outer step (of some fragment) follows inner step `step`: every `every`
+    steps counted from step 0, and at the run's last step, so that a run ends on the common model."""
+    return bool(sync_fragments(step, every, max_steps, fragments))
 
 
-def next_sync(step: int, every: int, max_steps: int) -> int:
-    """The first step after `step` that an outer step follows."""
-    return min((step // every + 1) * every, max(max_steps, step + 1))
+def next_sync(step: int, every: int, max_steps: int, fragments: int = 1) -> int:
+    """The first step after `step` that an outer step (of some fragment) follows."""
+    ahead = min(step + (offset - step - 1) % every + 1 for offset in fragment_offsets(every, fragments))
+    return min(ahead, max(max_steps, step + 1))
+
+
+# Streaming DiLoCo (Douillard et al. 2025): the model's P fragments each take their outer step
+# every H steps, fragment p after the steps (p + 1) * H // P + k H, so the exchanges are spread
+# over the H steps and each carries 1/P of the model. P = 1 is plain DiLoCo (every H-th step).
+MAX_FRAGMENTS = 16
+
+
+def fragment_offsets(every: int, fragments: int = 1) -> tuple[int, ...]:
+    """The step (mod `every`, as 1..every) after which each fragment takes its outer step; P <= H
+    keeps them distinct, so at most one fragment syncs a step until the run's last."""
+    if not 1 <= fragments <= every:
+        raise ValueError(f"{fragments} fragments with sync_every {every}: need 1 <= fragments <= sync_every")
+    return tuple((p + 1) * every // fragments for p in range(fragments))
+
+
+def sync_fragments(step: int, every: int, max_steps: int, fragments: int = 1) -> tuple[int, ...]:
+    """The fragments whose outer step follows inner step `step` (none, one, or at the run's last
+    step all of them, so that the run ends on the common model)."""
+    if step >= max_steps:
+        return tuple(range(fragments))
+    return tuple(p for p, offset in enumerate(fragment_offsets(every, fragments)) if (step - offset) % every == 0)
 
 
 # -- the batch split (seed 000, section III-A) ------------------------------------------------

@@ -150,6 +150,13 @@ class LocalSgdOptions(_Section):
         "over the site's LAN (through the site's relay worker), and one parameter change per site crosses "
         "the WAN every sync_every steps; default off (every worker its own replica)",
     )
+    fragments: Annotated[int, Field(ge=1, le=contract.MAX_FRAGMENTS, strict=True)] | None = Field(
+        default=None,
+        description="streaming: the model goes in this many fragments, each with its outer step every "
+        "sync_every steps, staggered over them, so each exchange carries 1/fragments of the model and the "
+        "peak bandwidth falls as much (at most sync_every; the exchange's chunks are the fragments; "
+        "default 1, off)",
+    )
 
 
 # Where each option of the compat table sits in a request.

@@ -26,7 +26,7 @@ class Aggregator:
     def configure(self, layout: LayoutSpec) -> None:
         """Size the chunks for the workers' model: each keeps k_s * its share of the elements."""
         self.dense_numel = layout.dense_numel
-        self.bounds = chunks(layout.sparse_numel, chunk_count(layout.sparse_numel, self.cfg.pipeline_chunks))
+        self.bounds = chunks(layout.sparse_numel, chunk_count(layout.sparse_numel, self.cfg.exchange_chunks))
         self.states = [CompressionState(density=self.cfg.densities[3], seed=self.cfg.seed) for _ in self.bounds]
 
     @property

@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --sites: each site's workers are one replica, averaging their gradients "
                             "every inner step through the site's relay over the LAN; one change per site "
                             "crosses the WAN at each outer step")
+    local.add_argument("--fragments", type=int, default=None,
+                       help="streaming: the model in this many fragments, each with its outer step every H "
+                            "steps, staggered, so each exchange carries 1/fragments of it (at most H; the "
+                            "exchange's chunks are the fragments; default 1, off)")
     io = p.add_argument_group("evaluation, checkpoints, metrics")
     io.add_argument("--eval-every", type=int, default=d.eval_every)
     io.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: never")

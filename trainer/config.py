@@ -20,6 +20,7 @@ from hybridtrain.contract import (
     is_local_sgd,
     outer_density_plan,
     proportional_batch_sizes,
+    sync_fragments,
 )
 
 __all__ = ["PS_STRATEGIES", "RESUMABLE_CHANGES", "SECRET_FIELDS", "STRATEGIES", "TrainConfig", "default_allocation",
@@ -171,6 +172,10 @@ class TrainConfig:
     # inner step through the site's relay; one change per site crosses at each outer step
     # (trainer.site_replica).
     site_replicas: bool = False
+    # Local SGD, streaming (Streaming DiLoCo): the exchange's chunks are this many fragments of the
+    # model, each with its outer step every sync_every steps, staggered (hybridtrain.contract.
+    # sync_fragments); 1: off, the whole model at once in --pipeline-chunks chunks.
+    fragments: int = 1
 
     @property
     def is_ps(self) -> bool:
@@ -218,6 +223,23 @@ class TrainConfig:
                 and self.momentum_correction
                 and self.pipeline_chunks > 1
                 and not self.site_aggregation)
+
+    @property
+    def streams(self) -> bool:
+        """Whether local SGD's outer steps go fragment by fragment (streaming, --fragments > 1)."""
+        return self.is_local_sgd and self.fragments > 1
+
+    @property
+    def exchange_chunks(self) -> int:
+        """The chunks asked for an exchange: one per fragment when streaming, else --pipeline-chunks."""
+        return self.fragments if self.streams else self.pipeline_chunks
+
+    def round_chunks(self, step: int, chunks: int, max_steps: int) -> tuple[int, ...]:
+        """The chunks (of `chunks`) the exchange after `step` carries: all of them, or when
+        streaming those of the fragments whose outer step follows `step` (chunk p is fragment p)."""
+        if not self.streams:
+            return tuple(range(chunks))
+        return sync_fragments(step, self.sync_every, max_steps, chunks)
 
     @property
     def world_size(self) -> int:

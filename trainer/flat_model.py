@@ -58,3 +58,26 @@ class FlatModel:
             for name, off, n in self._spans():
                 p = self.params[name]
                 p.copy_(flat[off : off + n].view_as(p))
+
+    def _pieces(self, start: int, stop: int):
+        """(parameter, its first and end element, the same in [start, stop)) for each parameter
+        overlapping the range."""
+        for name, off, n in self._spans():
+            a, b = max(start, off), min(stop, off + n)
+            if a < b:
+                yield self.params[name], a - off, b - off, a - start, b - start
+
+    def span_values(self, start: int, stop: int) -> torch.Tensor:
+        """A flat fp32 copy of elements [start, stop) of the layout (a streaming fragment)."""
+        return torch.cat([p.detach().reshape(-1)[a:b].float() for p, a, b, _, _ in self._pieces(start, stop)])
+
+    def load_span(self, values: torch.Tensor, start: int, stop: int) -> None:
+        """Elements [start, stop) of the layout from `values`, the others left as they are."""
+        with torch.no_grad():
+            for p, a, b, s, e in self._pieces(start, stop):
+                if p.is_contiguous():
+                    p.view(-1)[a:b].copy_(values[s:e])
+                else:  # no flat view to write through: the whole tensor, its other elements as they are
+                    whole = p.reshape(-1).clone()
+                    whole[a:b] = values[s:e]
+                    p.copy_(whole.view_as(p))

@@ -18,6 +18,7 @@ import queue
 import time
 
 from hybridtrain.contract import EVENT_RESUMED, EVENT_WAITING, EVENT_WORKER_JOINED, next_sync
+from trainer.algorithm import chunk_count
 from trainer.checkpointing import Checkpointer
 from trainer.config import TrainConfig
 from trainer.departures import Departures
@@ -217,17 +218,20 @@ class Joiner:
         share = self.roster.batch_sizes[rank - 1]
         self.metrics.event(step, EVENT_WORKER_JOINED, subject=rank,
                            detail=f"admitted after step {step} with the state of worker {donor}; from "
-                                  f"step {self.first_step_of_joiner(step, max_steps)} its share is {share} of "
+                                  f"step {self.first_step_of_joiner(step, max_steps, layout)} its share is {share} of "
                                   f"{self.cfg.global_batch}")
         say(f"worker {rank} joined after step {step}; batch shares "
             f"{[n for n in self.roster.batch_sizes if n]}")
 
-    def first_step_of_joiner(self, step: int, max_steps: int) -> int:
+    def first_step_of_joiner(self, step: int, max_steps: int, layout: LayoutSpec) -> int:
         """A joiner admitted after `step` applies the next update with the others (the next step's,
-        or under local SGD the next outer step's) and computes from the step after it."""
+        or under local SGD the next outer step's, of any fragment) and computes from the step after it."""
         if not self.cfg.is_local_sgd:
             return step + 2
-        return next_sync(step, self.cfg.sync_every, max_steps) + 1
+        # Streaming: a fragment per chunk of `layout` (a model with fewer compressed elements
+        # than fragments has fewer chunks, trainer.algorithm.chunk_count).
+        fragments = chunk_count(layout.sparse_numel, self.cfg.exchange_chunks) if self.cfg.streams else 1
+        return next_sync(step, self.cfg.sync_every, max_steps, fragments) + 1
 
     def _welcome(self, rank: int, step: int, max_steps: int, *, donor: int, peers: dict | None = None,
                  catch_up: bool = False) -> Welcome:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -80,11 +81,15 @@ class PSClient:
         self.left = False
         self.layout = Layout.of(model, cfg.dense_numel, forward=cfg.applies_in_forward)
         self.flat = FlatModel(model, self.layout, device)
-        self.bounds = chunks(self.layout.sparse_numel, chunk_count(self.layout.sparse_numel, cfg.pipeline_chunks))
+        self.bounds = chunks(self.layout.sparse_numel, chunk_count(self.layout.sparse_numel, cfg.exchange_chunks))
         # Local SGD: the common parameters of the last outer step and the outer optimizer; the
-        # inner steps use the task's optimizer as it is.
+        # inner steps use the task's optimizer as it is. Streaming: a fragment per chunk, the
+        # dense part with the first.
+        nd = self.layout.dense_numel
+        spans = (tuple((0 if p == 0 else nd + a, nd + b) for p, (a, b) in enumerate(self.bounds))
+                 if cfg.streams else None)
         self.local = (LocalSGD(cfg.sync_every, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                               numel=self.layout.numel, device=device) if cfg.is_local_sgd else None)
+                               numel=self.layout.numel, device=device, spans=spans) if cfg.is_local_sgd else None)
         if self.local is not None:
             self.local.reset(self.flat.values(), 0)
         correct = self.local is None and cfg.compresses and cfg.momentum_correction
@@ -111,10 +116,12 @@ class PSClient:
                                      outer=self.local is not None)
         self.in_forward = (ApplyInForward(model, optimizer, self.applier, self.link, self._take, self._caught_up)
                            if ApplyInForward.wanted(cfg.applies_in_forward, self.applier) else None)
-        # Local SGD with --outer-delay: the outer step whose change was sent but whose update is
-        # applied a few inner steps later (trainer.local_sgd.LocalSGD.parameters_after).
-        self._outer_pending: int | None = None
-        # The inner step after which that outer step is being applied (its staleness is the gap).
+        # Local SGD with --outer-delay or asynchronous outer steps: the outer steps whose changes
+        # were sent but whose updates are applied a few inner steps later, oldest first (one at a
+        # time unless streaming's fragments sync more often than the delay;
+        # trainer.local_sgd.LocalSGD.parameters_after).
+        self._outer_pending: deque[int] = deque()
+        # The inner step after which the outer step being read is applied (its staleness is the gap).
         self._landing_at: int | None = None
         self._flushed_for: int | None = None
 
@@ -158,7 +165,7 @@ class PSClient:
             # A joiner has the state of the last step; the next step's update, which the others
             # are computing now, brings it level with them (under local SGD, the next outer step's).
             upto = self.next_round(self.step)
-            self.link.read_update(upto, self._take)
+            self._read_round(upto)
             if not self.ended_by_server:
                 self.step = upto
 
@@ -211,7 +218,7 @@ class PSClient:
                 return
             self._send_pseudo_gradient(upload)
         density = self.densities[self.index]
-        self.uplink.send(upload, self.inbox, density)  # step 2
+        self.uplink.send(upload, self.inbox, density, self._round(step))  # step 2
         self.uplink.wait(upload)
         sent = time.perf_counter()
         self._receive(step)  # steps 3-5
@@ -249,17 +256,26 @@ class PSClient:
         """Steps 3-5: the server's update of `step`, applied now; or, under apply-in-forward, its
         first chunk now and the rest in the next forward pass (the run's last step takes all at
         once); or, with --outer-delay, the outer step a few inner steps later."""
-        if self._outer_pending == step:
+        if step in self._outer_pending:
             return
         if self.in_forward is not None and step < self.max_steps:
             self.in_forward.hold(step)
         else:
-            self.link.read_update(step, self._take)
+            self._read_round(step)
+
+    def _round(self, step: int) -> tuple[int, ...]:
+        """The chunks of `step`'s exchange: all, or streaming's fragments that sync after it."""
+        return self.cfg.round_chunks(step, len(self.bounds), self.max_steps)
+
+    def _read_round(self, step: int) -> None:
+        """Read and take every chunk of `step`'s update."""
+        chunks = self._round(step)
+        self.link.read_update(step, self._take, start=chunks[0], stop=chunks[-1] + 1)
 
     def _take(self, update: Update, hyper: list[dict] | None = None) -> None:
         """Step 4 for one chunk; the chunk carrying the next batch split sets it, the last the
         next densities (and under local SGD the outer step)."""
-        complete = self.applier.apply(update, hyper)
+        complete = self.applier.apply(update, hyper, last=self._round(update.step)[-1])
         if update.batch_sizes:
             self.batch_sizes = list(update.batch_sizes)
         if not complete:
@@ -289,16 +305,20 @@ class PSClient:
         pseudo-gradient); else the step is done here."""
         waited = self.site.average(step, samples) if self.site is not None else 0.0
         self.optimizer.step()
-        self.local.progress.note(loss, samples, compute_s)
+        self.local.note(loss, samples, compute_s)
         if self.local.due(step, self.max_steps):
             return True
-        if self._outer_pending is not None and self._outer_lands(step):
+        if self._outer_pending and self._outer_lands(step):
             t0 = time.perf_counter()
-            self._apply_outer(step)
+            # Asynchronous: the one on its way; a fixed delay: those sent --outer-delay steps ago.
+            self._apply_outer(upto=self._outer_pending[0] if self.cfg.asynchronous else step - self.cfg.staleness_bound,
+                              at=step)
             # Waiting for an outer step that is late is communication, not compute.
             late = time.perf_counter() - t0
             self.metrics.log(step, "wait_s", late)
             waited += late
+        if self.local.due(step, self.max_steps):
+            return True
         self.step = step
         self.uplink.step_times.append(compute_s + waited)
         self._log_step(step, loss=loss, samples=samples, total_s=compute_s + waited, compute_s=compute_s,
@@ -306,55 +326,68 @@ class PSClient:
         return False
 
     def _send_pseudo_gradient(self, upload: Upload) -> None:
-        """The round's change since the last outer step goes up in the flat gradient; the frames
-        report the whole round's samples, loss and compute."""
-        self._apply_outer(upload.step)  # an overlapped one still on its way (the bounds are below H: none)
-        round_ = self.local.progress
+        """The round's change since the last outer step (of each fragment due) goes up in the
+        flat gradient; the frames report the round's samples, loss and compute."""
+        local, step = self.local, upload.step
+        fragments = local.due(step, self.max_steps)
+        # The fragments' own overlapped outer steps still on their way (the bounds are below H:
+        # only at the run's last step, which syncs every fragment), with those before them.
+        owed = [s for s in self._outer_pending if set(local.due(s, self.max_steps)) & set(fragments)]
+        if owed:
+            self._apply_outer(upto=owed[-1], at=step)
+        round_ = local.rounds[fragments[0]]
         upload.samples, upload.loss = round_.samples, round_.loss
         upload.compute_s = round_.compute_s
-        params = self.flat.values()
-        self.local.delta(params, out=self.flat.grad)
+        if local.fragments > 1:  # each fragment's change weighs its own round's samples
+            upload.chunk_samples = {p: local.rounds[p].samples for p in fragments}
         # Overlapped: the outer step is applied --outer-delay inner steps later, or asynchronous
         # when it has arrived; the run's last one at once, so that the run ends on the common model.
-        later = self.cfg.staleness_bound > 0 and upload.step < self.max_steps
-        self.local.sent(params if later else None)
+        later = self.cfg.staleness_bound > 0 and step < self.max_steps
+        for p in fragments:
+            a, b = local.spans[p]
+            params = self.flat.span_values(a, b)
+            local.delta(params, out=self.flat.grad[a:b], fragment=p)
+            local.sent(params if later else None, fragment=p)
         if later:
-            self._outer_pending = upload.step
+            self._outer_pending.append(step)
 
     def _outer_step(self, step: int) -> None:
-        """The flat buffer holds the workers' mean pseudo-gradient: the outer step."""
-        norm = self.local.apply(self.flat.grad, step)
-        # Overlapped, the inner steps since the send stay on top (a copy of the parameters only then).
-        overlapped = self.local.drift_from is not None
-        self.flat.load(self.local.parameters_after(self.flat.values()) if overlapped else self.local.common)
-        self.metrics.log(step, "outer_norm", norm)
+        """The flat buffer holds the workers' mean pseudo-gradient (of the fragments that synced
+        after `step`): the outer step."""
+        local, norm_sq = self.local, 0.0
+        for p in local.due(step, self.max_steps):
+            a, b = local.spans[p]
+            norm_sq += local.apply(self.flat.grad[a:b], step, fragment=p) ** 2
+            # Overlapped, the inner steps since the send stay on top (a copy of the parameters only then).
+            own = self.flat.span_values(a, b) if p in local.drift_from else None
+            self.flat.load_span(local.parameters_after(own, fragment=p), a, b)
+        self.metrics.log(step, "outer_norm", math.sqrt(norm_sq))
         # Inner steps between the change's send and this outer step (0: applied before the next).
         landed, self._landing_at = self._landing_at, None
         self.metrics.log(step, "outer_staleness", 0 if landed is None else landed - step)
 
     def _outer_lands(self, step: int) -> bool:
-        """Whether the outer step on its way is applied after inner step `step`: once it is
-        staleness_bound steps old (a fixed --outer-delay; asynchronous, --max-staleness, where the
-        worker waits for it), or asynchronous as soon as its update is here."""
-        assert self._outer_pending is not None
-        if step - self._outer_pending >= self.cfg.staleness_bound:
+        """Whether the oldest outer step on its way is applied after inner step `step`: once it
+        is staleness_bound steps old (a fixed --outer-delay; asynchronous, --max-staleness, where
+        the worker waits for it), or asynchronous as soon as its update is here."""
+        oldest = self._outer_pending[0]
+        if step - oldest >= self.cfg.staleness_bound:
             return True
-        return self.cfg.asynchronous and self.link.update_arrived(self._outer_pending)
+        return self.cfg.asynchronous and self.link.update_arrived(oldest)
 
-    def _apply_outer(self, at: int | None = None) -> None:
-        """Read and apply the overlapped outer step still on its way (a no-op without one), after
-        inner step `at` (default: the last step taken)."""
-        if self._outer_pending is None or self.ended_by_server:
-            return
-        step, self._outer_pending = self._outer_pending, None
-        self._landing_at = self.step if at is None else at
-        self.link.read_update(step, self._take)
+    def _apply_outer(self, upto: int | None = None, at: int | None = None) -> None:
+        """Read and apply the overlapped outer steps still on their way, oldest first: all, or
+        those of steps up to `upto` (a no-op without one), after inner step `at` (default: the
+        last step taken)."""
+        while self._outer_pending and not self.ended_by_server and (upto is None or self._outer_pending[0] <= upto):
+            self._landing_at = self.step if at is None else at
+            self._read_round(self._outer_pending.popleft())
 
     @contextmanager
     def global_model(self) -> Iterator[None]:
         """The run's model in the parameters for the block: under local SGD the common one of
         the last outer step (an evaluation scores that, not one worker's drift since)."""
-        if self.local is None or self.local.synced_step == self.step:
+        if self.local is None or self.local.at_common(self.step):
             yield
             return
         own = self.flat.values()
@@ -411,7 +444,7 @@ class PSClient:
         if self.left:
             return
         self.drain()
-        if self.local is not None and self.local.synced_step != self.step:
+        if self.local is not None and not self.local.at_common(self.step):
             self.flat.load(self.local.common)
         if self.ended_by_server:
             return

@@ -158,15 +158,18 @@ class ParameterServer:
         sum them weighted by their samples and re-sparsify (eq. 1-2, step 3), plan the next step's
         batch split and densities (step 5), and send everyone the one update. Under local SGD the
         same round is an outer step (DiLoCo's algorithm 1): the frames carry pseudo-gradients, and
-        the workers apply the outer optimizer to the weighted mean this sends back.
+        the workers apply the outer optimizer to the weighted mean this sends back; streaming, the
+        round is of the fragments whose outer step follows this step, a chunk each (the workers
+        know which from the same schedule, `TrainConfig.round_chunks`).
         `frames`: the first chunk's, `arrival`: their seconds on the wire, `began`: when the
         server began waiting for them."""
         step = self._open_step(frames)
         laps = Laps(began)
         waits, kept = [], 0
         self.departures.new_step()
-        for chunk in range(self.aggregator.chunks):
-            frames = self.gather_chunk(step, chunk, frames, arrival)
+        round_ = self.cfg.round_chunks(step, self.aggregator.chunks, self.max_steps)
+        for chunk in round_:
+            frames = self.gather_chunk(step, chunk, frames, arrival, first=round_[0])
             laps.add("wait_s")
             self.account_sites(step, chunk, frames)
             update = self.aggregate(step, list(frames.values()), chunk, arrival)
@@ -179,7 +182,8 @@ class ParameterServer:
         for wait in waits:
             wait()
         laps.add("comm_s")
-        self.close_step(step, list(frames.values()), update, laps, kept)
+        self.close_step(step, list(frames.values()), update, laps, kept,
+                        sum(b - a for a, b in (self.aggregator.bounds[c] for c in round_)))
 
     def _open_step(self, frames: dict[int, Grad]) -> int:
         """The step the first frames are of; the bytes so far logged under the last step."""
@@ -194,10 +198,11 @@ class ParameterServer:
             raise ProtocolError(f"the workers are out of step: {[(w, f.step) for w, f in frames.items()]}")
         return step
 
-    def gather_chunk(self, step: int, chunk: int, frames: dict[int, Grad], arrival: dict[int, float]) -> dict[int, Grad]:
-        """Chunk `chunk` of `step` from every worker still in it (chunk 0's are `frames` already),
-        adding each frame's seconds on the wire to `arrival`."""
-        if chunk:
+    def gather_chunk(self, step: int, chunk: int, frames: dict[int, Grad], arrival: dict[int, float], *,
+                     first: int = 0) -> dict[int, Grad]:
+        """Chunk `chunk` of `step` from every worker still in it (the round's `first` chunk's are
+        `frames` already), adding each frame's seconds on the wire to `arrival`."""
+        if chunk != first:
             got = self.gatherer.collect([w for w in frames if w in self.roster], self.step, first_s=self.cfg.timeout_s)
             frames = {w: expect(raw, Grad, step, peer=w) for w, (raw, _) in got.items()}
             for w, (_, t) in got.items():
@@ -231,9 +236,9 @@ class ParameterServer:
 
     def aggregate(self, step: int, grads: list[Grad], chunk: int, arrival: dict[int, float] | None = None) -> Update:
         """Steps 3 and 5 for one chunk: the weighted sum (eq. 1-2) and server compression; with
-        the last chunk, the step's loss and next step's plan."""
+        the round's last chunk (streaming: its last fragment's), the step's loss and next step's plan."""
         dense, payload = self.aggregator.combine(step, chunk, grads)
-        last = self.aggregator.chunks - 1
+        last = self.cfg.round_chunks(step, self.aggregator.chunks, self.max_steps)[-1]
         if chunk == 0 and self.cfg.applies_in_forward and last:
             self.planner.plan_early(step, grads, self.aggregator.chunks)
             return Update(step, chunk, Payload(dense.numel(), dense), payload,
@@ -244,7 +249,8 @@ class ParameterServer:
         return Update(step, chunk, Payload(dense.numel(), dense), payload, step_loss(rows),
                       tuple(self.roster.densities), tuple(self.roster.batch_sizes))
 
-    def close_step(self, step: int, grads: list[Grad], update: Update, laps: Laps, kept: int) -> None:
+    def close_step(self, step: int, grads: list[Grad], update: Update, laps: Laps, kept: int,
+                   sent_numel: int | None = None) -> None:
         """The step is answered: its time for the loss deadline, joiners caught up, its metrics."""
         self.step = step
         self.roster.note_step(laps.total())
@@ -257,7 +263,9 @@ class ParameterServer:
         mlog(step, "samples_per_s", samples / max(laps.total(), 1e-9))
         for name in ("wait_s", "compress_s", "comm_s"):
             mlog(step, name, laps.seconds[name])
-        mlog(step, "density", kept / max(1, self._layout().sparse_numel))
+        # Of the elements the round carried (streaming: its fragments').
+        sent = self._layout().sparse_numel if sent_numel is None else sent_numel
+        mlog(step, "density", kept / max(1, sent))
         self.progress.show(step, self.max_steps, update.loss)
 
     # -- the other rounds -----------------------------------------------------------------------------

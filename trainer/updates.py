@@ -48,10 +48,12 @@ class UpdateApplier:
         return [[(params[name], *span, group_of[params[name]]) for name, *span in pieces
                  if params[name] in group_of] for pieces in chunk_pieces(self.flat.layout, self.bounds)]
 
-    def apply(self, update: Update, hyper: list[dict] | None = None) -> bool:
+    def apply(self, update: Update, hyper: list[dict] | None = None, *, last: int | None = None) -> bool:
         """One chunk of `update`, with the optimizer's settings `hyper` (None: as they are now);
-        True once its last chunk is in. Under local SGD the flat gradient then holds the
+        True once its last chunk (`last`, default the model's last; streaming local SGD's round
+        ends with its last fragment) is in. Under local SGD the flat gradient then holds the
         workers' mean pseudo-gradient, for the outer step."""
+        last = len(self.bounds) - 1 if last is None else last
         if self.pieces is not None:
             self._apply_in_place(update, hyper)
         else:
@@ -61,14 +63,14 @@ class UpdateApplier:
                 grad[:nd].copy_(update.dense.values.to(grad.device, torch.float32))
             a, b = self.bounds[update.chunk]
             apply_payload(grad[nd + a : nd + b], update.sparse)
-            if update.chunk == len(self.bounds) - 1 and not self.outer:
+            if update.chunk == last and not self.outer:
                 with hyperparameters(self.optimizer, hyper):
                     if self.velocity is None:
                         self.optimizer.step()
                     else:  # momentum correction on a non-contiguous tensor
                         sgd_step(self.optimizer, self.flat.compressed)
                         self._step_dense()
-        return update.chunk == len(self.bounds) - 1
+        return update.chunk == last
 
     def _apply_in_place(self, update: Update, hyper: list[dict] | None) -> None:
         """One chunk straight into the parameters it holds, as plain SGD, its elements only; the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -39,6 +40,8 @@ class Upload:
     encode_s: float = 0.0
     tx_s: float = 0.0
     nbytes: int = 0
+    # Streaming local SGD: each fragment's (chunk's) own round of samples, its change's weight.
+    chunk_samples: dict[int, int] = field(default_factory=dict)
 
 
 class Uplink:
@@ -90,9 +93,10 @@ class Uplink:
         return dense, replace(sparse, values=sparse.values.cpu(),
                               indices=None if sparse.indices is None else sparse.indices.cpu())
 
-    def send(self, upload: Upload, inbox: Inbox, density: float) -> None:
-        """Compress and post every chunk of `upload`'s step, in order."""
-        for c in range(len(self.bounds)):
+    def send(self, upload: Upload, inbox: Inbox, density: float, chunks: Sequence[int] | None = None) -> None:
+        """Compress and post `chunks` of `upload`'s step (default every one; streaming local SGD
+        sends its fragments due), in order."""
+        for c in range(len(self.bounds)) if chunks is None else chunks:
             self._send_chunk(upload, c, inbox, density)
 
     def _send_chunk(self, upload: Upload, c: int, inbox: Inbox, density: float) -> None:
@@ -100,7 +104,8 @@ class Uplink:
         dense, sparse = self.compress(upload.step, c, density)
         te = time.perf_counter()
         upload.topk_s += te - tc
-        grad = Grad(upload.step, self.rank, c, upload.loss, upload.samples, upload.compute_s, self.last_tx_s,
+        samples = upload.chunk_samples.get(c, upload.samples)
+        grad = Grad(upload.step, self.rank, c, upload.loss, samples, upload.compute_s, self.last_tx_s,
                     upload.topk_s, dense, sparse)
         combiner = self.relay.combiner
         if combiner is not None:

@@ -128,6 +128,9 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     exchange.add_argument("--site-replicas", action="store_true", default=None,
                           help="diloco, diloco-gc: each site's workers one replica, averaging every inner "
                                "step over their LAN; one change per site crosses the WAN")
+    exchange.add_argument("--fragments", type=int, default=None, metavar="P",
+                          help="diloco, diloco-gc: streaming, the model in P fragments whose outer steps are "
+                               "staggered over the H steps (at most H; default 1, off)")
     life = create.add_argument_group("checkpoints, restarts, membership")
     life.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="default 100 (0: never)")
     life.add_argument("--checkpoint-every-s", type=float, default=None, metavar="S", help="default 600 (0: off)")

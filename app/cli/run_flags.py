@@ -94,7 +94,7 @@ def run_body(args: argparse.Namespace) -> dict[str, Any]:
     for section, names in (("compression", ("compressor", "value_dtype", "pipeline_chunks", "density", "density_min",
                                             "density_max", "server_k_fraction", "warmup_steps")),
                            ("local_sgd", ("sync_every", "outer_lr", "outer_momentum", "outer_density", "outer_delay",
-                                          "asynchronous", "max_staleness", "site_replicas"))):
+                                          "asynchronous", "max_staleness", "site_replicas", "fragments"))):
         given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
         if given:
             body[section] = {**(body.get(section) or {}), **given}

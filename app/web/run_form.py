@@ -32,7 +32,7 @@ TEXT_FIELDS = (
     "compression_error_feedback", "compression_momentum_correction", "compression_warmup_steps",
     "compression_pipeline_chunks", "compression_powersgd_rank", "local_sgd_sync_every",
     "local_sgd_outer_lr", "local_sgd_outer_momentum", "local_sgd_outer_density", "local_sgd_outer_delay",
-    "local_sgd_asynchronous", "local_sgd_max_staleness", "local_sgd_site_replicas",
+    "local_sgd_asynchronous", "local_sgd_max_staleness", "local_sgd_site_replicas", "local_sgd_fragments",
     "idempotency_key", "suggest_goal", "suggest_budget",
     "checkpoint_every", "checkpoint_every_s", "max_restarts", "min_workers", "min_workers_wait_s",
 )
@@ -41,7 +41,7 @@ LIFECYCLE_INTS = ("checkpoint_every", "max_restarts", "min_workers")
 LIFECYCLE_FLOATS = ("checkpoint_every_s", "min_workers_wait_s")
 COMPRESSION_INTS = ("warmup_steps", "pipeline_chunks", "powersgd_rank")
 COMPRESSION_FLOATS = ("density", "density_min", "density_max", "server_k_fraction")
-LOCAL_SGD_INTS = ("sync_every", "outer_delay", "max_staleness")
+LOCAL_SGD_INTS = ("sync_every", "outer_delay", "max_staleness", "fragments")
 LOCAL_SGD_FLOATS = ("outer_lr", "outer_momentum", "outer_density")
 # The request's option sections, each a group of the form's fields named SECTION_OPTION.
 SECTIONS = ("compression", "local_sgd")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.contract import COMPRESSING_STRATEGIES, LOCAL_SGD_STRATEGIES, PS_STRATEGIES
+from hybridtrain.contract import COMPRESSING_STRATEGIES, DEFAULT_SYNC_EVERY, LOCAL_SGD_STRATEGIES, PS_STRATEGIES
 from testbed.errors import TestbedError
 
 
@@ -248,10 +248,13 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # sites are its replicas, each site's workers averaging every inner step over their LAN and one
 # change per site crossing the WAN (`local_sgd.site_replicas`); `+async`, a local SGD strategy
 # applying each outer step as soon as it has arrived instead of a fixed delay later
-# (`local_sgd.asynchronous`, bounded by its default max_staleness, H - 1).
+# (`local_sgd.asynchronous`, bounded by its default max_staleness, H - 1); `+streaming`, a local
+# SGD strategy whose outer steps go in STREAMING_FRAGMENTS staggered fragments (at most H of them),
+# each exchange 1/P of the model (`local_sgd.fragments`, Streaming DiLoCo).
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "replicas", "async")
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "replicas", "async", "streaming")
+STREAMING_FRAGMENTS = 4
 
 
 def delay_of(variant: str) -> int | None:
@@ -273,7 +276,7 @@ def strategy_variant(entry: str) -> tuple[str, str]:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if (variant in ("sites", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
-    if (delay_of(variant) is not None or variant in ("replicas", "async")) and strategy not in LOCAL_SGD_STRATEGIES:
+    if (delay_of(variant) is not None or variant in ("replicas", "async", "streaming")) and strategy not in LOCAL_SGD_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
@@ -303,6 +306,10 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
         # Asynchronous outer steps replace the fixed delay a workload may set.
         local = {k: v for k, v in body.get("local_sgd", {}).items() if k != "outer_delay"}
         return body | {"name": f"{body['name']}-async", "local_sgd": local | {"asynchronous": True}}
+    if variant == "streaming":
+        local_sgd = body.get("local_sgd", {})
+        fragments = min(STREAMING_FRAGMENTS, local_sgd.get("sync_every") or DEFAULT_SYNC_EVERY)
+        return body | {"name": f"{body['name']}-streaming", "local_sgd": local_sgd | {"fragments": fragments}}
     if (delay := delay_of(variant)) is not None:
         return body | {"name": f"{body['name']}-{variant}",
                        "local_sgd": body.get("local_sgd", {}) | {"outer_delay": delay}}

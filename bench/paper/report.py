@@ -22,7 +22,8 @@ CHART_FILE = "paper-bench.html"
 # What a variant (bench.paper.paper_workloads.VARIANTS) adds to its strategy's label.
 _VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "fp8": "fp8 values",
                    "inforward": "apply-in-forward", "quotaio": "threads on the quota",
-                   "async": "asynchronous outer steps"}
+                   "async": "asynchronous outer steps",
+                   "streaming": "streaming fragments"}
 
 
 def strategy_label(entry: str) -> str:

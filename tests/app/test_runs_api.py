@@ -551,6 +551,13 @@ def test_a_local_sgd_knob_given_in_both_places_is_refused(online_node, client):
     ("diloco-gc", {"local_sgd": {"asynchronous": True, "site_replicas": True}}, "local_sgd.asynchronous"),
     ("diloco", {"local_sgd": {"max_staleness": 2}}, "local_sgd.max_staleness"),
     ("diloco", {"local_sgd": {"asynchronous": True, "sync_every": 5, "max_staleness": 5}}, "local_sgd.max_staleness"),
+    # Streaming: local SGD only, at most one fragment's outer step an inner step, not with site
+    # replicas (whose relays exchange whole outer steps).
+    ("ps-bz-gc", {"local_sgd": {"fragments": 4}}, "local_sgd.fragments"),
+    ("diloco", {"local_sgd": {"sync_every": 4, "fragments": 5}}, "local_sgd.fragments"),
+    ("diloco-gc", {"local_sgd": {"fragments": 2, "site_replicas": True}}, "local_sgd.fragments"),
+    # Asynchronous outer steps and streaming fragments are alternatives.
+    ("diloco", {"local_sgd": {"asynchronous": True, "fragments": 2}}, "local_sgd.asynchronous"),
     # Accepted once, and then every rank refused it at start: ps compresses nothing.
     ("ps", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4}}, "compression.apply_in_forward"),
     ("ps-gc", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4, "compressor": "none"}},
@@ -577,6 +584,7 @@ _WALKED = [
     ("local_sgd.outer_delay", 5, ["--outer-delay", "5"]),
     ("local_sgd.asynchronous", True, ["--async-outer"]),
     ("local_sgd.max_staleness", 5, ["--max-staleness", "5"]),
+    ("local_sgd.fragments", 4, ["--fragments", "4"]),
     ("rebalance_every", 10, ["--rebalance-every", "10"]),
 ]
 

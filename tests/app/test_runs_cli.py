@@ -102,6 +102,11 @@ def test_asynchronous_outer_steps_reach_the_requests_local_sgd_section():
     assert body["local_sgd"] == {"asynchronous": True, "max_staleness": 4}
 
 
+def test_streaming_fragments_reach_the_requests_local_sgd_section():
+    body = _body("--strategy", "diloco", "--sync-every", "12", "--fragments", "4")
+    assert body["local_sgd"] == {"sync_every": 12, "fragments": 4}
+
+
 @pytest.mark.parametrize("text, says", [("- a\n- b\n", "a mapping"), ("compression: 4\n", "compression must"),
                                         ("{: nope", "not YAML")])
 def test_a_config_file_that_is_not_a_mapping_of_fields_is_a_usage_error(tmp_path, text, says):

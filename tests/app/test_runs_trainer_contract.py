@@ -95,7 +95,7 @@ EVERY_OPTION = {
     "rebalance_every": (3, None),
     "local_sgd.sync_every": (11, None), "local_sgd.outer_lr": (0.7, None), "local_sgd.outer_momentum": (0.4, None),
     "local_sgd.outer_density": (0.05, None), "local_sgd.outer_delay": (4, None),
-    "local_sgd.site_replicas": (True, None),
+    "local_sgd.site_replicas": (True, None), "local_sgd.fragments": (3, None),
     "local_sgd.asynchronous": (True, None), "local_sgd.max_staleness": (5, None),
 }
 # Asynchronous outer steps replace the fixed delay and keep off site replicas: a walk of their own.
@@ -103,11 +103,14 @@ _ASYNC = ["local_sgd.asynchronous", "local_sgd.max_staleness"]
 _COMMON = [p for p in EVERY_OPTION if "." not in p and p != "rebalance_every"]
 _CODEC = [f"compression.{n}" for n in ("compressor", "value_dtype", "select", "density", "density_min", "density_max",
                                        "server_k_fraction", "error_feedback", "momentum_correction", "warmup_steps")]
-# No strategy takes every option: each walk sets those its strategy takes (hybridtrain.compat).
+# No strategy takes every option: each walk sets those its strategy (the name before any "+")
+# takes and that go together (hybridtrain.compat).
 WALKS = {
     "diloco-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "rebalance_every",
-                  *(p for p in EVERY_OPTION if p.startswith("local_sgd.") and p not in _ASYNC)],
-    "diloco": [*_ASYNC, "local_sgd.sync_every"],
+                  *(p for p in EVERY_OPTION if p.startswith("local_sgd.") and p not in (*_ASYNC, "local_sgd.fragments"))],
+    "diloco+async": [*_ASYNC, "local_sgd.sync_every"],
+    # Streaming goes without site replicas.
+    "diloco+streaming": ["local_sgd.sync_every", "local_sgd.outer_delay", "local_sgd.fragments"],
     "ps-bz-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "compression.aggregate_at_sites",
                  "rebalance_every"],
     "ps-gc": ["compression.pipeline_chunks", "compression.apply_in_forward"],
@@ -129,10 +132,11 @@ def test_the_walks_below_cover_every_training_option():
     assert walked <= fields
 
 
-@pytest.mark.parametrize("strategy", WALKS)
-def test_every_training_option_goes_from_the_request_to_the_trainers_config_with_its_value(strategy):
+@pytest.mark.parametrize("walk", WALKS)
+def test_every_training_option_goes_from_the_request_to_the_trainers_config_with_its_value(walk):
+    strategy = walk.partition("+")[0]
     body: dict = {"strategy": strategy}
-    for path in WALKS[strategy]:
+    for path in WALKS[walk]:
         section, _, name = path.rpartition(".")
         (body.setdefault(section, {}) if section else body)[name] = EVERY_OPTION[path][0]
     request = RunCreate(name="r", node_ids=[1], **body)
@@ -147,7 +151,7 @@ def test_every_training_option_goes_from_the_request_to_the_trainers_config_with
     sites = ["1", "1", "2", "2"][: len(run.workers)]
     for order in launch_orders(run, metrics_token=_token, public_url="http://cp", sites=sites):
         cfg = _config(order)[1].to_dict()
-        for path in WALKS[strategy]:
+        for path in WALKS[walk]:
             value, kept = EVERY_OPTION[path]
             name, expected = kept or (path.rpartition(".")[2], value)
             assert cfg[name] == expected, path

@@ -28,6 +28,10 @@ def _loc(exc: pytest.ExceptionInfo[ValidationError]) -> tuple:
      ("local_sgd", "max_staleness")),
     ({"strategy": "diloco", "local_sgd": {"asynchronous": True, "sync_every": 1}}, ("local_sgd", "asynchronous")),
     ({"strategy": "ps-bz-gc", "local_sgd": {"asynchronous": True}}, ("local_sgd", "asynchronous")),
+    ({"strategy": "diloco", "local_sgd": {"sync_every": 3, "fragments": 4}}, ("local_sgd", "fragments")),
+    ({"strategy": "diloco", "local_sgd": {"fragments": 2, "site_replicas": True}}, ("local_sgd", "fragments")),
+    ({"strategy": "diloco", "local_sgd": {"sync_every": 40, "fragments": 17}}, ("local_sgd", "fragments")),
+    ({"strategy": "diloco", "local_sgd": {"asynchronous": True, "fragments": 2}}, ("local_sgd", "asynchronous")),
     ({"strategy": "ps-gc", "compression": {"apply_in_forward": True, "pipeline_chunks": 2, "aggregate_at_sites": True}},
      ("compression", "apply_in_forward")),
 ])

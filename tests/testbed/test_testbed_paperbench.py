@@ -697,7 +697,7 @@ def test_the_sweep_chart_plots_share_of_ideal_against_a_log_bandwidth_axis_a_lin
 def test_every_local_sgd_run_of_the_quick_smoke_is_one_the_api_takes() -> None:
     from app.schemas.runs import RunCreate
 
-    for entry in ("diloco", "diloco-gc", "diloco+replicas"):
+    for entry in ("diloco", "diloco-gc", "diloco+replicas", "diloco+streaming"):
         strategy, variant = entry.partition("+")[::2]
         body = variant_body(run_body(strategy, QUICK, [1, 2, 3, 4], 9, "t"), variant)
         RunCreate.model_validate(body)
@@ -715,3 +715,14 @@ def test_a_replicas_variant_makes_each_site_one_replica_of_a_local_sgd_strategy(
     TrainOptions.model_validate({k: body[k] for k in ("strategy", "local_sgd", "compression") if k in body})
     with pytest.raises(TestbedError, match="local SGD"):
         strategy_variant("ps-bz-gc+replicas")
+
+
+def test_a_streaming_variant_syncs_a_local_sgd_strategy_in_four_fragments() -> None:
+    from hybridtrain.train_options import TrainOptions
+
+    assert strategy_variant("diloco-gc+streaming") == ("diloco-gc", "streaming")
+    body = variant_body(run_body("diloco", FULL, [1], 9, "t"), "streaming")
+    assert body["name"].endswith("-streaming") and body["local_sgd"] == {"sync_every": 10, "fragments": 4}
+    TrainOptions.model_validate({k: body[k] for k in ("strategy", "local_sgd", "compression") if k in body})
+    with pytest.raises(TestbedError, match="local SGD"):
+        strategy_variant("ps-bz-gc+streaming")

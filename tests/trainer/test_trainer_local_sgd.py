@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from test_trainer_elastic import SCRIPT, run_with_a_late_worker
 from trainer_testing import (
     DIGITS,
+    RankLost,
     config,
     events,
     global_batch,
@@ -26,7 +27,15 @@ from trainer_testing import (
     tiny_mlp,
 )
 
-from hybridtrain.contract import EVENT_WORKER_JOINED, EVENT_WORKER_LEFT, next_sync, sync_due
+from hybridtrain.contract import (
+    EVENT_RESUMED,
+    EVENT_WORKER_JOINED,
+    EVENT_WORKER_LEFT,
+    fragment_offsets,
+    next_sync,
+    sync_due,
+    sync_fragments,
+)
 from trainer.algorithm import aggregate
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.codec_state import codec
@@ -100,6 +109,41 @@ def test_outer_steps_come_every_h_steps_and_at_the_last_step():
     assert next_sync(0, 10, 25) == 10 and next_sync(10, 10, 25) == 20 and next_sync(20, 10, 25) == 25
 
 
+def test_each_streaming_fragment_syncs_every_h_steps_staggered_and_all_at_the_last_step():
+    h, fragments, last = 20, 3, 95
+    syncs = {p: [s for s in range(1, last + 1) if p in sync_fragments(s, h, last, fragments)] for p in range(fragments)}
+    assert syncs == {0: [6, 26, 46, 66, 86, 95], 1: [13, 33, 53, 73, 93, 95], 2: [20, 40, 60, 80, 95]}
+    assert all(len(sync_fragments(s, h, last, fragments)) <= 1 for s in range(1, last))
+    assert [next_sync(s, h, last, fragments) for s in (0, 6, 12, 13, 20, 93)] == [6, 13, 13, 20, 26, 95]
+
+
+def test_one_fragment_is_the_whole_model_every_h_steps():
+    assert fragment_offsets(10) == (10,)
+    assert all(sync_fragments(s, 10, 25) == ((0,) if sync_due(s, 10, 25) else ()) for s in range(1, 30))
+
+
+def test_more_fragments_than_inner_steps_between_syncs_are_refused():
+    assert fragment_offsets(4, 4) == (1, 2, 3, 4)
+    with pytest.raises(ValueError, match="fragments"):
+        fragment_offsets(4, 5)
+
+
+def test_a_fragments_outer_step_moves_its_own_slice_and_keeps_its_own_round_and_drift():
+    local = LocalSGD(4, lr=1.0, momentum=0.5, numel=4, spans=((0, 2), (2, 4)))
+    local.reset(torch.ones(4), 0)
+    local.note(1.0, 8, 0.1)
+    local.sent(torch.tensor([0.5, 1.5]), fragment=0)  # fragment 0's change left at step 2
+    local.note(3.0, 8, 0.1)
+    assert (local.rounds[0].samples, local.rounds[1].samples, local.rounds[1].loss) == (8, 16, 2.0)
+    local.apply(torch.tensor([0.2, -0.2]), 2, fragment=0)
+    # Nesterov, first step: theta -= lr * (1 + mu) * delta, on fragment 0's slice only.
+    assert local.common.tolist() == pytest.approx([0.7, 1.3, 1.0, 1.0])
+    assert local.velocity.tolist() == pytest.approx([0.2, -0.2, 0.0, 0.0])
+    assert local.synced == [2, 0] and local.synced_step == 2 and not local.at_common(2)
+    assert local.parameters_after(torch.tensor([0.4, 1.7]), fragment=0).tolist() == pytest.approx([0.6, 1.5])
+    assert not local.drift_from
+
+
 def test_a_round_reports_its_samples_and_mean_loss():
     progress = Progress()
     for loss, n in ((1.0, 8), (math.nan, 8), (3.0, 16)):
@@ -117,7 +161,7 @@ def test_an_overlapped_outer_step_keeps_the_inner_steps_taken_since_the_change_w
     assert local.common.tolist() == pytest.approx([0.8, 1.2])
     # theta' plus the drift since the send: (0.8 - 0.1, 1.2 + 0.2)
     assert local.parameters_after(moved_since).tolist() == pytest.approx([0.7, 1.4])
-    assert local.drift_from is None and torch.equal(local.parameters_after(moved_since), local.common)
+    assert not local.drift_from and torch.equal(local.parameters_after(moved_since), local.common)
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "diloco-gc"])
@@ -147,7 +191,7 @@ def test_a_worker_state_carries_the_common_parameters_and_the_outer_optimizer():
     model = tiny_mlp()
     client = PSClient(cfg, 1, hub.transport(1), model, _adamw(model), MetricsLogger(1, "worker"))
     client.local.velocity.normal_()
-    client.local.synced_step = 40
+    client.local.synced = [40]
     common = client.local.common.clone()
     with torch.no_grad():
         for p in model.parameters():
@@ -165,7 +209,8 @@ def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
     parser = build_parser()
     for extra, match in ((["--apply-in-forward"], "--apply-in-forward"),
                          (["--sync-every", "0"], "--sync-every"), (["--outer-momentum", "1"], "--outer-momentum"),
-                         (["--outer-lr", "0"], "--outer-lr"), (["--outer-delay", "20"], "--outer-delay")):
+                         (["--outer-lr", "0"], "--outer-lr"), (["--outer-delay", "20"], "--outer-delay"),
+                         (["--sync-every", "4", "--fragments", "5"], "--fragments")):
         with pytest.raises(UsageError, match=match):
             config_from_args(parser.parse_args(["--strategy", "diloco", *extra]))
     cfg = config_from_args(parser.parse_args(["--strategy", "diloco-gc", "--sync-every", "7"]))
@@ -185,6 +230,16 @@ def test_the_cli_takes_asynchronous_outer_steps_instead_of_the_fixed_delay():
             config_from_args(parser.parse_args(["--strategy", "diloco", "--async-outer", *extra]))
     with pytest.raises(UsageError, match="--max-staleness needs --async-outer"):
         config_from_args(parser.parse_args(["--strategy", "diloco", "--max-staleness", "2"]))
+
+
+def test_streaming_makes_the_exchanges_chunks_its_fragments():
+    parser = build_parser()
+    cfg = config_from_args(parser.parse_args(["--strategy", "diloco", "--fragments", "4", "--pipeline-chunks", "2"]))
+    assert (cfg.fragments, cfg.streams, cfg.exchange_chunks) == (4, True, 4)
+    # H = 20 in 4: fragment 0 after step 5, none after 7, all four after the last.
+    assert [cfg.round_chunks(s, 4, 100) for s in (5, 7, 100)] == [(0,), (), (0, 1, 2, 3)]
+    plain = config_from_args(parser.parse_args(["--strategy", "diloco", "--pipeline-chunks", "2"]))
+    assert (plain.streams, plain.exchange_chunks, plain.round_chunks(20, 2, 100)) == (False, 2, (0, 1))
 
 
 def test_the_outer_exchange_overlaps_three_inner_steps_unless_told_or_h_is_smaller():
@@ -295,6 +350,42 @@ def test_an_asynchronous_outer_step_lands_as_soon_as_its_update_is_here(monkeypa
     assert all(1 <= v <= 7 for v in staleness) and min(staleness) < 3, seen
 
 
+def test_streaming_fragments_land_staggered_on_every_worker_and_the_replicas_end_equal():
+    cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=8, max_steps=21, fragments=4,
+                 outer_delay=3, dense_numel=100)
+    commons: dict[tuple[int, int], torch.Tensor] = {}
+    run = run_in_process(cfg, 21, optimizer=_adamw,
+                         after_step=lambda rank, step, run: commons.__setitem__((rank, step),
+                                                                                run.clients[rank - 1].local.common.clone()))
+    spans = run.clients[0].local.spans
+    assert len(spans) == 4 and spans[0][0] == 0 and spans[-1][1] == run.clients[0].layout.numel
+    for step in range(4, 22):
+        assert all(torch.equal(commons[(1, step)], commons[(r, step)]) for r in (2, 3)), step
+        moved = {p for p, (a, b) in enumerate(spans) if not torch.equal(commons[(1, step)][a:b],
+                                                                         commons[(1, step - 1)][a:b])}
+        # Fragment p syncs after steps 2(p + 1) + 8k; its outer step lands 3 steps later, and the
+        # run's last step brings every fragment's.
+        assert moved == (set(range(4)) if step == 21 else set(sync_fragments(step - 3, 8, 21, 4))), step
+    assert all(c.local.synced == [21] * 4 for c in run.clients)
+    flats = [_flat(m) for m in run.models]
+    assert all(torch.equal(flats[0], f) for f in flats[1:])
+
+
+def test_a_worker_leaving_a_streaming_run_between_fragments_leaves_the_others_equal_to_the_end():
+    def leave_after_7(rank: int, step: int, run) -> None:
+        if rank == 3 and step == 7:  # fragment 2's outer step of step 6 is still on its way
+            run.clients[2].leave()
+            raise RankLost
+
+    cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=8, max_steps=21, fragments=4,
+                 outer_delay=3, dense_numel=100)
+    run = run_in_process(cfg, 21, optimizer=_adamw, after_step=leave_after_7)
+    assert 3 not in run.server.roster
+    stayed = [c for c in run.clients if c.rank != 3]
+    assert len(stayed) == 2 and all(c.local.synced == [21] * 4 for c in stayed)
+    assert torch.equal(_flat(run.models[0]), _flat(run.models[1]))
+
+
 def replace_cfg(cfg, **changes):
     from dataclasses import replace
 
@@ -333,6 +424,31 @@ def test_a_local_sgd_run_trains_the_digits_and_sends_a_fraction_of_a_ps_runs_byt
     assert sent < 120 * dense_ps_step / (12 if strategy == "diloco" else 25)
 
 
+def _exchange_bytes(records: list[dict], rank: int) -> dict[int, float]:
+    return {r["step"]: r["value"] for r in records if r.get("name") == "bytes_sent" and r["rank"] == rank}
+
+
+def test_a_streaming_run_trains_the_digits_as_well_with_a_fraction_of_the_peak_exchange(tmp_path):
+    records = {}
+    for fragments in (1, 4):
+        out = tmp_path / f"p{fragments}.jsonl"
+        result = run_cli(*DIGITS, "--strategy", "diloco", "--workers", "2", "--max-steps", "120", "--sync-every", "12",
+                         "--fragments", str(fragments), "--eval-every", "60", "--metrics-out", str(out))
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[fragments] = read_metrics(out)
+    streamed, whole = records[4], records[1]
+    assert series(streamed, "accuracy")[120] >= 0.85
+    assert series(streamed, "accuracy")[120] >= series(whole, "accuracy")[120] - 0.05
+    # A fragment's outer step every 3 steps (each fragment's every 12), all four at the last.
+    assert sorted(series(streamed, "outer_norm", rank=1)) == list(range(3, 121, 3))
+    # Each exchange carries a fragment: the peak a step falls about 4-fold (the dense tensors ride
+    # with fragment 0), the total stays about the same.
+    peak = {p: max(v for s, v in _exchange_bytes(records[p], 1).items() if 0 < s < 120) for p in records}
+    total = {p: sum(_exchange_bytes(records[p], 1).values()) for p in records}
+    assert peak[4] < 0.4 * peak[1], peak
+    assert 0.8 * total[1] < total[4] < 1.25 * total[1], total
+
+
 def _digits_model():
     from hybridtrain.tasks.digits import smallcnn
 
@@ -352,6 +468,22 @@ def test_a_joiner_of_a_diloco_run_waits_for_the_next_outer_step_and_ends_on_the_
     # It applied the next outer step with the others and computed from the inner step after it.
     first = min(series(roles[3].records(), "batch_size", rank=3))
     assert first == joined[0]["step"] + 5 + 1
+    assert f"from step {first} " in joined[0]["detail"]
+
+
+def test_a_joiner_of_a_streaming_run_takes_the_next_fragments_outer_step_and_ends_equal(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    # The weights (384 and 96 elements) go in 4 fragments; the biases ride with fragment 0.
+    args = ["--strategy", "diloco", "--sync-every", "8", "--fragments", "4", "--dense-numel", "16",
+            "--global-batch", "48", "--max-steps", "100", "--timeout-s", "60", "--code-dir", str(tmp_path),
+            "--script", "train.py"]
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 2/", rank=3, cwd=tmp_path)
+    joined = events(server.records(), EVENT_WORKER_JOINED)
+    assert [e["subject"] for e in joined] == [3]
+    results = {r: role.wait_for("RESULT") for r, role in roles.items()}
+    assert len({line.split(" hash ")[1].split()[0] for line in results.values()}) == 1, results
+    first = min(series(roles[3].records(), "batch_size", rank=3))
+    assert first == next_sync(joined[0]["step"], 8, 100, 4) + 1 == joined[0]["step"] + 2 + 1
     assert f"from step {first} " in joined[0]["detail"]
 
 
@@ -428,3 +560,22 @@ def test_an_asynchronous_diloco_run_checkpoints_the_common_model_and_resumes_fro
     assert [e["step"] for e in events(resumed, "checkpoint")] == [25, 30]
     assert min(series(resumed, "batch_size", rank=1)) == 21
     assert set(series(resumed, "outer_staleness", rank=1)) == {25, 30}
+
+
+def test_a_streaming_run_resumes_from_its_checkpoint_with_every_fragment_on_the_common_model(tmp_path):
+    from trainer import checkpoint
+
+    first = _diloco_run(tmp_path, 20, "--fragments", "2", "--sync-every", "6", "--checkpoint-dir", str(tmp_path / "ck"),
+                        name="first")
+    assert [e["step"] for e in events(first, "checkpoint")][-1] == 20
+    outer = checkpoint.from_bytes(torch.load(tmp_path / "ck" / "run-step-00000020.pt",
+                                             weights_only=False)["optimizer"])["outer"]
+    assert outer["synced"] == [20, 20]
+    resumed = _diloco_run(tmp_path, 40, "--fragments", "2", "--sync-every", "6", "--checkpoint-dir",
+                          str(tmp_path / "ck"), "--resume", name="resumed")
+    assert [e["step"] for e in events(resumed, EVENT_RESUMED)] == [20]
+    # Fragment 0 syncs after steps 3 + 6k, fragment 1 after 6k: the resumed rounds go on from 21.
+    assert sorted(series(resumed, "outer_norm", rank=1)) == [21, 24, 27, 30, 33, 36, 39, 40]
+    saved = torch.load(tmp_path / "ck" / "run-step-00000040.pt", weights_only=False)
+    assert checkpoint.from_bytes(saved["optimizer"])["outer"]["synced"] == [40, 40]
+    assert math.isfinite(series(resumed, "loss", rank=0)[40])

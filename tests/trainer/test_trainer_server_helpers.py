@@ -110,8 +110,10 @@ def test_a_steps_loss_weighs_each_workers_loss_by_its_samples():
 
 
 def test_a_joiner_computes_from_the_step_after_the_next_update_it_applies(tmp_path):
-    for strategy, extra, first in (("ps-gc", {}, 12), ("diloco", {"sync_every": 4}, 13)):
+    # Streaming's next outer step is the next fragment's: with H = 20 and 4 fragments, step 15's.
+    for strategy, extra, first in (("ps-gc", {}, 12), ("diloco", {"sync_every": 4}, 13),
+                                   ("diloco", {"sync_every": 20, "fragments": 4}, 16)):
         run = _Run(TrainConfig(strategy=strategy, workers=2, global_batch=32, **extra), tmp_path)
         joiner = Joiner(run.cfg, run.roster, run.transport, run.inbox, run.metrics, run.departures, run.donors,
                         run.checkpoints)
-        assert joiner.first_step_of_joiner(10, 100) == first, strategy
+        assert joiner.first_step_of_joiner(10, 100, LAYOUT) == first, (strategy, extra)

@@ -145,6 +145,15 @@ def test_launch_form_sends_asynchronous_outer_steps_and_shows_their_rule_beside_
     assert "local_sgd.outer_delay" in errors["local_sgd_outer_delay"]
 
 
+def test_launch_form_takes_streaming_fragments_and_shows_their_rule_beside_the_field() -> None:
+    base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {
+        "name": "r", "node_ids": ["1"], "strategy": "diloco"}
+    body, errors = run_form.run_create(base | {"local_sgd_sync_every": "12", "local_sgd_fragments": "4"})
+    assert errors == {} and body is not None and body.local_sgd is not None and body.local_sgd.fragments == 4
+    _, errors = run_form.run_create(base | {"local_sgd_sync_every": "3", "local_sgd_fragments": "4"})
+    assert "local_sgd_fragments" in errors
+
+
 def test_launch_form_shows_a_local_sgd_rule_beside_its_field() -> None:
     base = {name: "" for name in run_form.TEXT_FIELDS} | run_form.DEFAULTS | {"name": "r", "node_ids": ["1"]}
     _, errors = run_form.run_create(base | {"local_sgd_sync_every": "12"})  # ps-bz-gc has no outer steps
