@@ -14,9 +14,12 @@ from test_trainer_elastic import SCRIPT, run_with_a_late_worker
 from trainer_testing import (
     DIGITS,
     RankLost,
+    adamw,
     config,
     events,
+    flat_parameters,
     global_batch,
+    plain_sgd,
     read_metrics,
     run_cli,
     run_in_process,
@@ -46,18 +49,6 @@ from trainer.metrics import MetricsLogger
 from trainer.ps import PSClient
 from trainer.transport import InMemoryHub, InMemoryTransport
 from trainer.wire import peek_kind
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _plain_sgd(model) -> torch.optim.SGD:
-    return torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def _adamw(model) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 # -- the pure pieces ------------------------------------------------------------------------------
@@ -189,7 +180,7 @@ def test_a_worker_state_carries_the_common_parameters_and_the_outer_optimizer():
     cfg = config(strategy="diloco", workers=1, global_batch=16)
     hub = InMemoryHub()
     model = tiny_mlp()
-    client = PSClient(cfg, 1, hub.transport(1), model, _adamw(model), MetricsLogger(1, "worker"))
+    client = PSClient(cfg, 1, hub.transport(1), model, adamw(model), MetricsLogger(1, "worker"))
     client.local.velocity.normal_()
     client.local.synced = [40]
     common = client.local.common.clone()
@@ -199,10 +190,10 @@ def test_a_worker_state_carries_the_common_parameters_and_the_outer_optimizer():
     state = client.state_frame()
     assert state.step == 40 and torch.equal(state.params, common)
     fresh_model = tiny_mlp(seed=5)
-    fresh = PSClient(cfg, 1, hub.transport(2), fresh_model, _adamw(fresh_model), MetricsLogger(1, "worker"))
+    fresh = PSClient(cfg, 1, hub.transport(2), fresh_model, adamw(fresh_model), MetricsLogger(1, "worker"))
     fresh.load_state(state)
     assert torch.equal(fresh.local.velocity, client.local.velocity)
-    assert fresh.local.synced_step == 40 and torch.equal(_flat(fresh_model), common)
+    assert fresh.local.synced_step == 40 and torch.equal(flat_parameters(fresh_model), common)
 
 
 def test_the_cli_refuses_the_per_step_variants_and_bad_outer_settings():
@@ -257,25 +248,25 @@ def test_diloco_with_h_1_and_an_outer_sgd_of_rate_1_equals_synchronous_sgd_on_th
     cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
                  value_dtype="fp32")
     data, steps = tiny_data(), 4
-    run = run_in_process(cfg, steps, data=data, optimizer=_plain_sgd)
+    run = run_in_process(cfg, steps, data=data, optimizer=plain_sgd)
     ref = tiny_mlp()
-    ref_opt = _plain_sgd(ref)
+    ref_opt = plain_sgd(ref)
     for step in range(1, steps + 1):
         x, y = global_batch(data, step, [16, 16, 16], cfg.seed)
         ref_opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
     for model in run.models:
-        torch.testing.assert_close(_flat(model), _flat(ref), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flat_parameters(model), flat_parameters(ref), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "diloco-gc"])
 def test_replicas_leave_every_outer_step_identical_and_drift_apart_between(strategy):
     cfg = config(strategy=strategy, workers=3, global_batch=48, sync_every=4, max_steps=10, dense_numel=100)
     snapshots: dict[tuple[int, int], torch.Tensor] = {}
-    run = run_in_process(cfg, 10, optimizer=_adamw,
+    run = run_in_process(cfg, 10, optimizer=adamw,
                          after_step=lambda rank, step, run: snapshots.__setitem__((rank, step),
-                                                                                  _flat(run.models[rank - 1])))
+                                                                                  flat_parameters(run.models[rank - 1])))
     for step in range(1, 11):
         same = all(torch.equal(snapshots[(1, step)], snapshots[(r, step)]) for r in (2, 3))
         assert same == (step in (4, 8, 10)), step
@@ -285,17 +276,17 @@ def test_replicas_leave_every_outer_step_identical_and_drift_apart_between(strat
 def test_overlapped_outer_steps_keep_the_common_model_identical_and_end_on_it():
     cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=4, max_steps=10, outer_delay=2)
     snapshots: dict[tuple[int, int], torch.Tensor] = {}
-    run = run_in_process(cfg, 10, optimizer=_adamw,
+    run = run_in_process(cfg, 10, optimizer=adamw,
                          after_step=lambda rank, step, run: snapshots.__setitem__((rank, step),
                                                                                   run.clients[rank - 1].local.common.clone()))
     # The outer step of step 4 lands at step 6 on every worker, step 8's at 10 with the last.
     for step in (5, 6, 7, 10):
         assert all(torch.equal(snapshots[(1, step)], snapshots[(r, step)]) for r in (2, 3))
     assert torch.equal(snapshots[(1, 5)], snapshots[(1, 4)]) and not torch.equal(snapshots[(1, 6)], snapshots[(1, 5)])
-    flats = [_flat(m) for m in run.models]
+    flats = [flat_parameters(m) for m in run.models]
     assert all(torch.equal(flats[0], f) for f in flats[1:])
-    plain = run_in_process(replace_cfg(cfg, outer_delay=0), 10, optimizer=_adamw)
-    assert not torch.equal(_flat(plain.models[0]), flats[0])  # the overlap changes the arithmetic
+    plain = run_in_process(replace_cfg(cfg, outer_delay=0), 10, optimizer=adamw)
+    assert not torch.equal(flat_parameters(plain.models[0]), flats[0])  # the overlap changes the arithmetic
 
 
 class _SlowUpdates(InMemoryTransport):
@@ -326,9 +317,9 @@ def _async_run(monkeypatch, delay_s: float, **changes) -> dict[int, dict[int, fl
 
     monkeypatch.setattr(MetricsLogger, "log", record)
     # 10 ms an inner step: an update that is not slowed is back well within one.
-    run = run_in_process(cfg, 20, optimizer=_adamw, after_step=lambda *_: time.sleep(0.01),
+    run = run_in_process(cfg, 20, optimizer=adamw, after_step=lambda *_: time.sleep(0.01),
                          transport=lambda hub, rank: _SlowUpdates(rank, hub, delay_s))
-    flats = [_flat(m) for m in run.models]
+    flats = [flat_parameters(m) for m in run.models]
     assert all(torch.equal(flats[0], f) for f in flats[1:])
     assert all(c.local.synced_step == 20 for c in run.clients)
     return seen
@@ -354,7 +345,7 @@ def test_streaming_fragments_land_staggered_on_every_worker_and_the_replicas_end
     cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=8, max_steps=21, fragments=4,
                  outer_delay=3, dense_numel=100)
     commons: dict[tuple[int, int], torch.Tensor] = {}
-    run = run_in_process(cfg, 21, optimizer=_adamw,
+    run = run_in_process(cfg, 21, optimizer=adamw,
                          after_step=lambda rank, step, run: commons.__setitem__((rank, step),
                                                                                 run.clients[rank - 1].local.common.clone()))
     spans = run.clients[0].local.spans
@@ -367,7 +358,7 @@ def test_streaming_fragments_land_staggered_on_every_worker_and_the_replicas_end
         # run's last step brings every fragment's.
         assert moved == (set(range(4)) if step == 21 else set(sync_fragments(step - 3, 8, 21, 4))), step
     assert all(c.local.synced == [21] * 4 for c in run.clients)
-    flats = [_flat(m) for m in run.models]
+    flats = [flat_parameters(m) for m in run.models]
     assert all(torch.equal(flats[0], f) for f in flats[1:])
 
 
@@ -379,11 +370,11 @@ def test_a_worker_leaving_a_streaming_run_between_fragments_leaves_the_others_eq
 
     cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=8, max_steps=21, fragments=4,
                  outer_delay=3, dense_numel=100)
-    run = run_in_process(cfg, 21, optimizer=_adamw, after_step=leave_after_7)
+    run = run_in_process(cfg, 21, optimizer=adamw, after_step=leave_after_7)
     assert 3 not in run.server.roster
     stayed = [c for c in run.clients if c.rank != 3]
     assert len(stayed) == 2 and all(c.local.synced == [21] * 4 for c in stayed)
-    assert torch.equal(_flat(run.models[0]), _flat(run.models[1]))
+    assert torch.equal(flat_parameters(run.models[0]), flat_parameters(run.models[1]))
 
 
 def replace_cfg(cfg, **changes):

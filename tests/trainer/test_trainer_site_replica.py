@@ -13,9 +13,12 @@ import torch.nn.functional as F
 from trainer_testing import (
     RankLost,
     Role,
+    adamw,
     config,
     events,
+    flat_parameters,
     global_batch,
+    plain_sgd,
     run_in_process,
     start_ps_run,
     stop_all,
@@ -40,18 +43,6 @@ from trainer.transport import InMemoryHub, InMemoryTransport, Inbox
 # with ranks 1 and 3 their relays.
 SITES = ("home", "home", "home", "away", "away")
 SITE_OF = {1: "home", 2: "home", 3: "away", 4: "away"}
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _plain_sgd(model) -> torch.optim.SGD:
-    return torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def _adamw(model) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 # -- the pure pieces ------------------------------------------------------------------------------
@@ -169,16 +160,16 @@ def _config(strategy: str = "diloco", **options):
 def test_with_h_1_and_an_outer_sgd_of_rate_1_site_replicas_equal_synchronous_sgd_on_the_global_batch():
     cfg = _config(sync_every=1, outer_lr=1.0, outer_momentum=0.0, value_dtype="fp32", allocation="equal", max_steps=4)
     data = tiny_data()
-    run = run_in_process(cfg, 4, data=data, optimizer=_plain_sgd)
+    run = run_in_process(cfg, 4, data=data, optimizer=plain_sgd)
     ref = tiny_mlp()
-    opt = _plain_sgd(ref)
+    opt = plain_sgd(ref)
     for step in range(1, 5):
         x, y = global_batch(data, step, [12] * 4, cfg.seed)
         opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         opt.step()
     for model in run.models:
-        torch.testing.assert_close(_flat(model), _flat(ref), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flat_parameters(model), flat_parameters(ref), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy, options", [("diloco", {}), ("diloco-gc", {}), ("diloco", {"outer_delay": 2}),
@@ -187,8 +178,8 @@ def test_with_h_1_and_an_outer_sgd_of_rate_1_site_replicas_equal_synchronous_sgd
 def test_a_sites_workers_are_identical_after_every_inner_step_and_the_sites_meet_at_outer_steps(strategy, options):
     cfg = _config(strategy, sync_every=4, max_steps=10, **options)
     snapshots: dict[tuple[int, int], torch.Tensor] = {}
-    run_in_process(cfg, 10, optimizer=_adamw,
-                   after_step=lambda rank, step, run: snapshots.__setitem__((rank, step), _flat(run.models[rank - 1])))
+    run_in_process(cfg, 10, optimizer=adamw,
+                   after_step=lambda rank, step, run: snapshots.__setitem__((rank, step), flat_parameters(run.models[rank - 1])))
     for step in range(1, 11):
         assert torch.equal(snapshots[(1, step)], snapshots[(2, step)]), step
         assert torch.equal(snapshots[(3, step)], snapshots[(4, step)]), step
@@ -199,7 +190,7 @@ def test_a_sites_workers_are_identical_after_every_inner_step_and_the_sites_meet
 
 def test_the_server_hears_one_frame_per_site_per_outer_step_and_a_member_only_its_relay():
     cfg = _config(sync_every=3, max_steps=9)
-    run = run_in_process(cfg, 9, optimizer=_adamw)
+    run = run_in_process(cfg, 9, optimizer=adamw)
     sent = run.hub.sent
     outer = 3
     # Relays: HELLO, one frame per outer step, BYE (rank 1 also the starting weights).
@@ -251,25 +242,25 @@ def _samples_per_outer_step(monkeypatch) -> dict[int, int]:
 def test_a_lost_member_is_left_out_by_its_relay_and_dropped_by_the_server_at_the_next_outer_step(monkeypatch):
     seen = _samples_per_outer_step(monkeypatch)
     cfg = _config(sync_every=4, max_steps=10, allocation="equal")
-    run = run_in_process(cfg, 10, optimizer=_adamw, transport=_dies(4, 6))
+    run = run_in_process(cfg, 10, optimizer=adamw, transport=_dies(4, 6))
     assert 4 not in run.server.roster
     # Step 8's "away" frame counts its relay's four inner steps alone; from step 9 the batch of
     # 48 is split over the three left.
     assert seen == {4: 4 * 48, 8: 4 * 24 + 4 * 12, 10: 2 * 48}
-    flats = [_flat(run.models[r - 1]) for r in (1, 2, 3)]
+    flats = [flat_parameters(run.models[r - 1]) for r in (1, 2, 3)]
     assert all(torch.equal(flats[0], f) for f in flats[1:])  # the run ends on the common model
 
 
 def test_a_lost_relay_leaves_its_member_training_alone_through_the_server(monkeypatch):
     seen = _samples_per_outer_step(monkeypatch)
     cfg = _config(sync_every=4, max_steps=10, allocation="equal")
-    run = run_in_process(cfg, 10, optimizer=_adamw, transport=_dies(3, 6))
+    run = run_in_process(cfg, 10, optimizer=adamw, transport=_dies(3, 6))
     assert 3 not in run.server.roster and 4 in run.server.roster
     member = next(c for c in run.clients if c.rank == 4)
     assert member.relay.up == SERVER and member.relay.update_source == SERVER
     # Rank 4 sends step 8's change itself: its four inner steps, the last three on its own gradient.
     assert seen == {4: 4 * 48, 8: 4 * 24 + 4 * 12, 10: 2 * 48}
-    flats = [_flat(run.models[r - 1]) for r in (1, 2, 4)]
+    flats = [flat_parameters(run.models[r - 1]) for r in (1, 2, 4)]
     assert all(torch.equal(flats[0], f) for f in flats[1:])
 
 
@@ -285,11 +276,11 @@ def test_a_member_leaving_between_outer_steps_is_let_go_at_the_next_and_its_site
             raise RankLost
 
     cfg = _config(sync_every=4, max_steps=10, allocation="equal")
-    run = run_in_process(cfg, 10, optimizer=_adamw, after_step=leave_after_6)
+    run = run_in_process(cfg, 10, optimizer=adamw, after_step=leave_after_6)
     assert 4 not in run.server.roster and lost == []
     # Its steps 5 and 6 are in its site's replica; step 8's frame counts its relay's samples.
     assert seen == {4: 4 * 48, 8: 4 * 24 + 4 * 12, 10: 2 * 48}
-    flats = [_flat(run.models[r - 1]) for r in (1, 2, 3)]
+    flats = [flat_parameters(run.models[r - 1]) for r in (1, 2, 3)]
     assert all(torch.equal(flats[0], f) for f in flats[1:])
 
 
@@ -351,14 +342,14 @@ def _sites_run(tmp_path, *extra: str) -> tuple[list[dict], dict[int, dict[int, s
 def test_site_replicas_with_h_1_and_outer_rate_1_on_real_processes_equal_synchronous_sgd(tmp_path):
     _sites_run(tmp_path, "--sync-every", "1", "--outer-lr", "1", "--value-dtype", "fp32", "--max-steps", "6")
     ref, data = _script_data()
-    opt = _plain_sgd(ref)
+    opt = plain_sgd(ref)
     for step in range(1, 7):
         x, y = global_batch(data, step, [12] * 4, 0)
         opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         opt.step()
     for rank in (1, 2, 3, 4):
-        torch.testing.assert_close(torch.load(tmp_path / f"final-{rank}.pt"), _flat(ref), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.load(tmp_path / f"final-{rank}.pt"), flat_parameters(ref), rtol=1e-5, atol=1e-6)
 
 
 def test_on_real_processes_a_sites_workers_are_one_replica_and_each_site_crosses_once_per_outer_step(tmp_path):

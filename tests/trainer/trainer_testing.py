@@ -75,6 +75,21 @@ def sgd(model: nn.Module, lr: float = 0.1, momentum: float = 0.9, weight_decay: 
                            lr=lr, momentum=momentum)
 
 
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    """A model's parameters as one flat vector (to compare replicas)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def plain_sgd(model: nn.Module) -> torch.optim.SGD:
+    """SGD at 0.1 without momentum or decay: an inner step that is easy to compute by hand."""
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def adamw(model: nn.Module) -> torch.optim.AdamW:
+    """AdamW at 1e-2, the optimizer local SGD's users train with."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def global_batch(data: TensorDataset, step: int, sizes: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The concatenation of every worker's batch of `step` (what one large-batch step sees)."""
     idx = torch.cat([batch_indices(step, m, sizes, len(data), seed) for m in range(len(sizes))])
