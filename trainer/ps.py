@@ -306,13 +306,12 @@ class PSClient:
         waited = self.site.average(step, samples) if self.site is not None else 0.0
         self.optimizer.step()
         self.local.note(loss, samples, compute_s)
-        if self.local.due(step, self.max_steps):
-            return True
+        # Outer steps that land now first: streaming's next fragment may be due at the same step.
         if self._outer_pending and self._outer_lands(step):
             t0 = time.perf_counter()
             # Asynchronous: the one on its way; a fixed delay: those sent --outer-delay steps ago.
-            self._apply_outer(upto=self._outer_pending[0] if self.cfg.asynchronous else step - self.cfg.staleness_bound,
-                              at=step)
+            oldest = self._outer_pending[0]
+            self._apply_outer(upto=oldest if self.cfg.asynchronous else step - self.cfg.staleness_bound, at=step)
             # Waiting for an outer step that is late is communication, not compute.
             late = time.perf_counter() - t0
             self.metrics.log(step, "wait_s", late)
