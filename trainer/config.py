@@ -165,7 +165,7 @@ class TrainConfig:
     outer_delay: int = 0
     # Local SGD: apply each outer step at the first inner step boundary after its mean change has
     # arrived, instead of outer_delay steps later; wait for it only once it is max_staleness inner
-    # steps old (None: sync_every - 1). trainer.ps.PSClient._inner_step.
+    # steps old (None: sync_every - 1). trainer.outer_steps.OuterSteps.
     asynchronous: bool = False
     max_staleness: int | None = None
     # Local SGD with --sites: each site's workers are one replica, averaging their gradients every

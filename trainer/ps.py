@@ -21,9 +21,9 @@ Local SGD (DiLoCo, Douillard et al. 2023, algorithm 1; `trainer.local_sgd`): ste
 every H-th step only, on the pseudo-gradient (the change since the last outer step) instead of
 the gradient; the other steps are the task's optimizer on the worker's own gradient
 (`_inner_step`), or under `--site-replicas` on its site's mean gradient (`trainer.site_replica`),
-and step 4 is the outer Nesterov step (`_outer_step`), overlapped with `--outer-delay` inner
-steps when asked, or under `--async-outer` applied at the first inner step after its update has
-arrived (`_outer_lands`).
+and step 4 is the outer Nesterov step; `trainer.outer_steps.OuterSteps` sends the change and
+applies the outer steps, at once, overlapped with `--outer-delay` inner steps, under
+`--async-outer` as soon as each update has arrived, or fragment by fragment under `--fragments`.
 
 What a worker hears from the server is `trainer.server_link`'s; its state for a joiner or a
 checkpoint `trainer.replica_state`'s; its part in its site's relays `trainer.site_relay`'s.
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,6 +47,7 @@ from trainer.flat_model import FlatModel
 from trainer.frames import LAST_KINDS, Buffers, BuffersAvg, Bye, Eval, EvalResult, Hello, State, Update, Welcome, pack
 from trainer.local_sgd import LocalSGD
 from trainer.metrics import MetricsLogger
+from trainer.outer_steps import OuterSteps
 from trainer.pass_hooks import ApplyInForward
 from trainer.relay import SERVER
 from trainer.replica_state import load_state, state_frame
@@ -116,13 +116,11 @@ class PSClient:
                                      outer=self.local is not None)
         self.in_forward = (ApplyInForward(model, optimizer, self.applier, self.link, self._take, self._caught_up)
                            if ApplyInForward.wanted(cfg.applies_in_forward, self.applier) else None)
-        # Local SGD with --outer-delay or asynchronous outer steps: the outer steps whose changes
-        # were sent but whose updates are applied a few inner steps later, oldest first (one at a
-        # time unless streaming's fragments sync more often than the delay;
-        # trainer.local_sgd.LocalSGD.parameters_after).
-        self._outer_pending: deque[int] = deque()
-        # The inner step after which the outer step being read is applied (its staleness is the gap).
-        self._landing_at: int | None = None
+        # Local SGD's rounds: the inner steps' ends, the pseudo-gradient's send and the outer steps
+        # on their way back (trainer.outer_steps).
+        self.outer = (OuterSteps(cfg, self.local, self.flat, metrics, read_round=self._read_round,
+                                 update_arrived=self.link.update_arrived, ended=lambda: self.link.ended)
+                      if self.local is not None else None)
         self._flushed_for: int | None = None
 
     @property
@@ -213,10 +211,10 @@ class PSClient:
         # this step, not per-sample work.
         blocked = self._take_blocked()
         upload = Upload(step, samples, loss, max(0.0, compute_s - blocked))
-        if self.local is not None:
+        if self.outer is not None:
             if not self._inner_step(step, loss=loss, samples=samples, compute_s=upload.compute_s):
                 return
-            self._send_pseudo_gradient(upload)
+            self.outer.send(upload, self.max_steps)
         density = self.densities[self.index]
         self.uplink.send(upload, self.inbox, density, self._round(step))  # step 2
         self.uplink.wait(upload)
@@ -256,7 +254,7 @@ class PSClient:
         """Steps 3-5: the server's update of `step`, applied now; or, under apply-in-forward, its
         first chunk now and the rest in the next forward pass (the run's last step takes all at
         once); or, with --outer-delay, the outer step a few inner steps later."""
-        if step in self._outer_pending:
+        if self.outer is not None and step in self.outer.pending:
             return
         if self.in_forward is not None and step < self.max_steps:
             self.in_forward.hold(step)
@@ -281,8 +279,8 @@ class PSClient:
         if not complete:
             return
         self.densities = list(update.densities)
-        if self.local is not None:
-            self._outer_step(update.step)
+        if self.outer is not None:
+            self.outer.apply(update.step, self.max_steps)
 
     def _caught_up(self, step: int) -> None:
         self.step = step
@@ -301,106 +299,37 @@ class PSClient:
     # -- local SGD ------------------------------------------------------------------------------
     def _inner_step(self, step: int, *, loss: float, samples: int, compute_s: float) -> bool:
         """The task's optimizer steps on this worker's gradient alone, or under site replicas on
-        its site's mean gradient. True when the outer step follows (the caller sends the
-        pseudo-gradient); else the step is done here."""
+        its site's mean gradient (trainer.outer_steps does the rest). True when the outer step
+        follows (the caller sends the pseudo-gradient); else the step is done here."""
         waited = self.site.average(step, samples) if self.site is not None else 0.0
         self.optimizer.step()
-        self.local.note(loss, samples, compute_s)
-        # Outer steps that land now first: streaming's next fragment may be due at the same step.
-        if self._outer_pending and self._outer_lands(step):
-            t0 = time.perf_counter()
-            # Asynchronous: the one on its way; a fixed delay: those sent --outer-delay steps ago.
-            oldest = self._outer_pending[0]
-            self._apply_outer(upto=oldest if self.cfg.asynchronous else step - self.cfg.staleness_bound, at=step)
-            # Waiting for an outer step that is late is communication, not compute.
-            late = time.perf_counter() - t0
-            self.metrics.log(step, "wait_s", late)
-            waited += late
-        if self.local.due(step, self.max_steps):
+        due, late = self.outer.after_inner_step(step, self.max_steps, loss=loss, samples=samples,
+                                                compute_s=compute_s)
+        if due:
             return True
+        waited += late
         self.step = step
         self.uplink.step_times.append(compute_s + waited)
         self._log_step(step, loss=loss, samples=samples, total_s=compute_s + waited, compute_s=compute_s,
                        comm_s=waited)
         return False
 
-    def _send_pseudo_gradient(self, upload: Upload) -> None:
-        """The round's change since the last outer step (of each fragment due) goes up in the
-        flat gradient; the frames report the round's samples, loss and compute."""
-        local, step = self.local, upload.step
-        fragments = local.due(step, self.max_steps)
-        # The fragments' own overlapped outer steps still on their way (the bounds are below H:
-        # only at the run's last step, which syncs every fragment), with those before them.
-        owed = [s for s in self._outer_pending if set(local.due(s, self.max_steps)) & set(fragments)]
-        if owed:
-            self._apply_outer(upto=owed[-1], at=step)
-        round_ = local.rounds[fragments[0]]
-        upload.samples, upload.loss = round_.samples, round_.loss
-        upload.compute_s = round_.compute_s
-        if local.fragments > 1:  # each fragment's change weighs its own round's samples
-            upload.chunk_samples = {p: local.rounds[p].samples for p in fragments}
-        # Overlapped: the outer step is applied --outer-delay inner steps later, or asynchronous
-        # when it has arrived; the run's last one at once, so that the run ends on the common model.
-        later = self.cfg.staleness_bound > 0 and step < self.max_steps
-        for p in fragments:
-            a, b = local.spans[p]
-            params = self.flat.span_values(a, b)
-            local.delta(params, out=self.flat.grad[a:b], fragment=p)
-            local.sent(params if later else None, fragment=p)
-        if later:
-            self._outer_pending.append(step)
-
-    def _outer_step(self, step: int) -> None:
-        """The flat buffer holds the workers' mean pseudo-gradient (of the fragments that synced
-        after `step`): the outer step."""
-        local, norm_sq = self.local, 0.0
-        for p in local.due(step, self.max_steps):
-            a, b = local.spans[p]
-            norm_sq += local.apply(self.flat.grad[a:b], step, fragment=p) ** 2
-            # Overlapped, the inner steps since the send stay on top (a copy of the parameters only then).
-            own = self.flat.span_values(a, b) if p in local.drift_from else None
-            self.flat.load_span(local.parameters_after(own, fragment=p), a, b)
-        self.metrics.log(step, "outer_norm", math.sqrt(norm_sq))
-        # Inner steps between the change's send and this outer step (0: applied before the next).
-        landed, self._landing_at = self._landing_at, None
-        self.metrics.log(step, "outer_staleness", 0 if landed is None else landed - step)
-
-    def _outer_lands(self, step: int) -> bool:
-        """Whether the oldest outer step on its way is applied after inner step `step`: once it
-        is staleness_bound steps old (a fixed --outer-delay; asynchronous, --max-staleness, where
-        the worker waits for it), or asynchronous as soon as its update is here."""
-        oldest = self._outer_pending[0]
-        if step - oldest >= self.cfg.staleness_bound:
-            return True
-        return self.cfg.asynchronous and self.link.update_arrived(oldest)
-
-    def _apply_outer(self, upto: int | None = None, at: int | None = None) -> None:
-        """Read and apply the overlapped outer steps still on their way, oldest first: all, or
-        those of steps up to `upto` (a no-op without one), after inner step `at` (default: the
-        last step taken)."""
-        while self._outer_pending and not self.ended_by_server and (upto is None or self._outer_pending[0] <= upto):
-            self._landing_at = self.step if at is None else at
-            self._read_round(self._outer_pending.popleft())
-
     @contextmanager
     def global_model(self) -> Iterator[None]:
         """The run's model in the parameters for the block: under local SGD the common one of
         the last outer step (an evaluation scores that, not one worker's drift since)."""
-        if self.local is None or self.local.at_common(self.step):
+        if self.outer is None:
             yield
             return
-        own = self.flat.values()
-        self.flat.load(self.local.common)
-        try:
+        with self.outer.global_model(self.step):
             yield
-        finally:
-            self.flat.load(own)
 
     def drain(self) -> None:
         """Apply whatever update is still on its way (apply-in-forward's later chunks; local SGD's
         overlapped outer step), so that the model is the run's current one: before an
         evaluation, a checkpoint, leaving, the end."""
-        self._apply_outer()
+        if self.outer is not None:
+            self.outer.land(self.step)
         if self.in_forward is not None:
             self.in_forward.drain()
 
@@ -443,8 +372,8 @@ class PSClient:
         if self.left:
             return
         self.drain()
-        if self.local is not None and not self.local.at_common(self.step):
-            self.flat.load(self.local.common)
+        if self.outer is not None:
+            self.outer.end_on_common(self.step)
         if self.ended_by_server:
             return
         self._bye(leaving=False)
