@@ -144,6 +144,8 @@ class CompressionSpec:
     outer_delay: int = 0
     # Sites as replicas (local SGD): each site's workers average every inner step over its LAN.
     site_replicas: bool = False
+    # Streaming (local SGD): the outer steps in this many staggered fragments.
+    fragments: int = 1
 
 
 @dataclass(frozen=True)

@@ -276,9 +276,12 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
                              "the in-site exchange's encode and decode")
         else:
             rounds = _ps_phases(workers, server, links, task, outer, relay, strategy, densities)
-            step = local_sgd_step(rounds[-1].step, comp.sync_every, share, comp.outer_delay)
+            step = local_sgd_step(rounds[-1].step, comp.sync_every, share, comp.outer_delay, comp.fragments)
             notes.append(f"an outer step every {comp.sync_every} steps: each step pays its compute and 1/"
                          f"{comp.sync_every} of a PS step's exchange of the pseudo-gradient")
+            if comp.fragments > 1:
+                notes.append(f"streaming: {comp.fragments} fragments, each exchange 1/{comp.fragments} of the "
+                             f"model every {comp.sync_every // comp.fragments} steps (frame headers not counted)")
         phases = [_Phase(1, None, step)]
         if comp.outer_delay:
             notes.append(f"the outer exchange overlaps {comp.outer_delay} inner steps (outer_delay)")

@@ -413,19 +413,22 @@ def allreduce_step(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[tuple
     return Step(step_s, breakdown, rows, transfers)
 
 
-def local_sgd_step(round_: Step, every: int, value_share: float = 1.0, delay: int = 0) -> Step:
+def local_sgd_step(round_: Step, every: int, value_share: float = 1.0, delay: int = 0, fragments: int = 1) -> Step:
     """Local SGD's mean step: its compute (the slowest worker's), and 1/`every` of an outer step's
     exchange, the PS step `round_` less that compute (the pseudo-gradient travels as a gradient would, and the outer
     step's arithmetic is the same elementwise work as an update's). `value_share` scales the
     exchange's bytes and time, for a dense change sent narrower than the dense frames `round_`
     was sized with (fp16 is half of fp32); an overlapped exchange (`delay` inner steps) hides up
-    to that many steps' compute of it."""
+    to that many steps' compute of it. Streaming's `fragments` each send 1/P of the exchange,
+    every H/P steps, each hiding up to min(delay, H/P) steps' compute (the link carries one
+    fragment's exchange at a time)."""
     # Each worker takes its inner steps on its own: the slowest compute paces them, which need
     # not be the worker whose upload reached the server last.
     compute = max(row["compute_s"] for row in round_.workers)
     share = value_share / every
     whole = (round_.step_s - compute) * value_share
-    exchange = max(0.0, whole - delay * compute) / every
+    hidden = min(delay, every // fragments) * compute
+    exchange = fragments * max(0.0, whole / fragments - hidden) / every
     breakdown = {"compute_s": compute, "outer_exchange_s": exchange}
     scaled = ("compress_s", "upload_s", "download_s", "decode_s", "comm_s", "upload_bytes", "download_bytes")
     rows = []

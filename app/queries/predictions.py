@@ -87,7 +87,8 @@ def compression_spec(strategy: str, options: CompressionOptions | None, *, eval_
     if "value_dtype" in compression:
         changes["value_bytes"] = VALUE_BYTES[compression["value_dtype"]]
     local = sections["local_sgd"]
-    changes |= {name: local[name] for name in ("sync_every", "outer_density", "outer_delay") if name in local}
+    changes |= {name: local[name] for name in ("sync_every", "outer_density", "outer_delay", "fragments")
+                if name in local}
     if local.get("asynchronous") and "sync_every" in local:
         # An asynchronous outer step hides its exchange behind up to max_staleness inner steps.
         changes["outer_delay"] = local.get("max_staleness") or local["sync_every"] - 1

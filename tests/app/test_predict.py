@@ -431,6 +431,22 @@ def test_an_overlapped_outer_exchange_hides_up_to_its_delays_compute():
     assert overlapped.step_s < waits.step_s and overlapped.bytes_per_step == waits.bytes_per_step
 
 
+def test_streaming_fragments_each_hide_their_share_of_the_exchange_behind_the_delay():
+    w, s = node(1, sps=10.0), node(2)
+    link = LinkSpec(1, 10.0, "measured")  # slow: the whole exchange outlasts the delay's compute
+    links = {(1, 2): link, (2, 1): link}
+    spec = CompressionSpec(value_bytes=4, sync_every=12, outer_delay=2)
+    whole = predict("diloco", workers=[(w, 10)], server=s, links=links, task=TASK, compression=spec)
+    streamed = predict("diloco", workers=[(w, 10)], server=s, links=links, task=TASK,
+                       compression=replace(spec, fragments=4))
+    compute = whole.breakdown["compute_s"]
+    exchange = (whole.breakdown["outer_exchange_s"] * 12 + 2 * compute)  # unhidden, all of it
+    # Four exchanges of a quarter each, every 3 steps, each hiding 2 steps' compute.
+    assert streamed.breakdown["outer_exchange_s"] == pytest.approx(4 * max(0.0, exchange / 4 - 2 * compute) / 12)
+    assert streamed.step_s < whole.step_s and streamed.bytes_per_step == whole.bytes_per_step
+    assert any("4 fragments" in note for note in streamed.assumptions)
+
+
 def test_sites_as_replicas_add_the_in_site_exchange_to_each_step_and_send_one_change_per_site():
     s, a, b = node(1, site=1), node(2, site=2), node(3, site=2)
     spec = CompressionSpec(value_bytes=4, sync_every=10, outer_delay=0, site_replicas=True)
