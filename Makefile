@@ -36,7 +36,7 @@ doctor: install-dev
 	$(BIN)/python -m tests.doctor
 
 test: install-dev chromium doctor
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=30
+	$(BIN)/python -m pytest --durations=30
 
 # docs/screenshots/ again, from the real pages: a control plane on a temporary database, filled
 # through its API, photographed in Chromium (docs/screenshots.py; --out DIR writes elsewhere).
