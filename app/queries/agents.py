@@ -363,8 +363,8 @@ def store_logs(session: Session, *, node: Node, run_id: int, batch: LogBatch) ->
 
 
 def read_logs(session: Session, *, run_id: int, rank: int | None, tail: int) -> Sequence[RunLog]:
-    """The newest `tail` lines of each rank (or of one), oldest first within a rank."""
-    get_run(session, run_id=run_id)
+    """The newest `tail` lines of each rank (or of one), oldest first within a rank; the caller
+    has the run (its page) or checks that it exists (the API)."""
     ranks = [rank] if rank is not None else session.scalars(
         select(RunLog.rank).where(RunLog.run_id == run_id).distinct().order_by(RunLog.rank)
     ).all()

@@ -119,17 +119,24 @@ def run_priced_at(run: Run) -> datetime:
     return run.started_at or run.launched_at or run.created_at
 
 
-def run_sites_by_rank(session: Session, *, run: Run) -> dict[int, Site]:
-    """The billing site of every rank whose node still exists."""
+def run_nodes(session: Session, *, run: Run) -> dict[int, Node]:
+    """The run's nodes that still exist, by id, with their sites and GPUs: what its bill and
+    its links' prices read (a page asks once and hands them to both)."""
     node_ids = {w.node_id for w in run.workers if w.node_id is not None}
     if not node_ids:
         return {}
-    nodes = {
+    return {
         n.id: n
         for n in session.scalars(
-            select(Node).where(Node.id.in_(node_ids)).options(selectinload(Node.site))
+            select(Node).where(Node.id.in_(node_ids)).options(selectinload(Node.site), selectinload(Node.gpus))
         )
     }
+
+
+def run_sites_by_rank(session: Session, *, run: Run, nodes: dict[int, Node] | None = None) -> dict[int, Site]:
+    """The billing site of every rank whose node still exists (`nodes`: `run_nodes`, if the caller has them)."""
+    if nodes is None:
+        nodes = run_nodes(session, run=run)
     return {
         w.rank: billing_site(nodes[w.node_id].site)
         for w in run.workers
@@ -184,16 +191,17 @@ def run_usage(
     now: datetime | None = None,
     links: dict[tuple[int, int], int] | None = None,
     samples: int | None = None,
+    nodes: dict[int, Node] | None = None,
 ) -> RunUsage:
     """Everything `run` used so far, from its plan and metrics (live until it finishes).
 
-    A caller that has already summed the bytes per (rank, peer) or the samples passes them in
-    to save the scan.
+    A caller that has already summed the bytes per (rank, peer) or the samples, or loaded the
+    run's nodes (`run_nodes`), passes them in to save the scan.
     """
     now = now or datetime.now(UTC)
     end = run.finished_at or now
     workers = list(run.workers)
-    nodes = _node_usages(session, run.id, workers, run.started_at or run.launched_at, end)
+    usages = _node_usages(session, run, nodes, run.started_at or run.launched_at, end)
     node_by_rank = {w.rank: w.node_name for w in workers if w.node_id is not None}
     if links is None:
         links = link_totals(session, run_id=run.id)
@@ -212,7 +220,7 @@ def run_usage(
     started = run.started_at or run.launched_at
     return RunUsage(
         priced_at=run_priced_at(run),
-        nodes=nodes,
+        nodes=usages,
         links=[
             LinkBytes(node_by_rank[rank], node_by_rank[peer], total)
             for (rank, peer), total in links.items()
@@ -241,10 +249,11 @@ def run_bill(
     links: dict[tuple[int, int], int] | None = None,
     samples: int | None = None,
     prices: PriceLookup | None = None,
+    nodes: dict[int, Node] | None = None,
 ) -> Bill:
     """The bill of `run` so far at the prices in force at its start; unpriced items count as $0.
     `prices`: a lookup the caller shares with its other pricing (one query per key and instant)."""
-    usage = run_usage(session, run=run, now=now, links=links, samples=samples)
+    usage = run_usage(session, run=run, now=now, links=links, samples=samples, nodes=nodes)
     # strict=False: a live view must not fail for one missing price; the bill lists it instead.
     return compute_bill(usage, prices or CachedPriceLookup(DbPriceLookup(session)), strict=False)
 
@@ -264,7 +273,7 @@ def _sums_by_rank(
 
 
 def _node_usages(
-    session: Session, run_id: int, workers: list[RunWorker], run_start: datetime | None, end: datetime
+    session: Session, run: Run, nodes: dict[int, Node] | None, run_start: datetime | None, end: datetime
 ) -> list[NodeUsage]:
     """Each node's time in the run: the union of its ranks' spans of membership, each from the
     rank's start (or its join) to its loss, leave or end (app.billing.membership).
@@ -272,7 +281,8 @@ def _node_usages(
     A node none of whose ranks reported a start is held for the run's whole span: it was
     reserved for the run whether or not its process came up.
     """
-    changes = _membership_changes(session, run_id)
+    workers = list(run.workers)
+    changes = _membership_changes(session, run.id)
     spans: dict[int, list[tuple[datetime, datetime]]] = {}
     came_up: set[int] = set()  # nodes with a rank that started or joined
     for w in workers:
@@ -284,13 +294,10 @@ def _node_usages(
             node_spans.extend(rank_spans(w.started_at, w.finished_at, changes.get(w.rank, ()), end=end))
     if not spans:
         return []
-    rows = session.scalars(
-        select(Node)
-        .where(Node.id.in_(spans))
-        .options(selectinload(Node.site), selectinload(Node.gpus))
-    ).all()
+    if nodes is None:
+        nodes = run_nodes(session, run=run)
     usages = []
-    for node in rows:
+    for node in (nodes[node_id] for node_id in sorted(spans) if node_id in nodes):
         if node.id in came_up:
             seconds = union_seconds(spans[node.id])
         else:

@@ -154,11 +154,9 @@ def run_series(session: Session, *, run_id: int, names: Iterable[str], width: in
         .group_by(RunMetric.name, RunMetric.rank, RunMetric.peer, bucket)
         .order_by(RunMetric.name, RunMetric.rank, RunMetric.peer, bucket)
     )
-    return [
-        SeriesBucket(name, int(rank), int(peer), int(b), int(step), float(t),
-                     None if mean is None else float(mean), None if total is None else float(total))
-        for name, rank, peer, b, step, t, mean, total in session.execute(stmt)
-    ]
+    # Core rows straight into the tuple: the columns are already ints and floats (avg and sum of
+    # a double are doubles), and converting each of a live run's ~10^4 rows was a third of its page.
+    return list(map(SeriesBucket._make, session.connection().execute(stmt).all()))
 
 
 # --- what the live stream reads -------------------------------------------------------------------

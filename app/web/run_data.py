@@ -15,7 +15,6 @@ from app.models import Run, RunEvent, RunMetric
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES
 from app.queries import costs, dashboard
-from app.queries.events import list_events
 from app.queries.metrics import metric_names
 from app.web import figures
 from app.web.egress import LinkBucket, cumulative_by_class, link_rates
@@ -194,11 +193,14 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     data = run_series(session, run, names=(*SERIES_NAMES, *eval_names))
     # One lookup for the links and the bill: each asks the same few prices for every pair of ranks.
     prices = costs.CachedPriceLookup(costs.DbPriceLookup(session))
-    rates, unpriced = link_rates(costs.run_sites_by_rank(session, run=run), prices, costs.run_priced_at(run))
+    nodes = costs.run_nodes(session, run=run)
+    rates, unpriced = link_rates(costs.run_sites_by_rank(session, run=run, nodes=nodes), prices,
+                                 costs.run_priced_at(run))
     egress_series, _ = cumulative_by_class(data.link_buckets, rates)
     planned = {w.rank: w.batch_size for w in run.workers if w.role == "worker" and w.batch_size}
     servers = server_ranks(run)
-    stored_events = list_events(session, run_id=run.id)
+    # Loaded with the run (`Run.events` is selectin), oldest first as list_events orders them.
+    stored_events = list(run.events)
     events = [event_view(e, t0) for e in stored_events]
     charts = {
         "throughput": figures.throughput_figure(data.series, t0, servers=servers),
@@ -210,7 +212,7 @@ def run_charts(session: Session, run: Run) -> RunCharts:
         "batch": figures.batch_figure(data.series, t0, planned, servers=servers),
     }
     charts = {key: figures.with_events(fig, events) for key, fig in charts.items()}
-    bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples, prices=prices)
+    bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples, prices=prices, nodes=nodes)
     events_after = max((e.id for e in stored_events), default=0)
     return RunCharts(charts, t0, metrics_after, logs_after, bill, unpriced, events, events_after)
 

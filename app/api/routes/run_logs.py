@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from app.api.deps import IdPath, ReadDep, SessionDep
 from app.api.responses import NOT_FOUND
 from app.queries.agents import LOG_LINES_KEPT, read_logs
+from app.queries.runs import get_run
 from app.schemas.runs import RunLogLine, RunLogs
 
 router = APIRouter()
@@ -23,5 +24,6 @@ def read_run_logs(
     tail: Annotated[int, Query(ge=1, le=LOG_LINES_KEPT)] = 200,
 ) -> RunLogs:
     """The newest `tail` lines of every rank (or of one), oldest first within a rank."""
+    get_run(session, run_id=run_id)
     lines = read_logs(session, run_id=run_id, rank=rank, tail=tail)
     return RunLogs(run_id=run_id, lines=[RunLogLine.model_validate(x) for x in lines])
