@@ -20,6 +20,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.api.main import api_router
 from app.agent_wheel import AgentWheel, source_tree
+from app.beat_batches import BeatBatches
 from app.api.routes import dist, health, prometheus
 from app.config import Settings, get_settings
 from app.capacity import RETRY_AFTER_S, AdmissionMiddleware
@@ -171,6 +172,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.health_engine = health_engine
     app.state.sessionmaker = factory
     app.state.dispatcher = dispatcher
+    app.state.beat_batches = None if settings.is_sqlite else BeatBatches()
     app.state.monitor = monitor
     app.state.agent_wheel = AgentWheel(settings.agent_wheel, source_tree())
     _install_error_handlers(app)

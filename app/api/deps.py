@@ -21,6 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app.beat_batches import BeatBatches
 from app.config import Settings
 from app.dispatch import Dispatcher
 from app.models import ApiToken, Node, TokenScope
@@ -186,6 +187,14 @@ async def get_dispatcher(request: Request) -> Dispatcher:
 
 
 DispatcherDep = Annotated[Dispatcher, Depends(get_dispatcher)]
+
+
+async def get_beat_batches(request: Request) -> BeatBatches | None:
+    """Where plain heartbeats wait to be written together; None on SQLite (one writer)."""
+    return request.app.state.beat_batches
+
+
+BeatBatchesDep = Annotated[BeatBatches | None, Depends(get_beat_batches)]
 
 agent_bearer = HTTPBearer(
     auto_error=False, scheme_name="AgentToken",

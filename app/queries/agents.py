@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Update, bindparam, delete, exists, func, select, update
+from sqlalchemy import Boolean, String, Update, bindparam, case, column, delete, exists, func, select, update, values
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, selectinload
@@ -212,6 +212,64 @@ def record_plain_beat(session: Session, *, token: str, beat: Heartbeat, now: dat
         # The UPDATE went past the session: a node it had loaded reads the new values again.
         session.expire(loaded, ["last_heartbeat", "gpu_usage", "updated_at"])
     return node_id
+
+
+@dataclass(frozen=True)
+class PlainBeat:
+    """A beat `record_plain_beats` may record: its agent token's hash, when, and its GPU readings
+    (None: the agent has none to report, and the node keeps its last)."""
+
+    token_hash: str
+    at: datetime
+    gpus: list[dict[str, Any]] | None
+
+
+def is_plain(beat: Heartbeat) -> bool:
+    """Whether `beat` reports nothing to reconcile (no role, no hardware); its node decides the rest."""
+    return not beat.roles and beat.hardware is None
+
+
+def plain_beat(token: str, beat: Heartbeat, now: datetime | None = None) -> PlainBeat:
+    """`beat` of the agent holding `token` as `record_plain_beats` takes it."""
+    gpus = [gpu.model_dump() for gpu in beat.gpus] if beat.gpus is not None else None
+    return PlainBeat(hash_secret(token), now or utcnow(), gpus)
+
+
+def record_plain_beats(session: Session, beats: Sequence[PlainBeat]) -> dict[str, int]:
+    """Record many agents' plain beats in one UPDATE (Postgres); returns the node id of each token
+    hash whose node took its beat. A beat left out changed nothing and is `apply_heartbeat`'s: its
+    node is not online, runs a rank or awaits its join probe, or no agent holds its token."""
+    if not beats:
+        return {}
+    nodes, agents, workers, runs = (m.__table__ for m in (Node, NodeAgent, RunWorker, Run))
+    given = values(
+        column("token_hash", String), column("at", nodes.c.last_heartbeat.type),
+        column("gpus", nodes.c.gpu_usage.type), column("has_gpus", Boolean), name="beats",
+    ).data([(b.token_hash, b.at, b.gpus, b.gpus is not None) for b in beats])
+    running_here = exists().where(
+        workers.c.node_id == nodes.c.id,
+        workers.c.status == WorkerStatus.running,
+        runs.c.id == workers.c.run_id,
+        runs.c.status.in_(ACTIVE_RUN_STATUSES),
+    )
+    stmt = (
+        update(nodes)
+        .where(
+            agents.c.token_hash == given.c.token_hash,
+            nodes.c.id == agents.c.node_id,
+            nodes.c.status == NodeStatus.online,
+            nodes.c.detected_hardware[PROBE_ON_JOIN].as_boolean().is_not(True),
+            ~running_here,
+        )
+        .values(last_heartbeat=given.c.at, gpu_usage=case((given.c.has_gpus, given.c.gpus), else_=nodes.c.gpu_usage))
+        .returning(nodes.c.id, given.c.token_hash)
+    )
+    found = {token_hash: node_id for node_id, token_hash in session.connection().execute(stmt)}
+    for node_id in found.values():
+        loaded = session.identity_map.get(identity_key(Node, node_id))
+        if loaded is not None:
+            session.expire(loaded, ["last_heartbeat", "gpu_usage", "updated_at"])
+    return found
 
 
 def apply_heartbeat(

@@ -4,19 +4,25 @@ live node kept online through a beat that a full heartbeat lane shed (issue 50).
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from datetime import datetime, timedelta
 
 from runs_testing import (  # noqa: F401 (fixtures)
     API, cancel_created_runs_fixture, dispatched_fixture, online_node_fixture, post_run, run_body, runs_redis_url_fixture,
 )
 from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
+
+from app.beat_batches import BeatBatches
 
 from app.lifecycle import check_liveness
 from app.lifecycle.liveness import offline_after_s
 from app.models import Node, NodeStatus
 from app.models.base import utcnow
-from app.queries.agents import record_plain_beat
+from app.queries.agents import PlainBeat, record_plain_beat, record_plain_beats
 from app.schemas.agent import Heartbeat
+from app.security import hash_secret
 
 READINGS = [{"index": 0, "name": "Tesla T4", "utilization": 0.25, "memory_used_bytes": 7, "memory_total_bytes": 9}]
 
@@ -169,3 +175,83 @@ def test_a_node_silent_through_one_shed_beat_stays_online(online_node, session, 
     check_liveness(session, settings=fast, now=beat + timedelta(seconds=offline_after_s(fast) + 1))
     session.commit()
     assert session.get(Node, node.id).status == NodeStatus.offline
+
+
+# -- plain beats written together ----------------------------------------------------------------
+
+
+def test_plain_beats_of_several_nodes_are_one_update(online_node, session, connection):
+    a, b = _joined(online_node), _joined(online_node)
+    session.get(Node, b.id).gpu_usage = READINGS
+    session.commit()
+    at = utcnow()
+    statements: list[str] = []
+
+    def record(_conn, _cursor, statement, *_args) -> None:
+        statements.append(statement)
+
+    event.listen(connection, "before_cursor_execute", record)
+    try:
+        found = record_plain_beats(session, [
+            PlainBeat(hash_secret(a.agent_token), at, READINGS), PlainBeat(hash_secret(b.agent_token), at, None),
+            PlainBeat(hash_secret("hta_" + "u" * 40), at, None),
+        ])
+    finally:
+        event.remove(connection, "before_cursor_execute", record)
+
+    assert found == {hash_secret(a.agent_token): a.id, hash_secret(b.agent_token): b.id}
+    assert [s.split(None, 1)[0] for s in statements if not s.startswith(("SAVEPOINT", "RELEASE"))] == ["UPDATE"]
+    assert session.get(Node, a.id).last_heartbeat == at and session.get(Node, b.id).last_heartbeat == at
+    assert session.get(Node, a.id).gpu_usage == READINGS
+    assert session.get(Node, b.id).gpu_usage == READINGS  # no readings in its beat: it keeps its last
+
+
+def test_a_plain_beat_of_a_node_with_work_to_do_is_left_to_the_full_heartbeat(online_node, session):
+    node = online_node()  # its first beat orders the join probes
+
+    assert record_plain_beats(session, [PlainBeat(hash_secret(node.agent_token), utcnow(), None)]) == {}
+
+
+def _blocked_writer():
+    """A writer that records each batch and holds the first until `release` is set."""
+    batches: list[list[str]] = []
+    release = threading.Event()
+
+    def write(_session, beats):
+        batches.append([b.token_hash for b in beats])
+        if len(batches) == 1:
+            release.wait(5)
+        return {b.token_hash: i for i, b in enumerate(beats)}
+
+    return write, batches, release
+
+
+def test_beats_arriving_while_a_batch_is_written_go_together_in_the_next(session):
+    write, batches, release = _blocked_writer()
+    beats = BeatBatches(write)
+
+    async def scenario():
+        first = asyncio.create_task(beats.record(session, PlainBeat("a", utcnow(), None)))
+        await asyncio.sleep(0.05)  # "a" is being written
+        rest = [asyncio.create_task(beats.record(session, PlainBeat(t, utcnow(), None))) for t in "bcd"]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(first, *rest)
+
+    answers = asyncio.run(scenario())
+
+    assert batches == [["a"], ["b", "c", "d"]]
+    assert answers == [0, 0, 1, 2]
+
+
+def test_a_failed_write_fails_every_beat_of_its_batch():
+    def write(_session, _beats):
+        raise OperationalError("UPDATE", {}, Exception("the database is gone"))
+
+    beats = BeatBatches(write)
+
+    async def scenario():
+        return await asyncio.gather(*(beats.record(None, PlainBeat(t, utcnow(), None)) for t in "ab"),
+                                    return_exceptions=True)
+
+    assert all(isinstance(answer, OperationalError) for answer in asyncio.run(scenario()))

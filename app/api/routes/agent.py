@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Request, Response, status
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AgentNodeDep, AgentTokenDep, DispatcherDep, IdPath, SessionDep, SettingsDep, agent_node
+from app.api.deps import AgentNodeDep, AgentTokenDep, BeatBatchesDep, DispatcherDep, IdPath, SessionDep, SettingsDep, agent_node
 from app.api.responses import CONFLICT, NOT_FOUND_OR_CONFLICT
 from app.broker_access import BrokerAccessError, BrokerOutOfReach, agent_broker, keep_node_user
 from app.config import Settings
@@ -98,18 +98,30 @@ async def heartbeat(
     dispatcher: DispatcherDep,
     token: AgentTokenDep,
     body: Heartbeat,
+    batches: BeatBatchesDep,
 ) -> HeartbeatAnswer:
     """Keep the node online; answer with the roles it should stop."""
+    tried_plain = False
+    if batches is not None and queries.is_plain(body):
+        # Most beats say "alive, nothing changed": written with the others arriving together, in
+        # one UPDATE that also checks each token (app/beat_batches.py).
+        node_id = await batches.record(session, queries.plain_beat(token, body))
+        if node_id is not None:
+            if body.broker_user:
+                await run_in_threadpool(_keep_broker_user, settings, node_id=node_id, agent_token_hash=hash_secret(token))
+            return HeartbeatAnswer(node_id=node_id, status=str(NodeStatus.online), stop=[])
+        tried_plain = True
     # One worker thread for the whole beat (docs/control-plane.md, "Capacity").
-    return await run_in_threadpool(_beat, session, settings, dispatcher, token, body)
+    return await run_in_threadpool(_beat, session, settings, dispatcher, token, body, tried_plain)
 
 
-def _beat(session: Session, settings: Settings, dispatcher: Dispatcher, token: str, body: Heartbeat) -> HeartbeatAnswer:
+def _beat(session: Session, settings: Settings, dispatcher: Dispatcher, token: str, body: Heartbeat,
+          tried_plain: bool) -> HeartbeatAnswer:
     outcome = queries.HeartbeatOutcome()
     launches: list[LaunchOrder] = []
     with run_state_lock(settings.is_sqlite):
-        # Most beats say "alive, nothing changed": one UPDATE, which also checks the token.
-        node_id = queries.record_plain_beat(session, token=token, beat=body)
+        # On SQLite (one writer) a plain beat is one UPDATE of its own, which also checks the token.
+        node_id = None if tried_plain else queries.record_plain_beat(session, token=token, beat=body)
         status_now = NodeStatus.online
         if node_id is None:
             node = agent_node(session, token)
