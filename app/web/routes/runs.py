@@ -237,7 +237,7 @@ def read_run_page(request: Request, session: SessionDep, viewer: ViewerDep, run_
         "warmup": dataset_queries.run_warmup(session, run=run, max_metric_id=charts.metrics_after or None),
         "logs": [_log_line(line) for line in logs],
         "active": run.status in run_data.ACTIVE,
-        "addable_nodes": _addable_nodes(session, run),
+        "addable_nodes": _addable_nodes(session, run, viewer),
         # A queued run's place in the queue and why it waits (app.lifecycle.schedule).
         "queue": lifecycle.queue_view(session) if run.status == RunStatus.queued else None,
         "live": {
@@ -271,13 +271,15 @@ def cancel_run(
     return redirect(request, f"/runs/{run_id}", cookie=viewer.session, flash=("ok", said))
 
 
-def _addable_nodes(session: Session, run: Any) -> list[Node]:
-    """Online nodes without a live rank in a training PS run (none for other runs)."""
-    if not is_ps(run.strategy) or run.status not in TRAINING:
+def _addable_nodes(session: Session, run: Any, viewer: Any) -> list[Any]:
+    """(id, name) of the online nodes without a live rank in a training PS run, for a viewer who
+    may add them (none otherwise): names only, a fleet of thousands is one light query."""
+    if not viewer.can("ci") or not is_ps(run.strategy) or run.status not in TRAINING:
         return []
-    inside = {w.node_id for w in run.workers if w.status not in FINISHED_WORKER_STATUSES}
-    nodes = session.scalars(select(Node).where(Node.status == NodeStatus.online).order_by(Node.name)).all()
-    return [n for n in nodes if n.id not in inside]
+    inside = {w.node_id for w in run.workers if w.status not in FINISHED_WORKER_STATUSES and w.node_id is not None}
+    return list(session.execute(
+        select(Node.id, Node.name).where(Node.status == NodeStatus.online, Node.id.not_in(inside)).order_by(Node.name)
+    ))
 
 
 @router.post("/runs/{run_id}/nodes")
