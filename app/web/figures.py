@@ -267,17 +267,35 @@ def compression_figure(series: Sequence[SeriesLike], t0: float, *, servers: Coll
     return {"data": traces, "layout": layout}
 
 
+def staleness_trace(points: Iterable[Point], t0: float, rank: int, colour: str) -> dict[str, Any]:
+    """Local SGD's outer steps of one worker: how many inner steps after its send each landed (right axis)."""
+    return line(f"staleness:{rank}", f"outer step late, {worker_label(rank)}", points, t0, colour, yaxis="y2",
+                mode="markers", marker={"size": 6, "symbol": "diamond"},
+                hovertemplate="outer step %{customdata} landed %{y} inner steps late")
+
+
 def batch_figure(
-    series: Sequence[SeriesLike], t0: float, planned: Mapping[int, int] | None = None, *, servers: Collection[int] = ()
+    series: Sequence[SeriesLike], t0: float, planned: Mapping[int, int] | None = None, *, servers: Collection[int] = (),
+    outer_steps: bool = False,
 ) -> Figure:
-    """Batch size per worker as reported, or the planned constant until a worker reports."""
+    """Batch size per worker as reported, or the planned constant until a worker reports; under
+    local SGD (`outer_steps`) also each worker's outer steps by how many inner steps late they
+    landed (the fixed delay, or an asynchronous step's staleness), on a right axis there from the start."""
     reported = by_name(series, "batch_size", skip=servers)
     seen = {s.rank for s in reported}
     traces = [
         line(f"batch:{s.rank}", worker_label(s.rank), s.points, t0, color(i), line={"color": color(i), "width": 1.8, "shape": "hv"})
         for i, s in enumerate(reported)
     ]
-    layout = base_layout("Batch size per worker", " s", "samples per step")
+    ranks = sorted({*seen, *(planned or {})})
+    stale = by_name(series, "outer_staleness", skip=servers)
+    traces += [staleness_trace(s.points, t0, s.rank, color(ranks.index(s.rank) if s.rank in ranks else len(ranks)))
+               for s in stale]
+    layout = base_layout("Batch size per worker" + ("; outer steps" if outer_steps or stale else ""), " s",
+                         "samples per step")
+    if outer_steps or stale:
+        layout["yaxis2"] = {"title": {"text": "inner steps an outer step landed late"}, "overlaying": "y",
+                            "side": "right", "rangemode": "tozero", "showgrid": False, "dtick": 1}
     for i, (rank, size) in enumerate(sorted((planned or {}).items())):
         if rank not in seen:
             traces.append({"type": "scatter", "mode": "lines", "uid": f"batch:{rank}", "name": f"{worker_label(rank)} (planned)",

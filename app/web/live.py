@@ -126,6 +126,10 @@ class LiveState:
                 if self.worker_ranks and row.rank == min(self.worker_ranks):
                     add("compression", f"outer_norm:{row.rank}", "outer step: |mean change|", OUTER_COLOR,
                         row.step, row.t, row.value, yaxis="y2", mode="lines+markers")
+            elif row.name == "outer_staleness":
+                if row.rank not in self.server_ranks:
+                    add("batch", f"staleness:{row.rank}", f"outer step late, {worker_label(row.rank)}",
+                        color(self._index(row.rank)), row.step, row.t, row.value, yaxis="y2", mode="markers")
             elif row.name in _CHART_OF:
                 if row.rank in self.server_ranks and row.name != "loss":
                     continue  # the server's own rates would count its workers twice

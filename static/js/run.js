@@ -46,7 +46,7 @@
           var trace = { type: "scatter", mode: "lines", uid: a.uid, name: a.name, x: [], y: [], customdata: [],
             line: { color: a.color, width: a.uid === "sps:total" ? 2.6 : 1.8 },
             hovertemplate: "%{y:.4g} (step %{customdata})" };
-          if (a.mode) { trace.mode = a.mode; trace.marker = { size: 5 }; }
+          if (a.mode) { trace.mode = a.mode; trace.marker = { size: 5, color: a.color }; }
           if (a.yaxis) trace.yaxis = a.yaxis;
           if (key === "egress" || key === "batch") trace.line.shape = "hv";
           Plotly.addTraces(div, trace);

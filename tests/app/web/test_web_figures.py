@@ -92,3 +92,14 @@ def test_a_local_sgd_runs_compression_chart_draws_the_outer_steps_norm_on_its_ow
     assert figure["layout"]["yaxis2"]["overlaying"] == "y"
     # Before the first outer step the axis is there already, for the live points to join.
     assert "yaxis2" in figures.compression_figure([], t0=0.0, outer_steps=True)["layout"]
+
+
+def test_a_local_sgd_runs_batch_chart_marks_each_workers_outer_steps_by_how_late_they_landed() -> None:
+    stale = [Series("outer_staleness", r, [(10, 10.0, 3), (20, 20.0, 1)]) for r in (1, 2)]
+    figure = figures.batch_figure(stale, 0.0, {1: 32, 2: 32}, servers={0})
+    marks = [t for t in figure["data"] if t["uid"].startswith("staleness:")]
+    assert [(t["uid"], t["yaxis"], t["mode"], t["y"]) for t in marks] == [
+        ("staleness:1", "y2", "markers", [3.0, 1.0]), ("staleness:2", "y2", "markers", [3.0, 1.0])]
+    # Before the first outer step the axis is there already; a run without outer steps has none.
+    assert "yaxis2" in figures.batch_figure([], t0=0.0, outer_steps=True)["layout"]
+    assert "yaxis2" not in figures.batch_figure([], t0=0.0)["layout"]

@@ -69,6 +69,14 @@ def test_live_state_sends_every_task_metric_to_the_evaluation_chart() -> None:
     assert state.eval_names == ["accuracy", "r2"]
 
 
+def test_live_outer_staleness_goes_to_the_batch_charts_right_axis_per_worker() -> None:
+    state = LiveState(t0=100.0, worker_ranks=[1, 2], server_ranks={0})
+    appends = state.apply([MetricRow(1, "outer_staleness", 1, -1, 20, 120.0, 2),
+                           MetricRow(2, "outer_staleness", 2, -1, 20, 121.0, 4)])
+    assert [(a["chart"], a["uid"], a["yaxis"], a["mode"], a["y"]) for a in appends] == [
+        ("batch", "staleness:1", "y2", "markers", [2.0]), ("batch", "staleness:2", "y2", "markers", [4.0])]
+
+
 def test_live_outer_steps_go_to_the_compression_charts_right_axis_once() -> None:
     state = LiveState(t0=100.0, worker_ranks=[1, 2], server_ranks={0})
     appends = state.apply([MetricRow(1, "outer_norm", 1, -1, 20, 120.0, 0.5),
