@@ -9,6 +9,7 @@ supplies the prices in force through `DbPriceLookup`.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -162,21 +163,58 @@ def dataset_store_site(dataset: Dataset) -> Site:
                 dataset.store_region, dataset.store_zone)
 
 
-def store_reads(session: Session, *, run_id: int, node_by_rank: dict[int, str]) -> list[StoreRead]:
-    """Bytes each node of the run read from each data set's store (`data_bytes`, the data set's
-    id as the peer); reads of a data set deleted since are not priced."""
-    rows = session.execute(
-        select(RunMetric.rank, RunMetric.peer, func.sum(RunMetric.value))
-        .where(RunMetric.run_id == run_id, RunMetric.name == "data_bytes")
-        .group_by(RunMetric.rank, RunMetric.peer)
-    ).all()
-    ids = {int(peer) for _, peer, _ in rows}
+def store_reads(
+    session: Session, *, reads: dict[tuple[int, int], int], node_by_rank: dict[int, str]
+) -> list[StoreRead]:
+    """Bytes each node of the run read from each data set's store (`reads`: `data_bytes` summed
+    per rank and data set id, from `MetricTotals`); reads of a data set deleted since are not priced."""
+    ids = {dataset_id for _, dataset_id in reads}
     datasets = {d.id: d for d in session.scalars(select(Dataset).where(Dataset.id.in_(ids)))} if ids else {}
     return [
-        StoreRead(dataset_store_site(datasets[int(peer)]), node_by_rank[int(rank)], int(total or 0))
-        for rank, peer, total in rows
-        if int(peer) in datasets and int(rank) in node_by_rank and total
+        StoreRead(dataset_store_site(datasets[dataset_id]), node_by_rank[rank], total)
+        for (rank, dataset_id), total in reads.items()
+        if dataset_id in datasets and rank in node_by_rank and total
     ]
+
+
+# Summed into a bill: per rank (compute, communication, samples), per link (bytes), per store read.
+_SUMMED_PER_RANK = ("compute_s", "comm_s", "batch_size")
+_TIME_TO_TARGET = ("time_to_target_s", LEGACY_TIME_TO_TARGET)  # runs stored before task metrics: the legacy name
+
+
+@dataclass
+class MetricTotals:
+    """What a bill sums from a run's metrics, read in one grouped scan (`metric_totals`)."""
+
+    by_rank: defaultdict[int, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    links: dict[tuple[int, int], int] = field(default_factory=dict)
+    reads: dict[tuple[int, int], int] = field(default_factory=dict)
+    time_to_target_s: float | None = None
+
+
+def metric_totals(session: Session, *, run_id: int) -> MetricTotals:
+    """The run's sums per rank, bytes per link and per store read, and its time to target, in
+    one query (they were four, on every bill of a run list)."""
+    names = (*_SUMMED_PER_RANK, *_TIME_TO_TARGET, "bytes_sent", "data_bytes")
+    rows = session.execute(
+        select(RunMetric.rank, RunMetric.name, RunMetric.peer, func.sum(RunMetric.value), func.min(RunMetric.value))
+        .where(RunMetric.run_id == run_id, RunMetric.name.in_(names))
+        .group_by(RunMetric.rank, RunMetric.name, RunMetric.peer)
+    )
+    totals = MetricTotals()
+    for rank, name, peer, total, least in rows:
+        if name in _SUMMED_PER_RANK:
+            sums = totals.by_rank[rank]
+            sums[name] = sums.get(name, 0.0) + float(total or 0.0)
+        elif name in _TIME_TO_TARGET:
+            if least is not None and (totals.time_to_target_s is None or least < totals.time_to_target_s):
+                totals.time_to_target_s = float(least)
+        elif name == "bytes_sent":
+            if peer >= 0:
+                totals.links[(int(rank), int(peer))] = int(total or 0)
+        else:
+            totals.reads[(int(rank), int(peer))] = int(total or 0)
+    return totals
 
 
 def worker_label(worker: RunWorker) -> str:
@@ -203,20 +241,14 @@ def run_usage(
     workers = list(run.workers)
     usages = _node_usages(session, run, nodes, run.started_at or run.launched_at, end)
     node_by_rank = {w.rank: w.node_name for w in workers if w.node_id is not None}
+    totals = metric_totals(session, run_id=run.id)
+    sums = totals.by_rank
     if links is None:
-        links = link_totals(session, run_id=run.id)
-    sums = _sums_by_rank(session, run.id, ("compute_s", "comm_s", "batch_size"))
+        links = totals.links
     worker_ranks = [w for w in workers if w.role == "worker"]
     if samples is None:
         # Only workers' batches are samples: the server reports the global batch it aggregated.
         samples = int(sum(sums[w.rank].get("batch_size", 0.0) for w in worker_ranks))
-    tta = session.scalar(
-        select(func.min(RunMetric.value)).where(
-            RunMetric.run_id == run.id,
-            # Runs stored before task metrics reported it under the legacy name.
-            RunMetric.name.in_(("time_to_target_s", LEGACY_TIME_TO_TARGET)),
-        )
-    )
     started = run.started_at or run.launched_at
     return RunUsage(
         priced_at=run_priced_at(run),
@@ -226,7 +258,7 @@ def run_usage(
             for (rank, peer), total in links.items()
             if rank in node_by_rank and peer in node_by_rank and total
         ],
-        reads=store_reads(session, run_id=run.id, node_by_rank=node_by_rank),
+        reads=store_reads(session, reads=totals.reads, node_by_rank=node_by_rank),
         workers=[
             WorkerTime(
                 worker_label(w),
@@ -237,7 +269,7 @@ def run_usage(
         ],
         samples=samples,
         duration_s=max(0.0, (end - started).total_seconds()) if started else 0.0,
-        time_to_target_s=tta,
+        time_to_target_s=totals.time_to_target_s,
     )
 
 
@@ -256,20 +288,6 @@ def run_bill(
     usage = run_usage(session, run=run, now=now, links=links, samples=samples, nodes=nodes)
     # strict=False: a live view must not fail for one missing price; the bill lists it instead.
     return compute_bill(usage, prices or CachedPriceLookup(DbPriceLookup(session)), strict=False)
-
-
-def _sums_by_rank(
-    session: Session, run_id: int, names: tuple[str, ...]
-) -> defaultdict[int, dict[str, float]]:
-    rows = session.execute(
-        select(RunMetric.rank, RunMetric.name, func.sum(RunMetric.value))
-        .where(RunMetric.run_id == run_id, RunMetric.name.in_(names))
-        .group_by(RunMetric.rank, RunMetric.name)
-    ).all()
-    sums: defaultdict[int, dict[str, float]] = defaultdict(dict)
-    for rank, name, total in rows:
-        sums[rank][name] = float(total or 0.0)
-    return sums
 
 
 def _node_usages(
@@ -359,16 +377,19 @@ def _error_pct(predicted: float | None, measured: float | None) -> float | None:
 
 
 def predicted_vs_measured(
-    session: Session, *, run: Run, bill: Bill, links: dict[tuple[int, int], int] | None = None
+    session: Session, *, run: Run, bill: Bill, links: dict[tuple[int, int], int] | None = None,
+    sites: dict[int, Site] | None = None,
 ) -> dict | None:
     """The run's stored prediction beside what it measured: samples/s, bytes leaving their site
-    per step, $/1M samples, each with the error in % of the measured; None without a prediction."""
+    per step, $/1M samples, each with the error in % of the measured; None without a prediction.
+    `links` and `sites` (`run_sites_by_rank`): what the caller has read already."""
     prediction = run.prediction
     if not prediction:
         return None
     if links is None:
         links = link_totals(session, run_id=run.id)
-    sites = run_sites_by_rank(session, run=run)
+    if sites is None:
+        sites = run_sites_by_rank(session, run=run)
     crossing = sum(
         total for (rank, peer), total in links.items()
         if rank in sites and peer in sites and sites[rank].name != sites[peer].name

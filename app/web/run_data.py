@@ -180,6 +180,9 @@ class RunCharts:
     # `app.web.live.event_view` dicts, oldest first, and the newest event's id for the stream.
     events: list[dict[str, Any]] = field(default_factory=list)
     events_after: int = 0
+    # Bytes per (rank, peer) and each rank's billing site, for the prediction beside the bill.
+    link_totals: dict[tuple[int, int], int] = field(default_factory=dict)
+    sites: dict[int, Any] = field(default_factory=dict)
 
 
 def run_charts(session: Session, run: Run) -> RunCharts:
@@ -194,8 +197,8 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     # One lookup for the links and the bill: each asks the same few prices for every pair of ranks.
     prices = costs.CachedPriceLookup(costs.DbPriceLookup(session))
     nodes = costs.run_nodes(session, run=run)
-    rates, unpriced = link_rates(costs.run_sites_by_rank(session, run=run, nodes=nodes), prices,
-                                 costs.run_priced_at(run))
+    sites = costs.run_sites_by_rank(session, run=run, nodes=nodes)
+    rates, unpriced = link_rates(sites, prices, costs.run_priced_at(run))
     egress_series, _ = cumulative_by_class(data.link_buckets, rates)
     planned = {w.rank: w.batch_size for w in run.workers if w.role == "worker" and w.batch_size}
     servers = server_ranks(run)
@@ -214,7 +217,8 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     charts = {key: figures.with_events(fig, events) for key, fig in charts.items()}
     bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples, prices=prices, nodes=nodes)
     events_after = max((e.id for e in stored_events), default=0)
-    return RunCharts(charts, t0, metrics_after, logs_after, bill, unpriced, events, events_after)
+    return RunCharts(charts, t0, metrics_after, logs_after, bill, unpriced, events, events_after,
+                     data.link_totals, sites)
 
 
 def events_after(session: Session, *, run_id: int, after_id: int) -> list[RunEvent]:

@@ -232,7 +232,8 @@ def read_run_page(request: Request, session: SessionDep, viewer: ViewerDep, run_
         "run": run,
         "charts": charts,
         "bill": charts.bill,
-        "predicted": costs.predicted_vs_measured(session, run=run, bill=charts.bill),
+        "predicted": costs.predicted_vs_measured(session, run=run, bill=charts.bill, links=charts.link_totals,
+                                                 sites=charts.sites),
         # Each data set's first epoch through the caches, up to the rows the stream goes on from.
         "warmup": dataset_queries.run_warmup(session, run=run, max_metric_id=charts.metrics_after or None),
         "logs": [_log_line(line) for line in logs],
