@@ -42,6 +42,7 @@ from app.models import Site as SiteRow
 from app.models import InstancePrice as InstancePriceRow
 from app.models.runs import Run, RunMetric, RunWorker
 from app.queries.prices import EgressKey as EgressSeries
+from app.queries.price_history import PriceHistoryLookup
 from app.queries.prices import egress_price_in_force
 from hybridtrain.contract import LEGACY_TIME_TO_TARGET
 
@@ -192,29 +193,46 @@ class MetricTotals:
     time_to_target_s: float | None = None
 
 
+# Runs per query where many are read at once: far below any database's bound on parameters.
+_IDS_PER_QUERY = 1000
+
+
+def _chunks(ids: Sequence[int]) -> list[list[int]]:
+    ids = sorted(set(ids))
+    return [ids[i:i + _IDS_PER_QUERY] for i in range(0, len(ids), _IDS_PER_QUERY)]
+
+
 def metric_totals(session: Session, *, run_id: int) -> MetricTotals:
     """The run's sums per rank, bytes per link and per store read, and its time to target, in
     one query (they were four, on every bill of a run list)."""
+    return metric_totals_of(session, run_ids=[run_id]).get(run_id, MetricTotals())
+
+
+def metric_totals_of(session: Session, *, run_ids: Sequence[int]) -> dict[int, MetricTotals]:
+    """`metric_totals` of many runs, in one grouped query per thousand runs."""
     names = (*_SUMMED_PER_RANK, *_TIME_TO_TARGET, "bytes_sent", "data_bytes")
-    rows = session.execute(
-        select(RunMetric.rank, RunMetric.name, RunMetric.peer, func.sum(RunMetric.value), func.min(RunMetric.value))
-        .where(RunMetric.run_id == run_id, RunMetric.name.in_(names))
-        .group_by(RunMetric.rank, RunMetric.name, RunMetric.peer)
-    )
-    totals = MetricTotals()
-    for rank, name, peer, total, least in rows:
-        if name in _SUMMED_PER_RANK:
-            sums = totals.by_rank[rank]
-            sums[name] = sums.get(name, 0.0) + float(total or 0.0)
-        elif name in _TIME_TO_TARGET:
-            if least is not None and (totals.time_to_target_s is None or least < totals.time_to_target_s):
-                totals.time_to_target_s = float(least)
-        elif name == "bytes_sent":
-            if peer >= 0:
-                totals.links[(int(rank), int(peer))] = int(total or 0)
-        else:
-            totals.reads[(int(rank), int(peer))] = int(total or 0)
-    return totals
+    result: dict[int, MetricTotals] = {}
+    for chunk in _chunks(run_ids):
+        rows = session.execute(
+            select(RunMetric.run_id, RunMetric.rank, RunMetric.name, RunMetric.peer, func.sum(RunMetric.value),
+                   func.min(RunMetric.value))
+            .where(RunMetric.run_id.in_(chunk), RunMetric.name.in_(names))
+            .group_by(RunMetric.run_id, RunMetric.rank, RunMetric.name, RunMetric.peer)
+        )
+        for run_id, rank, name, peer, total, least in rows:
+            totals = result.setdefault(run_id, MetricTotals())
+            if name in _SUMMED_PER_RANK:
+                sums = totals.by_rank[rank]
+                sums[name] = sums.get(name, 0.0) + float(total or 0.0)
+            elif name in _TIME_TO_TARGET:
+                if least is not None and (totals.time_to_target_s is None or least < totals.time_to_target_s):
+                    totals.time_to_target_s = float(least)
+            elif name == "bytes_sent":
+                if peer >= 0:
+                    totals.links[(int(rank), int(peer))] = int(total or 0)
+            else:
+                totals.reads[(int(rank), int(peer))] = int(total or 0)
+    return result
 
 
 def worker_label(worker: RunWorker) -> str:
@@ -230,18 +248,23 @@ def run_usage(
     links: dict[tuple[int, int], int] | None = None,
     samples: int | None = None,
     nodes: dict[int, Node] | None = None,
+    totals: MetricTotals | None = None,
+    changes: dict[int, list[MembershipChange]] | None = None,
 ) -> RunUsage:
     """Everything `run` used so far, from its plan and metrics (live until it finishes).
 
-    A caller that has already summed the bytes per (rank, peer) or the samples, or loaded the
-    run's nodes (`run_nodes`), passes them in to save the scan.
+    A caller that has already summed the bytes per (rank, peer) or the samples, loaded the run's
+    nodes (`run_nodes`), its metric totals or its membership changes passes them in to save the scan.
     """
     now = now or datetime.now(UTC)
     end = run.finished_at or now
     workers = list(run.workers)
-    usages = _node_usages(session, run, nodes, run.started_at or run.launched_at, end)
+    if changes is None:
+        changes = membership_changes_of(session, run_ids=[run.id]).get(run.id, {})
+    usages = _node_usages(session, run, nodes, changes, run.started_at or run.launched_at, end)
     node_by_rank = {w.rank: w.node_name for w in workers if w.node_id is not None}
-    totals = metric_totals(session, run_id=run.id)
+    if totals is None:
+        totals = metric_totals(session, run_id=run.id)
     sums = totals.by_rank
     if links is None:
         links = totals.links
@@ -290,8 +313,30 @@ def run_bill(
     return compute_bill(usage, prices or CachedPriceLookup(DbPriceLookup(session)), strict=False)
 
 
+def run_bills(session: Session, runs: Sequence[Run], *, now: datetime | None = None) -> dict[int, Bill]:
+    """`run_bill` of many runs (a run list, the overview's spend) in a few queries whatever their
+    number: their nodes, metric totals and membership changes read together, and each price
+    series once (`PriceHistoryLookup`) however many runs' starts it prices."""
+    now = now or datetime.now(UTC)
+    run_ids = [run.id for run in runs]
+    node_ids = [w.node_id for run in runs for w in run.workers if w.node_id is not None]
+    nodes: dict[int, Node] = {}
+    for chunk in _chunks(node_ids):
+        nodes.update((n.id, n) for n in session.scalars(
+            select(Node).where(Node.id.in_(chunk)).options(selectinload(Node.site), selectinload(Node.gpus))))
+    totals = metric_totals_of(session, run_ids=run_ids)
+    changes = membership_changes_of(session, run_ids=run_ids)
+    prices = PriceHistoryLookup(session)
+    return {
+        run.id: compute_bill(run_usage(session, run=run, now=now, nodes=nodes, totals=totals.get(run.id, MetricTotals()),
+                                       changes=changes.get(run.id, {})), prices, strict=False)
+        for run in runs
+    }
+
+
 def _node_usages(
-    session: Session, run: Run, nodes: dict[int, Node] | None, run_start: datetime | None, end: datetime
+    session: Session, run: Run, nodes: dict[int, Node] | None, changes: dict[int, list[MembershipChange]],
+    run_start: datetime | None, end: datetime,
 ) -> list[NodeUsage]:
     """Each node's time in the run: the union of its ranks' spans of membership, each from the
     rank's start (or its join) to its loss, leave or end (app.billing.membership).
@@ -300,7 +345,6 @@ def _node_usages(
     reserved for the run whether or not its process came up.
     """
     workers = list(run.workers)
-    changes = _membership_changes(session, run.id)
     spans: dict[int, list[tuple[datetime, datetime]]] = {}
     came_up: set[int] = set()  # nodes with a rank that started or joined
     for w in workers:
@@ -336,17 +380,18 @@ def node_share(node: Node, ranks: Sequence[RunWorker]) -> Fraction:
     return min(Fraction(1), sum((Fraction(1, n) for n in held.values()), Fraction(0)) / total)
 
 
-def _membership_changes(session: Session, run_id: int) -> dict[int, list[MembershipChange]]:
-    rows = session.execute(
-        select(RunEvent.subject, RunEvent.t, RunEvent.kind)
-        .where(RunEvent.run_id == run_id, RunEvent.kind.in_(MEMBERSHIP_KINDS),
-               RunEvent.subject.is_not(None))
-        .order_by(RunEvent.t, RunEvent.id)
-    )
-    changes: dict[int, list[MembershipChange]] = {}
-    for subject, t, kind in rows:
-        changes.setdefault(int(subject), []).append(MembershipChange(t, kind))
-    return changes
+def membership_changes_of(session: Session, *, run_ids: Sequence[int]) -> dict[int, dict[int, list[MembershipChange]]]:
+    """Each run's joins, leaves and losses per rank, oldest first (app.billing.membership)."""
+    result: dict[int, dict[int, list[MembershipChange]]] = {}
+    for chunk in _chunks(run_ids):
+        rows = session.execute(
+            select(RunEvent.run_id, RunEvent.subject, RunEvent.t, RunEvent.kind)
+            .where(RunEvent.run_id.in_(chunk), RunEvent.kind.in_(MEMBERSHIP_KINDS), RunEvent.subject.is_not(None))
+            .order_by(RunEvent.t, RunEvent.id)
+        )
+        for run_id, subject, t, kind in rows:
+            result.setdefault(run_id, {}).setdefault(int(subject), []).append(MembershipChange(t, kind))
+    return result
 
 
 def node_usage(node: Node, seconds: float, *, share: Fraction = Fraction(1)) -> NodeUsage:

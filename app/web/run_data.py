@@ -9,7 +9,7 @@ from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, lazyload, selectinload
 
 from app.models import Run, RunEvent, RunMetric
 from app.models.base import utcnow
@@ -77,12 +77,13 @@ class RunsOverview:
 
 
 def run_rows(session: Session, runs: list[Run]) -> list[RunRow]:
-    """Table rows of `runs` (one grouped query for their progress, one bill per run)."""
+    """Table rows of `runs` (one grouped query for their progress, their bills together: `run_bills`)."""
     steps = dashboard.last_steps(session, run_ids=[r.id for r in runs])
     now = utcnow()
+    bills = costs.run_bills(session, runs, now=now)
     rows = []
     for run in runs:
-        bill = costs.run_bill(session, run=run, now=now)
+        bill = bills[run.id]
         start = run.started_at or run.launched_at
         rows.append(RunRow(
             id=run.id, name=run.name, status=str(run.status), strategy=run.strategy, task=run.task,
@@ -97,9 +98,9 @@ def run_rows(session: Session, runs: list[Run]) -> list[RunRow]:
 def overview(session: Session) -> RunsOverview:
     """Runs in flight and what every run has spent so far."""
     in_flight = run_rows(session, dashboard.active_runs(session))
-    all_runs = list(session.scalars(select(Run)))
-    now = utcnow()
-    bills = [costs.run_bill(session, run=run, now=now) for run in all_runs]
+    # Their workers for the bills; not their events (Run.events loads with a run by default).
+    all_runs = list(session.scalars(select(Run).options(selectinload(Run.workers), lazyload(Run.events))))
+    bills = list(costs.run_bills(session, all_runs, now=utcnow()).values())
     return RunsOverview(
         in_flight=in_flight,
         spend_usd=sum((b.total_usd for b in bills), Decimal(0)),

@@ -12,10 +12,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.billing import Continent, EgressKey, InstanceKey, Provider, TrafficClass
 from app.billing.table1 import IMPLIED_EGRESS, TABLE1_EGRESS, TABLE1_T4
 from app.models import EgressPrice, GpuModel, InstancePrice
 from app.models.runs import Run, RunStatus, RunWorker, WorkerStatus
+from app.queries.costs import DbPriceLookup, run_bill, run_bills
 from app.queries.metrics import store_metrics
+from app.queries.price_history import PriceHistoryLookup
 from app.schemas.runs import MetricRecord
 from app.security import hash_secret, new_secret
 
@@ -204,3 +207,40 @@ def test_cost_keeps_the_deprecated_time_to_accuracy_field_equal_to_time_to_targe
     cost = client.get(f"{API}/runs/{run.id}/cost").json()
 
     assert cost["time_to_accuracy_s"] == cost["time_to_target_s"] == 42.5
+
+
+# -- many runs' bills together ---------------------------------------------------------------------
+
+
+def test_bills_of_many_runs_together_equal_each_runs_own_bill(
+    client: TestClient, session: Session, hybrid_nodes
+) -> None:
+    onprem, cloud = hybrid_nodes
+    early = _run(session, onprem, cloud, started=datetime.now(UTC) - 5 * HOUR, hours=1)
+    price = session.scalar(select(EgressPrice).where(EgressPrice.provider == "gcp", EgressPrice.traffic_class == "internet"))
+    assert client.patch(f"{API}/prices/egress/{price.id}", json={"usd_per_gb": 5.0}).status_code == 201
+    late = _run(session, onprem, cloud, started=datetime.now(UTC) + timedelta(seconds=1), hours=1)
+    now = datetime.now(UTC) + 2 * HOUR
+
+    together = run_bills(session, [early, late], now=now)
+
+    alone = {run.id: run_bill(session, run=run, now=now) for run in (early, late)}
+    assert together == alone
+    assert together[late.id].egress_usd > together[early.id].egress_usd  # each at its own start's prices
+
+
+@pytest.mark.parametrize("month", [1, 2, 3, 4])
+def test_a_price_history_answers_each_instant_as_the_database_does(session: Session, month: int) -> None:
+    # gcp internet from Europe: an any-continent series from January, Europe's own from March.
+    for continent, starts, usd in ((None, 1, 0.11), (None, 2, 0.12), ("europe", 3, 0.2)):
+        session.add(EgressPrice(provider="gcp", traffic_class="internet", continent=continent, usd_per_gb=usd,
+                                effective_from=datetime(1990, starts, 1, tzinfo=UTC)))
+    session.flush()
+    at = datetime(1990, month, 1, tzinfo=UTC) - timedelta(days=10)
+    key = EgressKey(Provider.gcp, TrafficClass.internet, Continent.europe)
+    t4 = InstanceKey(Provider.gcp, "us-west", "n1-standard-8", "T4", 1)
+
+    history, database = PriceHistoryLookup(session), DbPriceLookup(session)
+
+    assert history.egress_usd_per_gb(key, at) == database.egress_usd_per_gb(key, at)
+    assert history.instance_price(t4, datetime.now(UTC)) == database.instance_price(t4, datetime.now(UTC))
