@@ -43,30 +43,34 @@ class CompressionOptions(_Section):
     """How a strategy exchanges: gradient compression of the compressing strategies, the
     parameter server's pipelining and its per-step variants (the strategy's defaults if unset)."""
 
-    compressor: Literal[contract.COMPRESSORS] | None = None  # type: ignore[valid-type]
-    value_dtype: Literal[contract.VALUE_DTYPES] | None = None  # type: ignore[valid-type]
-    select: Literal[contract.SELECT_METHODS] | None = None  # type: ignore[valid-type]
+    compressor: Literal[contract.COMPRESSORS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="how the compressing strategies sparsify a gradient (default topk)")
+    value_dtype: Literal[contract.VALUE_DTYPES] | None = Field(  # type: ignore[valid-type]
+        default=None, description="the precision of the values a compressed gradient sends (default fp16)")
+    select: Literal[contract.SELECT_METHODS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="how top-k finds its values (default estimate)")
     density: Fraction | None = Field(
         default=None,
         description="each worker's top-k density to start from, adapted per worker to its link's "
-        f"time within [density_min, density_max] (default {describe('compression.density')})",
+        f"time within [`density_min`, `density_max`] (default {describe('compression.density')})",
     )
     density_min: Fraction | None = Field(
         default=None,
         description=f"the lowest adapted density (default {describe('compression.density_min')}; "
-        "with density given, 0.4 times it)",
+        "with `density` given, 0.4 times it)",
     )
     density_max: Fraction | None = Field(
         default=None,
         description=f"the highest adapted density (default {describe('compression.density_max')}; "
-        "with density given, twice it)",
+        "with `density` given, twice it)",
     )
     server_k_fraction: Fraction | None = Field(
         default=None,
         description="the share of the aggregated gradient's values the server keeps and sends back "
         f"(default {describe('compression.server_k_fraction')})",
     )
-    error_feedback: Flag | None = None
+    error_feedback: Flag | None = Field(
+        default=None, description="add what compression left out to the next step's gradient; default on")
     momentum_correction: Flag | None = Field(
         default=None,
         description="accumulate momentum on the workers before compression (DGC's momentum "
@@ -82,7 +86,8 @@ class CompressionOptions(_Section):
         "(the server and the wire work on one while the workers compress the next); default "
         f"{describe('compression.pipeline_chunks')}; 1: one piece",
     )
-    powersgd_rank: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = None
+    powersgd_rank: Annotated[int, Field(ge=1, le=1024, strict=True)] | None = Field(
+        default=None, description="allreduce-powersgd: the rank of the gradient's low-rank factors (default 2)")
     aggregate_at_sites: Flag | None = Field(
         default=None,
         description="PS strategies across sites: each remote site's workers send their gradients to "
@@ -90,7 +95,7 @@ class CompressionOptions(_Section):
     )
     apply_in_forward: Flag | None = Field(
         default=None,
-        description="PS strategies with pipeline_chunks > 1: step() applies the update's first chunk "
+        description="PS strategies with `pipeline_chunks` > 1: step() applies the update's first chunk "
         "and returns; each later chunk is applied during the next forward pass, just before the "
         "first layer that holds it, so the reply's way back hides behind compute with nothing "
         "stale (a parameter must be read in the forward pass of a module holding it, not between "
@@ -111,50 +116,52 @@ class LocalSgdOptions(_Section):
     sync_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
         default=None,
         description=f"H, the inner steps each worker takes with the task's own optimizer between outer "
-        f"steps; the run exchanges once every H steps (default {contract.DEFAULT_SYNC_EVERY})",
+        f"steps; the run exchanges once every H steps (default {describe('local_sgd.sync_every')})",
     )
     outer_lr: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False, strict=True)] | None = Field(
         default=None,
         description=f"the outer Nesterov SGD's learning rate on the workers' mean change "
-        f"(default {contract.DEFAULT_OUTER_LR})",
+        f"(default {describe('local_sgd.outer_lr')})",
     )
     outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False, strict=True)] | None = Field(
         default=None,
-        description=f"the outer Nesterov SGD's momentum, 0 for plain SGD (default {contract.DEFAULT_OUTER_MOMENTUM})",
+        description="the outer Nesterov SGD's momentum, 0 for plain SGD "
+        f"(default {describe('local_sgd.outer_momentum')})",
     )
     outer_density: Fraction | None = Field(
         default=None,
         description=f"diloco-gc: the top-k density of each worker's parameter change, adapted within half "
-        f"to twice it; the server keeps 2.5 times it (default {contract.DEFAULT_OUTER_DENSITY})",
+        "to twice it; the server keeps 2.5 times it "
+        f"(default {describe('local_sgd.outer_density')})",
     )
     outer_delay: Annotated[int, Field(ge=0, le=1_000_000, strict=True)] | None = Field(
         default=None,
         description="apply each outer step this many inner steps after the change was sent, so the "
-        f"exchange overlaps them (below sync_every; default {strategy_defaults.DEFAULT_OUTER_DELAY}, or H - 1 "
+        f"exchange overlaps them (below `sync_every`; default {describe('local_sgd.outer_delay')}, or H - 1 "
         "when H is smaller; 0 waits for it)",
     )
     asynchronous: Flag | None = Field(
         default=None,
         description="apply each outer step as soon as its mean change has come back, checked at every "
-        "inner step, instead of a fixed outer_delay later: no worker waits on a slow round unless it "
-        "is max_staleness inner steps old (replaces outer_delay; default off)",
+        "inner step, instead of a fixed `outer_delay` later: no worker waits on a slow round unless it "
+        "is `max_staleness` inner steps old (replaces `outer_delay`; default off)",
     )
     max_staleness: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(
         default=None,
-        description="asynchronous: the most inner steps an outer step may land after its change was sent; "
-        "a worker waits for it there (1 to sync_every - 1; default sync_every - 1)",
+        description="`asynchronous`: the most inner steps an outer step may land after its change was sent; "
+        "a worker waits for it there (1 to H - 1, H being `sync_every`; default H - 1)",
     )
     site_replicas: Flag | None = Field(
         default=None,
         description="each site's workers hold one replica: they average their gradients every inner step "
         "over the site's LAN (through the site's relay worker), and one parameter change per site crosses "
-        "the WAN every sync_every steps; default off (every worker its own replica)",
+        "the WAN every `sync_every` steps; default off (every worker its own replica)",
     )
     fragments: Annotated[int, Field(ge=1, le=contract.MAX_FRAGMENTS, strict=True)] | None = Field(
         default=None,
         description="streaming: the model goes in this many fragments, each with its outer step every "
-        "sync_every steps, staggered over them, so each exchange carries 1/fragments of the model and the "
-        "peak bandwidth falls as much (at most sync_every; the exchange's chunks are the fragments; "
+        "`sync_every` steps, staggered over them, so each exchange carries 1/fragments of the model and the "
+        "peak bandwidth falls as much (at most `sync_every`; the exchange's chunks are the fragments; "
         "default 1, off)",
     )
 
@@ -177,33 +184,45 @@ class TrainOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Strategy = contract.DEFAULT_STRATEGY
+    strategy: Strategy = Field(
+        default=contract.DEFAULT_STRATEGY,
+        description="how the ranks synchronise: all-reduce, a parameter server, or local SGD (docs/trainer.md)",
+    )
     task: Annotated[str, Field(max_length=255)] = Field(
         default=contract.DEFAULT_TASK,
-        description="module:function returning a hybridtrain.Task (in the bundle or installed)",
+        description="module:function returning a hybridtrain.Task (in the bundle or installed), e.g. "
+        "hybridtrain.tasks.digits:widecnn",
     )
     task_args: dict[str, Any] = Field(
-        default_factory=dict, description="keyword arguments of the task function (a JSON object)"
+        default_factory=dict, description='keyword arguments of the task function, a JSON object such as {"lr": 0.05}'
     )
     script: Annotated[str, Field(max_length=255)] | None = Field(
         default=None, description="a training script inside the bundle, run instead of a task"
     )
-    global_batch_size: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = 64
-    max_steps: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = None
-    epochs: Annotated[float, Field(gt=0, le=100_000, allow_inf_nan=False, strict=True)] | None = None
+    global_batch_size: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = Field(
+        default=64, description="B, the samples of one step over all the workers, split among them")
+    max_steps: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = Field(
+        default=None, description="the steps the run trains (trainer default 300)")
+    epochs: Annotated[float, Field(gt=0, le=100_000, allow_inf_nan=False, strict=True)] | None = Field(
+        default=None, description="train this many passes over the task's training data instead of `max_steps`")
     target: Annotated[str, Field(max_length=64)] | None = Field(
-        default=None, description="METRIC>=VALUE or METRIC<=VALUE over an evaluation metric, e.g. accuracy>=0.9"
+        default=None, description="an evaluation metric of the task and where it must get, e.g. accuracy>=0.9 "
+        "or val_loss<=0.3; the time to it is recorded"
     )
     stop_at_target: Flag = Field(
         default=True,
         description="stop once the target is reached; false records the time to target and "
-        "trains on to max_steps, so that runs compare final metrics at the same step budget",
+        "trains on to `max_steps`, so that runs compare final metrics at the same step budget",
     )
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1, strict=True)] = 0
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1, strict=True)] = Field(
+        default=0, description="the seed of the model's initial weights and of every random draw of the run")
     allocation: Allocation | None = Field(
-        default=None, description="batch split: default flops for ps-bz-gc, equal otherwise"
+        default=None,
+        description="batch split: equal, flops (by the GPUs' FLOPs) or measured (by measured speeds); default by "
+        "speed for ps-bz-gc and local SGD, equal for the others; a run that re-splits (`rebalance_every`) "
+        "refines it from the times it measures",
     )
-    device: Device = "auto"
+    device: Device = Field(default="auto", description="where the ranks compute; auto: a GPU where torch sees one")
     eval_every: Annotated[int, Field(ge=1, le=100_000_000, strict=True)] | None = Field(
         default=None, description="evaluate the task's metrics every N steps (trainer default 50)"
     )

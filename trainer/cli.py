@@ -13,8 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
-from hybridtrain.contract import ALLOCATIONS, COMPRESSORS, DEVICES, SELECT_METHODS, STRATEGIES, VALUE_DTYPES, is_ps
-from hybridtrain.strategy_defaults import DEFAULT_OUTER_DELAY, describe
+from hybridtrain.contract import is_ps
+from hybridtrain.option_flags import add_option
 from trainer.config import TrainConfig
 from trainer.run_options import UsageError, option_fields, options_from_args
 
@@ -40,16 +40,13 @@ def _labels(text: str) -> tuple[str, ...]:
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except None: such a flag's help says what it defaults to (per strategy)."""
+    """Defaults shown, except None and where the help names its default already (an option's
+    per strategy, hybridtrain.option_flags)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def _default(path: str) -> str:
-    """A training option's per-strategy defaults in a flag's help (the trainer's own for the rest):
-    the paper benchmark's configuration (hybridtrain.strategy_defaults)."""
-    return describe(path)
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,38 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridtrain train", description=__doc__,
                                 formatter_class=_Help)
     run = p.add_argument_group("run")
-    run.add_argument("--strategy", choices=STRATEGIES, default=d.strategy)
+    add_option(run, "strategy", d.strategy)
     run.add_argument("--workers", type=int, default=None, help="workers (default 4, or from --world-size)")
     run.add_argument("--speeds", type=_floats, default=(), help="relative device speeds s_m, worker order")
     run.add_argument("--batch-sizes", type=_ints, default=(),
                      help="explicit per-worker batch sizes n_m (worker order), honoured exactly")
-    run.add_argument("--global-batch", type=int, default=None, help=f"B (default {d.global_batch})")
-    run.add_argument("--allocation", choices=ALLOCATIONS, default=None,
-                     help="batch split: equal, flops (by --speeds), measured (by --speeds, then re-split "
-                          "from measured times); default measured where the run re-splits "
-                          "(--rebalance-every or its strategy's default), else flops for ps-bz-gc, equal")
-    run.add_argument("--rebalance-every", type=int, default=None,
-                     help=f"re-split every N steps from measured times (default {_default('rebalance_every')}; "
-                          f"with --allocation measured, {d.rebalance_every} for the others)")
-    run.add_argument("--max-steps", type=int, default=d.max_steps)
-    run.add_argument("--epochs", type=float, default=None,
-                     help="train this many passes over the task's training data instead of --max-steps")
-    run.add_argument("--target", default=None,
-                     help="an evaluation metric of the task and where it must get, e.g. 'accuracy>=0.9' "
-                          "or 'val_loss<=0.3': its time is recorded; the run stops there unless "
-                          "--no-stop-at-target")
+    add_option(run, "global_batch_size")
+    add_option(run, "allocation")
+    add_option(run, "rebalance_every", note=f"with --allocation measured, {d.rebalance_every} for the others")
+    add_option(run, "max_steps", d.max_steps)
+    add_option(run, "epochs")
+    add_option(run, "target")
     run.add_argument("--target-accuracy", type=float, default=None, help="same as --target accuracy>=X")
-    run.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=d.stop_at_target,
-                     help="stop once --target is reached")
-    run.add_argument("--seed", type=int, default=d.seed)
+    add_option(run, "stop_at_target", d.stop_at_target)
+    add_option(run, "seed", d.seed)
     code = p.add_argument_group("your code")
-    code.add_argument("--task", default=d.task,
-                      help="module:function returning a hybridtrain.Task, e.g. examples.diabetes:task or "
-                           "hybridtrain.tasks.digits:widecnn")
-    code.add_argument("--task-args", default=d.task_args, help="the task function's keyword arguments, as JSON")
-    code.add_argument("--script", default=None,
-                      help="workers run this training script of your own instead of a task (its "
-                           "arguments follow --); see `hybridtrain launch`")
+    add_option(code, "task", d.task)
+    add_option(code, "task_args", d.task_args)
+    add_option(code, "script")
     code.add_argument("--code-dir", default=None,
                       help="where the task's or script's modules are (first on the import path once "
                            "the trainer's own packages are loaded); launchers set it")
@@ -98,70 +81,30 @@ def build_parser() -> argparse.ArgumentParser:
     code.add_argument("--amp", action="store_true", help="bf16 autocast around the task's forward pass and loss")
     gc = p.add_argument_group("compression", "a flag left out takes the strategy's default, the paper "
                               "benchmark's configuration where one is given (docs/trainer.md, \"Defaults\")")
-    gc.add_argument("--compressor", choices=COMPRESSORS, default=d.compressor)
-    gc.add_argument("--value-dtype", choices=VALUE_DTYPES, default=d.value_dtype)
-    gc.add_argument("--select", choices=SELECT_METHODS, default=d.select, help="top-k selection method")
-    gc.add_argument("--density", type=float, default=None,
-                    help=f"initial and mean worker density (default {_default('compression.density')})")
-    gc.add_argument("--density-min", type=float, default=None,
-                    help=f"default {_default('compression.density_min')}; with --density, 0.4 times it")
-    gc.add_argument("--density-max", type=float, default=None,
-                    help=f"default {_default('compression.density_max')}; with --density, twice it")
+    for path in ("compressor", "value_dtype", "select"):
+        add_option(gc, f"compression.{path}", getattr(d, path))
+    for path in ("density", "density_min", "density_max"):
+        add_option(gc, f"compression.{path}")
     gc.add_argument("--density-gamma", type=float, default=d.density_gamma)
     gc.add_argument("--density-time-floor", type=float, default=d.density_time_floor_s,
                     help="transmission times below this many seconds count as equal")
-    gc.add_argument("--server-k-fraction", type=float, default=None,
-                    help=f"the share of the aggregate the server sends back (default "
-                         f"{_default('compression.server_k_fraction')})")
-    gc.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback)
-    gc.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
-                    default=d.momentum_correction,
-                    help="compressing strategies: momentum accumulated before compression (DGC)")
-    gc.add_argument("--warmup-steps", type=int, default=None,
-                    help=f"uncompressed first steps (default {_default('compression.warmup_steps')})")
-    gc.add_argument("--pipeline-chunks", type=int, default=None,
-                    help="PS strategies: compress, send, aggregate and answer the gradient in this many "
-                         "chunks, one on the wire and at the server while the next is compressed "
-                         f"(default {_default('compression.pipeline_chunks')})")
-    gc.add_argument("--apply-in-forward", action="store_true",
-                    help="PS strategies with --pipeline-chunks N > 1: apply the update's later chunks "
-                         "during the next forward pass, each just before the first layer that needs it")
+    add_option(gc, "compression.server_k_fraction")
+    add_option(gc, "compression.error_feedback", d.error_feedback)
+    add_option(gc, "compression.momentum_correction", d.momentum_correction)
+    add_option(gc, "compression.warmup_steps")
+    add_option(gc, "compression.pipeline_chunks")
+    add_option(gc, "compression.apply_in_forward", False)
     gc.add_argument("--dense-numel", type=int, default=d.dense_numel,
                     help="tensors with fewer elements (and all 1-D ones) travel dense")
-    gc.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
+    add_option(gc, "compression.powersgd_rank", d.powersgd_rank)
     gc.add_argument("--powersgd-start", type=int, default=d.powersgd_start)
     local = p.add_argument_group("local SGD (diloco, diloco-gc)")
-    local.add_argument("--sync-every", type=int, default=None,
-                       help=f"H: inner steps of the task's optimizer on each worker between outer steps "
-                            f"(default {d.sync_every})")
-    local.add_argument("--outer-lr", type=float, default=None,
-                       help=f"the outer Nesterov SGD's learning rate on the workers' mean parameter change "
-                            f"(default {d.outer_lr})")
-    local.add_argument("--outer-delay", type=int, default=None,
-                       help="apply each outer step this many inner steps after the change was sent, so the "
-                            f"exchange overlaps them (default {DEFAULT_OUTER_DELAY}, or H - 1 when H is "
-                            "smaller; 0: wait)")
-    local.add_argument("--async-outer", dest="async_outer", action="store_true",
-                       help="apply each outer step as soon as its mean change has arrived (checked at every "
-                            "inner step) instead of --outer-delay steps later; wait only at --max-staleness")
-    local.add_argument("--max-staleness", type=int, default=None,
-                       help="with --async-outer: the most inner steps an outer step may land after its "
-                            "change was sent (1 to H - 1; default H - 1)")
-    local.add_argument("--outer-density", type=float, default=None,
-                       help=f"diloco-gc: the change's top-k density, adapted within half to twice it; the "
-                            f"server keeps 2.5 times it (default {d.outer_density})")
-    local.add_argument("--outer-momentum", type=float, default=None,
-                       help=f"the outer Nesterov SGD's momentum, 0 for plain SGD (default {d.outer_momentum})")
-    local.add_argument("--site-replicas", action="store_true",
-                       help="with --sites: each site's workers are one replica, averaging their gradients "
-                            "every inner step through the site's relay over the LAN; one change per site "
-                            "crosses the WAN at each outer step")
-    local.add_argument("--fragments", type=int, default=None,
-                       help="streaming: the model in this many fragments, each with its outer step every H "
-                            "steps, staggered, so each exchange carries 1/fragments of it (at most H; the "
-                            "exchange's chunks are the fragments; default 1, off)")
+    for path in ("sync_every", "outer_lr", "outer_delay", "asynchronous", "max_staleness", "outer_density",
+                 "outer_momentum", "site_replicas", "fragments"):
+        # A switch defaults to off, not None, as every switch of this parser does.
+        add_option(local, f"local_sgd.{path}", False if path in ("asynchronous", "site_replicas") else None)
     io = p.add_argument_group("evaluation, checkpoints, metrics")
-    io.add_argument("--eval-every", type=int, default=d.eval_every)
+    add_option(io, "eval_every", d.eval_every)
     io.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: never")
     io.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s,
                     help="also checkpoint when this many seconds have passed (0: by steps only)")
@@ -184,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "cache (an agent writes one, owner-only, per role): hybridtrain.dataset(name) reads it")
     sysg = p.add_argument_group("system")
     sysg.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
-    sysg.add_argument("--device", choices=DEVICES, default=d.device)
+    add_option(sysg, "device", d.device)
     sysg.add_argument("--timeout-s", type=float, default=d.timeout_s,
                       help="a peer silent this long fails the role instead of hanging it (a PS server "
                            "drops a silent worker a step time after its peers' frames, beyond their usual spread: "
@@ -194,9 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sysg.add_argument("--sites", type=_labels, default=(),
                       help="site label per rank, server first (PS strategies): the server's update "
                            "crosses to each remote site once and a worker there relays it")
-    sysg.add_argument("--aggregate-at-sites", action="store_true",
-                      help="with --sites: a remote site's workers send their gradients to its relay "
-                           "over the LAN; it combines them and sends one frame across the WAN")
+    add_option(sysg, "compression.aggregate_at_sites", False)
     sysg.add_argument("--emulate-speeds", action="store_true",
                       help="stretch each worker's compute to its --speeds share (local demos)")
     sysg.add_argument("--min-workers", type=int, default=d.min_workers,

@@ -13,30 +13,25 @@ from pydantic import ValidationError
 
 from hybridtrain.compat import TAKES, describe, problems
 from hybridtrain.contract import default_allocation, parse_target
-from hybridtrain.train_options import CompressionOptions, LocalSgdOptions, TrainOptions, field_path
+from hybridtrain.option_flags import option_flags
+from hybridtrain.train_options import TrainOptions, field_path
 
 
 class UsageError(ValueError):
     """A command line that names an impossible run."""
 
 
-# The training options' flags: TrainOptions field (sections dotted) -> the parser's dest. The
-# command line maps into the same typed options that a launch order carries as --options-json.
-OPTION_DESTS = {
-    "strategy": "strategy", "task": "task", "task_args": "task_args", "script": "script",
-    "global_batch_size": "global_batch", "max_steps": "max_steps", "epochs": "epochs", "target": "target",
-    "stop_at_target": "stop_at_target", "seed": "seed", "allocation": "allocation", "device": "device",
-    "eval_every": "eval_every", "rebalance_every": "rebalance_every",
-    **{f"compression.{name}": name for name in CompressionOptions.model_fields},
-    **{f"local_sgd.{name}": name for name in LocalSgdOptions.model_fields},
-    "local_sgd.asynchronous": "async_outer",
-}
+# The training options' flags (hybridtrain.option_flags): TrainOptions field (sections dotted) ->
+# the parser's dest. The command line maps into the same typed options that a launch order
+# also carries as --options-json.
+OPTION_DESTS = {path: flag.dest for path, flag in option_flags().items()}
 
 
 def _flag(option: str) -> str:
     """The flag of a training option ('compression.pipeline_chunks', 'sync_every')."""
     name = option.rpartition(".")[2]
-    return "--" + OPTION_DESTS.get(option, OPTION_DESTS.get(field_path(name), name)).replace("_", "-")
+    found = option_flags().get(option) or option_flags().get(field_path(name))
+    return found.flag if found else "--" + name.replace("_", "-")
 
 
 def options_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TrainOptions:

@@ -8,7 +8,8 @@ import sys
 from typing import Any
 
 from app.cli.inventory_commands import _node_id
-from app.cli.run_commands import _client, _connection_args, _guard, _print_json
+from app.cli.run_arguments import connection_args
+from app.cli.run_commands import _client, _guard, _print_json
 from app.cli.run_flags import UsageError
 
 
@@ -18,12 +19,12 @@ def register_clusters(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     clusters_sub = clusters.add_subparsers(dest="clusters_command", required=True)
 
     ls = clusters_sub.add_parser("list", help="list clusters with their nodes")
-    _connection_args(ls)
+    connection_args(ls)
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_clusters_list)
 
     create = clusters_sub.add_parser("create", help="group existing nodes into a cluster (prints its id)")
-    _connection_args(create)
+    connection_args(create)
     create.add_argument("--name", required=True)
     members = create.add_mutually_exclusive_group()
     members.add_argument("--nodes", default=None, metavar="NODES",
@@ -34,13 +35,13 @@ def register_clusters(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     create.set_defaults(func=_clusters_create)
 
     show = clusters_sub.add_parser("show", help="a cluster's nodes with their status and GPUs")
-    _connection_args(show)
+    connection_args(show)
     show.add_argument("cluster", help="the cluster's name or id")
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=_clusters_show)
 
     delete = clusters_sub.add_parser("delete", help="delete a cluster (its nodes stay)")
-    _connection_args(delete)
+    connection_args(delete)
     delete.add_argument("cluster", help="the cluster's name or id")
     delete.set_defaults(func=_clusters_delete)
 

@@ -7,7 +7,8 @@ import argparse
 import sys
 from typing import Any
 
-from app.cli.run_commands import EXIT_USAGE, _client, _connection_args, _guard, _print_json
+from app.cli.run_arguments import connection_args
+from app.cli.run_commands import EXIT_USAGE, _client, _guard, _print_json
 
 PROVIDERS = ("onprem", "gcp", "aws", "azure", "lambda", "other")
 CONTINENTS = ("north_america", "south_america", "europe", "asia", "oceania", "africa")
@@ -26,7 +27,7 @@ def register_datasets(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     create.set_defaults(func=_create)
 
     reg = ds_sub.add_parser("register", help="register a data set by URL (the control plane reads its index)")
-    _connection_args(reg)
+    connection_args(reg)
     reg.add_argument("name")
     reg.add_argument("url", help="s3://bucket/prefix, https://host/path, or a path that exists on the nodes")
     reg.add_argument("--store-provider", choices=PROVIDERS, default="onprem",
@@ -38,25 +39,25 @@ def register_datasets(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     reg.set_defaults(func=_register)
 
     up = ds_sub.add_parser("upload", help="upload a sharded folder into the control plane's store and register it")
-    _connection_args(up)
+    connection_args(up)
     up.add_argument("name")
     up.add_argument("folder", help="a folder `datasets create` wrote: index.json and its shards")
     up.add_argument("--json", action="store_true")
     up.set_defaults(func=_upload)
 
     ls = ds_sub.add_parser("list", help="list data sets")
-    _connection_args(ls)
+    connection_args(ls)
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_list)
 
     show = ds_sub.add_parser("show", help="one data set")
-    _connection_args(show)
+    connection_args(show)
     show.add_argument("name")
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=_show)
 
     delete = ds_sub.add_parser("delete", help="forget a data set (refused while a run reads it)")
-    _connection_args(delete)
+    connection_args(delete)
     delete.add_argument("name")
     delete.set_defaults(func=_delete)
 

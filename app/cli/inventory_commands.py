@@ -7,8 +7,9 @@ import argparse
 import sys
 from typing import Any
 
+from app.cli.run_arguments import connection_args
 from app.cli.run_commands import (
-    EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _connection_args, _guard, _print_json, prediction_table, resolve_cluster,
+    EXIT_RUN_FAILED, EXIT_TIMEOUT, EXIT_USAGE, _client, _guard, _print_json, prediction_table, resolve_cluster,
 )
 from app.cli.run_flags import (
     UsageError, add_code_flags, bundle_flag, cluster_ref, code_bundle, ids, task_args_flag, task_flag,
@@ -20,7 +21,7 @@ def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     plans = sub.add_parser("plans", help="choose nodes, server and strategy from the performance model")
     plans_sub = plans.add_subparsers(dest="plans_command", required=True)
     opt = plans_sub.add_parser("optimize", help="the cheapest (or fastest) plan over candidate nodes, explained")
-    _connection_args(opt)
+    connection_args(opt)
     where = opt.add_mutually_exclusive_group(required=True)
     where.add_argument("--nodes", type=ids, help="candidate node ids, e.g. 1,2,3")
     where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name")
@@ -47,12 +48,12 @@ def register_bundles(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     bundles = sub.add_parser("bundles", help="the code bundles stored on the control plane")
     bundles_sub = bundles.add_subparsers(dest="bundles_command", required=True)
     ls = bundles_sub.add_parser("list", help="list bundles, newest first")
-    _connection_args(ls)
+    connection_args(ls)
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_bundles_list)
     delete = bundles_sub.add_parser("delete", help="delete a bundle no active run uses")
-    _connection_args(delete)
+    connection_args(delete)
     delete.add_argument("sha256")
     delete.set_defaults(func=_bundles_delete)
 
@@ -62,7 +63,7 @@ def add_nodes_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     nodes = sub.add_parser("nodes", help="the machines the control plane knows")
     nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True)
     ls = nodes_sub.add_parser("list", help="list nodes with status, GPUs and hardware warnings")
-    _connection_args(ls)
+    connection_args(ls)
     ls.add_argument("--status", default=None)
     ls.add_argument("--site", type=int, default=None)
     ls.add_argument("--json", action="store_true")
@@ -70,7 +71,7 @@ def add_nodes_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     for action, text in (("drain", "finish the node's runs and give it no new one"),
                          ("undrain", "end a drain: the node takes runs again")):
         cmd = nodes_sub.add_parser(action, help=text)
-        _connection_args(cmd)
+        connection_args(cmd)
         cmd.add_argument("node", help="the node's name or id")
         cmd.set_defaults(func=_nodes_drain, action=action)
 

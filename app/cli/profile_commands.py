@@ -13,8 +13,9 @@ from typing import Any, TextIO
 
 from app.cli.inventory_commands import _node_id
 from app.perfmodel.provenance import age_text, input_lines, noise_text, since_s
+from app.cli.run_arguments import connection_args
 from app.cli.run_commands import (
-    EXIT_RUN_FAILED, EXIT_TIMEOUT, _client, _connection_args, _guard, _print_json, resolve_cluster,
+    EXIT_RUN_FAILED, EXIT_TIMEOUT, _client, _guard, _print_json, resolve_cluster,
 )
 from app.cli.run_flags import (
     UsageError, add_code_flags, bundle_flag, cluster_ref, code_bundle, ids, task_args_flag, task_flag,
@@ -34,7 +35,7 @@ def register_profiles(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     profiles_sub = profiles.add_subparsers(dest="profiles_command", required=True)
 
     ls = profiles_sub.add_parser("list", help="profiles, newest first: status, samples/s, spread, age")
-    _connection_args(ls)
+    connection_args(ls)
     ls.add_argument("--node", default=None, help="only this node (id or name)")
     ls.add_argument("--task", default=None, metavar="MOD:FN", help="only this task (with --task-args, --bundle)")
     ls.add_argument("--task-args", default=None, metavar="JSON")
@@ -44,7 +45,7 @@ def register_profiles(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     ls.set_defaults(func=_profiles_list)
 
     request = profiles_sub.add_parser("request", help="ask nodes' agents to measure a task (prints the profiles)")
-    _connection_args(request)
+    connection_args(request)
     where = request.add_mutually_exclusive_group(required=True)
     where.add_argument("--nodes", type=ids, help="node ids, e.g. 1,2,3")
     where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name")

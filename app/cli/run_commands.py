@@ -1,6 +1,7 @@
 """`hybridtrain runs ...`, `hybridtrain bundles ...`, `hybridtrain nodes list` and
-`hybridtrain local`: the commands a CI pipeline or a laptop user runs against a control plane
-(their flags become request fields in app/cli/run_flags.py).
+`hybridtrain local`: the commands a CI pipeline or a laptop user runs against a control plane,
+what they do and print (their flags are app/cli/run_arguments.py's; app/cli/run_flags.py makes
+them request fields).
 
 Exit status: 0 success; 1 the run failed or was cancelled (`runs create --wait`), or the
 control plane refused the request; 2 bad usage; 3 `--wait` timed out; 4 unreachable (for
@@ -16,9 +17,8 @@ import json
 import sys
 from typing import Any
 
-from app.cli.run_flags import UsageError, cluster_ref, ids, pack, run_body, upload
-from hybridtrain.contract import ALLOCATIONS, COMPRESSORS, DEVICES, STRATEGIES, VALUE_DTYPES
-from hybridtrain.strategy_defaults import describe
+from app.cli.run_arguments import add_runs
+from app.cli.run_flags import UsageError, pack, run_body, upload
 
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
@@ -31,183 +31,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add `runs`, `nodes` and `local` to the `hybridtrain` parser."""
     from app.cli.inventory_commands import add_nodes_command
 
-    _add_runs(sub)
+    handlers = {"create": _runs_create, "get": _runs_get, "show": _runs_show, "add-nodes": _runs_add_nodes,
+                "list": _runs_list, "cancel": _runs_cancel, "metrics": _runs_metrics, "logs": _runs_logs}
+    for name, parser in add_runs(sub).items():
+        parser.set_defaults(func=handlers[name])
     add_nodes_command(sub)
     from app.cli.local import add_local_command
 
     add_local_command(sub)
-
-
-def _connection_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", help="control plane URL (default $HYBRIDTRAIN_URL or http://127.0.0.1:8000)")
-    parser.add_argument("--token", help="API token (default $HYBRIDTRAIN_TOKEN)")
-
-
-def _add_runs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    runs = sub.add_parser("runs", help="launch, watch and cancel training runs")
-    runs_sub = runs.add_subparsers(dest="runs_command", required=True)
-
-    create = runs_sub.add_parser("create", help="launch a run (prints it as JSON)")
-    _connection_args(create)
-    create.add_argument("--name", required=True)
-    where = create.add_mutually_exclusive_group(required=True)
-    where.add_argument("--nodes", type=ids, help="node ids, e.g. 1,2,3")
-    where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name (`hybridtrain clusters list`)")
-    create.add_argument("--strategy", choices=STRATEGIES, default=None, help="default ps-bz-gc")
-    create.add_argument("--config", default=None, metavar="FILE",
-                        help="a YAML or JSON file of the run's request fields (POST /api/v1/runs, e.g. "
-                             "compression: {pipeline_chunks: 4, density: 0.05}); flags given win")
-    code = create.add_mutually_exclusive_group()
-    code.add_argument("--workdir", default=None, metavar="DIR",
-                      help="pack DIR (minus .hybridtrainignore / .gitignore) and run from that code bundle")
-    code.add_argument("--bundle", default=None, metavar="SHA256", help="run from a bundle uploaded before")
-    create.add_argument("--dataset", dest="datasets", action="append", default=None, metavar="NAME",
-                        help="a registered data set the run reads with hybridtrain.dataset(NAME) (repeatable)")
-    what = create.add_mutually_exclusive_group()
-    what.add_argument("--task", default=None, metavar="MOD:FN",
-                      help="a function returning a hybridtrain.Task (default hybridtrain.tasks.digits:smallcnn)")
-    what.add_argument("--script", default=None, metavar="PATH",
-                      help="your own training script, a path inside --workdir; its arguments follow `--`")
-    create.add_argument("--task-args", default=None, metavar="JSON",
-                        help='keyword arguments of the task as a JSON object, e.g. \'{"lr": 0.05}\'')
-    create.add_argument("--max-bundle-mb", type=float, default=64.0, metavar="MIB",
-                        help="refuse to pack a work dir larger than this (default 64, the server's default)")
-    create.add_argument("--global-batch", type=int, default=None)
-    steps = create.add_mutually_exclusive_group()
-    steps.add_argument("--max-steps", type=int, default=None)
-    steps.add_argument("--epochs", type=int, default=None)
-    create.add_argument("--target", default=None, metavar="METRIC>=VALUE",
-                        help="e.g. accuracy>=0.9 or val_loss<=0.3 (a metric the task evaluates)")
-    create.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=None,
-                        help="stop once the target is reached (the default)")
-    create.add_argument("--seed", type=int, default=None)
-    create.add_argument("--allocation", choices=ALLOCATIONS, default=None)
-    create.add_argument("--device", choices=DEVICES, default=None)
-    create.add_argument("--ps-node", type=int, default=None, help="node id of the server")
-    create.add_argument("--rebalance-every", type=int, default=None,
-                        help="PS strategies: re-split the batch every N steps from compute times "
-                             f"(default {describe('rebalance_every')})")
-    create.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps")
-    exchange = create.add_argument_group(
-        "the exchange", "an option left out takes the strategy's default: the configuration the paper "
-        "benchmark measured best (docs/user-guide.md, \"Defaults\"); the run shows them as effective_options")
-    exchange.add_argument("--compressor", choices=COMPRESSORS, default=None)
-    exchange.add_argument("--value-dtype", choices=VALUE_DTYPES, default=None)
-    exchange.add_argument("--pipeline-chunks", type=int, default=None, metavar="N",
-                          help=f"PS strategies: the step in N pipelined chunks "
-                               f"(default {describe('compression.pipeline_chunks')}; 1: one piece)")
-    exchange.add_argument("--density", type=float, default=None,
-                          help=f"top-k density to start from (default {describe('compression.density')})")
-    exchange.add_argument("--density-min", type=float, default=None,
-                          help=f"the lowest adapted density (default {describe('compression.density_min')}; "
-                               "with --density, 0.4 times it)")
-    exchange.add_argument("--density-max", type=float, default=None,
-                          help=f"the highest adapted density (default {describe('compression.density_max')}; "
-                               "with --density, twice it)")
-    exchange.add_argument("--server-k-fraction", type=float, default=None,
-                          help=f"the share of the aggregate the server sends back "
-                               f"(default {describe('compression.server_k_fraction')})")
-    exchange.add_argument("--warmup-steps", type=int, default=None,
-                          help=f"first steps sent uncompressed (default {describe('compression.warmup_steps')})")
-    exchange.add_argument("--sync-every", type=int, default=None, metavar="H",
-                          help=f"inner steps between outer steps (default {describe('local_sgd.sync_every')})")
-    exchange.add_argument("--outer-lr", type=float, default=None, help=f"default {describe('local_sgd.outer_lr')}")
-    exchange.add_argument("--outer-momentum", type=float, default=None,
-                          help=f"default {describe('local_sgd.outer_momentum')}")
-    exchange.add_argument("--outer-density", type=float, default=None,
-                          help=f"default {describe('local_sgd.outer_density')}")
-    exchange.add_argument("--outer-delay", type=int, default=None, metavar="STEPS",
-                          help="overlap the outer exchange with this many inner steps "
-                               f"(default {describe('local_sgd.outer_delay')}, or H - 1 when H is smaller)")
-    exchange.add_argument("--async-outer", dest="asynchronous", action="store_true", default=None,
-                          help="diloco, diloco-gc: apply each outer step as soon as it has arrived instead of "
-                               "--outer-delay steps later; a worker waits only at --max-staleness")
-    exchange.add_argument("--max-staleness", type=int, default=None, metavar="STEPS",
-                          help="with --async-outer: the most inner steps an outer step may land after its "
-                               "change was sent (default H - 1)")
-    exchange.add_argument("--site-replicas", action="store_true", default=None,
-                          help="diloco, diloco-gc: each site's workers one replica, averaging every inner "
-                               "step over their LAN; one change per site crosses the WAN")
-    exchange.add_argument("--fragments", type=int, default=None, metavar="P",
-                          help="diloco, diloco-gc: streaming, the model in P fragments whose outer steps are "
-                               "staggered over the H steps (at most H; default 1, off)")
-    life = create.add_argument_group("checkpoints, restarts, membership")
-    life.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="default 100 (0: never)")
-    life.add_argument("--checkpoint-every-s", type=float, default=None, metavar="S", help="default 600 (0: off)")
-    life.add_argument("--max-restarts", type=int, default=None, help="after a server death; default 3")
-    life.add_argument("--min-workers", type=int, default=None, help="PS: fewest live workers; default 1")
-    life.add_argument("--min-workers-wait-s", type=float, default=None, metavar="S", help="default 300")
-    queue = create.add_argument_group("the queue for busy GPUs")
-    queue.add_argument("--priority", type=int, default=None, help="higher starts first; default 0")
-    queue.add_argument("--share-gpus", action="store_true", default=None,
-                       help="run on GPUs that other sharing runs hold")
-    create.add_argument("--plain-links", dest="encrypt_links", action="store_false", default=None,
-                        help="PS: ranks talk over plain TCP, not TLS (only inside a VPN that encrypts)")
-    create.add_argument("--idempotency-key", default=None,
-                        help="a retry with the same key returns the same run (e.g. the CI job id)")
-    create.add_argument("--plan-only", action="store_true",
-                        help="print the plan and its predicted throughput and cost, launch nothing")
-    create.add_argument("--all-strategies", action="store_true",
-                        help="with --plan-only: predict every strategy, side by side, as a table")
-    from app.cli.profile_commands import add_plan_profile_flags
-
-    add_plan_profile_flags(create)
-    create.add_argument("--wait", action="store_true",
-                        help="wait for the end; exit 0 only if the run succeeded")
-    create.add_argument("--timeout", type=float, default=None, help="seconds to --wait at most")
-    create.add_argument("--retry-for", type=float, default=300.0, metavar="SECONDS",
-                        help="--wait rides out an unreachable control plane this long (default 300)")
-    create.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARGS",
-                        help="arguments of --script, after a literal --")
-    create.set_defaults(func=_runs_create)
-
-    get = runs_sub.add_parser("get", help="show a run as JSON")
-    _connection_args(get)
-    get.add_argument("run_id", type=int)
-    get.set_defaults(func=_runs_get)
-
-    show = runs_sub.add_parser("show", help="show a run's state, ranks and latest checkpoint")
-    _connection_args(show)
-    show.add_argument("run_id", type=int)
-    show.set_defaults(func=_runs_show)
-
-    add = runs_sub.add_parser("add-nodes", help="add workers on these nodes to a running PS run")
-    _connection_args(add)
-    add.add_argument("run_id", type=int)
-    add.add_argument("--nodes", type=ids, required=True, help="node ids, e.g. 4,5")
-    add.set_defaults(func=_runs_add_nodes)
-
-    ls = runs_sub.add_parser("list", help="list runs, newest first")
-    _connection_args(ls)
-    ls.add_argument("--status", default=None)
-    ls.add_argument("--limit", type=int, default=20)
-    ls.set_defaults(func=_runs_list)
-
-    cancel = runs_sub.add_parser("cancel", help="cancel a run")
-    _connection_args(cancel)
-    cancel.add_argument("run_id", type=int)
-    cancel.add_argument("--reason", default=None)
-    cancel.add_argument("--wait", action="store_true",
-                        help="wait until the run reads cancelled: every role of it gone from its nodes")
-    cancel.add_argument("--timeout", type=float, default=120.0, help="seconds to --wait at most")
-    cancel.set_defaults(func=_runs_cancel)
-
-    metrics = runs_sub.add_parser("metrics", help="a run's metric series as JSON (or CSV)")
-    _connection_args(metrics)
-    metrics.add_argument("run_id", type=int)
-    metrics.add_argument("--name", action="append", default=[], help="repeatable, e.g. --name loss")
-    metrics.add_argument("--rank", type=int, default=None)
-    metrics.add_argument("--since", type=float, default=None, help="unix seconds")
-    metrics.add_argument("--max-points", type=int, default=1000)
-    metrics.add_argument("--csv", action="store_true", help="name,rank,peer,step,t,value rows")
-    metrics.set_defaults(func=_runs_metrics)
-
-    logs = runs_sub.add_parser("logs", help="the last output lines of a run's ranks")
-    _connection_args(logs)
-    logs.add_argument("run_id", type=int)
-    logs.add_argument("--rank", type=int, default=None)
-    logs.add_argument("--tail", type=int, default=50)
-    logs.set_defaults(func=_runs_logs)
 
 
 def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

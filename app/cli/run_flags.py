@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hybridtrain.contract import SHA256, check_task_ref, parse_target
+from hybridtrain.option_flags import option_flags
 
 MIB = 1024 * 1024
 
@@ -76,28 +77,24 @@ def run_body(args: argparse.Namespace) -> dict[str, Any]:
         body["cluster_id"] = args.cluster
     bundle_sha256 = bundle_flag(args.bundle)  # --workdir's is known once uploaded
     for key, value in [
-        ("strategy", args.strategy), ("task", task_flag(args.task)),
-        ("task_args", task_args_flag(args.task_args)), ("bundle_sha256", bundle_sha256),
-        ("script", script_flag(args, bundle_sha256)), ("script_args", args.script_args or None),
-        ("global_batch_size", args.global_batch), ("max_steps", args.max_steps),
-        ("epochs", args.epochs), ("target", target_flag(args.target)), ("seed", args.seed),
-        ("allocation", args.allocation), ("device", args.device), ("ps_node_id", args.ps_node),
-        ("rebalance_every", args.rebalance_every), ("eval_every", args.eval_every),
-        ("stop_at_target", args.stop_at_target), ("checkpoint_every", args.checkpoint_every),
-        ("checkpoint_every_s", args.checkpoint_every_s), ("max_restarts", args.max_restarts),
-        ("min_workers", args.min_workers), ("min_workers_wait_s", args.min_workers_wait_s),
-        ("priority", args.priority), ("share_gpus", args.share_gpus), ("encrypt_links", args.encrypt_links),
-        ("datasets", getattr(args, "datasets", None) or None),
+        ("bundle_sha256", bundle_sha256), ("script_args", args.script_args or None), ("ps_node_id", args.ps_node),
+        ("checkpoint_every", args.checkpoint_every), ("checkpoint_every_s", args.checkpoint_every_s),
+        ("max_restarts", args.max_restarts), ("min_workers", args.min_workers),
+        ("min_workers_wait_s", args.min_workers_wait_s), ("priority", args.priority), ("share_gpus", args.share_gpus),
+        ("encrypt_links", args.encrypt_links), ("datasets", getattr(args, "datasets", None) or None),
     ]:
         if value is not None:
             body[key] = value
-    for section, names in (("compression", ("compressor", "value_dtype", "pipeline_chunks", "density", "density_min",
-                                            "density_max", "server_k_fraction", "warmup_steps")),
-                           ("local_sgd", ("sync_every", "outer_lr", "outer_momentum", "outer_density", "outer_delay",
-                                          "asynchronous", "max_staleness", "site_replicas", "fragments"))):
-        given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-        if given:
-            body[section] = {**(body.get(section) or {}), **given}
+    # The training options' flags (hybridtrain.option_flags), each at its place in the request.
+    checked = {"task": task_flag(args.task), "task_args": task_args_flag(args.task_args),
+               "script": script_flag(args, bundle_sha256), "target": target_flag(args.target)}
+    for path, flag in option_flags().items():
+        value = checked[path] if path in checked else getattr(args, flag.dest, None)
+        section, _, name = path.rpartition(".")
+        if value is not None and section:
+            body[section] = {**(body.get(section) or {}), name: value}
+        elif value is not None:
+            body[name] = value
     return body
 
 

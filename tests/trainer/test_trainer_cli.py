@@ -10,6 +10,7 @@ import pytest
 from trainer_testing import DIGITS, read_metrics, replica_hashes, run_cli, series, with_replica_script
 
 from hybridtrain.contract import STRATEGIES
+from hybridtrain.option_flags import option_flags
 from hybridtrain.strategy_defaults import defaults
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.launch import free_port
@@ -144,6 +145,13 @@ def test_the_removed_overlap_flag_is_refused():
 def _config(*argv: str):
     parser = build_parser()
     return config_from_args(parser.parse_args(list(argv)), parser)
+
+
+def test_every_training_option_is_one_flag_of_the_trainer():
+    parser = build_parser()
+    for path, flag in option_flags().items():
+        actions = [a for a in parser._actions if flag.flag in a.option_strings]  # noqa: SLF001
+        assert [a.dest for a in actions] == [flag.dest], path
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
