@@ -305,10 +305,12 @@ def run_bill(
     samples: int | None = None,
     prices: PriceLookup | None = None,
     nodes: dict[int, Node] | None = None,
+    totals: MetricTotals | None = None,
 ) -> Bill:
     """The bill of `run` so far at the prices in force at its start; unpriced items count as $0.
-    `prices`: a lookup the caller shares with its other pricing (one query per key and instant)."""
-    usage = run_usage(session, run=run, now=now, links=links, samples=samples, nodes=nodes)
+    `prices`: a lookup the caller shares with its other pricing (one query per key and instant);
+    the rest as `run_usage` takes them."""
+    usage = run_usage(session, run=run, now=now, links=links, samples=samples, nodes=nodes, totals=totals)
     # strict=False: a live view must not fail for one missing price; the bill lists it instead.
     return compute_bill(usage, prices or CachedPriceLookup(DbPriceLookup(session)), strict=False)
 

@@ -193,8 +193,10 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     metrics_after = dashboard.max_metric_id(session, run_id=run.id) if active else 0
     logs_after = dashboard.max_log_id(session, run_id=run.id) if active else 0
     t0 = run_t0(session, run)
-    eval_names = evaluation_names(session, run)
-    data = run_series(session, run, names=(*SERIES_NAMES, *eval_names))
+    reported = metric_names(session, run_id=run.id)
+    eval_names = [n for n in reported if is_evaluation_metric(n)]
+    # A run that has reported nothing yet (queued, launching) has no series or sums to scan.
+    data = run_series(session, run, names=(*SERIES_NAMES, *eval_names)) if reported else RunSeries([], [], {}, 0)
     # One lookup for the links and the bill: each asks the same few prices for every pair of ranks.
     prices = costs.CachedPriceLookup(costs.DbPriceLookup(session))
     nodes = costs.run_nodes(session, run=run)
@@ -216,7 +218,8 @@ def run_charts(session: Session, run: Run) -> RunCharts:
         "batch": figures.batch_figure(data.series, t0, planned, servers=servers, outer_steps=is_local_sgd(run.strategy)),
     }
     charts = {key: figures.with_events(fig, events) for key, fig in charts.items()}
-    bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples, prices=prices, nodes=nodes)
+    bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples, prices=prices, nodes=nodes,
+                          totals=None if reported else costs.MetricTotals())
     events_after = max((e.id for e in stored_events), default=0)
     return RunCharts(charts, t0, metrics_after, logs_after, bill, unpriced, events, events_after,
                      data.link_totals, sites)
