@@ -56,8 +56,6 @@ CLASHES: tuple[tuple[str, str, str], ...] = (
     ("asynchronous", "site_replicas", "a site's workers must apply each outer step at the same inner step"),
     # A site's relay combines and fans out whole outer steps; a fragment's round is not built there.
     ("fragments", "site_replicas", "a site's relay exchanges the whole model at each outer step"),
-    # Asynchronous outer steps wait for one whole update at a time; a fragment's round is its own.
-    ("asynchronous", "fragments", "an asynchronous outer step applies the whole model's update"),
 )
 
 # An option on needs another option's value to pass a test: (option, other, test, what it needs).

@@ -49,9 +49,11 @@ class OuterSteps:
         # Outer steps that land now first: streaming's next fragment may be due at the same step.
         if self.pending and self._lands(step):
             t0 = time.perf_counter()
-            # Asynchronous: the one on its way; a fixed delay: those sent --outer-delay steps ago.
-            oldest = self.pending[0]
-            self.land(step, upto=oldest if self.cfg.asynchronous else step - self.cfg.staleness_bound)
+            # Oldest first, each on its own terms: under streaming several fragments' rounds may
+            # be on their way, and each is its own send's staleness_bound steps old at a
+            # different step (asynchronous: its own update may be here before that).
+            while self.pending and not self._ended() and self._lands(step):
+                self.land(step, upto=self.pending[0])
             # Waiting for an outer step that is late is communication, not compute.
             late = time.perf_counter() - t0
             self.metrics.log(step, "wait_s", late)
@@ -108,7 +110,8 @@ class OuterSteps:
     def _lands(self, step: int) -> bool:
         """Whether the oldest outer step on its way is applied after inner step `step`: once it
         is staleness_bound steps old (a fixed --outer-delay; asynchronous, --max-staleness, where
-        the worker waits for it), or asynchronous as soon as its update is here."""
+        the worker waits for it), or asynchronous as soon as its update (its round's, under
+        streaming one fragment's) is here."""
         oldest = self.pending[0]
         if step - oldest >= self.cfg.staleness_bound:
             return True

@@ -23,7 +23,8 @@ the gradient; the other steps are the task's optimizer on the worker's own gradi
 (`_inner_step`), or under `--site-replicas` on its site's mean gradient (`trainer.site_replica`),
 and step 4 is the outer Nesterov step; `trainer.outer_steps.OuterSteps` sends the change and
 applies the outer steps, at once, overlapped with `--outer-delay` inner steps, under
-`--async-outer` as soon as each update has arrived, or fragment by fragment under `--fragments`.
+`--async-outer` as soon as each update has arrived, and fragment by fragment under `--fragments`
+(the two combine: each fragment's round is then an outer step of its own).
 
 What a worker hears from the server is `trainer.server_link`'s; its state for a joiner or a
 checkpoint `trainer.replica_state`'s; its part in its site's relays `trainer.site_relay`'s.
@@ -119,7 +120,7 @@ class PSClient:
         # Local SGD's rounds: the inner steps' ends, the pseudo-gradient's send and the outer steps
         # on their way back (trainer.outer_steps).
         self.outer = (OuterSteps(cfg, self.local, self.flat, metrics, read_round=self._read_round,
-                                 update_arrived=self.link.update_arrived, ended=lambda: self.link.ended)
+                                 update_arrived=self._update_arrived, ended=lambda: self.link.ended)
                       if self.local is not None else None)
         self._flushed_for: int | None = None
 
@@ -269,6 +270,11 @@ class PSClient:
         """Read and take every chunk of `step`'s update."""
         chunks = self._round(step)
         self.link.read_update(step, self._take, start=chunks[0], stop=chunks[-1] + 1)
+
+    def _update_arrived(self, step: int) -> bool:
+        """Whether `step`'s update is here to read without waiting: its round's own last chunk
+        (streaming: a fragment's round ends at that fragment's chunk)."""
+        return self.link.update_arrived(step, self._round(step)[-1])
 
     def _take(self, update: Update, hyper: list[dict] | None = None) -> None:
         """Step 4 for one chunk; the chunk carrying the next batch split sets it, the last the

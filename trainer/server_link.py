@@ -46,10 +46,10 @@ class ServerLink:
                 return frame
             return expect(raw, cls, step, peer=SERVER)
 
-    def update_arrived(self, step: int) -> bool:
-        """Whether reading `step`'s update would not wait for the wire: its last chunk is here, or
-        the run's end or a lost link is (reading it then ends at once). Never waits."""
-        last = self.chunks - 1
+    def update_arrived(self, step: int, last: int) -> bool:
+        """Whether reading `step`'s update would not wait for the wire: its round's last chunk
+        `last` is here (streaming: the last of its fragments', not the exchange's), or the run's
+        end or a lost link is (reading it then ends at once). Never waits."""
 
         def ends_the_wait(raw: torch.Tensor) -> bool:
             kind, at, first = peek_head(raw)
@@ -80,8 +80,9 @@ class ServerLink:
             if isinstance(frame, Fetch):
                 self._answer_fetch()
                 continue
-            if isinstance(frame, Bye) and source == SERVER and not c:
-                # The run ended while this worker was joining: nothing more to apply.
+            if isinstance(frame, Bye) and source == SERVER and c == start:
+                # The run ended before this round's update (a joiner's, or an outer step still on
+                # its way, whose round may begin at a later fragment's chunk): nothing to apply.
                 self._end()
                 return
             if isinstance(frame, Update) and (frame.step, frame.chunk) < (step, c):

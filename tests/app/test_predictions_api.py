@@ -220,3 +220,12 @@ def test_an_asynchronous_runs_prediction_hides_its_exchange_behind_up_to_max_sta
     assert (spec.sync_every, spec.outer_delay) == (20, 19)
     bounded = LocalSgdOptions(sync_every=8, asynchronous=True, max_staleness=2)
     assert compression_spec("diloco-gc", None, eval_every=None, local_sgd=bounded).outer_delay == 2
+
+
+def test_an_asynchronous_streaming_runs_prediction_streams_its_fragments_each_hidden_up_to_max_staleness():
+    from app.queries.predictions import compression_spec
+    from hybridtrain.train_options import LocalSgdOptions
+
+    both = LocalSgdOptions(sync_every=8, asynchronous=True, fragments=4)
+    spec = compression_spec("diloco", None, eval_every=None, local_sgd=both)
+    assert (spec.sync_every, spec.outer_delay, spec.fragments) == (8, 7, 4)

@@ -518,6 +518,13 @@ def test_a_diloco_run_tells_the_trainers_its_outer_steps(online_node, client, di
     assert trains and all(t["local_sgd"] == run["local_sgd"] for t in trains)
 
 
+def test_an_asynchronous_streaming_diloco_run_is_accepted_with_both(online_node, client):
+    run = _create(client, run_body([online_node()], strategy="diloco",
+                                   local_sgd={"sync_every": 8, "asynchronous": True, "fragments": 4})).json()
+
+    assert run["local_sgd"] == {"sync_every": 8, "asynchronous": True, "fragments": 4}
+
+
 def test_local_sgd_knobs_under_compression_are_still_read_for_one_release(online_node, client):
     run = _create(client, run_body([online_node()], strategy="diloco-gc",
                                    compression={"sync_every": 10, "outer_density": 0.05, "value_dtype": "fp16"})).json()
@@ -556,8 +563,6 @@ def test_a_local_sgd_knob_given_in_both_places_is_refused(online_node, client):
     ("ps-bz-gc", {"local_sgd": {"fragments": 4}}, "local_sgd.fragments"),
     ("diloco", {"local_sgd": {"sync_every": 4, "fragments": 5}}, "local_sgd.fragments"),
     ("diloco-gc", {"local_sgd": {"fragments": 2, "site_replicas": True}}, "local_sgd.fragments"),
-    # Asynchronous outer steps and streaming fragments are alternatives.
-    ("diloco", {"local_sgd": {"asynchronous": True, "fragments": 2}}, "local_sgd.asynchronous"),
     # Accepted once, and then every rank refused it at start: ps compresses nothing.
     ("ps", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4}}, "compression.apply_in_forward"),
     ("ps-gc", {"compression": {"apply_in_forward": True, "pipeline_chunks": 4, "compressor": "none"}},

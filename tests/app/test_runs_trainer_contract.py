@@ -98,7 +98,8 @@ EVERY_OPTION = {
     "local_sgd.site_replicas": (True, None), "local_sgd.fragments": (3, None),
     "local_sgd.asynchronous": (True, None), "local_sgd.max_staleness": (5, None),
 }
-# Asynchronous outer steps replace the fixed delay and keep off site replicas: a walk of their own.
+# Asynchronous outer steps replace the fixed delay and keep off site replicas: a walk of their own
+# (with streaming fragments, which they combine with).
 _ASYNC = ["local_sgd.asynchronous", "local_sgd.max_staleness"]
 _COMMON = [p for p in EVERY_OPTION if "." not in p and p != "rebalance_every"]
 _CODEC = [f"compression.{n}" for n in ("compressor", "value_dtype", "select", "density", "density_min", "density_max",
@@ -108,7 +109,7 @@ _CODEC = [f"compression.{n}" for n in ("compressor", "value_dtype", "select", "d
 WALKS = {
     "diloco-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "rebalance_every",
                   *(p for p in EVERY_OPTION if p.startswith("local_sgd.") and p not in (*_ASYNC, "local_sgd.fragments"))],
-    "diloco+async": [*_ASYNC, "local_sgd.sync_every"],
+    "diloco+async": [*_ASYNC, "local_sgd.sync_every", "local_sgd.fragments"],
     # Streaming goes without site replicas.
     "diloco+streaming": ["local_sgd.sync_every", "local_sgd.outer_delay", "local_sgd.fragments"],
     "ps-bz-gc": [*_COMMON, *_CODEC, "compression.pipeline_chunks", "compression.aggregate_at_sites",

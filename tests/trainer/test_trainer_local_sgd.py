@@ -39,13 +39,15 @@ from hybridtrain.contract import (
     sync_due,
     sync_fragments,
 )
-from trainer.algorithm import aggregate
+from trainer.algorithm import Layout, aggregate
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.codec_state import codec
 from trainer.compression import CompressionState, Payload
+from trainer.flat_model import FlatModel
 from trainer.frames import UPDATE, Grad
 from trainer.local_sgd import LocalSGD, Progress, outer_step, pseudo_gradient
 from trainer.metrics import MetricsLogger
+from trainer.outer_steps import OuterSteps
 from trainer.ps import PSClient
 from trainer.transport import InMemoryHub, InMemoryTransport
 from trainer.wire import peek_kind
@@ -304,7 +306,8 @@ class _SlowUpdates(InMemoryTransport):
 
 
 def _async_run(monkeypatch, delay_s: float, **changes) -> dict[int, dict[int, float]]:
-    """An asynchronous run of 3 workers, H = 8, 20 steps; rank -> outer step -> its staleness."""
+    """An asynchronous run of 3 workers, H = 8, 20 steps; rank -> outer step (under streaming,
+    each fragment's round) -> its staleness."""
     cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=8, max_steps=20, asynchronous=True,
                  **changes)
     seen: dict[int, dict[int, float]] = {}
@@ -321,7 +324,7 @@ def _async_run(monkeypatch, delay_s: float, **changes) -> dict[int, dict[int, fl
                          transport=lambda hub, rank: _SlowUpdates(rank, hub, delay_s))
     flats = [flat_parameters(m) for m in run.models]
     assert all(torch.equal(flats[0], f) for f in flats[1:])
-    assert all(c.local.synced_step == 20 for c in run.clients)
+    assert all(c.local.synced == [20] * c.local.fragments for c in run.clients)
     return seen
 
 
@@ -339,6 +342,56 @@ def test_an_asynchronous_outer_step_lands_as_soon_as_its_update_is_here(monkeypa
     assert all(set(by_step) == {8, 16, 20} and by_step[20] == 0 for by_step in seen.values()), seen
     staleness = [by_step[step] for by_step in seen.values() for step in (8, 16)]
     assert all(1 <= v <= 7 for v in staleness) and min(staleness) < 3, seen
+
+
+def test_asynchronous_fragments_outer_steps_stay_within_the_bound_several_on_their_way(monkeypatch):
+    # Updates far slower than the inner steps, 4 fragments (a round every 2 steps), the bound
+    # H - 1 = 7: several fragments' outer steps are on their way at once, each lands by its own
+    # round's bound, and the replicas end on one model (_async_run checks it).
+    seen = _async_run(monkeypatch, 0.3, fragments=4, dense_numel=100)
+    for by_step in seen.values():
+        assert set(by_step) == {*range(2, 20, 2), 20} and by_step[20] == 0, seen
+        assert all(1 <= by_step[step] <= 7 for step in range(2, 20, 2)) and max(by_step.values()) > 2, seen
+
+
+def test_an_asynchronous_fragments_outer_step_lands_as_soon_as_its_own_update_is_here(monkeypatch):
+    # Nothing slows the wire: fragments 0-2's rounds, whose last chunk is not the exchange's
+    # last, land before the bound too (those of steps 14-18 are landed by step 20's send).
+    seen = _async_run(monkeypatch, 0.0, fragments=4, dense_numel=100)
+    staleness = [by_step[step] for by_step in seen.values() for step in (2, 4, 6, 10, 12)]
+    assert all(1 <= v <= 7 for v in staleness) and min(staleness) < 3, seen
+
+
+def _fragments_on_their_way(arrived: set[int]) -> tuple[OuterSteps, list[int]]:
+    """A worker's asynchronous outer steps, H = 8 in 4 fragments, with fragment 0's round of step
+    2 and fragment 1's of step 4 on their way (those of `arrived` back); the rounds it reads."""
+    cfg = config(strategy="diloco", workers=1, global_batch=8, sync_every=8, max_steps=20, asynchronous=True,
+                 fragments=4)
+    model = tiny_mlp()
+    flat = FlatModel(model, Layout.of(model, 16), torch.device("cpu"))
+    n = flat.layout.numel
+    local = LocalSGD(8, lr=0.7, momentum=0.0, numel=n, spans=tuple((p * n // 4, (p + 1) * n // 4) for p in range(4)))
+    reads: list[int] = []
+    outer = OuterSteps(cfg, local, flat, MetricsLogger(1, "worker"), read_round=reads.append,
+                       update_arrived=arrived.__contains__, ended=lambda: False)
+    outer.pending.extend([2, 4])
+    return outer, reads
+
+
+def test_asynchronous_fragments_outer_steps_whose_updates_are_here_land_together_oldest_first():
+    outer, reads = _fragments_on_their_way({2, 4})
+    outer.after_inner_step(5, 20, loss=0.0, samples=8, compute_s=0.0)
+    assert reads == [2, 4] and not outer.pending
+
+
+def test_an_asynchronous_fragments_outer_step_waits_behind_an_older_one_until_that_lands():
+    # Step 4's update is here, step 2's not: neither lands until step 2's reaches the bound, 7.
+    outer, reads = _fragments_on_their_way({4})
+    for step in range(5, 9):
+        outer.after_inner_step(step, 20, loss=0.0, samples=8, compute_s=0.0)
+    assert reads == []
+    outer.after_inner_step(9, 20, loss=0.0, samples=8, compute_s=0.0)
+    assert reads == [2, 4]
 
 
 def test_streaming_fragments_land_staggered_on_every_worker_and_the_replicas_end_equal():

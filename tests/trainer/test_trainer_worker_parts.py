@@ -3,6 +3,8 @@ from the server (trainer.flat_model, trainer.server_link)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from trainer_testing import config, tiny_mlp
 
@@ -56,4 +58,24 @@ def test_the_servers_bye_before_an_update_ends_the_run_for_the_worker():
     link = _link(hub, 1, fetched, ended)
     hub.transport(SERVER).send(1, pack(Bye(4, SERVER)))
     link.read_update(5, lambda u: taken.append(u))
+    assert link.ended and ended == [True] and taken == []
+
+
+def test_a_fragment_rounds_update_has_arrived_once_its_own_last_chunk_is_here():
+    # Streaming, 4 fragments: fragment 1's round carries chunk 1 alone, never chunk 3.
+    hub = InMemoryHub()
+    link = _link(hub, 4, [], [])
+    assert not link.update_arrived(6, 1)
+    hub.transport(SERVER).send(1, pack(_update(6, 1)))
+    deadline = time.monotonic() + 5.0
+    while not link.update_arrived(6, 1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert link.update_arrived(6, 1) and not link.update_arrived(6, 3) and not link.update_arrived(7, 1)
+
+
+def test_the_servers_bye_before_a_later_fragments_round_ends_the_run_for_the_worker():
+    hub, ended, taken = InMemoryHub(), [], []
+    link = _link(hub, 4, [], ended)
+    hub.transport(SERVER).send(1, pack(Bye(5, SERVER)))
+    link.read_update(6, taken.append, start=2, stop=3)
     assert link.ended and ended == [True] and taken == []
