@@ -168,12 +168,42 @@ def print_testbed(result: dict) -> None:
     print(f"\n{d['samples']} blobs in {d['shards']} shards, {d['bytes'] / 2**20:.2f} MiB, in the store on AWS east; "
           f"{result['settings']['max_steps']} steps of {result['settings']['global_batch']} (two epochs), "
           f"nodes {result['settings']['nodes']}")
-    print("| site cache | WAN bytes store->lab | store->west | data bytes billed | data read $ (AWS, seeded prices) |")
-    print("|---|---|---|---|---|")
-    for r in result["runs"]:
-        w = r["wan_bytes"]
-        print(f"| {'yes' if r['site_cache'] else 'no'} | {w['lab'] / 2**20:.2f} MiB | {w['west'] / 2**20:.2f} MiB | "
-              f"{r['data_read_bytes'] / 2**20:.2f} MiB | {r['data_read_usd']:.6f} |")
+    print_table(["site cache", "WAN bytes store->lab", "store->west", "data bytes billed",
+                 "data read $ (AWS, seeded prices)"],
+                [[_yes(r["site_cache"]), f"{r['wan_bytes']['lab'] / 2**20:.2f} MiB",
+                  f"{r['wan_bytes']['west'] / 2**20:.2f} MiB", f"{r['data_read_bytes'] / 2**20:.2f} MiB",
+                  f"{r['data_read_usd']:.6f}"] for r in result["runs"]])
+
+
+def print_in_process(result: dict, sites: int, workers_per_site: int) -> None:
+    """The in-process parts' tables: the input share, then the WAN bytes."""
+    d = result["data_set"]
+    print(f"\n{d['samples']} images in {d['shards']} shards, {d['bytes'] / 2**20:.1f} MiB, in moto's S3 server")
+    print_table(["--data-workers", "first epoch (w1 / w2)", "later epochs (w1 / w2)", "bytes from the store"],
+                [[str(r["data_workers"]), _workers(r["input_share"]["first"]), _workers(r["input_share"]["later"]),
+                  f"{r['store_bytes'] / 2**20:.1f} MiB"] for r in result["input"]])
+    print(f"\n{sites} sites x {workers_per_site} workers, two epochs")
+    print_table(["site cache", "WAN bytes epoch 1", "epoch 2", "egress $ (AWS to on-prem, Table 1)"],
+                [[_yes(r["site_cache"]), f"{r['by_epoch'][0]['store'] / 2**20:.1f} MiB",
+                  f"{r['by_epoch'][1]['store'] / 2**20:.1f} MiB", f"{Decimal(r['egress_usd']):.6f}"]
+                 for r in result["wan"]])
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """A Markdown table: its header, the rule under it, then a line a row."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _workers(shares: dict) -> str:
+    """Two workers' input shares (keys 1 and 2) as `w1 / w2`."""
+    return f"{shares[1]:.1%} / {shares[2]:.1%}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,20 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                        per_epoch) for loaders in (0, 2)]
         result["wan"] = [wan_bytes(tmp, url, s3.endpoint, args.sites, args.workers_per_site, args.global_batch, 2, on)
                          for on in (False, True)]
-    d = result["data_set"]
-    print(f"\n{d['samples']} images in {d['shards']} shards, {d['bytes'] / 2**20:.1f} MiB, in moto's S3 server")
-    print("| --data-workers | first epoch (w1 / w2) | later epochs (w1 / w2) | bytes from the store |")
-    print("|---|---|---|---|")
-    for r in result["input"]:
-        f, later = r["input_share"]["first"], r["input_share"]["later"]
-        print(f"| {r['data_workers']} | {f[1]:.1%} / {f[2]:.1%} | {later[1]:.1%} / {later[2]:.1%} | {r['store_bytes'] / 2**20:.1f} MiB |")
-    print(f"\n{args.sites} sites x {args.workers_per_site} workers, two epochs")
-    print("| site cache | WAN bytes epoch 1 | epoch 2 | egress $ (AWS to on-prem, Table 1) |")
-    print("|---|---|---|---|")
-    for r in result["wan"]:
-        e = r["by_epoch"]
-        print(f"| {'yes' if r['site_cache'] else 'no'} | {e[0]['store'] / 2**20:.1f} MiB | "
-              f"{e[1]['store'] / 2**20:.1f} MiB | {Decimal(r['egress_usd']):.6f} |")
+    print_in_process(result, args.sites, args.workers_per_site)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

@@ -971,24 +971,30 @@ def ps_checkpoint(clock: StoryClock, training: Training, server: Reports, step: 
     server.checkpoint(step, size + step)
 
 
+def seed_widecnn_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory, *, name: str, start: float,
+                     steps: int, **options: Any) -> tuple[int, Agent, Reports, list[Member]]:
+    """Creates a widecnn ps-bz-gc run (server and A100 in Zurich, three GCP T4s; `options` added to
+    its body) at `start` and starts its first attempt: the run's id, the server's agent and reports,
+    and the workers."""
+    clock.at(start)
+    names = ["zrh-a100", "gcp-t4-1", "gcp-t4-2", "gcp-t4-3"]
+    run = api.post("/runs", {"name": name, "node_ids": [inv.nodes[n] for n in names],
+                             "ps_node_id": inv.nodes["zrh-server"], "strategy": "ps-bz-gc", "task": TASK,
+                             "task_args": TASK_ARGS, "global_batch_size": 1024, "max_steps": steps,
+                             "target": "accuracy>=0.9", "stop_at_target": False, "eval_every": 50, **options})
+    server_agent = fleet.agents["zrh-server"]
+    server_spec, others = bring_up(fleet, clock, server_agent, [fleet.agents[n] for n in names], at=start)
+    return int(run["id"]), server_agent, Reports(server_spec), [member(a, s) for a, s in others]
+
+
 def seed_ps_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory) -> int:
     """widecnn on ps-bz-gc, server and A100 in Zurich with three GCP T4s, start to end without a
     fault: the run page, its prediction beside what it measured, and the comparison."""
     steps, every = 400, 200
     start = 19 * 60
-    clock.at(start)
-    names = ["zrh-a100", "gcp-t4-1", "gcp-t4-2", "gcp-t4-3"]
-    run = api.post("/runs", {"name": "widecnn-zurich-gcp", "node_ids": [inv.nodes[n] for n in names],
-                             "ps_node_id": inv.nodes["zrh-server"], "strategy": "ps-bz-gc", "task": TASK,
-                             "task_args": TASK_ARGS, "global_batch_size": 1024, "max_steps": steps,
-                             "target": "accuracy>=0.9", "stop_at_target": False, "eval_every": 50,
-                             "checkpoint_every": every})
-    run_id = int(run["id"])
-    server_agent = fleet.agents["zrh-server"]
-    server_spec, others = bring_up(fleet, clock, server_agent, [fleet.agents[n] for n in names], at=start)
-    server = Reports(server_spec)
-    training = ps_training(clock, server, [member(a, s) for a, s in others], t=start + 32, run_start=start + 32,
-                           max_steps=steps)
+    run_id, server_agent, server, members = seed_widecnn_run(api, fleet, clock, inv, name="widecnn-zurich-gcp",
+                                                             start=start, steps=steps, checkpoint_every=every)
+    training = ps_training(clock, server, members, t=start + 32, run_start=start + 32, max_steps=steps)
     training.steps(1, every)
     ps_checkpoint(clock, training, server, every)
     training.steps(every + 1, steps)
@@ -1017,18 +1023,9 @@ def seed_recovery_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory)
     steps, every = 600, 150
     spot_leaves, server_killed, node_added, joined = 190, 338, 420, 427
     start = 28 * 60
-    clock.at(start)
-    names = ["zrh-a100", "gcp-t4-1", "gcp-t4-2", "gcp-t4-3"]
-    run = api.post("/runs", {"name": "widecnn-spot-restart", "node_ids": [inv.nodes[n] for n in names],
-                             "ps_node_id": inv.nodes["zrh-server"], "strategy": "ps-bz-gc", "task": TASK,
-                             "task_args": TASK_ARGS, "global_batch_size": 1024, "max_steps": steps,
-                             "target": "accuracy>=0.9", "stop_at_target": False, "eval_every": 50,
-                             "checkpoint_every": every, "max_restarts": 3})
-    run_id = int(run["id"])
-    server_agent = fleet.agents["zrh-server"]
-    server_spec, others = bring_up(fleet, clock, server_agent, [fleet.agents[n] for n in names], at=start)
-    server = Reports(server_spec)
-    members = [member(a, s) for a, s in others]
+    run_id, server_agent, server, members = seed_widecnn_run(api, fleet, clock, inv, name="widecnn-spot-restart",
+                                                             start=start, steps=steps, checkpoint_every=every,
+                                                             max_restarts=3)
 
     def training_of(server: Reports, members: list[Member], t: float) -> Training:
         return ps_training(clock, server, members, t=t, run_start=start + 32, max_steps=steps)

@@ -89,12 +89,12 @@ class PSClient:
         nd = self.layout.dense_numel
         spans = (tuple((0 if p == 0 else nd + a, nd + b) for p, (a, b) in enumerate(self.bounds))
                  if cfg.streams else None)
-        self.local = (LocalSGD(cfg.sync_every, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                               numel=self.layout.numel, device=device, spans=spans) if cfg.is_local_sgd else None)
-        if self.local is not None:
-            self.local.reset(self.flat.values(), 0)
-        correct = self.local is None and cfg.compresses and cfg.momentum_correction
-        self.rules = (SgdRules() if self.local is not None else
+        local = (LocalSGD(cfg.sync_every, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                          numel=self.layout.numel, device=device, spans=spans) if cfg.is_local_sgd else None)
+        if local is not None:
+            local.reset(self.flat.values(), 0)
+        correct = local is None and cfg.compresses and cfg.momentum_correction
+        self.rules = (SgdRules() if local is not None else
                       adapt_sgd(optimizer, self.flat.compressed if correct else frozenset(), momentum_correction=correct))
         # Momentum correction (DGC, Lin et al. 2018): applied after compression, momentum repeats
         # for ~1/(1 - m) steps every burst that error feedback held back in the residual, and the
@@ -105,7 +105,7 @@ class PSClient:
                              momentum=self.rules.momentum)
         # Site replicas: the site's workers average every inner step through its relay.
         self.site = (SiteReplica(cfg, rank, transport, self.relay, self.flat, self.uplink.step_times)
-                     if cfg.site_replicas and self.local is not None else None)
+                     if cfg.site_replicas and local is not None else None)
         # The server may pause below --min-workers: a worker waits that long on top.
         wait = cfg.timeout_s + (cfg.min_workers_wait_s if cfg.min_workers > 1 else 0.0)
         self.inbox = Inbox(transport, [SERVER], timeout_s=wait, last_kinds=LAST_KINDS,
@@ -114,15 +114,21 @@ class PSClient:
         self.link = ServerLink(rank, self.inbox, self.relay, len(self.bounds), answer_fetch=self._answer_fetch,
                                on_end=self._ended)
         self.applier = UpdateApplier(self.flat, optimizer, self.bounds, velocity=self.velocity,
-                                     outer=self.local is not None)
+                                     outer=local is not None)
         self.in_forward = (ApplyInForward(model, optimizer, self.applier, self.link, self._take, self._caught_up)
                            if ApplyInForward.wanted(cfg.applies_in_forward, self.applier) else None)
         # Local SGD's rounds: the inner steps' ends, the pseudo-gradient's send and the outer steps
         # on their way back (trainer.outer_steps).
-        self.outer = (OuterSteps(cfg, self.local, self.flat, metrics, read_round=self._read_round,
+        self.outer = (OuterSteps(cfg, local, self.flat, metrics, read_round=self._read_round,
                                  update_arrived=self._update_arrived, ended=lambda: self.link.ended)
-                      if self.local is not None else None)
+                      if local is not None else None)
         self._flushed_for: int | None = None
+
+    @property
+    def local(self) -> LocalSGD | None:
+        """Local SGD's state (`OuterSteps.local`: the common parameters and the outer optimizer);
+        None for the other strategies."""
+        return self.outer.local if self.outer is not None else None
 
     @property
     def ended_by_server(self) -> bool:

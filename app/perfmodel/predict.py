@@ -4,7 +4,8 @@ Pure functions over plain figures (no database, no torch): a node's speed and co
 costs come from its task profile, a link's bandwidth and round trip from probes (or declared or
 assumed values), the bytes from `hybridtrain.wiresize`, the prices through
 `app.billing.compute_bill`. The inputs are `app.perfmodel.inputs`, one step of each strategy
-`app.perfmodel.steps`. docs/predict.md writes out every equation and assumption; in short:
+`app.perfmodel.steps` (sites as replicas `app.perfmodel.site_replicas`). docs/predict.md writes
+out every equation and assumption; in short:
 
 1. compute_m = n_m / samples_per_s_m (the profile's rate, linear in the batch).
 2. PS strategies: the step is max_m(compute_m + compress_m + upload_m) + server + max_m(download_m
@@ -48,6 +49,7 @@ from app.perfmodel.inputs import (
     PredictError,
     TaskSpec,
 )
+from app.perfmodel.site_replicas import site_exchange, site_replicas, site_replicas_step
 from app.perfmodel.steps import (
     BACKWARD_SHARE,
     DDP_OVERLAP,
@@ -59,9 +61,6 @@ from app.perfmodel.steps import (
     link,
     local_sgd_step,
     ps_step,
-    site_exchange,
-    site_replicas,
-    site_replicas_step,
 )
 from hybridtrain.contract import (
     ALLREDUCE,
