@@ -13,8 +13,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import anyio.to_thread
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
 from app.queries.agents import PlainBeat, record_plain_beats
 
@@ -37,9 +37,10 @@ class BeatBatches:
         self._lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def record(self, session: Session, beat: PlainBeat) -> int | None:
+    async def record(self, session: Session, beat: PlainBeat, limiter: anyio.CapacityLimiter | None = None) -> int | None:
         """Write `beat` with the others waiting; its node's id, or None if its node did not take it
-        (the beat has work to do, or its token is unknown: `apply_heartbeat` decides)."""
+        (the beat has work to do, or its token is unknown: `apply_heartbeat` decides). A batch is
+        written in a thread of `limiter` (the default one without)."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             # A lock and futures belong to one loop; an app served again (tests) starts afresh.
@@ -49,12 +50,12 @@ class BeatBatches:
         async with self._lock:
             if not mine.node_id.done():
                 batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
-                await self._lead(session, batch)
+                await self._lead(session, batch, limiter)
         return mine.node_id.result()
 
-    async def _lead(self, session: Session, batch: list[_Waiting]) -> None:
+    async def _lead(self, session: Session, batch: list[_Waiting], limiter: anyio.CapacityLimiter | None) -> None:
         try:
-            found = await run_in_threadpool(self._write, session, [w.beat for w in batch])
+            found = await anyio.to_thread.run_sync(self._write, session, [w.beat for w in batch], limiter=limiter)
         except Exception as exc:
             # Each beat's request (this one's too) raises it as a failed write of its own would:
             # 503 for a database that is unavailable.

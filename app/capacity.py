@@ -10,14 +10,18 @@ slot, so an admitted request never waits for either; a request that finds its la
 a bounded time in a bounded queue, then gets 503 with Retry-After.
 
     lane       routes                                              slots
-    heartbeat  POST /api/v1/agent/heartbeat                        heartbeat_slots
+    heartbeat  POST /api/v1/agent/heartbeat                        heartbeats_admitted, of which
+                                                                   heartbeat_slots on the database
     agent      /api/v1/agent/*, POST /api/v1/runs/{id}/metrics     agent_slots
     upload     POST /api/v1/bundles, PUT /api/v1/runs/{id}/checkpoint   upload_slots
     api        everything else (REST, pages, /metrics)            api_slots
     -          /healthz (own engine and thread), /static/*         not admitted
 
 A run page's live stream is admitted in the api lane until its answer starts, then counted
-against `max_streams`; its polls share `stream_threads` threads (`stream_limiter`).
+against `max_streams`; its polls share `stream_threads` threads (`stream_limiter`). Heartbeats
+are admitted many at once: a plain one waits for its batch without a thread or a connection,
+and what works on the database (a batch's write, a beat's full reconciliation) takes one of
+`heartbeat_slots` threads (`heartbeat_limiter`).
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class _Gates:
     lanes: dict[str, Lane]
     streams: int = 0
     stream_limiter: anyio.CapacityLimiter | None = None
+    heartbeat_limiter: anyio.CapacityLimiter | None = None
 
 
 _GATES: RunVar[dict[int, _Gates]] = RunVar("hybridtrain_admission")
@@ -123,7 +128,7 @@ def _gates(settings: Settings) -> _Gates:
         gates = _Gates(lanes={
             "api": Lane("api", settings.api_slots, queue, wait),
             "agent": Lane("agent", settings.agent_slots, queue, wait),
-            "heartbeat": Lane("heartbeat", settings.heartbeat_slots, queue, wait),
+            "heartbeat": Lane("heartbeat", settings.heartbeats_admitted, queue, wait),
             "upload": Lane("upload", settings.upload_slots, queue, wait),
         })
         per_settings[id(settings)] = gates
@@ -138,6 +143,14 @@ def stream_limiter(settings: Settings) -> anyio.CapacityLimiter:
     if gates.stream_limiter is None:
         gates.stream_limiter = anyio.CapacityLimiter(settings.stream_threads)
     return gates.stream_limiter
+
+
+def heartbeat_limiter(settings: Settings) -> anyio.CapacityLimiter:
+    """The threads (each with its connection) heartbeats work on the database in."""
+    gates = _gates(settings)
+    if gates.heartbeat_limiter is None:
+        gates.heartbeat_limiter = anyio.CapacityLimiter(settings.heartbeat_slots)
+    return gates.heartbeat_limiter
 
 
 async def _refuse(send: Send, detail: str) -> None:

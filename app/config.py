@@ -63,7 +63,11 @@ class Settings(BaseSettings):
     api_slots: int = Field(default=8, ge=1, le=1000)
     agent_slots: int = Field(default=4, ge=1, le=1000)
     # Heartbeats alone: neither readers nor agents' logs and metrics can make a node look dead.
+    # `heartbeat_slots` beats work on the database at once (a batch of plain beats being written
+    # is one); `heartbeats_admitted` are admitted at once, the others waiting for their batch,
+    # which holds neither a thread nor a connection (app/beat_batches.py).
     heartbeat_slots: int = Field(default=2, ge=1, le=1000)
+    heartbeats_admitted: int = Field(default=500, ge=1, le=100_000)
     upload_slots: int = Field(default=2, ge=1, le=100)
     # A request that finds its lane full waits for a slot, this many at most per lane and this
     # long at most; beyond either it is answered 503 with Retry-After at once.

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from sqlalchemy import event
 
 from app import db
 from app.capacity import Lane, lane_of
@@ -146,6 +147,57 @@ def test_a_crowd_of_readers_gets_answers_or_fast_503s_while_heartbeats_and_healt
           f"read p50 {sorted(reads.latencies)[len(reads.latencies) // 2]:.3f} s, max {max(reads.latencies):.3f} s; "
           f"heartbeats: {len(beats.latencies)}, max {max(beats.latencies):.3f} s; "
           f"healthz: {len(health.latencies)}, max {max(health.latencies):.3f} s")
+
+
+BEATING_AGENTS = 40
+
+
+def test_plain_beats_beyond_the_heartbeat_slots_are_admitted_and_written_together(small_settings: Settings) -> None:
+    app = create_app(small_settings)  # heartbeat_slots=1
+    with served(app, "beats-server", lifespan="on") as base_url:
+        agents = _agents(base_url, BEATING_AGENTS)
+        for agent in agents:  # the first beat after joining orders the probes: not a plain one
+            assert httpx.post(f"{base_url}{API}/agent/heartbeat", json={"roles": []}, timeout=10,
+                              headers={"Authorization": f"Bearer {agent}"}).status_code == 200
+        updates: list[str] = []
+
+        def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            if statement.startswith("UPDATE nodes"):
+                updates.append(statement)
+
+        async def beat_all() -> list[int]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+                answers = await asyncio.gather(*(client.post(f"{API}/agent/heartbeat", json={"roles": []},
+                                                             headers={"Authorization": f"Bearer {a}"}) for a in agents))
+            return [answer.status_code for answer in answers]
+
+        event.listen(app.state.engine, "before_cursor_execute", count)
+        try:
+            statuses = asyncio.run(beat_all())
+        finally:
+            event.remove(app.state.engine, "before_cursor_execute", count)
+
+    assert statuses == [200] * BEATING_AGENTS
+    assert 1 <= len(updates) < BEATING_AGENTS / 2, len(updates)
+    print(f"\n{BEATING_AGENTS} plain beats in {len(updates)} UPDATE statements")
+
+
+def _agents(base_url: str, count: int) -> list[str]:
+    """`count` registered agents' tokens, their nodes in one site."""
+    admin = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+    site = admin.post(f"{API}/sites", json={
+        "name": f"site-{uuid.uuid4().hex[:8]}", "kind": "cloud", "provider": "gcp", "region": "us-west1",
+        "zone": "us-west1-b", "continent": "north_america"}).json()
+    tokens = []
+    for _ in range(count):
+        node = admin.post(f"{API}/nodes", json={"name": f"node-{uuid.uuid4().hex[:8]}", "site_id": site["id"],
+                                               "gpus": [{"model": "T4", "count": 1}]}).json()
+        token = "hta_" + secrets.token_urlsafe(32)
+        joined = httpx.post(f"{base_url}{API}/agent/register", timeout=10, json={
+            "join_token": node["join_token"], "agent_token": token, "hardware": {"hostname": "h", "cpu_cores": 4, "gpus": []}})
+        assert joined.status_code == 201, joined.text
+        tokens.append(token)
+    return tokens
 
 
 @pytest.mark.parametrize(("method", "path", "lane"), [

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 
+import anyio.to_thread
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import AgentNodeDep, AgentTokenDep, BeatBatchesDep, DispatcherDep, IdPath, SessionDep, SettingsDep, agent_node
 from app.api.responses import CONFLICT, NOT_FOUND_OR_CONFLICT
+from app.capacity import heartbeat_limiter
 from app.broker_access import BrokerAccessError, BrokerOutOfReach, agent_broker, keep_node_user
 from app.config import Settings
 from app.models import NodeAgent, NodeStatus
@@ -105,14 +107,15 @@ async def heartbeat(
     if batches is not None and queries.is_plain(body):
         # Most beats say "alive, nothing changed": written with the others arriving together, in
         # one UPDATE that also checks each token (app/beat_batches.py).
-        node_id = await batches.record(session, queries.plain_beat(token, body))
+        node_id = await batches.record(session, queries.plain_beat(token, body), heartbeat_limiter(settings))
         if node_id is not None:
             if body.broker_user:
                 await run_in_threadpool(_keep_broker_user, settings, node_id=node_id, agent_token_hash=hash_secret(token))
             return HeartbeatAnswer(node_id=node_id, status=str(NodeStatus.online), stop=[])
         tried_plain = True
-    # One worker thread for the whole beat (docs/control-plane.md, "Capacity").
-    return await run_in_threadpool(_beat, session, settings, dispatcher, token, body, tried_plain)
+    # One worker thread, of the heartbeats' few, for the whole beat (docs/control-plane.md, "Capacity").
+    return await anyio.to_thread.run_sync(_beat, session, settings, dispatcher, token, body, tried_plain,
+                                          limiter=heartbeat_limiter(settings))
 
 
 def _beat(session: Session, settings: Settings, dispatcher: Dispatcher, token: str, body: Heartbeat,
