@@ -47,10 +47,12 @@ class BeatBatches:
             self._loop, self._lock, self._waiting = loop, asyncio.Lock(), []
         mine = _Waiting(beat)
         self._waiting.append(mine)
-        async with self._lock:
-            if not mine.node_id.done():
-                batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
-                await self._lead(session, batch, limiter)
+        # Beats ahead of it whose requests were cancelled still fill a batch: it may lead one, then its own.
+        while not mine.node_id.done():
+            async with self._lock:
+                if not mine.node_id.done():
+                    batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
+                    await self._lead(session, batch, limiter)
         return mine.node_id.result()
 
     async def _lead(self, session: Session, batch: list[_Waiting], limiter: anyio.CapacityLimiter | None) -> None:

@@ -255,3 +255,22 @@ def test_a_failed_write_fails_every_beat_of_its_batch():
                                     return_exceptions=True)
 
     assert all(isinstance(answer, OperationalError) for answer in asyncio.run(scenario()))
+
+
+def test_beats_beyond_one_batchs_bound_go_in_the_next(session, monkeypatch):
+    monkeypatch.setattr("app.beat_batches.MAX_BATCH", 2)
+    write, batches, release = _blocked_writer()
+    beats = BeatBatches(write)
+
+    async def scenario():
+        first = asyncio.create_task(beats.record(session, PlainBeat("a", utcnow(), None)))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.create_task(beats.record(session, PlainBeat(t, utcnow(), None))) for t in "bcde"]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(first, *rest)
+
+    answers = asyncio.run(scenario())
+
+    assert batches == [["a"], ["b", "c"], ["d", "e"]]
+    assert answers == [0, 0, 1, 0, 1]

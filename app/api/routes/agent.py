@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import AgentNodeDep, AgentTokenDep, BeatBatchesDep, DispatcherDep, IdPath, SessionDep, SettingsDep, agent_node
 from app.api.responses import CONFLICT, NOT_FOUND_OR_CONFLICT
-from app.capacity import heartbeat_limiter
 from app.broker_access import BrokerAccessError, BrokerOutOfReach, agent_broker, keep_node_user
+from app.capacity import heartbeat_limiter
 from app.config import Settings
 from app.models import NodeAgent, NodeStatus
 from app.schemas.common import ErrorMessage
