@@ -971,6 +971,24 @@ def ps_checkpoint(clock: StoryClock, training: Training, server: Reports, step: 
     server.checkpoint(step, size + step)
 
 
+def end_ps_run(clock: StoryClock, run_id: int, server_agent: Agent, training: Training, *, start: float,
+               shares: list[int], lines: list[tuple[float, str]]) -> int:
+    """The end of a widecnn ps-bz-gc run started at `start`: the server's log (listening, its 4
+    workers connected with these batch `shares`, `lines` in story seconds, every worker's BYE),
+    then the server's exit and its last workers'; the run's id."""
+    server_agent.logs(run_id, 0, [(clock.t(t), line) for t, line in (
+        (start + 8, "[ps] listening on 0.0.0.0:29500 (TLS), waiting for 4 workers"),
+        (start + 31, f"[ps] 4 workers connected; batch shares {shares}"),
+        *lines,
+        (training.t + 1, "[ps] every worker said BYE; done"),
+    )])
+    clock.at(training.t + 2)
+    server_agent.exited(run_id, 0)
+    for m in training.members:
+        m.agent.exited(run_id, m.rank)
+    return run_id
+
+
 def seed_widecnn_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory, *, name: str, start: float,
                      steps: int, **options: Any) -> tuple[int, Agent, Reports, list[Member]]:
     """Creates a widecnn ps-bz-gc run (server and A100 in Zurich, three GCP T4s; `options` added to
@@ -1000,18 +1018,8 @@ def seed_ps_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory) -> in
     training.steps(every + 1, steps)
     ps_checkpoint(clock, training, server, steps)
     training.flush(api.http)
-    shares = [m.batch for m in training.members]
-    server_agent.logs(run_id, 0, [(clock.t(t), line) for t, line in (
-        (start + 8, "[ps] listening on 0.0.0.0:29500 (TLS), waiting for 4 workers"),
-        (start + 31, f"[ps] 4 workers connected; batch shares {shares}"),
-        *training.lines,
-        (training.t + 1, "[ps] every worker said BYE; done"),
-    )])
-    clock.at(training.t + 2)
-    server_agent.exited(run_id, 0)
-    for m in training.members:
-        m.agent.exited(run_id, m.rank)
-    return run_id
+    return end_ps_run(clock, run_id, server_agent, training, start=start,
+                      shares=[m.batch for m in training.members], lines=training.lines)
 
 
 def seed_recovery_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory) -> int:
@@ -1098,22 +1106,14 @@ def seed_recovery_run(api: Api, fleet: Fleet, clock: StoryClock, inv: Inventory)
     training.steps(3 * every + 1, steps)
     checkpoint(training, server, steps)
     training.flush(api.http)
-    server_agent.logs(run_id, 0, sorted((clock.t(t), line) for t, line in (
-        (start + 8, "[ps] listening on 0.0.0.0:29500 (TLS), waiting for 4 workers"),
-        (start + 31, f"[ps] 4 workers connected; batch shares {shares}"),
+    return end_ps_run(clock, run_id, server_agent, training, start=start, shares=shares, lines=sorted((
         *first.lines,
         (killed_at + 15, f"[ps] resuming from run-step-{2 * every:08d}.pt (step {2 * every})"),
         (killed_at + 31, f"[ps] resumed from step {2 * every} with 3 workers"),
         (joined_at, f"[ps] worker {joiner.rank} joined after step {joined}; batch shares "
                     f"{[m.batch for m in training.members]}"),
         *training.lines,
-        (training.t + 1, "[ps] every worker said BYE; done"),
     )))
-    clock.at(training.t + 2)
-    server_agent.exited(run_id, 0)
-    for m in training.members:
-        m.agent.exited(run_id, m.rank)
-    return run_id
 
 
 # charlm's 0.29 M parameters (at context 128) as a dense fp32 exchange.

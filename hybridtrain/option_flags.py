@@ -1,8 +1,10 @@
 """The command-line flag of each training option, made once from its `TrainOptions` field
-(`hybridtrain.train_options`): its name, type or choices, and help. `hybridtrain runs create`
-(app/cli/run_arguments.py) and `hybridtrain train` (trainer/cli.py) both add their option flags
-from here, each with its own defaults and grouping, so a flag cannot read one way in one command
-and another way in the other.
+(`hybridtrain.train_options`): its name, type or choices, and help. Every command that takes a
+training option adds its flag from here, each with its own defaults, required-ness and grouping,
+so a flag cannot read one way in one command and another way in the next: `hybridtrain runs
+create` (app/cli/run_arguments.py), `hybridtrain train` (trainer/cli.py), `hybridtrain plans
+optimize` (app/cli/inventory_commands.py), `hybridtrain profiles list|request`
+(app/cli/profile_commands.py) and `python -m trainer.profile` (trainer/profile.py).
 """
 
 from __future__ import annotations
@@ -49,19 +51,20 @@ class OptionFlag:
     help: str
     static_default: Any
 
-    def add_to(self, container: Any, default: Any = None, note: str = "") -> argparse.Action:
+    def add_to(self, container: Any, default: Any = None, note: str = "", *, required: bool = False) -> argparse.Action:
         """Add this flag to a parser, an argument group or a mutually exclusive group; `default`
         is the command's (None: unset, the request's or the strategy's default applies), `note`
-        what the help says about this command alone."""
+        what the help says about this command alone, `required` whether the command needs it."""
         help_text = f"{self.help}; {note}" if note else self.help
-        if default is None and self.static_default is not None and "default" not in help_text:
+        if default is None and not required and self.static_default is not None and "default" not in help_text:
             help_text += f" (default {_words(self.static_default)})"
         help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if self.kind is bool:
             action = argparse.BooleanOptionalAction if self.path in NEGATABLE else "store_true"
-            return container.add_argument(self.flag, action=action, default=default, help=help_text)
+            return container.add_argument(self.flag, action=action, default=default, required=required,
+                                          help=help_text)
         return container.add_argument(self.flag, type=None if self.choices else self.kind, choices=self.choices,
-                                      default=default, metavar=self.metavar, help=help_text)
+                                      default=default, required=required, metavar=self.metavar, help=help_text)
 
 
 @cache
@@ -87,9 +90,10 @@ def option_flags() -> dict[str, OptionFlag]:
     return out
 
 
-def add_option(container: Any, path: str, default: Any = None, note: str = "") -> argparse.Action:
+def add_option(container: Any, path: str, default: Any = None, note: str = "", *,
+               required: bool = False) -> argparse.Action:
     """Add the flag of the training option at `path` to `container` (see OptionFlag.add_to)."""
-    return option_flags()[path].add_to(container, default, note)
+    return option_flags()[path].add_to(container, default, note, required=required)
 
 
 def _kind(field: FieldInfo) -> tuple[type, tuple[Any, ...] | None]:

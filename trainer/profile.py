@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 
+from hybridtrain.option_flags import add_option
 from hybridtrain.task import TaskError, load_task, parse_task_args
 
 
@@ -272,17 +273,23 @@ def _cycle(make):
             raise TaskError("the training data yielded no batch")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line, profile, print one JSON line; 1 on a bad task, 2 on bad usage."""
+def build_parser() -> argparse.ArgumentParser:
+    """The profiler's flags; the task's come from hybridtrain.option_flags, as the trainer's do."""
     p = argparse.ArgumentParser(prog="python -m trainer.profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", required=True)
-    p.add_argument("--task-args", default="{}")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seconds", type=float, default=3.0)
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
+    add_option(p, "task", required=True)
+    add_option(p, "task_args", "{}")
+    p.add_argument("--batch", type=int, default=32, help="the batch of the steps it times (default 32)")
+    p.add_argument("--seconds", type=float, default=3.0, help="time steps for about this long (default 3)")
+    add_option(p, "device", "cpu", note="here where the task is measured; default cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--code-dir", default=None, help="where the task's modules are (agents set it)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, profile, print one JSON line; 1 on a bad task, 2 on bad usage."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.batch < 1 or args.seconds < 0:
         p.error("--batch must be >= 1 and --seconds >= 0")

@@ -14,6 +14,7 @@ from app.cli.run_commands import (
 from app.cli.run_flags import (
     UsageError, add_code_flags, bundle_flag, cluster_ref, code_bundle, ids, task_args_flag, task_flag,
 )
+from hybridtrain.option_flags import add_option
 
 
 def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -25,15 +26,16 @@ def register_plans(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     where = opt.add_mutually_exclusive_group(required=True)
     where.add_argument("--nodes", type=ids, help="candidate node ids, e.g. 1,2,3")
     where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name")
-    opt.add_argument("--task", default=None, metavar="MOD:FN")
-    opt.add_argument("--task-args", default=None, metavar="JSON")
+    # The training options' flags default to None, as runs create's do: unset, the request's default applies.
+    add_option(opt, "task")
+    add_option(opt, "task_args")
     add_code_flags(opt)
-    opt.add_argument("--global-batch", type=int, default=None)
+    add_option(opt, "global_batch_size")
     opt.add_argument("--goal", choices=("cost", "fastest"), default="cost",
                      help="lowest $/1M samples (default) or highest samples/s")
     opt.add_argument("--budget-usd-per-h", type=float, default=None)
     opt.add_argument("--deadline-s", type=float, default=None, help="with --max-steps: finish within")
-    opt.add_argument("--max-steps", type=int, default=None)
+    add_option(opt, "max_steps", note="with --deadline-s, the steps that must fit in it")
     opt.add_argument("--dataset", dest="datasets", action="append", default=None, metavar="NAME",
                      help="a registered data set the run reads: its reads from the store count in the cost (repeatable)")
     opt.add_argument("--json", action="store_true", help="print the whole answer as JSON")

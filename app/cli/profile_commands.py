@@ -20,6 +20,7 @@ from app.cli.run_commands import (
 from app.cli.run_flags import (
     UsageError, add_code_flags, bundle_flag, cluster_ref, code_bundle, ids, task_args_flag, task_flag,
 )
+from hybridtrain.option_flags import add_option
 
 # How long a plan waits for its nodes' profiles by default: a profile is 2-4 runs of the
 # profiler, one host at a time, each a few seconds to a minute on a CPU.
@@ -37,8 +38,10 @@ def register_profiles(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     ls = profiles_sub.add_parser("list", help="profiles, newest first: status, samples/s, spread, age")
     connection_args(ls)
     ls.add_argument("--node", default=None, help="only this node (id or name)")
-    ls.add_argument("--task", default=None, metavar="MOD:FN", help="only this task (with --task-args, --bundle)")
-    ls.add_argument("--task-args", default=None, metavar="JSON")
+    # Here the task is a filter: left out, every task's profiles, not the default task's.
+    add_option(ls, "task", note="only this task's profiles, by default every task's (--task-args and --bundle "
+                                "narrow it)")
+    add_option(ls, "task_args", note="with --task: only the profiles of the task with these")
     ls.add_argument("--bundle", default=None, metavar="SHA256")
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--json", action="store_true")
@@ -49,11 +52,11 @@ def register_profiles(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     where = request.add_mutually_exclusive_group(required=True)
     where.add_argument("--nodes", type=ids, help="node ids, e.g. 1,2,3")
     where.add_argument("--cluster", type=cluster_ref, help="a cluster id or name")
-    request.add_argument("--task", default=None, metavar="MOD:FN")
-    request.add_argument("--task-args", default=None, metavar="JSON")
+    add_option(request, "task")
+    add_option(request, "task_args")
     add_code_flags(request)
-    request.add_argument("--batch-size", type=int, default=None, help="default 32")
-    request.add_argument("--device", choices=("cpu", "cuda", "auto"), default=None)
+    request.add_argument("--batch-size", type=int, default=None, help="the batch each node measures (default 32)")
+    add_option(request, "device", note="here where each node measures the task")
     request.add_argument("--wait", action="store_true", help="wait until every profile has ended")
     request.add_argument("--timeout", type=float, default=PROFILE_WAIT_S, help="seconds to --wait at most")
     request.add_argument("--json", action="store_true")

@@ -1,10 +1,13 @@
 """The training options' flags, made once from their TrainOptions fields: one flag per option,
 its type and choices from the field, its help from the description with options named by their
-flags, and `hybridtrain runs create` declaring the same flags as `hybridtrain train`."""
+flags, and every other command that takes a training option (`runs create`, `plans optimize`,
+`profiles list|request`, `python -m trainer.profile`) declaring it as `hybridtrain train` does."""
 
 from __future__ import annotations
 
 import argparse
+
+import pytest
 
 from hybridtrain.contract import STRATEGIES
 from hybridtrain.option_flags import option_flags
@@ -17,13 +20,30 @@ def _leaf_paths() -> set[str]:
             | {f"local_sgd.{name}" for name in LocalSgdOptions.model_fields})
 
 
-def _runs_create_parser() -> argparse.ArgumentParser:
-    from app.cli.run_commands import register
+def _subcommand(*names: str) -> argparse.ArgumentParser:
+    """The parser of `hybridtrain NAMES...`, e.g. ("runs", "create")."""
+    from app.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    runs = parser._subparsers._group_actions[0].choices["runs"]  # noqa: SLF001 - argparse has no public lookup
-    return runs._subparsers._group_actions[0].choices["create"]  # noqa: SLF001
+    parser = build_parser()
+    for name in names:
+        parser = parser._subparsers._group_actions[0].choices[name]  # noqa: SLF001 - argparse has no public lookup
+    return parser
+
+
+def _profiler_parser() -> argparse.ArgumentParser:
+    from trainer.profile import build_parser
+
+    return build_parser()
+
+
+# Each command that takes training options, and the options it must take from the shared table.
+COMMANDS = {
+    "plans optimize": (lambda: _subcommand("plans", "optimize"),
+                       {"task", "task_args", "global_batch_size", "max_steps"}),
+    "profiles list": (lambda: _subcommand("profiles", "list"), {"task", "task_args"}),
+    "profiles request": (lambda: _subcommand("profiles", "request"), {"task", "task_args", "device"}),
+    "trainer.profile": (_profiler_parser, {"task", "task_args", "device"}),
+}
 
 
 def _by_flag(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -47,14 +67,33 @@ def test_a_help_names_the_options_it_mentions_by_their_flags():
     assert "[--density-min, --density-max]" in option_flags()["compression.density"].help
 
 
-def test_runs_create_declares_its_training_options_as_the_trainer_does():
+def _same_as_the_trainers(command: argparse.ArgumentParser) -> list[str]:
+    """The training options' flags `command` declares, each checked against `hybridtrain train`'s."""
     from trainer.cli import build_parser
 
     trainer = _by_flag(build_parser())
-    create = _by_flag(_runs_create_parser())
-    shared = [option_flags()[p].flag for p in option_flags() if option_flags()[p].flag in create]
-    assert len(shared) >= 30
+    mine = _by_flag(command)
+    shared = [flag.flag for flag in option_flags().values() if flag.flag in mine]
     for flag in shared:
-        mine, theirs = create[flag], trainer[flag]
-        assert (mine.dest, mine.type, mine.choices, mine.metavar, type(mine)) == \
+        ours, theirs = mine[flag], trainer[flag]
+        assert (ours.dest, ours.type, ours.choices, ours.metavar, type(ours)) == \
                (theirs.dest, theirs.type, theirs.choices, theirs.metavar, type(theirs)), flag
+    return shared
+
+
+def test_runs_create_declares_its_training_options_as_the_trainer_does():
+    assert len(_same_as_the_trainers(_subcommand("runs", "create"))) >= 30
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_other_commands_declare_their_training_options_as_the_trainer_does(command):
+    make, paths = COMMANDS[command]
+    assert set(_same_as_the_trainers(make())) == {option_flags()[p].flag for p in paths}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_other_commands_take_their_training_options_help_from_the_table(command):
+    make, paths = COMMANDS[command]
+    flags = _by_flag(make())
+    for path in paths:
+        assert flags[option_flags()[path].flag].help.startswith(option_flags()[path].help.replace("%", "%%")), path
