@@ -180,6 +180,36 @@ def test_list_nodes_paginates_with_total_count(client: TestClient, make_site: Fa
     assert [n["id"] for n in page["data"]] == created[5:]
 
 
+def test_list_nodes_shows_each_node_as_its_own_page_does(
+    client: TestClient, make_site: Factory, make_node: Factory, session: Session
+) -> None:
+    site, other = make_site(), make_site()
+    a = make_node(site_id=site["id"], gpus=[{"model": "RTX 3090", "count": 8}, {"model": "T4", "count": 2}],
+                  labels={"rack": "r1"}, address="10.0.0.1", instance_type="a2-highgpu-8g")
+    # Between the listed nodes, one the filter leaves out: its GPUs must not join the page.
+    make_node(site_id=other["id"], gpus=[{"model": "V100 SXM2", "count": 4}])
+    b = make_node(site_id=site["id"], gpus=[], spot=True)
+    node = session.get(Node, b["id"])
+    assert node is not None
+    node.detected_hardware = {"gpus": [{"model": "T4", "count": 1}], "mismatch": None}
+    node.measured_samples_per_s = 812.5
+    session.flush()
+
+    listed = client.get(f"{API}/nodes", params={"site_id": site["id"]}).json()
+    assert listed["count"] == 2
+    assert listed["data"] == [client.get(f"{API}/nodes/{n['id']}").json() for n in (a, b)]
+
+
+def test_list_nodes_past_the_last_page_is_empty_with_the_total_count(
+    client: TestClient, make_site: Factory, make_node: Factory
+) -> None:
+    site = make_site()
+    for i in range(3):
+        make_node(site_id=site["id"], name=f"n{i}")
+    page = client.get(f"{API}/nodes", params={"site_id": site["id"], "skip": 10}).json()
+    assert page == {"data": [], "count": 3}
+
+
 def test_list_nodes_rejects_unknown_status_naming_the_parameter(client: TestClient) -> None:
     response = client.get(f"{API}/nodes", params={"status": "sleeping"})
     assert response.status_code == 422
