@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
@@ -12,7 +11,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from app.errors import DuplicateError, NotFoundError
 from app.models import GpuModel, Node, NodeGpu, NodeStatus, Provider, Site, SiteKind
-from app.queries.common import apply_changes, paginate
+from app.queries.common import apply_changes
 from app.queries.gpu_models import gpu_models_by_name
 from app.queries.sites import get_site
 from app.schemas.nodes import GpuCount, NodeCreate, NodePublic, NodeUpdate
@@ -60,25 +59,6 @@ def _filtered(
     return stmt
 
 
-def list_nodes(
-    session: Session,
-    *,
-    skip: int,
-    limit: int,
-    site_id: int | None = None,
-    status: NodeStatus | None = None,
-    spot: bool | None = None,
-    provider: Provider | None = None,
-    kind: SiteKind | None = None,
-) -> tuple[Sequence[Node], int]:
-    """A page of nodes (ORM objects, GPUs loaded) matching every given filter, ordered by id."""
-    stmt = _filtered(
-        select(Node).options(selectinload(Node.gpus)).order_by(Node.id),
-        site_id=site_id, status=status, spot=spot, provider=provider, kind=kind,
-    )
-    return paginate(session, stmt, skip=skip, limit=limit)
-
-
 # The columns a listed node shows (NodePublic's, less its GPUs): never the join token's hash,
 # and not `gpu_usage`, whose JSON the page would decode only to drop.
 _LISTED_COLUMNS = [_NODES.c[name] for name in NodePublic.model_fields if name != "gpus"]
@@ -95,7 +75,8 @@ def list_node_rows(
     provider: Provider | None = None,
     kind: SiteKind | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
-    """Like `list_nodes`, as plain dicts (with `gpus` as [{model, count}]) for the REST list.
+    """A page of nodes matching every given filter, ordered by id, as plain dicts (with `gpus` as
+    [{model, count}]) for the REST list.
 
     The API's busiest read, in two statements on the connection and no ORM objects: the page
     carries the filtered count as a column (a page past the end asks for it alone), and the
