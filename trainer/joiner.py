@@ -240,6 +240,16 @@ class Joiner:
         say(f"worker {rank} joined after step {step}; batch shares "
             f"{[n for n in self.roster.batch_sizes if n]}")
 
+    def turn_away(self, reason: str) -> None:
+        """The run ends: tell each newcomer still waiting for a boundary why none will come,
+        rather than leave it to find its connection closed."""
+        while self.elastic:
+            try:
+                conn, raw, _ = self.transport.arrivals.get_nowait()
+            except queue.Empty:
+                return
+            self.transport.refuse(conn, pack(Abort(SERVER, reason)))
+
     def first_step_of_joiner(self, step: int, max_steps: int, layout: LayoutSpec) -> int:
         """A joiner admitted after `step` applies the next update with the others (the next step's,
         or under local SGD the next outer step's, of any fragment) and computes from the step after it."""

@@ -235,6 +235,29 @@ def test_a_joiner_of_a_task_run_catches_up_with_its_learning_rate_schedule(tmp_p
     assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
 
 
+def test_a_joiner_heard_after_the_last_boundary_is_told_that_the_run_has_ended(tmp_path):
+    # The planned workers wait after the last step until the server has the joiner's HELLO: no
+    # boundary is left to admit it.
+    heard = tmp_path / "heard"
+    (tmp_path / "train.py").write_text(held(SCRIPT, 4, heard))
+    args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "4", "--timeout-s", "60",
+            "--code-dir", str(tmp_path), "--script", "train.py"]
+    server, workers, port = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
+    joiner = None
+    try:
+        server.wait_for("[ps] step 4/")
+        joiner = Role("worker", 3, 3, port, [*args, "--join"], metrics=tmp_path / "rank3.jsonl", cwd=tmp_path)
+        server.wait_for("worker 3 asks to join")
+        heard.touch()
+        assert server.wait() == 0, server.output[-3000:]
+        assert all(w.wait() == 0 for w in workers.values())
+        assert joiner.wait() != 0
+    finally:
+        stop_all(server, *workers.values(), *([joiner] if joiner else []))
+    assert not events(server.records(), EVENT_WORKER_JOINED)
+    assert "the run ended after step 4, before a step boundary could admit this worker" in joiner.output
+
+
 def test_a_fresh_run_waits_for_a_worker_that_starts_late_and_plans_it_from_the_first_step(tmp_path):
     # The notice comes when no worker has said HELLO for min(20 s, --start-wait-s / 2): where a
     # resumed run would have started without rank 2.
