@@ -17,6 +17,8 @@ from __future__ import annotations
 import queue
 import time
 
+import torch
+
 from hybridtrain.contract import EVENT_RESUMED, EVENT_WAITING, EVENT_WORKER_JOINED, next_sync
 from trainer.algorithm import chunk_count
 from trainer.checkpointing import Checkpointer
@@ -54,6 +56,9 @@ class Joiner:
         self.elastic = hasattr(transport, "arrivals")
         self.resume_model: State | None = None
         self.resume_layout: LayoutSpec | None = None
+        self.started = False  # the start's HELLOs are in: any later one is a joiner's
+        if self.elastic:
+            transport.on_arrival = self.heard  # type: ignore[attr-defined]
 
     def resume_from(self, state: dict) -> None:
         """The workers start from this checkpoint's model (trainer.checkpoint), of this layout."""
@@ -84,6 +89,7 @@ class Joiner:
             self.roster.add(Member(w, speed, hello.site, address))
         if ranks != list(range(1, self.cfg.workers + 1)):
             self.roster.resplit()
+        self.started = True
         return first
 
     def welcome(self, step: int, max_steps: int) -> None:
@@ -146,6 +152,17 @@ class Joiner:
         return hellos
 
     # -- at a boundary -----------------------------------------------------------------------------------
+    def heard(self, raw: torch.Tensor) -> None:
+        """A connection's first frame is in (on the transport's thread): once the run has started,
+        say that a joiner waits for the next boundary, which under local SGD may be minutes away."""
+        if not self.started:
+            return
+        try:
+            hello = expect(raw, Hello)
+        except ProtocolError:
+            return  # refused at the boundary, with the reason
+        say(f"worker {hello.sender} asks to join; it is admitted at the next step boundary")
+
     def admit(self, layout: LayoutSpec, step: int, max_steps: int) -> None:
         """Admit every newcomer whose HELLO has arrived since the last boundary."""
         while True:
@@ -222,6 +239,16 @@ class Joiner:
                                   f"{self.cfg.global_batch}")
         say(f"worker {rank} joined after step {step}; batch shares "
             f"{[n for n in self.roster.batch_sizes if n]}")
+
+    def turn_away(self, reason: str) -> None:
+        """The run ends: tell each newcomer still waiting for a boundary why none will come,
+        rather than leave it to find its connection closed."""
+        while self.elastic:
+            try:
+                conn, raw, _ = self.transport.arrivals.get_nowait()
+            except queue.Empty:
+                return
+            self.transport.refuse(conn, pack(Abort(SERVER, reason)))
 
     def first_step_of_joiner(self, step: int, max_steps: int, layout: LayoutSpec) -> int:
         """A joiner admitted after `step` applies the next update with the others (the next step's,

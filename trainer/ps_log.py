@@ -7,4 +7,6 @@ import sys
 
 def say(text: str) -> None:
     """One line on stderr (the run's log)."""
-    print(f"[ps] {text}", file=sys.stderr, flush=True)
+    # One write, not print's two: a joiner is heard on another thread than the step lines'.
+    sys.stderr.write(f"[ps] {text}\n")
+    sys.stderr.flush()

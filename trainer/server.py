@@ -302,6 +302,8 @@ class ParameterServer:
         self.checkpoints.log_written(self.metrics, wait=True)
         if self.checkpoints.scheduled and self.step > self.checkpoints.step:
             self.checkpoint(after_bye=True)
+        self.joiner.turn_away(f"the run ended after step {self.step}, before a step boundary could admit "
+                              "this worker")
         self.transport.send_many(self.roster.ranks(), pack(Bye(self.step, SERVER)))
         self.flush_bytes()
 
@@ -320,6 +322,7 @@ class ParameterServer:
     def abort(self, reason: str) -> None:
         """Tell every worker connected (also those not admitted yet: a failed start) the run fails."""
         try:
+            self.joiner.turn_away(reason)
             self.transport.send_many([w for w in self.inbox.peers if w not in self.departures.gone],
                                      pack(Abort(SERVER, reason)))
         except Exception:  # noqa: BLE001 - the run is failing already; the reason is what matters

@@ -281,6 +281,9 @@ class ServerSocketTransport(SocketTransport):
     def __init__(self, host: str, port: int, *, timeout_s: float, tls: LinkTls | None = None) -> None:
         super().__init__(SERVER, timeout_s=timeout_s, tls=tls)
         self.arrivals: queue.Queue[tuple[socket.socket, torch.Tensor, str]] = queue.Queue()
+        # Told each new connection's first frame once it waits in `arrivals`, on the greeting
+        # thread: the server says whom it has heard while its own thread waits for a round.
+        self.on_arrival: Callable[[torch.Tensor], None] | None = None
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -313,6 +316,8 @@ class ServerSocketTransport(SocketTransport):
             conn.close()
             return
         self.arrivals.put((conn, frame, host))
+        if self.on_arrival is not None:
+            self.on_arrival(frame)
 
     def adopt(self, peer: int, conn: socket.socket, first: torch.Tensor) -> None:
         """Make `conn` rank `peer`'s connection (replacing an old one); its first frame counts."""

@@ -9,6 +9,7 @@ import signal
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from shaped_link import shaped_link
@@ -48,12 +49,13 @@ def bytes_per_step(records: list[dict], *, rank: int, peer: int) -> dict[int, fl
 
 
 def run_with_a_late_worker(tmp_path, workers: int, args: list[str], *, after: str, rank: int, join: bool = True,
-                           cwd=None) -> tuple[Role, dict[int, Role]]:
+                           cwd=None, heard: Path | None = None) -> tuple[Role, dict[int, Role]]:
     """A PS run planned for `workers`; worker `rank` (a planned one, or with `join` a newcomer
     given --join) starts once the server has printed `after`. Every role must exit 0; returns
     the server and the workers by rank, the late one included. The roles are forked from the
-    zygote (trainer_testing.Role), so a late one is in within a second: the runs it joins are
-    sized for that, not for an interpreter importing torch on a loaded host."""
+    zygote (trainer_testing.Role), so a late one is in within a second on a quiet host; on a
+    loaded one it may take longer than the run has left: with `heard`, that file is made once
+    the server has the late worker's HELLO, and a `held` script's planned workers wait for it."""
     where = {"cwd": cwd} if cwd else {}
     server, roles, port = start_ps_run(tmp_path, workers, args, ranks=[r for r in range(1, workers + 1) if r != rank],
                                        **where)
@@ -61,6 +63,9 @@ def run_with_a_late_worker(tmp_path, workers: int, args: list[str], *, after: st
         server.wait_for(after)
         roles[rank] = Role("worker", rank, workers + 1, port, [*args, "--join"] if join else args,
                            metrics=tmp_path / f"rank{rank}.jsonl", **where)
+        if heard is not None:
+            server.wait_for(f"worker {rank} asks to join")
+            heard.touch()
         assert server.wait() == 0, server.output[-3000:]
         for role in roles.values():
             assert role.wait() == 0, role.output[-3000:]
@@ -168,7 +173,7 @@ def test_a_worker_told_to_leave_leaves_at_a_step_boundary_is_let_go_as_its_bye_a
 
 
 SCRIPT = """
-import hashlib, time
+import hashlib, os, time
 import torch, torch.nn.functional as F
 import hybridtrain as ht
 from torch.utils.data import TensorDataset
@@ -191,6 +196,16 @@ while ctx.step < ctx.max_steps:
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
 print(f"RESULT rank {ctx.rank} step {ctx.step} hash {hashlib.sha256(flat).hexdigest()} shares {sorted(shares)}", flush=True)
 """
+
+
+def held(script: str, step: int, heard: Path) -> str:
+    """`script` whose planned workers wait after `step` until `heard` exists: the run goes on
+    only once the server has a joiner's HELLO, however slowly the joiner starts on a loaded
+    host, so the run cannot end before its next boundary admits the joiner."""
+    assert "        time.sleep(0.03)\n" in script
+    wait = (f"        while ctx.step == {step} and not ctx.cfg.join and not os.path.exists({str(heard)!r}):\n"
+            "            time.sleep(0.01)\n")
+    return script.replace("        time.sleep(0.03)\n", "        time.sleep(0.03)\n" + wait)
 
 
 def test_a_joiner_gets_the_runs_weights_and_optimizer_state_and_a_batch_share(tmp_path):
@@ -218,6 +233,29 @@ def test_a_joiner_of_a_task_run_catches_up_with_its_learning_rate_schedule(tmp_p
     assert [e["subject"] for e in events(server.records(), EVENT_WORKER_JOINED)] == [3]
     hashes = replica_hashes("\n".join(role.output for role in roles.values()))
     assert sorted(hashes) == [1, 2, 3] and len({w for w, _ in hashes.values()}) == 1
+
+
+def test_a_joiner_heard_after_the_last_boundary_is_told_that_the_run_has_ended(tmp_path):
+    # The planned workers wait after the last step until the server has the joiner's HELLO: no
+    # boundary is left to admit it.
+    heard = tmp_path / "heard"
+    (tmp_path / "train.py").write_text(held(SCRIPT, 4, heard))
+    args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "4", "--timeout-s", "60",
+            "--code-dir", str(tmp_path), "--script", "train.py"]
+    server, workers, port = start_ps_run(tmp_path, 2, args, cwd=tmp_path)
+    joiner = None
+    try:
+        server.wait_for("[ps] step 4/")
+        joiner = Role("worker", 3, 3, port, [*args, "--join"], metrics=tmp_path / "rank3.jsonl", cwd=tmp_path)
+        server.wait_for("worker 3 asks to join")
+        heard.touch()
+        assert server.wait() == 0, server.output[-3000:]
+        assert all(w.wait() == 0 for w in workers.values())
+        assert joiner.wait() != 0
+    finally:
+        stop_all(server, *workers.values(), *([joiner] if joiner else []))
+    assert not events(server.records(), EVENT_WORKER_JOINED)
+    assert "the run ended after step 4, before a step boundary could admit this worker" in joiner.output
 
 
 def test_a_fresh_run_waits_for_a_worker_that_starts_late_and_plans_it_from_the_first_step(tmp_path):

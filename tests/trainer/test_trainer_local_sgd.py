@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from test_trainer_elastic import SCRIPT, run_with_a_late_worker
+from test_trainer_elastic import SCRIPT, held, run_with_a_late_worker
 from trainer_testing import (
     DIGITS,
     RankLost,
@@ -501,10 +501,14 @@ def _digits_model():
 
 @pytest.mark.parametrize("extra", [[], ["--async-outer"]])
 def test_a_joiner_of_a_diloco_run_waits_for_the_next_outer_step_and_ends_on_the_common_model(tmp_path, extra):
-    (tmp_path / "train.py").write_text(SCRIPT)
+    # The others wait after step 5 until the server has the joiner's HELLO: it is admitted
+    # after step 5 or 10, however long it takes to start.
+    heard = tmp_path / "heard"
+    (tmp_path / "train.py").write_text(held(SCRIPT, 5, heard))
     args = ["--strategy", "diloco", "--sync-every", "5", "--global-batch", "48", "--max-steps", "100",
             "--timeout-s", "60", "--code-dir", str(tmp_path), "--script", "train.py", *extra]
-    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 5/", rank=3, cwd=tmp_path)
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 5/", rank=3, cwd=tmp_path,
+                                           heard=heard)
     joined = events(server.records(), EVENT_WORKER_JOINED)
     assert [e["subject"] for e in joined] == [3]
     results = {r: role.wait_for("RESULT") for r, role in roles.items()}
@@ -516,12 +520,14 @@ def test_a_joiner_of_a_diloco_run_waits_for_the_next_outer_step_and_ends_on_the_
 
 
 def test_a_joiner_of_a_streaming_run_takes_the_next_fragments_outer_step_and_ends_equal(tmp_path):
-    (tmp_path / "train.py").write_text(SCRIPT)
+    heard = tmp_path / "heard"
+    (tmp_path / "train.py").write_text(held(SCRIPT, 2, heard))
     # The weights (384 and 96 elements) go in 4 fragments; the biases ride with fragment 0.
     args = ["--strategy", "diloco", "--sync-every", "8", "--fragments", "4", "--dense-numel", "16",
             "--global-batch", "48", "--max-steps", "100", "--timeout-s", "60", "--code-dir", str(tmp_path),
             "--script", "train.py"]
-    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 2/", rank=3, cwd=tmp_path)
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 2/", rank=3, cwd=tmp_path,
+                                           heard=heard)
     joined = events(server.records(), EVENT_WORKER_JOINED)
     assert [e["subject"] for e in joined] == [3]
     results = {r: role.wait_for("RESULT") for r, role in roles.items()}
