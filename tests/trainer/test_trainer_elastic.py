@@ -209,10 +209,12 @@ def held(script: str, step: int, heard: Path) -> str:
 
 
 def test_a_joiner_gets_the_runs_weights_and_optimizer_state_and_a_batch_share(tmp_path):
-    (tmp_path / "train.py").write_text(SCRIPT)
+    heard = tmp_path / "heard"
+    (tmp_path / "train.py").write_text(held(SCRIPT, 1, heard))
     args = ["--strategy", "ps-gc", "--global-batch", "48", "--max-steps", "200", "--timeout-s", "60",
             "--code-dir", str(tmp_path), "--script", "train.py"]
-    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=3, cwd=tmp_path)
+    server, roles = run_with_a_late_worker(tmp_path, 2, args, after="[ps] step 1/", rank=3, cwd=tmp_path,
+                                           heard=heard)
     joined = events(server.records(), EVENT_WORKER_JOINED)
     assert [e["subject"] for e in joined] == [3]
     results = {r: role.wait_for("RESULT") for r, role in roles.items()}
