@@ -230,7 +230,7 @@ class Agent:
                 target=self.supervisor.cancel,
                 args=(int(item["run_id"]),),
                 kwargs={"reason": item.get("reason") or "stopped by the control plane",
-                        "rank": item.get("rank")},
+                        "rank": item.get("rank"), "before_attempt": item.get("before_attempt")},
                 daemon=True,
             ).start()
 

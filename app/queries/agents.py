@@ -322,7 +322,7 @@ def apply_heartbeat(
             attempt = getattr(role, "attempt", None)
             if attempt is not None and attempt < run.restarts and not run.status.finished:
                 # A process of an attempt the run restarted from: only that role stops.
-                out.stop.append({"run_id": run_id, "rank": rank,
+                out.stop.append({"run_id": run_id, "rank": rank, "before_attempt": run.restarts,
                                  "reason": f"run {run_id} restarted: attempt {attempt} is over"})
             elif _must_stop(run, worker, grace_s=settings.finish_grace_s, now=now):
                 reason = run.reason or f"run {run_id} has {run.status}"

@@ -141,6 +141,9 @@ class StopOrder(PublicSchema):
     run_id: int
     rank: int | None
     reason: str
+    # Set where only the roles of earlier attempts must stop: the beat that listed the old
+    # process may be answered after the restart's new one has started in its place.
+    before_attempt: int | None = None
 
 
 class HeartbeatAnswer(PublicSchema):

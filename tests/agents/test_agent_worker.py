@@ -144,6 +144,31 @@ def test_agent_stops_roles_the_control_plane_lists_in_a_heartbeat_answer(
     assert agent.stop(signal.SIGTERM) == 0
 
 
+def test_a_heartbeat_stop_of_an_earlier_attempt_spares_the_restarted_role(
+    agent_redis_url, control_plane, start_agent
+):
+    # The answer to a beat that listed attempt 0 of rank 1 may arrive after the restart's
+    # attempt 1 of that rank has started: it must stop only what is older.
+    agent = start_agent(control_plane, agent_redis_url)
+    wait_registered(control_plane, agent)
+    publish(agent_redis_url, control_plane, LAUNCH_ROLE, [62, 1, {**role_spec(62, sleep=120), "attempt": 1}])
+    pids = wait_until(lambda: pids_from_logs(control_plane.lines_of(62, 1)), 30, "the role to run")
+
+    with control_plane.lock:
+        control_plane.stop_orders.append({"run_id": 62, "rank": 1, "before_attempt": 1,
+                                          "reason": "run 62 restarted: attempt 0 is over"})
+    served = wait_until(lambda: not control_plane.stop_orders and len(control_plane.heartbeats), 10,
+                        "the stop to be answered")
+    wait_until(lambda: len(control_plane.heartbeats) >= served + 2, 10, "two more heartbeats")
+    assert alive(pids["role"]) and control_plane.events_of(62, "exited") == []
+
+    with control_plane.lock:
+        control_plane.stop_orders.append({"run_id": 62, "rank": 1, "reason": "run 62 was cancelled"})
+    exited = wait_until(lambda: control_plane.events_of(62, "exited"), 20, "the role to stop")[0]
+    assert exited["reason"] == "rank 1 (worker) stopped: run 62 was cancelled"
+    assert agent.stop(signal.SIGTERM) == 0
+
+
 def test_agent_with_an_unknown_join_token_exits_with_a_clear_error(control_plane, start_agent, agent_redis_url):
     agent = start_agent(control_plane, agent_redis_url, join=False, extra=["--token", "not-the-join-token"])
 

@@ -209,6 +209,19 @@ def test_a_restarts_cancel_orders_stop_only_the_roles_of_earlier_attempts(online
     assert len(cancels) == 2 and all(kwargs == {"before_attempt": 1} for _, kwargs in cancels)
 
 
+def test_a_heartbeat_with_a_role_of_an_earlier_attempt_stops_only_earlier_attempts(
+        online_node, client, dispatched):
+    # The answer may reach the agent after the new attempt of that rank has started there.
+    rid, a, b = _ps_run(online_node, client, dispatched, max_restarts=2)
+    a.event(rid, rank=0, role="ps", event="exited", signal=9, pid=100)
+
+    beat = b.agent.post(f"{API}/agent/heartbeat", json={"roles": [
+        {"run_id": rid, "rank": 2, "role": "worker", "attempt": 0, "pid": 102, "state": "running"}]})
+
+    assert beat.json()["stop"] == [{"run_id": rid, "rank": 2, "before_attempt": 1,
+                                    "reason": f"run {rid} restarted: attempt 0 is over"}]
+
+
 def test_the_servers_death_restarts_the_run_from_its_latest_checkpoint(online_node, client, dispatched, session):
     rid, a, b = _ps_run(online_node, client, dispatched, max_restarts=2)
     first_port = _run(client, rid)["master_port"]
@@ -409,7 +422,7 @@ def test_a_heartbeat_with_a_role_of_an_ended_run_gets_it_stopped_and_a_cancel_or
     beat = b.agent.post(f"{API}/agent/heartbeat", json={"roles": [
         {"run_id": rid, "rank": 2, "role": "worker", "pid": 102, "state": "running"}]})
 
-    assert beat.json()["stop"] == [{"run_id": rid, "rank": 2, "reason": "enough"}]
+    assert beat.json()["stop"] == [{"run_id": rid, "rank": 2, "reason": "enough", "before_attempt": None}]
     assert _run_orders(dispatched, b) == [(CANCEL_RUN, [rid, "enough"])]
 
 
@@ -423,7 +436,7 @@ def test_a_heartbeat_with_a_role_of_a_cancelling_run_stops_it_without_a_second_c
         {"run_id": rid, "rank": 2, "role": "worker", "pid": 102, "state": "running"}]})
 
     # The first cancel order is being carried out: the stop list is enough.
-    assert beat.json()["stop"] == [{"run_id": rid, "rank": 2, "reason": "enough"}]
+    assert beat.json()["stop"] == [{"run_id": rid, "rank": 2, "reason": "enough", "before_attempt": None}]
     assert _run_orders(dispatched, b) == []
 
 

@@ -272,7 +272,8 @@ def test_heartbeat_lists_roles_of_ended_runs_to_stop(online_node, client, dispat
         {"run_id": run["id"], "rank": 1, "role": "worker", "pid": 5, "state": "running"}]})
 
     assert beat.status_code == 200
-    assert beat.json()["stop"] == [{"run_id": run["id"], "rank": 1, "reason": f"cancelled by {'HYBRIDTRAIN_ADMIN_TOKEN'}"}]
+    assert beat.json()["stop"] == [{"run_id": run["id"], "rank": 1, "before_attempt": None,
+                                    "reason": f"cancelled by {'HYBRIDTRAIN_ADMIN_TOKEN'}"}]
 
 
 def test_heartbeat_carries_an_exit_whose_event_was_lost_and_the_run_goes_on_degraded(online_node, client, dispatched):

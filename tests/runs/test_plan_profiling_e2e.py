@@ -1,5 +1,5 @@
 """A plan of a task no node has profiled, for real: the CLI's `runs create --plan-only
---all-strategies` orders the profiles, three real agents on this one host run the real
+--all-strategies` orders the profiles, two real agents on this one host run the real
 `trainer.profile` one at a time (the host's profile lock) and each until stable, and the CLI
 then prints every strategy's numbers with how old and noisy each input is."""
 
@@ -21,7 +21,10 @@ MIN_PROFILE_S = 2 * 3.0
 
 
 def test_a_plan_profiles_its_task_one_node_at_a_time_and_prints_its_numbers(cluster: Deployment):
-    nodes = ",".join(str(n) for n in cluster.nodes)  # type: ignore[attr-defined]
+    # Two nodes: a second profile waiting for the first is what the host's lock is for; a
+    # third would only repeat that wait (each profile is several fresh interpreters).
+    profiled = cluster.nodes[:2]  # type: ignore[attr-defined]
+    nodes = ",".join(str(n) for n in profiled)
     env = {**cluster.env, "HYBRIDTRAIN_URL": cluster.url, "HYBRIDTRAIN_TOKEN": ADMIN}
     done = subprocess.run(
         [sys.executable, "-m", "app.cli", "runs", "create", "--name", "plan", "--nodes", nodes, "--task", TASK,
@@ -30,14 +33,14 @@ def test_a_plan_profiles_its_task_one_node_at_a_time_and_prints_its_numbers(clus
     )
     print(done.stderr + done.stdout)  # shown with -rP: the figures of this host
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "profiling the task on 3 node(s)" in done.stderr and "profiled in" in done.stderr
+    assert "profiling the task on 2 node(s)" in done.stderr and "profiled in" in done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ps-bz-gc ")]
     assert rows and float(rows[0].split("|")[2]) > 0
-    assert done.stdout.count("samples/s ±") == 3 and done.stdout.count(" runs), measured ") == 3
+    assert done.stdout.count("samples/s ±") == 2 and done.stdout.count(" runs), measured ") == 2
 
     profiles = cluster.get("/tasks/profiles", params={"limit": 10})["data"]
     ours = [p for p in profiles if p["task"] == TASK and p["status"] == "done"]
-    assert sorted(p["node_id"] for p in ours) == sorted(cluster.nodes)  # type: ignore[attr-defined]
+    assert sorted(p["node_id"] for p in ours) == sorted(profiled)
     assert all(p["repeats"] >= 2 and p["spread"] is not None for p in ours)
     ends = sorted(datetime.fromisoformat(p["measured_at"]) for p in ours)
     gaps = [(b - a).total_seconds() for a, b in zip(ends, ends[1:])]

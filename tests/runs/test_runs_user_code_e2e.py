@@ -76,11 +76,18 @@ def _cached_archives(cluster: Deployment, run: dict) -> dict[int, tuple[int, flo
     return out
 
 
-def test_diabetes_task_from_a_workdir_reaches_its_val_loss_target(cluster: Deployment):
+@pytest.fixture(scope="module")
+def diabetes(cluster: Deployment) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """The first run of examples/diabetes on every node (its bundle uploaded, then fetched by
+    each node): the CLI's result and the run, shared by the tests that read it."""
     result = _runs_create(cluster, "diabetes", "--workdir", DIABETES, "--task", "diabetes:task",
                           "--task-args", '{"hidden": 64}', "--strategy", "ps", "--global-batch", "64",
                           "--max-steps", "60", "--eval-every", "5", "--target", "val_loss<=0.55")
-    run = _succeeded(cluster, result)
+    return result, _succeeded(cluster, result)
+
+
+def test_diabetes_task_from_a_workdir_reaches_its_val_loss_target(cluster: Deployment, diabetes):
+    result, run = diabetes
     assert run["task"] == "diabetes:task" and run["task_args"] == {"hidden": 64} and run["script"] is None
     assert run["target"] == "val_loss<=0.55"
     sha = run["bundle_sha256"]
@@ -91,13 +98,12 @@ def test_diabetes_task_from_a_workdir_reaches_its_val_loss_target(cluster: Deplo
     assert _points(cluster, run["id"], "params") == [10 * 64 + 64 + 64 * 64 + 64 + 64 + 1]
 
 
-def test_a_second_run_of_an_unchanged_workdir_uploads_and_fetches_nothing_again(cluster: Deployment):
-    argv = ["--workdir", DIABETES, "--task", "diabetes:task", "--strategy", "ps", "--global-batch", "64",
-            "--max-steps", "5"]
-    first = _succeeded(cluster, _runs_create(cluster, "diabetes-first", *argv))
+def test_a_second_run_of_an_unchanged_workdir_uploads_and_fetches_nothing_again(cluster: Deployment, diabetes):
+    _, first = diabetes
     cached = _cached_archives(cluster, first)
 
-    again = _runs_create(cluster, "diabetes-again", *argv)
+    again = _runs_create(cluster, "diabetes-again", "--workdir", DIABETES, "--task", "diabetes:task",
+                         "--strategy", "ps", "--global-batch", "64", "--max-steps", "5")
     second = _succeeded(cluster, again)
     assert second["bundle_sha256"] == first["bundle_sha256"]
     assert "(already on the server)" in again.stderr and "(uploaded)" not in again.stderr, again.stderr

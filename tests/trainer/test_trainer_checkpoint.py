@@ -5,6 +5,7 @@ server (or all-reduce's rank 0), uploaded to the control plane's store and read 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -175,11 +176,26 @@ def _ps_run(tmp_path: Path, workers: int, steps: int, *extra: str, name: str) ->
     return proc, read_metrics(tmp_path / f"{name}.jsonl")
 
 
-def test_the_server_writes_one_checkpoint_file_per_checkpoint_step(tmp_path):
-    _, records = _ps_run(tmp_path, 2, 20, "--checkpoint-dir", str(tmp_path / "ck"), name="run")
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["run-step-00000010.pt", "run-step-00000020.pt"]
+@pytest.fixture(scope="module")
+def uploaded(tmp_path_factory) -> tuple[Path, dict[int, bytes], list[dict]]:
+    """A 2-worker, 20-step run that writes a checkpoint every 10 steps into its directory and
+    uploads each to a store: (that directory, what the store kept, the run's records). Tests
+    resume from copies of it."""
+    tmp = tmp_path_factory.mktemp("uploaded")
+    first = Store()
+    try:
+        _, records = _ps_run(tmp, 2, 20, "--checkpoint-url", first.url, "--report-token", TOKEN,
+                             "--checkpoint-dir", str(tmp / "node-a"), name="first")
+        return tmp / "node-a", dict(first.saved), records
+    finally:
+        first.close()
+
+
+def test_the_server_writes_one_checkpoint_file_per_checkpoint_step(uploaded):
+    directory, _, records = uploaded
+    assert sorted(p.name for p in directory.iterdir()) == ["run-step-00000010.pt", "run-step-00000020.pt"]
     assert [e["step"] for e in events(records, EVENT_CHECKPOINT)] == [10, 20]
-    state = torch.load(tmp_path / "ck" / "run-step-00000020.pt", weights_only=False)
+    state = torch.load(directory / "run-step-00000020.pt", weights_only=False)
     assert state["params"].numel() == series(records, "params")[0]
     assert state["optimizer"] and state["server"]["ranks"] == [1, 2]
 
@@ -215,11 +231,12 @@ def test_a_run_resumes_from_the_servers_checkpoint_with_a_different_number_of_wo
     assert loss[21] < series(first, "loss")[1] - 0.5
 
 
-def test_a_run_uploads_its_checkpoints_and_a_restart_elsewhere_resumes_from_the_store(store, tmp_path):
-    url = ["--checkpoint-url", store.url, "--report-token", TOKEN]
-    _ps_run(tmp_path, 2, 20, *url, "--checkpoint-dir", str(tmp_path / "node-a"), name="first")
-    assert sorted(store.saved) in ([10, 20], [20])  # a newer file supersedes a pending older one
+def test_a_run_uploads_its_checkpoints_and_a_restart_elsewhere_resumes_from_the_store(uploaded, store, tmp_path):
+    _, saved, _ = uploaded
+    assert sorted(saved) in ([10, 20], [20])  # a newer file supersedes a pending older one
+    store.saved = dict(saved)
     # Another node: an empty checkpoint directory; the store has the run's latest.
+    url = ["--checkpoint-url", store.url, "--report-token", TOKEN]
     proc, resumed = _ps_run(tmp_path, 2, 30, *url, "--checkpoint-dir", str(tmp_path / "node-b"), "--resume",
                             name="resumed")
     assert "step 20 from the run's store" in proc.stderr
@@ -227,12 +244,14 @@ def test_a_run_uploads_its_checkpoints_and_a_restart_elsewhere_resumes_from_the_
     assert max(store.saved) == 30
 
 
-def test_a_restart_where_the_server_ran_resumes_from_a_checkpoint_its_upload_had_not_finished(store, tmp_path):
+def test_a_restart_where_the_server_ran_resumes_from_a_checkpoint_its_upload_had_not_finished(uploaded, store,
+                                                                                              tmp_path):
+    directory, saved, _ = uploaded
+    shutil.copytree(directory, tmp_path / "node-a")
+    # The server died after writing step 20's file, before its upload was stored.
+    store.saved = {step: data for step, data in saved.items() if step != 20}
     url = ["--checkpoint-url", store.url, "--report-token", TOKEN]
     ck = ["--checkpoint-dir", str(tmp_path / "node-a")]
-    _ps_run(tmp_path, 2, 20, *url, *ck, name="first")
-    # The server died after writing step 20's file, before its upload was stored.
-    store.saved.pop(20)
     proc, resumed = _ps_run(tmp_path, 2, 30, *url, *ck, "--resume", name="resumed")
     assert "step 20 from" in proc.stderr and "upload had not finished" in proc.stderr
     assert min(series(resumed, "loss")) == 21
