@@ -51,10 +51,12 @@ class OptionFlag:
     help: str
     static_default: Any
 
-    def add_to(self, container: Any, default: Any = None, note: str = "", *, required: bool = False) -> argparse.Action:
+    def add_to(self, container: Any, default: Any = None, note: str = "", *, required: bool = False,
+               kind: type | None = None) -> argparse.Action:
         """Add this flag to a parser, an argument group or a mutually exclusive group; `default`
         is the command's (None: unset, the request's or the strategy's default applies), `note`
-        what the help says about this command alone, `required` whether the command needs it."""
+        what the help says about this command alone, `required` whether the command needs it,
+        `kind` a value type narrower than the option's where the command needs one."""
         help_text = f"{self.help}; {note}" if note else self.help
         if default is None and not required and self.static_default is not None and "default" not in help_text:
             help_text += f" (default {_words(self.static_default)})"
@@ -63,7 +65,7 @@ class OptionFlag:
             action = argparse.BooleanOptionalAction if self.path in NEGATABLE else "store_true"
             return container.add_argument(self.flag, action=action, default=default, required=required,
                                           help=help_text)
-        return container.add_argument(self.flag, type=None if self.choices else self.kind, choices=self.choices,
+        return container.add_argument(self.flag, type=None if self.choices else (kind or self.kind), choices=self.choices,
                                       default=default, required=required, metavar=self.metavar, help=help_text)
 
 
@@ -91,9 +93,9 @@ def option_flags() -> dict[str, OptionFlag]:
 
 
 def add_option(container: Any, path: str, default: Any = None, note: str = "", *,
-               required: bool = False) -> argparse.Action:
+               required: bool = False, kind: type | None = None) -> argparse.Action:
     """Add the flag of the training option at `path` to `container` (see OptionFlag.add_to)."""
-    return option_flags()[path].add_to(container, default, note, required=required)
+    return option_flags()[path].add_to(container, default, note, required=required, kind=kind)
 
 
 def _kind(field: FieldInfo) -> tuple[type, tuple[Any, ...] | None]:

@@ -94,7 +94,8 @@ def _add_create(runs_sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     add_option(create, "global_batch_size")
     steps = create.add_mutually_exclusive_group()
     add_option(steps, "max_steps")
-    add_option(steps, "epochs")
+    # A run's epochs are whole (the API's column is an integer); the trainer's own flag takes fractions.
+    add_option(steps, "epochs", note="whole passes", kind=int)
     for path in ("target", "stop_at_target", "seed", "allocation", "device"):
         add_option(create, path)
     create.add_argument("--ps-node", type=int, default=None, help="node id of the server")

@@ -42,6 +42,10 @@ def test_stopping_at_the_target_is_asked_for_either_way(flag, stop):
     assert _body("--target", "accuracy>=0.9", flag)["stop_at_target"] is stop
 
 
+def test_epochs_reach_the_request_whole():
+    assert _body("--epochs", "3")["epochs"] == 3 and isinstance(_body("--epochs", "3")["epochs"], int)
+
+
 def test_a_task_and_its_arguments_reach_the_request():
     body = _body("--task", "hybridtrain.tasks.shapes:resnet18", "--task-args", '{"lr": 0.05, "schedule": "constant"}')
     assert (body["task"], body["task_args"]) == ("hybridtrain.tasks.shapes:resnet18", {"lr": 0.05, "schedule": "constant"})

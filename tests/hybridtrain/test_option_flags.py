@@ -67,7 +67,11 @@ def test_a_help_names_the_options_it_mentions_by_their_flags():
     assert "[--density-min, --density-max]" in option_flags()["compression.density"].help
 
 
-def _same_as_the_trainers(command: argparse.ArgumentParser) -> list[str]:
+# Where a command takes a narrower type than the trainer: a run's epochs are whole (the API's column).
+NARROWER = {("runs create", "--epochs"): int}
+
+
+def _same_as_the_trainers(command: argparse.ArgumentParser, name: str = "") -> list[str]:
     """The training options' flags `command` declares, each checked against `hybridtrain train`'s."""
     from trainer.cli import build_parser
 
@@ -77,12 +81,12 @@ def _same_as_the_trainers(command: argparse.ArgumentParser) -> list[str]:
     for flag in shared:
         ours, theirs = mine[flag], trainer[flag]
         assert (ours.dest, ours.type, ours.choices, ours.metavar, type(ours)) == \
-               (theirs.dest, theirs.type, theirs.choices, theirs.metavar, type(theirs)), flag
+               (theirs.dest, NARROWER.get((name, flag), theirs.type), theirs.choices, theirs.metavar, type(theirs)), flag
     return shared
 
 
 def test_runs_create_declares_its_training_options_as_the_trainer_does():
-    assert len(_same_as_the_trainers(_subcommand("runs", "create"))) >= 30
+    assert len(_same_as_the_trainers(_subcommand("runs", "create"), "runs create")) >= 30
 
 
 @pytest.mark.parametrize("command", COMMANDS)
