@@ -17,7 +17,10 @@ clients at rising load levels, against 1 and then 2 API processes, in one invoca
    spent (cores, and ms per answered request: on a machine shared with other work the one
    figure that says what the requests cost rather than how busy the machine was); then the
    knee of each process count (the first level missing a target: heartbeat p99 < 250 ms,
-   page p99 < 1 s, no errors, no node offline) and 2 processes' ratios to 1.
+   page p99 < 1 s, no errors, no node offline) and 2 processes' ratios to 1. The clients'
+   own CPU is reported too (they share the host): agents' clients are aiohttp's, the cheaper.
+5. Once the last level has stopped, each server again after 3 s: 20 heartbeats and 5 run pages
+   one at a time (the slowest of each), and its memory idle, after the last level and now.
 
     .venv/bin/python bench/load.py --levels 100,300,1000 --seconds 20 --processes 1,2
 """
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import psycopg
 
@@ -54,6 +58,8 @@ CI_EVERY_S = 2.0
 HEARTBEAT_P99_S = 0.25
 PAGE_P99_S = 1.0
 WARM_UP_S = 6.0
+# How long after the last level the server's answers and memory are read again.
+RECOVERY_AFTER_S = 3.0
 AGENT_TIMEOUT_S = 10.0
 ROUTES = ("POST heartbeat", "GET run page", "GET /api/v1/runs")
 
@@ -79,8 +85,9 @@ def _heartbeat_body() -> dict[str, Any]:
     }
 
 
-async def _periodic(client: httpx.AsyncClient, route: str, send: Any, offset: float, every: float,
+async def _periodic(client: Any, route: str, send: Any, offset: float, every: float,
                     until: float, rows: list[Row]) -> None:
+    """`send(client)` every `every` s from `offset`, each answer's status (or the error's name) in `rows`."""
     loop = asyncio.get_running_loop()
     due = loop.time() + offset
     # A beat the lagging client could only send after the level's end is not sent: the answered
@@ -89,8 +96,8 @@ async def _periodic(client: httpx.AsyncClient, route: str, send: Any, offset: fl
         await asyncio.sleep(max(0.0, due - loop.time()))
         started = loop.time()
         try:
-            status: Any = (await send(client)).status_code
-        except httpx.HTTPError as exc:
+            status: Any = await send(client)
+        except (httpx.HTTPError, aiohttp.ClientError, TimeoutError) as exc:
             status = type(exc).__name__
         rows.append((route, status, loop.time() - started, started - due))
         # Open loop: a late answer does not postpone the next beat, as on a real agent's clock.
@@ -99,14 +106,20 @@ async def _periodic(client: httpx.AsyncClient, route: str, send: Any, offset: fl
 
 async def _agents(base: str, tokens: list[str], seconds: float) -> list[Row]:
     rows: list[Row] = []
-    # A connection per agent, and the agent's own timeout (agents/client.py).
-    limits = httpx.Limits(max_connections=len(tokens))
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=AGENT_TIMEOUT_S) as client:
+    # A connection per agent, and the agent's own timeout (agents/client.py). aiohttp, the
+    # lighter client a request: the clients share the host with the server they measure.
+    connector = aiohttp.TCPConnector(limit=len(tokens))
+    timeout = aiohttp.ClientTimeout(total=AGENT_TIMEOUT_S)
+    async with aiohttp.ClientSession(base_url=base, connector=connector, timeout=timeout) as client:
         until = asyncio.get_running_loop().time() + seconds
 
         def beat(token: str) -> Any:
-            return lambda c: c.post(f"{API}/agent/heartbeat", json=_heartbeat_body(),
-                                    headers={"Authorization": f"Bearer {token}"})
+            async def send(c: aiohttp.ClientSession) -> int:
+                async with c.post(f"{API}/agent/heartbeat", json=_heartbeat_body(),
+                                  headers={"Authorization": f"Bearer {token}"}) as answer:
+                    await answer.read()
+                    return answer.status
+            return send
 
         await asyncio.gather(*(
             _periodic(client, "POST heartbeat", beat(token), HEARTBEAT_EVERY_S * i / len(tokens), HEARTBEAT_EVERY_S,
@@ -123,10 +136,12 @@ async def _readers(base: str, cookies: dict[str, str], token: str, run_ids: list
         until = asyncio.get_running_loop().time() + seconds
 
         def page(run_id: int) -> Any:
-            return lambda c: c.get(f"/runs/{run_id}", cookies=cookies)
+            async def send(c: httpx.AsyncClient) -> int:
+                return (await c.get(f"/runs/{run_id}", cookies=cookies)).status_code
+            return send
 
-        def listing(c: httpx.AsyncClient) -> Any:
-            return c.get(f"{API}/runs?limit=50", headers={"Authorization": f"Bearer {token}"})
+        async def listing(c: httpx.AsyncClient) -> int:
+            return (await c.get(f"{API}/runs?limit=50", headers={"Authorization": f"Bearer {token}"})).status_code
 
         await asyncio.gather(
             *(_periodic(client, "GET run page", page(run_ids[i % len(run_ids)]), PAGE_EVERY_S * i / max(users, 1),
@@ -143,7 +158,8 @@ def _client_process(kind: str, spec: dict[str, Any]) -> None:
     else:
         rows = asyncio.run(_readers(spec["base"], spec["cookies"], spec["token"], spec["run_ids"], spec["users"],
                                     spec["ci"], spec["seconds"]))
-    print(json.dumps(rows))
+    # Its own CPU too: the clients share the host with the server they measure.
+    print(json.dumps({"rows": rows, "cpu_s": time.process_time()}))
 
 
 # -- the server ----------------------------------------------------------------------------------
@@ -341,6 +357,7 @@ class Level:
     rss_mb: float
     server_cores: float
     postgres_cores: float
+    client_cores: float
 
     def of(self, route: str) -> list[Row]:
         return [r for r in self.rows if r[0] == route]
@@ -405,18 +422,64 @@ def _run_level(server: Server, fleet: Fleet, cookies: dict[str, str], processes:
     clients.append(_spawn("readers", {"base": server.base, "cookies": cookies, "token": fleet.read_token,
                                       "run_ids": fleet.run_ids, "users": users, "ci": ci, "seconds": seconds}))
     rows: list[Row] = []
+    client_cpu_s = 0.0
     for process in clients:
         assert process.stdout is not None
-        out = process.stdout.read()
+        out = json.loads(process.stdout.read())
         process.wait(timeout=60)
-        rows += [(r[0], r[1], r[2], r[3]) for r in json.loads(out)]
-    server_cores, postgres_cores = meter.cores(time.monotonic() - started)
+        rows += [(r[0], r[1], r[2], r[3]) for r in out["rows"]]
+        client_cpu_s += out["cpu_s"]
+    elapsed = time.monotonic() - started
+    server_cores, postgres_cores = meter.cores(elapsed)
     rss = _rss_mb(server.process.pid)
     nodes = httpx.get(f"{server.base}{API}/nodes?limit=1000", timeout=60,
                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()["data"]
     active = set(fleet.node_ids[:agents])
     not_online = sum(1 for n in nodes if n["id"] in active and n["status"] != "online")
-    return Level(processes, agents, users, ci, seconds, rows, not_online, rss, server_cores, postgres_cores)
+    return Level(processes, agents, users, ci, seconds, rows, not_online, rss, server_cores, postgres_cores,
+                 client_cpu_s / elapsed)
+
+
+@dataclass
+class Recovery:
+    """The server once the last level's load has stopped: its answers and its memory."""
+
+    processes: int
+    after_s: float
+    beat_ms: list[float]
+    page_ms: list[float]
+    statuses: set[int]
+    idle_mb: float
+    peak_mb: float
+    after_mb: float
+
+
+def _recovery(server: Server, fleet: Fleet, cookies: dict[str, str], processes: int, idle_mb: float) -> Recovery:
+    """RECOVERY_AFTER_S after the load stops: 20 heartbeats and 5 run pages one at a time, and the memory."""
+    peak_mb = _rss_mb(server.process.pid)
+    time.sleep(RECOVERY_AFTER_S)
+    beats, pages, statuses = [], [], set()
+    with httpx.Client(base_url=server.base, timeout=30) as client:
+        for token in fleet.agent_tokens[:20]:
+            started = time.monotonic()
+            statuses.add(client.post(f"{API}/agent/heartbeat", json=_heartbeat_body(),
+                                     headers={"Authorization": f"Bearer {token}"}).status_code)
+            beats.append((time.monotonic() - started) * 1000)
+        for run_id in fleet.run_ids[:5]:
+            started = time.monotonic()
+            statuses.add(client.get(f"/runs/{run_id}", cookies=cookies).status_code)
+            pages.append((time.monotonic() - started) * 1000)
+    return Recovery(processes, RECOVERY_AFTER_S, beats, pages, statuses, idle_mb, peak_mb, _rss_mb(server.process.pid))
+
+
+def _report_recovery(recoveries: list[Recovery]) -> None:
+    print()
+    print("| processes | after the load stopped | heartbeat max ms | run page max ms | statuses "
+          "| server RSS MB: idle / after the last level / after |")
+    print("|---|---|---|---|---|---|")
+    for r in recoveries:
+        print(f"| {r.processes} | {r.after_s:.0f} s | {max(r.beat_ms):.0f} | {max(r.page_ms):.0f} "
+              f"| {', '.join(map(str, sorted(r.statuses)))} | {r.idle_mb:.0f} / {r.peak_mb:.0f} / {r.after_mb:.0f} |")
 
 
 def _ms(value: float | None) -> str:
@@ -435,12 +498,13 @@ def _report(levels: list[Level], processes: list[int]) -> None:
                   f"| {_ms(level.p(route, 0.5))} | {_ms(level.p(route, 0.99))} | {errors} "
                   f"| {_ms(level.p(route, 0.99, column=3))} | {level.not_online} | {level.rss_mb:.0f} |")
     print()
-    print("| processes | agents | server CPU, cores | Postgres CPU, cores | CPU ms per answered request |")
-    print("|---|---|---|---|---|")
+    print("| processes | agents | server CPU, cores | Postgres CPU, cores | load clients' CPU, cores "
+          "| server + Postgres CPU ms per answered request |")
+    print("|---|---|---|---|---|---|")
     for level in levels:
         per = level.cpu_ms_per_answer()
         print(f"| {level.processes} | {level.agents} | {level.server_cores:.2f} | {level.postgres_cores:.2f} "
-              f"| {'-' if per is None else f'{per:.1f}'} |")
+              f"| {level.client_cores:.2f} | {'-' if per is None else f'{per:.1f}'} |")
     print()
     for count in processes:
         mine = [lv for lv in levels if lv.processes == count]
@@ -488,6 +552,7 @@ def main() -> None:
         admin_db.execute(f'CREATE DATABASE "{name}"')
     database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
     results: list[Level] = []
+    recoveries: list[Recovery] = []
     server: Server | None = None
     try:
         fleet: Fleet | None = None
@@ -502,14 +567,17 @@ def main() -> None:
                       file=sys.stderr)
             # Warm-up, not reported: each process's first requests compile templates and fill caches.
             _run_level(server, fleet, cookies, count, levels[0], WARM_UP_S)
+            idle_mb = _rss_mb(server.process.pid)
             for agents in levels:
                 level = _run_level(server, fleet, cookies, count, agents, args.seconds)
                 print(f"{count} process(es), {agents} agents: {', '.join(level.misses()) or 'all targets met'}",
                       file=sys.stderr)
                 results.append(level)
+            recoveries.append(_recovery(server, fleet, cookies, count, idle_mb))
             server.stop()
             server = None
         _report(results, processes)
+        _report_recovery(recoveries)
     finally:
         if server is not None:
             server.stop()
