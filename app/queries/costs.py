@@ -9,8 +9,8 @@ supplies the prices in force through `DbPriceLookup`.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from fractions import Fraction
@@ -41,8 +41,8 @@ from app.models import Dataset, EgressPrice, GpuModel, Node, RunEvent
 from app.models import Site as SiteRow
 from app.models import InstancePrice as InstancePriceRow
 from app.models.runs import Run, RunMetric, RunWorker
-from app.queries.prices import EgressKey as EgressSeries
 from app.queries.price_history import PriceHistoryLookup
+from app.queries.prices import EgressKey as EgressSeries
 from app.queries.prices import egress_price_in_force
 from hybridtrain.contract import LEGACY_TIME_TO_TARGET
 
