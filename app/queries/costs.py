@@ -3,7 +3,7 @@
 `app.billing` does the arithmetic on plain figures; this module gathers those figures (bytes
 per link, each node's time in the run from its ranks and the run's membership events, compute
 and communication seconds per worker) and
-supplies the prices in force through `DbPriceLookup`.
+supplies the prices in force (`app.queries.price_lookups`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from sqlalchemy.orm import Session, selectinload
 from app.billing import (
     MEMBERSHIP_KINDS,
     Bill,
-    EgressKey,
-    InstanceKey,
-    InstancePrice,
     LinkBytes,
     MembershipChange,
     NodeUsage,
@@ -37,72 +34,11 @@ from app.billing import (
     rank_spans,
     union_seconds,
 )
-from app.models import Dataset, EgressPrice, GpuModel, Node, RunEvent
+from app.models import Dataset, Node, RunEvent
 from app.models import Site as SiteRow
-from app.models import InstancePrice as InstancePriceRow
 from app.models.runs import Run, RunMetric, RunWorker
-from app.queries.price_history import PriceHistoryLookup
-from app.queries.prices import EgressKey as EgressSeries
-from app.queries.prices import egress_price_in_force
+from app.queries.price_lookups import CachedPriceLookup, DbPriceLookup, PriceHistoryLookup
 from hybridtrain.contract import LEGACY_TIME_TO_TARGET
-
-
-class CachedPriceLookup:
-    """A `PriceLookup` that asks `inner` once per key and instant: the optimizer prices the same
-    few nodes and links across thousands of plans."""
-
-    def __init__(self, inner: PriceLookup) -> None:
-        self.inner = inner
-        self._egress: dict[tuple[EgressKey, datetime], Decimal | None] = {}
-        self._instance: dict[tuple[InstanceKey, datetime], InstancePrice | None] = {}
-
-    def egress_usd_per_gb(self, key: EgressKey, at: datetime) -> Decimal | None:
-        """The inner lookup's answer, remembered."""
-        if (key, at) not in self._egress:
-            self._egress[(key, at)] = self.inner.egress_usd_per_gb(key, at)
-        return self._egress[(key, at)]
-
-    def instance_price(self, key: InstanceKey, at: datetime) -> InstancePrice | None:
-        """The inner lookup's answer, remembered."""
-        if (key, at) not in self._instance:
-            self._instance[(key, at)] = self.inner.instance_price(key, at)
-        return self._instance[(key, at)]
-
-
-class DbPriceLookup:
-    """`app.billing.PriceLookup` over the price tables: the versions in force at a given time."""
-
-    def __init__(self, session: Session) -> None:
-        self.session = session
-
-    def egress_usd_per_gb(self, key: EgressKey, at: datetime) -> Decimal | None:
-        """The sender's $/GB in force at `at` (its continent's row, else the any-continent row)."""
-        series = EgressSeries(key.provider.value, key.traffic_class.value, key.scope)  # type: ignore[arg-type]
-        row: EgressPrice | None = egress_price_in_force(self.session, key=series, at=at)
-        return None if row is None else Decimal(str(row.usd_per_gb))
-
-    def instance_price(self, key: InstanceKey, at: datetime) -> InstancePrice | None:
-        """The spot and on-demand $/h in force at `at` for this instance type and its GPUs."""
-        stmt = (
-            select(InstancePriceRow)
-            .where(
-                InstancePriceRow.provider == key.provider.value,
-                InstancePriceRow.instance_type == key.instance_type,
-                InstancePriceRow.region.is_not_distinct_from(key.region),
-                InstancePriceRow.effective_from <= at,
-            )
-            .order_by(InstancePriceRow.effective_from.desc())
-            .limit(1)
-        )
-        if key.gpu_model is not None:
-            stmt = stmt.join(GpuModel, GpuModel.id == InstancePriceRow.gpu_model_id).where(
-                GpuModel.name == key.gpu_model, InstancePriceRow.gpu_count == key.gpu_count
-            )
-        row = self.session.scalar(stmt)
-        if row is None:
-            return None
-        spot = None if row.spot_usd_per_h is None else Decimal(str(row.spot_usd_per_h))
-        return InstancePrice(spot, Decimal(str(row.on_demand_usd_per_h)))
 
 
 def billing_site(site: SiteRow) -> Site:
@@ -144,16 +80,6 @@ def run_sites_by_rank(session: Session, *, run: Run, nodes: dict[int, Node] | No
         for w in run.workers
         if w.node_id is not None and w.node_id in nodes
     }
-
-
-def link_totals(session: Session, *, run_id: int) -> dict[tuple[int, int], int]:
-    """Bytes sent per (rank, peer) over the whole run so far."""
-    rows = session.execute(
-        select(RunMetric.rank, RunMetric.peer, func.sum(RunMetric.value))
-        .where(RunMetric.run_id == run_id, RunMetric.name == "bytes_sent", RunMetric.peer >= 0)
-        .group_by(RunMetric.rank, RunMetric.peer)
-    )
-    return {(int(rank), int(peer)): int(total or 0) for rank, peer, total in rows}
 
 
 def dataset_store_site(dataset: Dataset) -> Site:
@@ -414,51 +340,3 @@ def node_usage(node: Node, seconds: float, *, share: Fraction = Fraction(1)) -> 
         amortised_usd_per_hour=Decimal(str(node.amortised_usd_per_h)) if onprem else None,
         share=Decimal(share.numerator) / Decimal(share.denominator),
     )
-
-
-def _error_pct(predicted: float | None, measured: float | None) -> float | None:
-    # (predicted - measured) / measured: +10 means the model promised 10 % more than came.
-    if predicted is None or measured is None or measured == 0:
-        return None
-    return (predicted - measured) / measured * 100.0
-
-
-def predicted_vs_measured(
-    session: Session, *, run: Run, bill: Bill, links: dict[tuple[int, int], int] | None = None,
-    sites: dict[int, Site] | None = None,
-) -> dict | None:
-    """The run's stored prediction beside what it measured: samples/s, bytes leaving their site
-    per step, $/1M samples, each with the error in % of the measured; None without a prediction.
-    `links` and `sites` (`run_sites_by_rank`): what the caller has read already."""
-    prediction = run.prediction
-    if not prediction:
-        return None
-    if links is None:
-        links = link_totals(session, run_id=run.id)
-    if sites is None:
-        sites = run_sites_by_rank(session, run=run)
-    crossing = sum(
-        total for (rank, peer), total in links.items()
-        if rank in sites and peer in sites and sites[rank].name != sites[peer].name
-    )
-    steps = bill.samples / run.global_batch_size if run.global_batch_size else 0
-    measured = {
-        "samples_per_s": bill.samples_per_s,
-        "egress_bytes_per_step": crossing / steps if steps else None,
-        "usd_per_million_samples": (
-            None if bill.usd_per_million_samples is None else float(bill.usd_per_million_samples)
-        ),
-    }
-    predicted = {
-        "samples_per_s": prediction.get("samples_per_s"),
-        "egress_bytes_per_step": prediction.get("egress_bytes_per_step"),
-        "usd_per_million_samples": (prediction.get("costs") or {}).get("usd_per_million_samples"),
-    }
-    return {
-        "metrics": [
-            {"metric": name, "predicted": predicted[name], "measured": measured[name],
-             "error_pct": _error_pct(predicted[name], measured[name])}
-            for name in ("samples_per_s", "egress_bytes_per_step", "usd_per_million_samples")
-        ],
-        "prediction": prediction,
-    }

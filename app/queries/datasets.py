@@ -175,7 +175,8 @@ def predict_reads(session: Session, *, names: Sequence[str], node_ids: Sequence[
     """Per data set and reader of a plan (a site's cache, else each node): the bytes fetched
     from the store over the run and their egress at the prices in force `at` (now), as
     `app.perfmodel.data.predict_reads` predicts them."""
-    from app.queries.costs import CachedPriceLookup, DbPriceLookup, billing_site
+    from app.queries.costs import billing_site
+    from app.queries.price_lookups import CachedPriceLookup, DbPriceLookup
 
     specs = dataset_specs(session, names=names)
     nodes = session.scalars(select(Node).where(Node.id.in_(set(node_ids))).options(selectinload(Node.site))).all()

@@ -5,7 +5,8 @@ The model itself is pure (`app.perfmodel.predict`, `app.perfmodel.optimize`); th
 gathers its figures: each node's newest finished profile of the task (`result` JSON), the links
 between the nodes (`app.queries.links.link_estimates`: measured, declared or assumed), and the
 prices in force (`DbPriceLookup`, with each node priced as its bill prices it,
-`app.queries.costs.node_usage`).
+`app.queries.costs.node_usage`); and, once a run has run, its prediction beside what it measured
+(`predicted_vs_measured`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from app.billing import NodeUsage, PriceLookup
+from app.billing import Bill, NodeUsage, PriceLookup, Site
 from app.errors import InvalidFieldError
-from app.models import Node
+from app.models import Node, Run
 from app.perfmodel.data import NO_READS, DataCache, DataReads, DataSetSpec, predict_reads
 from app.perfmodel.optimize import Candidate, OptimizeResult, optimize
 from app.perfmodel.predict import CompressionSpec, LinkSpec, NodeSpec, TaskSpec, predict, predict_costs
 from app.planner import Plan, PlanNode
-from app.queries.costs import CachedPriceLookup, DbPriceLookup, node_usage
+from app.queries.costs import metric_totals, node_usage, run_sites_by_rank
+from app.queries.price_lookups import CachedPriceLookup, DbPriceLookup
 from app.queries.profiles import SCRIPT_PREFIX, latest_profiles, task_key
 from app.schemas.runs import CompressionOptions, LocalSgdOptions
 from hybridtrain import strategy_defaults
@@ -326,3 +328,51 @@ def plan_choice_public(choice: Any) -> dict[str, Any]:
         "samples_per_s": p.samples_per_s, "step_s": p.step_s, "granularity": p.granularity,
         "time_to_max_steps_s": p.time_to_max_steps_s, "costs": choice.costs.to_dict(),
     })
+
+
+def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+    # (predicted - measured) / measured: +10 means the model promised 10 % more than came.
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return (predicted - measured) / measured * 100.0
+
+
+def predicted_vs_measured(
+    session: Session, *, run: Run, bill: Bill, links: dict[tuple[int, int], int] | None = None,
+    sites: dict[int, Site] | None = None,
+) -> dict | None:
+    """The run's stored prediction beside what it measured: samples/s, bytes leaving their site
+    per step, $/1M samples, each with the error in % of the measured; None without a prediction.
+    `links` and `sites` (`run_sites_by_rank`): what the caller has read already."""
+    prediction = run.prediction
+    if not prediction:
+        return None
+    if links is None:
+        links = metric_totals(session, run_id=run.id).links
+    if sites is None:
+        sites = run_sites_by_rank(session, run=run)
+    crossing = sum(
+        total for (rank, peer), total in links.items()
+        if rank in sites and peer in sites and sites[rank].name != sites[peer].name
+    )
+    steps = bill.samples / run.global_batch_size if run.global_batch_size else 0
+    measured = {
+        "samples_per_s": bill.samples_per_s,
+        "egress_bytes_per_step": crossing / steps if steps else None,
+        "usd_per_million_samples": (
+            None if bill.usd_per_million_samples is None else float(bill.usd_per_million_samples)
+        ),
+    }
+    predicted = {
+        "samples_per_s": prediction.get("samples_per_s"),
+        "egress_bytes_per_step": prediction.get("egress_bytes_per_step"),
+        "usd_per_million_samples": (prediction.get("costs") or {}).get("usd_per_million_samples"),
+    }
+    return {
+        "metrics": [
+            {"metric": name, "predicted": predicted[name], "measured": measured[name],
+             "error_pct": _error_pct(predicted[name], measured[name])}
+            for name in ("samples_per_s", "egress_bytes_per_step", "usd_per_million_samples")
+        ],
+        "prediction": prediction,
+    }

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from app.errors import HybridtrainError
 from app.models import Node, NodeStatus, Run, RunMetric, RunStatus, RunWorker, WorkerStatus
-from app.queries.costs import link_totals, run_bill
+from app.queries.costs import metric_totals, run_bill
 from app.queries.metrics import NO_PEER
 
 logger = logging.getLogger(__name__)
@@ -151,14 +151,15 @@ def live_runs(session: Session) -> list[LiveRun]:
     ).all()
     result = []
     for run in runs:
-        links = link_totals(session, run_id=run.id)
+        totals = metric_totals(session, run_id=run.id)
+        links = totals.links
         node_by_rank = {w.rank: w.node_name for w in run.workers}
         by_nodes: defaultdict[tuple[str, str], int] = defaultdict(int)
         for (rank, peer), total in links.items():
             if rank in node_by_rank and peer in node_by_rank:
                 by_nodes[(node_by_rank[rank], node_by_rank[peer])] += total
         try:
-            bill = run_bill(session, run=run, links=links)
+            bill = run_bill(session, run=run, totals=totals)
         except HybridtrainError as exc:
             # One run's bad figures must not take every other series out of the scrape.
             logger.warning("run %d cannot be billed for /metrics: %s", run.id, exc.message)

@@ -16,6 +16,7 @@ from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES
 from app.queries import costs, dashboard
 from app.queries.metrics import metric_names
+from app.queries.price_lookups import CachedPriceLookup, DbPriceLookup
 from app.web import figures
 from app.web.egress import LinkBucket, cumulative_by_class, link_rates
 from app.web.live import LiveState, event_view, is_evaluation_metric
@@ -198,7 +199,7 @@ def run_charts(session: Session, run: Run) -> RunCharts:
     # A run that has reported nothing yet (queued, launching) has no series or sums to scan.
     data = run_series(session, run, names=(*SERIES_NAMES, *eval_names)) if reported else RunSeries([], [], {}, 0)
     # One lookup for the links and the bill: each asks the same few prices for every pair of ranks.
-    prices = costs.CachedPriceLookup(costs.DbPriceLookup(session))
+    prices = CachedPriceLookup(DbPriceLookup(session))
     nodes = costs.run_nodes(session, run=run)
     sites = costs.run_sites_by_rank(session, run=run, nodes=nodes)
     rates, unpriced = link_rates(sites, prices, costs.run_priced_at(run))
@@ -234,7 +235,7 @@ def events_after(session: Session, *, run_id: int, after_id: int) -> list[RunEve
 
 def live_state(session: Session, run: Run, *, t0: float, metrics_after: int) -> LiveState:
     """The stream's starting state: link prices and the egress dollars up to `metrics_after`."""
-    prices = costs.CachedPriceLookup(costs.DbPriceLookup(session))
+    prices = CachedPriceLookup(DbPriceLookup(session))
     rates, _ = link_rates(costs.run_sites_by_rank(session, run=run), prices, costs.run_priced_at(run))
     buckets = [
         LinkBucket(rank, peer, 0, 0, 0.0, total)

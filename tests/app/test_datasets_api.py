@@ -139,7 +139,8 @@ def test_the_runs_bill_prices_the_bytes_its_nodes_read_from_the_store(
 
     from app.billing import BYTES_PER_GB, EgressKey, Provider, TrafficClass
     from app.models import Run, RunMetric
-    from app.queries.costs import DbPriceLookup, run_bill, run_priced_at
+    from app.queries.costs import run_bill, run_priced_at
+    from app.queries.price_lookups import DbPriceLookup
 
     dataset = _register(client, s3_url, store_provider="aws", store_continent="north_america",
                         store_region="us-east-1").json()
@@ -227,7 +228,7 @@ def test_the_plan_preview_prices_each_nodes_first_epoch_of_the_data_set(
     client, session, with_store, s3_url, online_node, make_site,
 ):
     from app.billing import BYTES_PER_GB, EgressKey, Provider, TrafficClass
-    from app.queries.costs import DbPriceLookup
+    from app.queries.price_lookups import DbPriceLookup
 
     dataset = _register(client, s3_url, store_provider="aws", store_continent="north_america").json()
     node = online_node(site_id=make_site(kind="onprem", provider="onprem", continent="europe", region=None, zone=None)["id"])

@@ -16,9 +16,9 @@ from app.billing import Continent, EgressKey, InstanceKey, Provider, TrafficClas
 from app.billing.table1 import IMPLIED_EGRESS, TABLE1_EGRESS, TABLE1_T4
 from app.models import EgressPrice, GpuModel, InstancePrice
 from app.models.runs import Run, RunStatus, RunWorker, WorkerStatus
-from app.queries.costs import DbPriceLookup, run_bill, run_bills
+from app.queries.costs import run_bill, run_bills
 from app.queries.metrics import store_metrics
-from app.queries.price_history import PriceHistoryLookup
+from app.queries.price_lookups import DbPriceLookup, PriceHistoryLookup
 from app.schemas.runs import MetricRecord
 from app.security import hash_secret, new_secret
 

@@ -9,6 +9,7 @@ from app.api.responses import NOT_FOUND
 from app.billing import Bill, Granularity
 from app.models.runs import Run
 from app.queries import costs
+from app.queries.predictions import predicted_vs_measured
 from app.queries.runs import get_run
 from app.schemas.costs import GranularityPublic, LinkSpend, NodeSpend, PredictedVsMeasured, RunCost
 
@@ -19,10 +20,10 @@ router = APIRouter()
 def read_run_cost(session: SessionDep, _: ReadDep, run_id: IdPath) -> RunCost:
     """The run's bill at the prices in force when it started: live while it runs, then final."""
     run = get_run(session, run_id=run_id)
-    links = costs.link_totals(session, run_id=run.id)
-    bill = costs.run_bill(session, run=run, links=links)
+    totals = costs.metric_totals(session, run_id=run.id)
+    bill = costs.run_bill(session, run=run, totals=totals)
     public = bill_public(run, bill)
-    compared = costs.predicted_vs_measured(session, run=run, bill=bill, links=links)
+    compared = predicted_vs_measured(session, run=run, bill=bill, links=totals.links)
     if compared is not None:
         public.predicted = PredictedVsMeasured.model_validate(compared)
     return public

@@ -35,6 +35,7 @@ from app.lifecycle.launch import TRAINING
 from app.models import Bundle, Cluster, Node, NodeStatus, RunStatus
 from app.models.runs import FINISHED_WORKER_STATUSES
 from app.queries import costs, dashboard
+from app.queries.predictions import predicted_vs_measured
 from app.queries import datasets as dataset_queries
 from app.queries import runs as run_queries
 from app.queries.agents import read_logs
@@ -232,7 +233,7 @@ def read_run_page(request: Request, session: SessionDep, viewer: ViewerDep, run_
         "run": run,
         "charts": charts,
         "bill": charts.bill,
-        "predicted": costs.predicted_vs_measured(session, run=run, bill=charts.bill, links=charts.link_totals,
+        "predicted": predicted_vs_measured(session, run=run, bill=charts.bill, links=charts.link_totals,
                                                  sites=charts.sites),
         # Each data set's first epoch through the caches, up to the rows the stream goes on from.
         "warmup": dataset_queries.run_warmup(session, run=run, max_metric_id=charts.metrics_after or None),
