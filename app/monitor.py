@@ -1,6 +1,8 @@
 """The control plane's periodic liveness pass (`app.lifecycle.check_liveness`): silent nodes go
 offline and their ranks are lost, launches that never started fail, unanswered launch orders
-are sent again, stragglers of a finished run are stopped.
+are sent again, stragglers of a finished run are stopped. After each pass, the final bills that
+are missing (cleared by a late report, or of runs that ended before bills were stored) are
+stored, a few at a time (`app.queries.final_bills.settle_final_bills`).
 
 One daemon thread per control-plane process. With several processes on Postgres (`hybridtrain
 server --workers N`, or replicas behind a proxy) each runs it, but a pass first takes a
@@ -23,8 +25,14 @@ from app.config import Settings
 from app.db import session_scope
 from app.dispatch import Dispatcher, Order
 from app.lifecycle import check_liveness, run_state_lock
+from app.models.base import utcnow
+from app.queries.final_bills import settle_final_bills
 
 log = logging.getLogger(__name__)
+
+# Final bills stored per pass: a few hundred milliseconds of grouped reads at most, so that a
+# backlog (a deployment's first start with this version) never makes one pass long.
+BILLS_PER_PASS = 100
 
 # Any fixed number: it names the liveness pass's Postgres advisory lock ("htlv").
 LIVENESS_LOCK_KEY = 0x68746C76
@@ -59,12 +67,22 @@ class Monitor:
         self.dispatcher.send_quietly(orders)
         return orders
 
+    def settle_bills_once(self) -> int:
+        """Store up to `BILLS_PER_PASS` missing final bills, in a transaction of their own (the
+        liveness pass's locks are not held meanwhile); returns how many."""
+        with session_scope(self.factory) as session:
+            return settle_final_bills(session, now=utcnow(), limit=BILLS_PER_PASS)
+
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.monitor_interval_s):
             try:
                 self.check_once()
             except Exception:  # noqa: BLE001 - a bad pass (database away) must not end the loop
                 log.exception("liveness check failed; trying again in %.0f s", self.settings.monitor_interval_s)
+            try:
+                self.settle_bills_once()
+            except Exception:  # noqa: BLE001 - the overview bills the run live meanwhile
+                log.exception("storing final bills failed; trying again in %.0f s", self.settings.monitor_interval_s)
 
     def start(self) -> None:
         """Start the background thread."""

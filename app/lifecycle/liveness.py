@@ -21,6 +21,7 @@ from app.models import Node, NodeStatus, Run, RunStatus, RunWorker, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES, FINISHED_WORKER_STATUSES
 from app.queries.events import record_event
+from app.queries.final_bills import store_final_bills
 from app.queries.runs import get_run
 
 log = logging.getLogger(__name__)
@@ -211,4 +212,6 @@ def cancel_stragglers(session: Session, *, grace_s: float, now: datetime | None 
             worker.reason = f"still running {grace_s:.0f} s after the run succeeded"
         quiet = {w.node_id for w in run.workers} - {w.node_id for w in late}
         orders += cancel_orders(run, f"run {run.id} succeeded", skip_nodes=[n for n in quiet if n is not None])
+        session.flush()
+        store_final_bills(session, [run], now=now)
     return orders

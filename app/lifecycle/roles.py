@@ -25,6 +25,7 @@ from app.lifecycle.states import end_run, move, settle_cancel
 from app.models import Run, RunStatus, RunWorker, WorkerStatus
 from app.models.runs import FINISHED_WORKER_STATUSES
 from app.queries.events import record_event
+from app.queries.final_bills import store_final_bills
 from app.queries.run_profiles import refresh_profiles
 from hybridtrain.contract import CAUSE_AGENT_STOPPING, EXIT_TOO_FEW_WORKERS, is_ps
 
@@ -132,6 +133,8 @@ def rank_exited(
             refresh_profiles(session, run=run, now=now)
         # A cancelled run's last rank reported gone: its GPUs are free for the queue.
         settle_cancel(session, run=run, now=now)
+        # An ended run's last rank: its bill is final.
+        store_final_bills(session, [run], now=now)
         return []
     where = f"on node {node_name}"
     if exit.clean and not _serves(run, worker) and (exit.cancelled or exit.reason or exit.cause == CAUSE_AGENT_STOPPING):

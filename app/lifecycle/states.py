@@ -27,6 +27,7 @@ from app.errors import ConflictError
 from app.models import Run, RunStatus, WorkerStatus
 from app.models.base import utcnow
 from app.models.runs import FINISHED_RUN_STATUSES, FINISHED_WORKER_STATUSES
+from app.queries.final_bills import store_final_bills
 from app.queries.run_profiles import refresh_profiles
 
 Q, L, R, D, S, C = (RunStatus.queued, RunStatus.launching, RunStatus.running, RunStatus.degraded,
@@ -96,7 +97,8 @@ def end_run(
 
     A failed or cancelled run's unfinished ranks become cancelled at once. A succeeded run's
     ranks still running are left to end by themselves: a PS run's workers leave after their
-    server's goodbye, and `cancel_stragglers` stops the ones still there after a grace.
+    server's goodbye, and `cancel_stragglers` stops the ones still there after a grace. The
+    run's final bill is stored once its last rank has ended (`store_final_bills`).
     """
     if run.status.finished or (run.status == C and status != RunStatus.cancelled):
         # A cancel under way decides how the run ends.
@@ -111,12 +113,14 @@ def end_run(
         # Its measured steps refresh its nodes' profiles; the workers that end after it add theirs
         # (app.lifecycle.roles.rank_exited).
         refresh_profiles(session, run=run, now=now)
+        store_final_bills(session, [run], now=now)
         return []
     for worker in run.workers:
         if worker.status not in FINISHED_WORKER_STATUSES:
             worker.status = WorkerStatus.cancelled
             worker.finished_at = worker.finished_at or now
     session.flush()
+    store_final_bills(session, [run], now=now)
     return cancel_orders(run, reason or str(status), skip_nodes=skip_nodes) if launched else []
 
 
@@ -144,9 +148,12 @@ def begin_cancel(session: Session, *, run: Run, reason: str, now: datetime | Non
 
 
 def settle_cancel(session: Session, *, run: Run, now: datetime | None = None) -> bool:
-    """End a `cancelling` run as `cancelled` once every rank has ended; whether it did."""
+    """End a `cancelling` run as `cancelled` once every rank has ended, with its final bill;
+    whether it did."""
     if run.status != C or any(w.status not in FINISHED_WORKER_STATUSES for w in run.workers):
         return False
+    now = now or utcnow()
     move(run, RunStatus.cancelled, now=now)
     session.flush()
+    store_final_bills(session, [run], now=now)
     return True

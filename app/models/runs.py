@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
@@ -15,6 +16,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    Numeric,
     String,
     Text,
     UniqueConstraint,
@@ -200,6 +202,12 @@ class Run(TimestampMixin, Base):
     # PS strategies: the ranks' connections are mutual TLS keyed by the run's secret
     # (trainer.linktls). Runs stored before this column existed ran in the clear.
     encrypt_links: Mapped[bool] = mapped_column(default=True, server_default=false())
+    # The final bill, once the run and each of its ranks ended (app.queries.final_bills): its
+    # total, whether something in it had no price, and when it was stored. NULL: billed live (a
+    # run in flight, or an ended one whose bill was cleared and is not stored again yet).
+    billed_usd: Mapped[Decimal | None] = mapped_column(Numeric(16, 6))
+    billed_unpriced: Mapped[bool | None]
+    billed_at: Mapped[datetime | None]
 
     workers: Mapped[list[RunWorker]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True,

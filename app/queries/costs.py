@@ -107,6 +107,8 @@ def store_reads(
 # Summed into a bill: per rank (compute, communication, samples), per link (bytes), per store read.
 _SUMMED_PER_RANK = ("compute_s", "comm_s", "batch_size")
 _TIME_TO_TARGET = ("time_to_target_s", LEGACY_TIME_TO_TARGET)  # runs stored before task metrics: the legacy name
+# Every metric a bill reads: a record of another name (a loss) leaves the bill as it was.
+BILLED_METRICS = frozenset((*_SUMMED_PER_RANK, *_TIME_TO_TARGET, "bytes_sent", "data_bytes"))
 
 
 @dataclass
@@ -123,7 +125,8 @@ class MetricTotals:
 _IDS_PER_QUERY = 1000
 
 
-def _chunks(ids: Sequence[int]) -> list[list[int]]:
+def id_chunks(ids: Sequence[int]) -> list[list[int]]:
+    """`ids` sorted, without repeats, in lists of at most a thousand (one query each)."""
     ids = sorted(set(ids))
     return [ids[i:i + _IDS_PER_QUERY] for i in range(0, len(ids), _IDS_PER_QUERY)]
 
@@ -136,9 +139,9 @@ def metric_totals(session: Session, *, run_id: int) -> MetricTotals:
 
 def metric_totals_of(session: Session, *, run_ids: Sequence[int]) -> dict[int, MetricTotals]:
     """`metric_totals` of many runs, in one grouped query per thousand runs."""
-    names = (*_SUMMED_PER_RANK, *_TIME_TO_TARGET, "bytes_sent", "data_bytes")
+    names = sorted(BILLED_METRICS)
     result: dict[int, MetricTotals] = {}
-    for chunk in _chunks(run_ids):
+    for chunk in id_chunks(run_ids):
         rows = session.execute(
             select(RunMetric.run_id, RunMetric.rank, RunMetric.name, RunMetric.peer, func.sum(RunMetric.value),
                    func.min(RunMetric.value))
@@ -249,7 +252,7 @@ def run_bills(session: Session, runs: Sequence[Run], *, now: datetime | None = N
     run_ids = [run.id for run in runs]
     node_ids = [w.node_id for run in runs for w in run.workers if w.node_id is not None]
     nodes: dict[int, Node] = {}
-    for chunk in _chunks(node_ids):
+    for chunk in id_chunks(node_ids):
         nodes.update((n.id, n) for n in session.scalars(
             select(Node).where(Node.id.in_(chunk)).options(selectinload(Node.site), selectinload(Node.gpus))))
     totals = metric_totals_of(session, run_ids=run_ids)
@@ -311,7 +314,7 @@ def node_share(node: Node, ranks: Sequence[RunWorker]) -> Fraction:
 def membership_changes_of(session: Session, *, run_ids: Sequence[int]) -> dict[int, dict[int, list[MembershipChange]]]:
     """Each run's joins, leaves and losses per rank, oldest first (app.billing.membership)."""
     result: dict[int, dict[int, list[MembershipChange]]] = {}
-    for chunk in _chunks(run_ids):
+    for chunk in id_chunks(run_ids):
         rows = session.execute(
             select(RunEvent.run_id, RunEvent.subject, RunEvent.t, RunEvent.kind)
             .where(RunEvent.run_id.in_(chunk), RunEvent.kind.in_(MEMBERSHIP_KINDS), RunEvent.subject.is_not(None))

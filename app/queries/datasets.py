@@ -18,6 +18,7 @@ from app.models import Dataset, Node, Run, RunMetric, RunStatus
 from app.perfmodel.data import DataCache, DataSetSpec
 from app.perfmodel.data import predict_reads as model_reads
 from app.models.runs import ACTIVE_RUN_STATUSES
+from app.queries.final_bills import clear_bills_reading
 from app.schemas.datasets import DatasetCreate
 from hybridtrain.data_access import STORE_URL, DatasetAccess, DatasetError, Origin
 
@@ -110,6 +111,8 @@ def delete_dataset(session: Session, *, name: str) -> Dataset:
     run_id = dataset_in_use_by(session, name=name)
     if run_id is not None:
         raise InUseError(f"data set {name!r} is read by run {run_id}, which has not finished")
+    # The reads of the runs that used it are priced no more.
+    clear_bills_reading(session, dataset=name)
     session.delete(dataset)
     return dataset
 

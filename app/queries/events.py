@@ -11,10 +11,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from app.billing import MEMBERSHIP_KINDS
 from app.errors import InvalidFieldError, NotFoundError
 from app.models import Run, RunEvent, RunWorker
 from app.models.base import utcnow
 from app.models.events import EventSource
+from app.queries.final_bills import clear_late_bill
 from app.schemas.reports import TrainerEventRecord
 
 MAX_KIND = 32
@@ -67,7 +69,8 @@ def list_events(session: Session, *, run_id: int) -> Sequence[RunEvent]:
 
 def store_trainer_events(session: Session, *, run_id: int, records: Sequence[TrainerEventRecord]) -> int:
     """Insert the trainer's event records once per (run, stream, seq); returns how many were new.
-    A record without a stream (an older trainer) has no key and is always stored."""
+    A record without a stream (an older trainer) has no key and is always stored. A new
+    membership change clears the run's stored final bill (a late report)."""
     if not records:
         return 0
     nodes = _nodes_of_ranks(session, run_id=run_id)
@@ -96,6 +99,8 @@ def store_trainer_events(session: Session, *, run_id: int, records: Sequence[Tra
             .execution_options(preserve_rowcount=True)
         )
         stored += max(0, session.connection().execute(stmt).rowcount)
+    if stored and any(r.event in MEMBERSHIP_KINDS and r.subject is not None for r in records):
+        clear_late_bill(session, run_id=run_id)
     return stored
 
 

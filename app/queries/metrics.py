@@ -19,6 +19,8 @@ from sqlalchemy.orm import Session
 from app.errors import NotFoundError
 from app.models import Run, RunMetric
 from app.models.base import utcnow
+from app.queries.costs import BILLED_METRICS
+from app.queries.final_bills import clear_late_bill
 from app.run_secrets import token_rank
 from app.schemas.runs import MetricRecord, MetricSeries
 
@@ -32,18 +34,28 @@ NO_PEER = -1
 # this transaction commits without waiting for the WAL flush (synchronous_commit off, for it
 # alone): a Postgres crash may lose the last fraction of a second of metrics, and ingestion
 # stops paying a disk flush per batch. The setting rides in a CTE to save a round trip.
+#
+# The statement also says whether the run has a stored final bill, read under a key-share lock
+# on the run's row (which the foreign key takes anyway): a locking read answers with the row as
+# of the lock, so a bill whose storing the insert had to wait for shows (app.queries.final_bills),
+# and a batch needs no statement of its own to find out.
 _PG_INSERT = text(
     """
-    WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true))
-    INSERT INTO run_metrics (run_id, name, rank, peer, step, t, value, stream, seq)
-    SELECT :run_id, m.name, m.rank, m.peer, m.step, m.t, m.value, m.stream, m.seq
-    FROM unnest(CAST(:names AS text[]), CAST(:ranks AS integer[]), CAST(:peers AS integer[]),
-                CAST(:steps AS integer[]), CAST(:ts AS double precision[]),
-                CAST(:vals AS double precision[]), CAST(:streams AS text[]),
-                CAST(:seqs AS bigint[]))
-         AS m(name, rank, peer, step, t, value, stream, seq)
-         CROSS JOIN async_commit
-    ON CONFLICT (run_id, rank, stream, seq) DO NOTHING
+    WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true)),
+    run AS (SELECT billed_at IS NOT NULL AS billed FROM runs WHERE id = :run_id FOR KEY SHARE),
+    inserted AS (
+        INSERT INTO run_metrics (run_id, name, rank, peer, step, t, value, stream, seq)
+        SELECT :run_id, m.name, m.rank, m.peer, m.step, m.t, m.value, m.stream, m.seq
+        FROM unnest(CAST(:names AS text[]), CAST(:ranks AS integer[]), CAST(:peers AS integer[]),
+                    CAST(:steps AS integer[]), CAST(:ts AS double precision[]),
+                    CAST(:vals AS double precision[]), CAST(:streams AS text[]),
+                    CAST(:seqs AS bigint[]))
+             AS m(name, rank, peer, step, t, value, stream, seq)
+             CROSS JOIN async_commit
+        ON CONFLICT (run_id, rank, stream, seq) DO NOTHING
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM inserted) AS stored, coalesce((SELECT billed FROM run), false) AS billed
     """
 )
 
@@ -107,13 +119,23 @@ def record_key(record: MetricRecord) -> tuple[str, int]:
 
 def store_metrics(session: Session, *, run_id: int, records: Sequence[MetricRecord]) -> int:
     """Insert the records once per (run, rank, stream, seq); returns how many were new.
-    A reported `max_steps` becomes the run's when it had none (a run given in epochs)."""
+    A reported `max_steps` becomes the run's when it had none (a run given in epochs); new
+    records a bill sums clear the run's stored final bill (a late report)."""
     if not records:
         return 0
     _learn_max_steps(session, run_id, records)
+    stored, billed = _insert_metrics(session, run_id, records)
+    if stored and billed and any(r.name in BILLED_METRICS for r in records):
+        clear_late_bill(session, run_id=run_id)
+    return stored
+
+
+def _insert_metrics(session: Session, run_id: int, records: Sequence[MetricRecord]) -> tuple[int, bool]:
+    """How many records were new, and whether the run may have a stored final bill (SQLite,
+    whose one writer the insert now is, leaves that to the clearing statement)."""
     keys = [record_key(r) for r in records]
     if session.get_bind().dialect.name == "postgresql":
-        result = session.execute(
+        row = session.execute(
             _PG_INSERT,
             {
                 "run_id": run_id,
@@ -126,8 +148,8 @@ def store_metrics(session: Session, *, run_id: int, records: Sequence[MetricReco
                 "streams": [k[0] for k in keys],
                 "seqs": [k[1] for k in keys],
             },
-        )
-        return result.rowcount or 0
+        ).one()
+        return int(row.stored), bool(row.billed)
     stmt = sqlite_insert(RunMetric.__table__).on_conflict_do_nothing(
         index_elements=["run_id", "rank", "stream", "seq"]
     )
@@ -140,7 +162,7 @@ def store_metrics(session: Session, *, run_id: int, records: Sequence[MetricReco
         for r, (stream, seq) in zip(records, keys)
     ]
     # Core, not ORM, execution: its result counts the rows the statement really inserted.
-    return session.connection().execute(stmt, rows).rowcount or 0
+    return session.connection().execute(stmt, rows).rowcount or 0, True
 
 
 def read_metrics(

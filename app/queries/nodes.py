@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, selectinload
 from app.errors import DuplicateError, NotFoundError
 from app.models import GpuModel, Node, NodeGpu, NodeStatus, Provider, Site, SiteKind
 from app.queries.common import apply_changes
+from app.queries.final_bills import NODE_BILLING_FIELDS, clear_bills_on_nodes
 from app.queries.gpu_models import gpu_models_by_name
 from app.queries.sites import get_site
 from app.schemas.nodes import GpuCount, NodeCreate, NodePublic, NodeUpdate
@@ -158,8 +159,12 @@ def create_node(session: Session, *, data: NodeCreate) -> tuple[Node, str]:
 
 
 def update_node(session: Session, *, node_id: int, data: NodeUpdate) -> Node:
-    """Change some fields of a node; `gpus`, when given, replaces the declared list."""
+    """Change some fields of a node; `gpus`, when given, replaces the declared list. A change
+    of what prices the node clears the final bills of the runs that used it."""
     node = get_node(session, node_id=node_id)
+    if data.model_fields_set & NODE_BILLING_FIELDS:
+        # Before the node's own row: the lifecycle, too, locks runs before nodes.
+        clear_bills_on_nodes(session, node_ids=[node.id])
     changes = data.model_dump(exclude_unset=True, exclude={"gpus"})
     if changes.get("site_id") is not None:
         get_site(session, site_id=changes["site_id"], field="site_id")
@@ -228,8 +233,11 @@ def node_by_join_token(session: Session, *, join_token: str) -> Node | None:
 
 
 def delete_node(session: Session, *, node_id: int) -> None:
-    """Remove a node (its declared GPUs and cluster memberships go with it)."""
+    """Remove a node (its declared GPUs and cluster memberships go with it); the runs that used
+    it no longer bill it, so their final bills are cleared."""
     node = get_node(session, node_id=node_id)
+    # While their ranks still name the node (its delete sets their node_id to NULL).
+    clear_bills_on_nodes(session, node_ids=[node.id])
     session.delete(node)
     session.flush()
 

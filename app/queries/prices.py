@@ -239,7 +239,8 @@ def _revision_start(
 
 
 def create_instance_price(session: Session, *, data: InstancePriceCreate) -> InstancePrice:
-    """Start a new instance-price series (revise an existing one instead of re-creating it)."""
+    """Start a new instance-price series (revise an existing one instead of re-creating it); one
+    started in the past clears the final bills of the runs priced since."""
     get_gpu_model(session, gpu_model_id=data.gpu_model_id, field="gpu_model_id")
     key = InstanceKey(data.provider, data.region, data.instance_type, data.gpu_model_id, data.gpu_count)
     existing = _latest_version(session, InstancePrice, key)
@@ -253,6 +254,7 @@ def create_instance_price(session: Session, *, data: InstancePriceCreate) -> Ins
     price = InstancePrice(**data.model_dump(exclude={"effective_from"}), effective_from=data.effective_from or utcnow(), seeded=False)
     session.add(price)
     session.flush()
+    _clear_bills_priced_since(session, price.effective_from)
     return price
 
 
@@ -285,7 +287,8 @@ def revise_instance_price(
 
 
 def create_egress_price(session: Session, *, data: EgressPriceCreate) -> EgressPrice:
-    """Start a new egress-price series."""
+    """Start a new egress-price series; one started in the past clears the final bills of the
+    runs priced since."""
     key = EgressKey(data.provider, data.traffic_class, data.continent)
     existing = _latest_version(session, EgressPrice, key)
     if existing is not None:
@@ -298,6 +301,7 @@ def create_egress_price(session: Session, *, data: EgressPriceCreate) -> EgressP
     price = EgressPrice(**data.model_dump(exclude={"effective_from"}), effective_from=data.effective_from or utcnow(), seeded=False)
     session.add(price)
     session.flush()
+    _clear_bills_priced_since(session, price.effective_from)
     return price
 
 
@@ -321,6 +325,14 @@ def revise_egress_price(
     session.add(revision)
     session.flush()
     return revision
+
+
+def _clear_bills_priced_since(session: Session, since: datetime) -> None:
+    """A series started in the past prices runs since then anew (`final_bills.clear_bills_priced_since`)."""
+    # Imported here: final_bills bills through app.queries.price_lookups, which imports this module.
+    from app.queries.final_bills import clear_bills_priced_since
+
+    clear_bills_priced_since(session, since=since)
 
 
 def _delete_scheduled(session: Session, price: InstancePrice | EgressPrice, now: datetime) -> None:

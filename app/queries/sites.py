@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from app.errors import DuplicateError, InUseError, InvalidFieldError, NotFoundError
 from app.models import Continent, Node, Provider, Site, SiteKind
 from app.queries.common import apply_changes, paginate
+from app.queries.final_bills import clear_bills_at_site
 from app.schemas.sites import SiteCreate, SiteUpdate
 
 
@@ -71,8 +72,10 @@ def create_site(session: Session, *, data: SiteCreate) -> Site:
 
 
 def update_site(session: Session, *, site_id: int, data: SiteUpdate) -> Site:
-    """Change some fields of a site."""
+    """Change some fields of a site; the final bills of the runs on its nodes are cleared (its
+    provider, region, zone or continent price their traffic and instances)."""
     site = get_site(session, site_id=site_id)
+    clear_bills_at_site(session, site_id=site.id)
     changes = data.model_dump(exclude_unset=True)
     _check_consistent(
         changes.get("kind") or site.kind, changes.get("provider") or site.provider

@@ -4,17 +4,20 @@ continues from."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session, lazyload, selectinload
+from sqlalchemy.orm import Session
 
+from app.billing import Bill
 from app.models import Run, RunEvent, RunMetric
 from app.models.base import utcnow
 from app.models.runs import ACTIVE_RUN_STATUSES
 from app.queries import costs, dashboard
+from app.queries.final_bills import spend_of_all_runs
 from app.queries.metrics import metric_names
 from app.queries.price_lookups import CachedPriceLookup, DbPriceLookup
 from app.web import figures
@@ -77,37 +80,42 @@ class RunsOverview:
     unpriced: bool = False
 
 
-def run_rows(session: Session, runs: list[Run]) -> list[RunRow]:
-    """Table rows of `runs` (one grouped query for their progress, their bills together: `run_bills`)."""
+def run_rows(session: Session, runs: list[Run], *, bills: Mapping[int, Bill] | None = None) -> list[RunRow]:
+    """Table rows of `runs` (one grouped query for their progress). An ended run's spend is its
+    stored final bill; the others' are `bills`' or, failing that, billed together (`run_bills`)."""
     steps = dashboard.last_steps(session, run_ids=[r.id for r in runs])
     now = utcnow()
-    bills = costs.run_bills(session, runs, now=now)
+    known = dict(bills or {})
+    known.update(costs.run_bills(session, [r for r in runs if r.billed_at is None and r.id not in known], now=now))
     rows = []
     for run in runs:
-        bill = bills[run.id]
+        spend, unpriced = _spend(run, known)
         start = run.started_at or run.launched_at
         rows.append(RunRow(
             id=run.id, name=run.name, status=str(run.status), strategy=run.strategy, task=run.task,
             script=run.script, workers=sum(1 for w in run.workers if w.role == "worker"),
             step=steps.get(run.id), max_steps=run.max_steps, created_at=run.created_at,
             duration_s=None if start is None else ((run.finished_at or now) - start).total_seconds(),
-            spend_usd=bill.total_usd, unpriced=bool(bill.unpriced),
+            spend_usd=spend, unpriced=unpriced,
         ))
     return rows
 
 
+def _spend(run: Run, bills: Mapping[int, Bill]) -> tuple[Decimal, bool]:
+    """A run's spend and whether part of it had no price: its stored final bill, else its live one."""
+    if run.billed_at is not None:
+        return run.billed_usd or Decimal(0), bool(run.billed_unpriced)
+    bill = bills[run.id]
+    return bill.total_usd, bool(bill.unpriced)
+
+
 def overview(session: Session) -> RunsOverview:
-    """Runs in flight and what every run has spent so far."""
-    in_flight = run_rows(session, dashboard.active_runs(session))
-    # Their workers for the bills; not their events (Run.events loads with a run by default).
-    all_runs = list(session.scalars(select(Run).options(selectinload(Run.workers), lazyload(Run.events))))
-    bills = list(costs.run_bills(session, all_runs, now=utcnow()).values())
-    return RunsOverview(
-        in_flight=in_flight,
-        spend_usd=sum((b.total_usd for b in bills), Decimal(0)),
-        run_count=len(all_runs),
-        unpriced=any(b.unpriced for b in bills),
-    )
+    """Runs in flight and what every run has spent so far: ended runs' stored final bills, the
+    others billed live (`final_bills.spend_of_all_runs`)."""
+    spend = spend_of_all_runs(session, now=utcnow())
+    # The runs in flight were billed with the rest: their rows reuse those bills.
+    in_flight = run_rows(session, dashboard.active_runs(session), bills=spend.live)
+    return RunsOverview(in_flight=in_flight, spend_usd=spend.usd, run_count=spend.runs, unpriced=spend.unpriced)
 
 
 def run_t0(session: Session, run: Run) -> float:
