@@ -165,55 +165,6 @@ class HeartbeatOutcome:
     orders: list[Order] = field(default_factory=list)
 
 
-def _plain_beat(with_gpus: bool) -> Update:
-    # Each condition rules out a part of `apply_heartbeat` with work to do: a node back online
-    # (it rejoins its runs), the probes ordered on joining, ranks the agent no longer reports.
-    nodes, agents, workers, runs = (m.__table__ for m in (Node, NodeAgent, RunWorker, Run))
-    node_of_token = select(agents.c.node_id).where(agents.c.token_hash == bindparam("token_hash"))
-    running_here = exists().where(
-        workers.c.node_id == nodes.c.id,
-        workers.c.status == WorkerStatus.running,
-        runs.c.id == workers.c.run_id,
-        runs.c.status.in_(ACTIVE_RUN_STATUSES),
-    )
-    values: dict[str, Any] = {"last_heartbeat": bindparam("now")}
-    if with_gpus:
-        values["gpu_usage"] = bindparam("gpus", type_=nodes.c.gpu_usage.type)
-    return (
-        update(nodes)
-        .where(
-            nodes.c.id == node_of_token.scalar_subquery(),
-            nodes.c.status == NodeStatus.online,
-            nodes.c.detected_hardware[PROBE_ON_JOIN].as_boolean().is_not(True),
-            ~running_here,
-        )
-        .values(values)
-        .returning(nodes.c.id)
-    )
-
-
-# Built once: a heartbeat only binds its values.
-_PLAIN_BEAT = {True: _plain_beat(with_gpus=True), False: _plain_beat(with_gpus=False)}
-
-
-def record_plain_beat(session: Session, *, token: str, beat: Heartbeat, now: datetime | None = None) -> int | None:
-    """Record a beat that has nothing to reconcile in one UPDATE, and return the node's id: the
-    node of `token`'s agent is online, runs no rank and awaits no join probe, and the beat
-    reports no role and no hardware. Otherwise None, and nothing changed: the beat is
-    `apply_heartbeat`'s (as is a token no agent holds, refused there)."""
-    if beat.roles or beat.hardware is not None:
-        return None
-    params: dict[str, Any] = {"token_hash": hash_secret(token), "now": now or utcnow()}
-    if beat.gpus is not None:
-        params["gpus"] = [gpu.model_dump() for gpu in beat.gpus]
-    node_id = session.connection().execute(_PLAIN_BEAT[beat.gpus is not None], params).scalar_one_or_none()
-    loaded = session.identity_map.get(identity_key(Node, node_id)) if node_id is not None else None
-    if loaded is not None:
-        # The UPDATE went past the session: a node it had loaded reads the new values again.
-        session.expire(loaded, ["last_heartbeat", "gpu_usage", "updated_at"])
-    return node_id
-
-
 @dataclass(frozen=True)
 class PlainBeat:
     """A beat `record_plain_beats` may record: its agent token's hash, when, and its GPU readings
@@ -235,8 +186,16 @@ def plain_beat(token: str, beat: Heartbeat, now: datetime | None = None) -> Plai
     return PlainBeat(hash_secret(token), now or utcnow(), gpus)
 
 
+def record_plain_beat(session: Session, *, token: str, beat: Heartbeat, now: datetime | None = None) -> int | None:
+    """Record one beat that has nothing to reconcile (`record_plain_beats`), and return its node's
+    id; None if it has work to do, and nothing changed: the beat is `apply_heartbeat`'s."""
+    if not is_plain(beat):
+        return None
+    return next(iter(record_plain_beats(session, [plain_beat(token, beat, now)]).values()), None)
+
+
 def record_plain_beats(session: Session, beats: Sequence[PlainBeat]) -> dict[str, int]:
-    """Record many agents' plain beats in one UPDATE (Postgres); returns the node id of each token
+    """Record many agents' plain beats in one UPDATE; returns the node id of each token
     hash whose node took its beat. A beat left out changed nothing and is `apply_heartbeat`'s: its
     node is not online, runs a rank or awaits its join probe, or no agent holds its token."""
     if not beats:
@@ -245,13 +204,20 @@ def record_plain_beats(session: Session, beats: Sequence[PlainBeat]) -> dict[str
     given = values(
         column("token_hash", String), column("at", nodes.c.last_heartbeat.type),
         column("gpus", nodes.c.gpu_usage.type), column("has_gpus", Boolean), name="beats",
-    ).data([(b.token_hash, b.at, b.gpus, b.gpus is not None) for b in beats])
+    ).data([(b.token_hash, b.at, b.gpus, b.gpus is not None) for b in beats]).cte("beats")
     running_here = exists().where(
         workers.c.node_id == nodes.c.id,
         workers.c.status == WorkerStatus.running,
         runs.c.id == workers.c.run_id,
         runs.c.status.in_(ACTIVE_RUN_STATUSES),
     )
+    token_hash: Any = given.c.token_hash
+    if session.get_bind().dialect.name == "sqlite":
+        # SQLite's RETURNING names only the updated table's columns, not UPDATE FROM's others.
+        holder = agents.alias("holder")
+        token_hash = select(holder.c.token_hash).where(
+            holder.c.node_id == nodes.c.id, holder.c.token_hash.in_(select(given.c.token_hash).correlate(None)),
+        ).correlate(nodes).scalar_subquery()
     stmt = (
         update(nodes)
         .where(
@@ -262,7 +228,7 @@ def record_plain_beats(session: Session, beats: Sequence[PlainBeat]) -> dict[str
             ~running_here,
         )
         .values(last_heartbeat=given.c.at, gpu_usage=case((given.c.has_gpus, given.c.gpus), else_=nodes.c.gpu_usage))
-        .returning(nodes.c.id, given.c.token_hash)
+        .returning(nodes.c.id, token_hash)
     )
     found = {token_hash: node_id for node_id, token_hash in session.connection().execute(stmt)}
     for node_id in found.values():
