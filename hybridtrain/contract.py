@@ -211,8 +211,10 @@ SYSTEM_METRICS = frozenset(
     {"loss", "batch_size", "samples_per_s", "compute_s", "data_s", "compress_s", "comm_s", "wait_s",
      "bytes_sent", "bytes_recv", "density", "time_to_target_s", "max_steps", "params", "eval_s",
      # Local SGD's outer steps: the norm of the averaged parameter change each one applied, and
-     # the inner steps a worker took between sending its change and applying that outer step.
-     "outer_norm", "outer_staleness",
+     # the inner steps a worker took between sending its change and applying that outer step;
+     # asynchronous, the server's count per outer step of the workers it went on without, the
+     # late changes it folded in, and those it dropped as too late (trainer.late_changes).
+     "outer_norm", "outer_staleness", "outer_deferred", "outer_folded", "outer_dropped",
      # Data sets (hybridtrain.datasets): bytes fetched from the store and from the site cache,
      # and the samples the loader read with their digest, with the data set's id as the peer.
      "data_bytes", "data_cache_bytes", "data_samples", "data_sample_digest"}

@@ -4,6 +4,8 @@ own error-feedback residual. The server never holds the model, only the layout's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from trainer.algorithm import aggregate_sparsified, chunk_count, chunks
@@ -34,14 +36,16 @@ class Aggregator:
         """How many chunks a step's frames come in."""
         return len(self.bounds)
 
-    def combine(self, step: int, chunk: int, grads: list[Grad]) -> tuple[torch.Tensor, Payload]:
-        """The chunk's weighted sum, dense part (on its chunk) and re-sparsified sparse part."""
+    def combine(self, step: int, chunk: int, grads: list[Grad],
+                weights: Sequence[float] | None = None) -> tuple[torch.Tensor, Payload]:
+        """The chunk's weighted sum, dense part (on its chunk) and re-sparsified sparse part;
+        `weights` replace the frames' samples (late changes folded in)."""
         a, b = self.bounds[chunk]
         state = self.states[chunk]
         state.step = step
         dense_numel = self.dense_numel if chunk == DENSE_CHUNK else 0
         return aggregate_sparsified(grads, dense_numel, b - a, codec=self.codec, state=state,
-                                    dense_step=sends_dense(self.cfg, step))
+                                    dense_step=sends_dense(self.cfg, step), weights=weights)
 
     def residual(self) -> torch.Tensor | None:
         """The chunks' residuals as one flat tensor, a snapshot that later rounds leave alone."""

@@ -151,16 +151,19 @@ def correction_momentum(groups: Sequence[dict]) -> float | None:
 
 
 def aggregate(grads: Sequence[Grad], dense_numel: int, chunk_numel: int,
-              *, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 3, eq. 1-2: sum_m alpha_m * g~_m of one chunk, alpha_m = n_m / sum(n) (fp32). The
+              *, into: torch.Tensor | None = None,
+              weights: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3, eq. 1-2: sum_m alpha_m * g~_m of one chunk, alpha_m = n_m / sum(n) (fp32), n_m
+    each frame's samples or its entry of `weights` (a late change's, trainer.late_changes). The
     sparse sum is added in place to `into` (chunk_numel elements) when given, else to zeros."""
-    total = sum(g.samples for g in grads)
+    ns = [g.samples for g in grads] if weights is None else list(weights)
+    total = sum(ns)
     if total <= 0:
         raise ValueError("aggregate: the workers reported no samples")
     dense = torch.zeros(dense_numel)
     sparse = torch.zeros(chunk_numel) if into is None else into
-    for g in grads:
-        alpha = g.samples / total
+    for g, n in zip(grads, ns, strict=True):
+        alpha = n / total
         # Widen to fp32 before weighting and summing (fp16 values would lose the small terms);
         # an fp8 payload's scale joins the weight.
         dense.add_(widen(g.dense.values), alpha=alpha * g.dense.scale)
@@ -180,15 +183,17 @@ def server_sparsify(update: torch.Tensor, *, codec: Compressor, state: Compressi
 
 
 def aggregate_sparsified(grads: Sequence[Grad], dense_numel: int, chunk_numel: int, *, codec: Compressor,
-                         state: CompressionState, dense_step: bool) -> tuple[torch.Tensor, Payload]:
+                         state: CompressionState, dense_step: bool,
+                         weights: Sequence[float] | None = None) -> tuple[torch.Tensor, Payload]:
     """Step 3 whole for one chunk: the dense part's weighted sum, and the sparse part's
     (`aggregate`) re-sparsified (`server_sparsify`). Under error feedback the sum is added
     straight into the residual: one pass and one fresh chunk-sized buffer fewer, which on the
     server's few cores is a third of its work a step."""
     if dense_step or not isinstance(codec, ErrorFeedback):
-        dense, sparse = aggregate(grads, dense_numel, chunk_numel)
+        dense, sparse = aggregate(grads, dense_numel, chunk_numel, weights=weights)
         return dense, server_sparsify(sparse, codec=codec, state=state, dense_step=dense_step)
-    dense, _ = aggregate(grads, dense_numel, chunk_numel, into=codec.accumulator(state, chunk_numel))
+    dense, _ = aggregate(grads, dense_numel, chunk_numel, into=codec.accumulator(state, chunk_numel),
+                         weights=weights)
     return dense, codec.compress_accumulated(state)
 
 

@@ -196,6 +196,13 @@ class TrainConfig:
         return self.outer_delay
 
     @property
+    def defers_late_changes(self) -> bool:
+        """Whether the server closes an outer round without its stragglers and folds their changes
+        into a later one (trainer.late_changes): asynchronous outer steps of the whole model, not
+        streaming's fragments (whose rounds keep waiting for every worker)."""
+        return self.asynchronous and self.is_local_sgd and not self.streams and not self.combines_at_sites
+
+    @property
     def densities(self) -> tuple[float, float, float, float]:
         """The compressed exchange's (target density, lowest, highest, server k): the --density
         flags, or diloco-gc's from --outer-density."""

@@ -7,6 +7,8 @@ carries. Each part of the work is a helper it holds, with its own state:
 - `Joiner` (trainer.joiner): the start's HELLOs and WELCOMEs, later joiners, the --min-workers wait;
 - `Departures` (trainer.departures): lost and leaving workers, a lost relay's site;
 - `Gatherer` (trainer.gathering): a round's frames, with the lost dropped on the way;
+- `LateChanges` (trainer.late_changes): asynchronous outer steps' stragglers, left out of a
+  round and their change folded into a later one;
 - `Donors` (trainer.donors): a live worker's state (FETCH), for a joiner or a checkpoint;
 - `Aggregator` (trainer.aggregator): eq. 1-2 and the server's compression, chunk by chunk;
 - `Planner` (trainer.planner): the next step's densities and batch split;
@@ -46,9 +48,11 @@ from trainer.frames import (
     Update,
     expect,
     pack,
+    unpack,
 )
 from trainer.gathering import Gatherer
 from trainer.joiner import Joiner
+from trainer.late_changes import Fold, LateChanges
 from trainer.membership import Member, Roster
 from trainer.metrics import MetricsLogger
 from trainer.planner import Planner, WorkerRow
@@ -72,11 +76,12 @@ class ParameterServer:
         self.roster = Roster(cfg)
         self.checkpoints = Checkpointer(cfg)
         self.departures = Departures(cfg, self.roster, transport, self.inbox, metrics, self.checkpoints)
-        self.gatherer = Gatherer(cfg, self.roster, self.inbox, self.departures, self.checkpoints)
+        self.aggregator = Aggregator(cfg)
+        self.late = LateChanges(lambda: self.aggregator.chunks) if cfg.defers_late_changes else None
+        self.gatherer = Gatherer(cfg, self.roster, self.inbox, self.departures, self.checkpoints, self.late)
         self.donors = Donors(cfg, self.roster, transport, self.inbox, self.departures)
         self.joiner = Joiner(cfg, self.roster, transport, self.inbox, metrics, self.departures, self.donors,
                              self.checkpoints)
-        self.aggregator = Aggregator(cfg)
         self.planner = Planner(cfg, self.roster)
         self.progress = RunProgress(cfg)
         self.layout: LayoutSpec | None = None
@@ -135,12 +140,17 @@ class ParameterServer:
     def serve_round(self) -> bool:
         """Answer the next round; True once it was the goodbye."""
         began = time.perf_counter()
-        first, frames = self.gatherer.gather_round(self.step)
+        close_s = self.late.deadline_s(self.roster.loss_deadline_s()) if self.late is not None else None
+        first, frames, left_out = self.gatherer.gather_round(self.step, close_s=close_s)
         if not frames:
             return False  # everyone in the round was lost or left: the boundary decides
         kind = round_kind(frames)
         if kind is Grad:
-            self.serve_step(frames, {w: t for w, (_, t) in first.items()}, began)
+            if left_out and next(iter(frames.values())).step >= self.max_steps:
+                # The run's last outer step waits for everyone: the run ends on every change.
+                first, left_out = self.wait_for(left_out, first), []
+                frames = {w: unpack(raw) for w, (raw, _) in first.items()}
+            self.serve_step(frames, {w: t for w, (_, t) in first.items()}, began, left_out=left_out)
         elif kind is Buffers:
             self.serve_buffers(frames)
         elif kind is Eval:
@@ -152,8 +162,16 @@ class ParameterServer:
             raise ProtocolError(f"unexpected {kind.__name__} from the workers")
         return False
 
+    def wait_for(self, ranks: list[int], first: dict) -> dict:
+        """`first` with the next frames of `ranks` (left out of a round that must not close without
+        them), held to the loss deadline."""
+        more = self.gatherer.collect(ranks, self.step, first_s=self.roster.loss_deadline_s())
+        more = {w: v for w, v in more.items() if w not in self.departures.gone}
+        return dict(sorted({**first, **more}.items()))
+
     # -- a step --------------------------------------------------------------------------------------
-    def serve_step(self, frames: dict[int, Grad], arrival: dict[int, float], began: float) -> None:
+    def serve_step(self, frames: dict[int, Grad], arrival: dict[int, float], began: float, *,
+                   left_out: list[int] | None = None) -> None:
         """One step (paper section III), chunk by chunk: gather the workers' compressed gradients,
         sum them weighted by their samples and re-sparsify (eq. 1-2, step 3), plan the next step's
         batch split and densities (step 5), and send everyone the one update. Under local SGD the
@@ -162,8 +180,10 @@ class ParameterServer:
         round is of the fragments whose outer step follows this step, a chunk each (the workers
         know which from the same schedule, `TrainConfig.round_chunks`).
         `frames`: the first chunk's, `arrival`: their seconds on the wire, `began`: when the
-        server began waiting for them."""
+        server began waiting for them. Asynchronous (trainer.late_changes), `left_out` missed the
+        round's deadline, and the late changes whose chunks are all in join the mean."""
         step = self._open_step(frames)
+        fold = self.late.fold(self.roster) if self.late is not None else None
         laps = Laps(began)
         waits, kept = [], 0
         self.departures.new_step()
@@ -183,7 +203,23 @@ class ParameterServer:
             wait()
         laps.add("comm_s")
         self.close_step(step, list(frames.values()), update, laps, kept,
-                        sum(b - a for a, b in (self.aggregator.bounds[c] for c in round_)))
+                        sum(b - a for a, b in (self.aggregator.bounds[c] for c in round_)),
+                        late_samples=fold.samples if fold is not None else 0)
+        if self.late is not None and fold is not None:
+            self.close_late(step, list(frames.values()), left_out or [], fold)
+
+    def close_late(self, step: int, grads: list[Grad], left_out: list[int], fold: Fold) -> None:
+        """Asynchronous outer steps: the round is closed for `LateChanges`; how many workers it went
+        on without, and how many late changes it took or dropped, go into the metrics."""
+        assert self.late is not None
+        self.late.closed(step, grads, left_out)
+        mlog = self.metrics.log
+        mlog(step, "outer_deferred", len(left_out))
+        mlog(step, "outer_folded", fold.folded)
+        mlog(step, "outer_dropped", fold.dropped)
+        if left_out or fold.dropped:
+            log.info("outer step %d went on without ranks %s; folded %d late changes, dropped %d",
+                     step, left_out, fold.folded, fold.dropped)
 
     def _open_step(self, frames: dict[int, Grad]) -> int:
         """The step the first frames are of; the bytes so far logged under the last step."""
@@ -236,8 +272,15 @@ class ParameterServer:
 
     def aggregate(self, step: int, grads: list[Grad], chunk: int, arrival: dict[int, float] | None = None) -> Update:
         """Steps 3 and 5 for one chunk: the weighted sum (eq. 1-2) and server compression; with
-        the round's last chunk (streaming: its last fragment's), the step's loss and next step's plan."""
-        dense, payload = self.aggregator.combine(step, chunk, grads)
+        the round's last chunk (streaming: its last fragment's), the step's loss and next step's
+        plan. Asynchronous, the late changes the round takes (`LateChanges.taking`) join both."""
+        fold = self.late.taking if self.late is not None else None
+        late = fold.grads(chunk) if fold is not None else []
+        if late:
+            dense, payload = self.aggregator.combine(step, chunk, grads + [g for g, _ in late],
+                                                     [g.samples for g in grads] + [w for _, w in late])
+        else:
+            dense, payload = self.aggregator.combine(step, chunk, grads)
         last = self.cfg.round_chunks(step, self.aggregator.chunks, self.max_steps)[-1]
         if chunk == 0 and self.cfg.applies_in_forward and last:
             self.planner.plan_early(step, grads, self.aggregator.chunks)
@@ -245,20 +288,25 @@ class ParameterServer:
                           densities=tuple(self.roster.densities), batch_sizes=tuple(self.roster.batch_sizes))
         if chunk < last:
             return Update(step, chunk, Payload(dense.numel(), dense), payload)
-        rows = self.planner.plan_step(step, grads, arrival or {})
-        return Update(step, chunk, Payload(dense.numel(), dense), payload, step_loss(rows),
+        others = latest_others(grads, fold)
+        rows = self.planner.plan_step(step, grads + others, arrival or {})
+        # The round's loss is of its own changes, not of a straggler's older one.
+        stale = {g.sender for g in others}
+        return Update(step, chunk, Payload(dense.numel(), dense), payload,
+                      step_loss([r for r in rows if r.rank not in stale]),
                       tuple(self.roster.densities), tuple(self.roster.batch_sizes))
 
     def close_step(self, step: int, grads: list[Grad], update: Update, laps: Laps, kept: int,
-                   sent_numel: int | None = None) -> None:
-        """The step is answered: its time for the loss deadline, joiners caught up, its metrics."""
+                   sent_numel: int | None = None, *, late_samples: int = 0) -> None:
+        """The step is answered: its time for the loss deadline, joiners caught up, its metrics
+        (`late_samples`: late changes' samples the round's mean took, trainer.late_changes)."""
         self.step = step
         self.roster.note_step(laps.total())
         self.roster.caught_up()
         mlog = self.metrics.log
         if math.isfinite(update.loss):
             mlog(step, "loss", update.loss)
-        samples = sum(g.samples for g in grads)  # a site's frame counts its site
+        samples = sum(g.samples for g in grads) + late_samples  # a site's frame counts its site
         mlog(step, "batch_size", samples)
         mlog(step, "samples_per_s", samples / max(laps.total(), 1e-9))
         for name in ("wait_s", "compress_s", "comm_s"):
@@ -404,6 +452,19 @@ def round_kind(frames: dict) -> type:
         raise ProtocolError(f"the workers disagree on what comes next ({said}): every "
                             "worker must run the same steps and evaluations")
     return kinds.pop()
+
+
+def latest_others(grads: list[Grad], fold: Fold | None) -> list[Grad]:
+    """The newest late frame of each worker with none in `grads`: a straggler's timings, which
+    the re-split of the batch needs most (trainer.late_changes)."""
+    if fold is None:
+        return []
+    own = {g.sender for g in grads}
+    newest: dict[int, Grad] = {}
+    for g in fold.seen:
+        if g.sender not in own and (g.sender not in newest or g.step > newest[g.sender].step):
+            newest[g.sender] = g
+    return [newest[w] for w in sorted(newest)]
 
 
 def step_loss(rows: list[WorkerRow]) -> float:

@@ -281,13 +281,16 @@ class Inbox:
 
     def collect(self, peers: Iterable[int], *, first_s: float, then_s: float,
                 at_once: Callable[[torch.Tensor], bool] | None = None,
+                consume: Callable[[int, torch.Tensor], bool] | None = None,
                 ) -> tuple[dict[int, tuple[torch.Tensor, float]], dict[int, tuple[torch.Tensor, float]],
                            dict[int, BaseException]]:
         """The next frame of each of `peers`: waits up to `first_s` for the first to arrive and
         `then_s` after it for the rest. Returns the frames, the frames `at_once` said yes to (a
         worker leaving: these return at once and do not start the `then_s` clock) and, for peers
         that failed or stayed silent, why (a connection error, or TimeoutError); returns early
-        at a failure, leaving the frames of peers still to come in their queues."""
+        at a failure, leaving the frames of peers still to come in their queues. A frame
+        `consume(peer, frame)` takes (True; a late change) is the caller's, and the peer's next
+        frame is read in its place, on the same clock."""
         want = list(peers)
         got: dict[int, tuple[torch.Tensor, float]] = {}
         early: dict[int, tuple[torch.Tensor, float]] = {}
@@ -297,12 +300,17 @@ class Inbox:
         with self._cond:
             while True:
                 for p in want:
-                    if p in got or p in early or p in failed or not self._queues[p]:
-                        continue
-                    try:
-                        item = self._take(p)
-                    except BaseException as exc:  # noqa: BLE001 - reported per peer
-                        failed[p] = exc
+                    item: tuple[torch.Tensor, float] | None = None
+                    while p not in got and p not in early and p not in failed and self._queues[p]:
+                        try:
+                            item = self._take(p)
+                        except BaseException as exc:  # noqa: BLE001 - reported per peer
+                            failed[p] = exc
+                            break
+                        if consume is None or not consume(p, item[0]):
+                            break
+                        item = None
+                    if item is None:
                         continue
                     if at_once is not None and at_once(item[0]):
                         # A leaver's BYE comes as its peers start computing: timing them from

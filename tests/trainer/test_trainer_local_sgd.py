@@ -39,6 +39,7 @@ from hybridtrain.contract import (
     sync_due,
     sync_fragments,
 )
+from trainer import late_changes
 from trainer.algorithm import Layout, aggregate
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.codec_state import codec
@@ -360,6 +361,55 @@ def test_an_asynchronous_fragments_outer_step_lands_as_soon_as_its_own_update_is
     seen = _async_run(monkeypatch, 0.0, fragments=4, dense_numel=100)
     staleness = [by_step[step] for by_step in seen.values() for step in (2, 4, 6, 10, 12)]
     assert all(1 <= v <= 7 for v in staleness) and min(staleness) < 3, seen
+
+
+def test_the_server_goes_on_without_a_straggler_and_folds_its_change_into_the_next_outer_step(monkeypatch):
+    # H = 4, inner steps of 50 ms, a round's deadline of 30 ms; rank 3 stalls 0.15 s before step
+    # 8: step 8's outer step closes without it (every worker has its mean before rank 3 has even
+    # sent), rank 3's change joins step 12's mean, and the last outer step waits for everyone.
+    outer, applied, stepped = _run_with_a_straggler(monkeypatch, stall_s=0.15)
+    assert outer["outer_deferred"][8] >= 1 and outer["outer_deferred"][16] == 0, outer
+    assert outer["outer_folded"][12] >= 1 and not any(outer["outer_dropped"].values()), outer
+    assert applied[(1, 8)] < stepped[(3, 8)]  # no wait for the straggler's compute
+
+
+def test_a_straggler_change_that_misses_two_outer_steps_is_dropped_and_the_server_says_so(monkeypatch):
+    # Rank 3 stalls 0.35 s, longer than a round (0.2 s): its change of step 8 comes after step
+    # 12's round has closed, two rounds late at step 16's, beyond the bound of one.
+    outer, _, _ = _run_with_a_straggler(monkeypatch, stall_s=0.35)
+    assert outer["outer_deferred"][8] >= 1 and outer["outer_dropped"][16] == 1, outer
+
+
+def _run_with_a_straggler(monkeypatch, *, stall_s: float) -> tuple[dict, dict, dict]:
+    """An asynchronous run, 3 workers, H = 4, 16 steps in 2 chunks, inner steps of 50 ms and a
+    round's deadline of 30 ms; rank 3 stalls `stall_s` before step 8. Checks the replicas end
+    equal; returns the server's outer_deferred/folded/dropped by step, when each (rank, outer
+    step) was applied and when each (rank, step) was done."""
+    monkeypatch.setattr(late_changes, "DEADLINE_FLOOR_S", 0.03)
+    cfg = config(strategy="diloco", workers=3, global_batch=48, sync_every=4, max_steps=16, asynchronous=True,
+                 pipeline_chunks=2, dense_numel=100)
+    outer: dict[str, dict[int, float]] = {}
+    applied: dict[tuple[int, int], float] = {}
+    stepped: dict[tuple[int, int], float] = {}
+    log = MetricsLogger.log
+
+    def record(self, step, name, value, peer=None):
+        if self.rank == 0 and name in ("outer_deferred", "outer_folded", "outer_dropped"):
+            outer.setdefault(name, {})[step] = value
+        if name == "outer_staleness":
+            applied[(self.rank, step)] = time.monotonic()
+        log(self, step, name, value, peer)
+
+    def pace(rank: int, step: int, run) -> None:
+        stepped[(rank, step)] = time.monotonic()
+        time.sleep(stall_s if (rank, step) == (3, 7) else 0.05)
+
+    monkeypatch.setattr(MetricsLogger, "log", record)
+    run = run_in_process(cfg, 16, optimizer=adamw, after_step=pace)
+    assert len(run.clients) == 3 and all(c.local.synced == [16] for c in run.clients)
+    flats = [flat_parameters(m) for m in run.models]
+    assert all(torch.equal(flats[0], f) for f in flats[1:])
+    return outer, applied, stepped
 
 
 def _fragments_on_their_way(arrived: set[int]) -> tuple[OuterSteps, list[int]]:

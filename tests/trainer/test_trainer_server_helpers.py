@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -16,9 +17,11 @@ from trainer.checkpointing import Checkpointer
 from trainer.config import TrainConfig
 from trainer.departures import RESIDUAL_GONE, Departures
 from trainer.donors import Donors
-from trainer.frames import LAST_KINDS, Bye, Fetch, LayoutSpec, State, pack, unpack
+from trainer.compression import Payload
+from trainer.frames import LAST_KINDS, Bye, Fetch, Grad, LayoutSpec, State, pack, unpack
 from trainer.gathering import Gatherer
 from trainer.joiner import Joiner
+from trainer.late_changes import LateChanges
 from trainer.membership import Member, Roster
 from trainer.metrics import MetricsLogger
 from trainer.planner import Planner, WorkerRow
@@ -70,6 +73,45 @@ def test_the_gatherer_lets_a_leaver_go_as_its_bye_arrives_and_returns_the_others
     assert run.roster.ranks() == [1]
     assert unpack(run.hub.transport(2).recv(0)) == Bye(4, 0)  # the server's goodbye to the leaver
     assert [e["event"] for e in run.events()] == [EVENT_WORKER_LEFT]
+
+
+def _grad(rank: int, step: int) -> Grad:
+    return Grad(step, rank, 0, 0.5, 16, 0.0, 0.0, 0.0, Payload(2, torch.ones(2)), Payload(0, torch.zeros(0)))
+
+
+def test_a_round_closed_at_its_deadline_leaves_the_silent_worker_out_but_in_the_run(tmp_path):
+    run = _Run(TrainConfig(strategy="diloco", workers=2, global_batch=32, asynchronous=True), tmp_path)
+    late = LateChanges(lambda: 1)
+    gatherer = Gatherer(run.cfg, run.roster, run.inbox, run.departures, run.checkpoints, late)
+    run.hub.transport(1).send(0, pack(_grad(1, 4)))
+    t0 = time.monotonic()
+    first, frames, left_out = gatherer.gather_round(0, close_s=0.2)
+    assert list(frames) == [1] and left_out == [2] and time.monotonic() - t0 < 2.0
+    assert run.roster.ranks() == [1, 2] and not run.events()
+
+
+def test_a_worker_left_out_and_silent_for_the_loss_deadline_since_is_lost(tmp_path):
+    run = _Run(TrainConfig(strategy="diloco", workers=2, global_batch=32, asynchronous=True), tmp_path)
+    late = LateChanges(lambda: 1)
+    late.closed(4, [_grad(1, 4)], [2])
+    late.missed_since[2] -= 100.0  # the loss deadline before any step is 30 s
+    gatherer = Gatherer(run.cfg, run.roster, run.inbox, run.departures, run.checkpoints, late)
+    run.hub.transport(1).send(0, pack(_grad(1, 8)))
+    _, frames, left_out = gatherer.gather_round(4, close_s=0.2)
+    assert list(frames) == [1] and left_out == [] and run.roster.ranks() == [1]
+    assert [e["event"] for e in run.events()] == [EVENT_WORKER_LOST]
+
+
+def test_a_late_change_met_while_gathering_a_round_is_taken_and_the_workers_next_frame_read(tmp_path):
+    run = _Run(TrainConfig(strategy="diloco", workers=2, global_batch=32, asynchronous=True), tmp_path)
+    late = LateChanges(lambda: 1)
+    late.closed(4, [_grad(1, 4)], [2])
+    gatherer = Gatherer(run.cfg, run.roster, run.inbox, run.departures, run.checkpoints, late)
+    for rank, step in ((1, 8), (2, 4), (2, 8)):
+        run.hub.transport(rank).send(0, pack(_grad(rank, step)))
+    _, frames, left_out = gatherer.gather_round(4, close_s=5.0)
+    assert {w: f.step for w, f in frames.items()} == {1: 8, 2: 8} and left_out == []
+    assert list(late.parts) == [(2, 4)]
 
 
 def test_a_scheduled_checkpoint_asks_a_live_worker_and_writes_its_answer(tmp_path):

@@ -102,6 +102,33 @@ def test_a_frame_said_to_come_at_once_returns_at_once_apart_and_does_not_start_t
     assert (int(got[2][0][0]), early, failed) == (5, {}, {})
 
 
+def test_a_frame_the_caller_consumes_is_replaced_by_the_peers_next_on_the_same_clock():
+    # A straggler's late change is taken as it comes; the round still wants its next frame and
+    # the deadline after the first frame is not restarted by it.
+    hub = InMemoryHub(timeout_s=30)
+    inbox = Inbox(hub.transport(0), [1, 2], timeout_s=30, last_kinds=frozenset({LAST}))
+    taken: list[tuple[int, int]] = []
+
+    def consume(peer: int, raw: torch.Tensor) -> bool:
+        if int(raw[0]) == 8:
+            taken.append((peer, int(raw[0])))
+            return True
+        return False
+
+    hub.transport(1).send(0, torch.full((4,), 5, dtype=torch.uint8))
+    hub.transport(2).send(0, torch.full((4,), 8, dtype=torch.uint8))
+    hub.transport(2).send(0, torch.full((4,), 6, dtype=torch.uint8))
+    got, early, failed = inbox.collect([1, 2], first_s=10, then_s=0.3, consume=consume)
+    assert {p: int(v[0][0]) for p, v in got.items()} == {1: 5, 2: 6} and (early, failed) == ({}, {})
+    assert taken == [(2, 8)]
+    threading.Timer(0.2, lambda: hub.transport(2).send(0, torch.full((4,), 8, dtype=torch.uint8))).start()
+    hub.transport(1).send(0, torch.full((4,), 5, dtype=torch.uint8))
+    t0 = time.monotonic()
+    got, _, failed = inbox.collect([1, 2], first_s=10, then_s=0.4, consume=consume)
+    assert list(got) == [1] and isinstance(failed[2], TimeoutError) and time.monotonic() - t0 < 0.6
+    assert taken == [(2, 8), (2, 8)]
+
+
 def test_a_peer_marked_lost_ends_a_wait_on_it_once_its_frames_are_read():
     # A silent relay the server has dropped: its frames received so far are still read, then
     # the wait ends at once instead of at the timeout.
