@@ -190,8 +190,12 @@ def run_usage(
     workers = list(run.workers)
     if changes is None:
         changes = membership_changes_of(session, run_ids=[run.id]).get(run.id, {})
-    usages = _node_usages(session, run, nodes, changes, run.started_at or run.launched_at, end)
-    node_by_rank = {w.rank: w.node_name for w in workers if w.node_id is not None}
+    if nodes is None:
+        nodes = run_nodes(session, run=run)
+    usages = _node_usages(run, nodes, changes, run.started_at or run.launched_at, end)
+    # The names the nodes' usages go by: a node renamed since the run is billed, links and reads
+    # included, under its name now (as it is priced by its site and GPUs now).
+    node_by_rank = {w.rank: nodes[w.node_id].name for w in workers if w.node_id in nodes}
     if totals is None:
         totals = metric_totals(session, run_id=run.id)
     sums = totals.by_rank
@@ -266,7 +270,7 @@ def run_bills(session: Session, runs: Sequence[Run], *, now: datetime | None = N
 
 
 def _node_usages(
-    session: Session, run: Run, nodes: dict[int, Node] | None, changes: dict[int, list[MembershipChange]],
+    run: Run, nodes: dict[int, Node], changes: dict[int, list[MembershipChange]],
     run_start: datetime | None, end: datetime,
 ) -> list[NodeUsage]:
     """Each node's time in the run: the union of its ranks' spans of membership, each from the
@@ -285,10 +289,6 @@ def _node_usages(
         if w.started_at is not None or w.rank in changes:
             came_up.add(w.node_id)
             node_spans.extend(rank_spans(w.started_at, w.finished_at, changes.get(w.rank, ()), end=end))
-    if not spans:
-        return []
-    if nodes is None:
-        nodes = run_nodes(session, run=run)
     usages = []
     for node in (nodes[node_id] for node_id in sorted(spans) if node_id in nodes):
         if node.id in came_up:

@@ -116,6 +116,21 @@ def test_cost_of_an_onprem_plus_gcp_run_is_bytes_times_the_seeded_rate(
     assert cost["final"] is True and cost["unpriced"] == []
 
 
+def test_a_node_renamed_after_its_run_is_billed_links_and_all_under_its_name_now(
+    client: TestClient, session: Session, hybrid_nodes
+) -> None:
+    onprem, cloud = hybrid_nodes
+    run = _run(session, onprem, cloud, started=datetime.now(UTC) - 2 * HOUR, hours=1)
+    assert client.patch(f"{API}/nodes/{cloud['id']}", json={"name": "gcp-t4-renamed"}).status_code == 200
+
+    cost = client.get(f"{API}/runs/{run.id}/cost")
+
+    assert cost.status_code == 200
+    charged = [(link["src"], link["dst"]) for link in cost.json()["egress_by_link"] if link["usd"] > 0]
+    assert charged == [("gcp-t4-renamed", onprem["name"])]
+    assert "gcp-t4-renamed" in {n["node"] for n in cost.json()["compute_by_node"]}
+
+
 def test_cost_counts_worker_samples_and_granularity_per_worker(
     client: TestClient, session: Session, hybrid_nodes
 ) -> None:
