@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/v1/agent"
 DOWNLOAD_CHUNK_BYTES = 1 << 20
+# Below the control plane's keep-alive (app/config.py `keep_alive_s`), above a heartbeat's interval.
+KEEPALIVE_EXPIRY_S = 20.0
 
 
 class Sink(Protocol):
@@ -44,8 +46,12 @@ class ControlPlaneClient:
     ) -> None:
         self.server_url = server_url.rstrip("/")
         self._agent_token = agent_token
+        # An idle connection is dropped by the agent after 20 s, before the control plane's 30 s
+        # (`keep_alive_s`): with httpx's 5 s, as long as a heartbeat's interval, each beat raced
+        # the server's close of the connection it was about to reuse.
         self._http = httpx.Client(
-            base_url=self.server_url + API_PREFIX, timeout=timeout_s, transport=transport
+            base_url=self.server_url + API_PREFIX, timeout=timeout_s, transport=transport,
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     def close(self) -> None:

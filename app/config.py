@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     # Threads beyond the lanes' slots, for work that holds no connection (static files, the
     # exit of a request's dependencies).
     spare_threads: int = Field(default=8, ge=1, le=1000)
+    # How long an idle keep-alive connection stays open (uvicorn's default is 5 s). Above the
+    # agents' 20 s (agents/client.py), itself above their 5 s between heartbeats: an agent keeps
+    # its one connection, and closes it itself, so a beat never meets the server's close.
+    keep_alive_s: int = Field(default=30, ge=1, le=3600)
     # How long a checkout waits for a pooled connection before the request gets a 503; with
     # the pool sized as above it never should.
     db_pool_timeout_s: float = Field(default=10.0, gt=0, le=300)

@@ -86,6 +86,7 @@ def _run_server(args: argparse.Namespace) -> int:
         # Forwarded headers are honoured only from HYBRIDTRAIN_TRUSTED_PROXIES (app/main.py);
         # uvicorn's own default would trust any client on 127.0.0.1.
         "proxy_headers": False,
+        "timeout_keep_alive": settings.keep_alive_s,
     }
     if args.workers == 1:
         uvicorn.run(create_app(settings), **options)

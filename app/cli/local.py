@@ -210,7 +210,8 @@ def run_local(args: argparse.Namespace) -> int:
     # handler it found; this one lets the agent be stopped below instead of dying on the spot.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_keep_alive=settings.keep_alive_s)
     except KeyboardInterrupt:
         pass
     finally:

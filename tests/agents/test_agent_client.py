@@ -79,3 +79,13 @@ def test_refusals_in_a_row_back_off_up_to_the_interval():
     rng = random.Random(7)
     delays = [beat_retry_delay_s(1.0, interval_s=5.0, failures=n, rng=rng) for n in (1, 2, 3, 4, 5)]
     assert 1.0 <= delays[0] <= 1.5 and 2.0 <= delays[1] <= 3.0 and delays[3:] == [5.0, 5.0]
+
+
+def test_an_agent_keeps_its_connection_between_beats_and_drops_it_before_the_control_plane_does():
+    from agents.client import KEEPALIVE_EXPIRY_S
+    from agents.config import AgentSettings
+    from app.config import Settings
+
+    # Both at 5 s (httpx's and uvicorn's defaults), each beat raced the server's close of the
+    # connection it reused: a reset, and a heartbeat lost.
+    assert AgentSettings().heartbeat_interval_s < KEEPALIVE_EXPIRY_S < Settings().keep_alive_s

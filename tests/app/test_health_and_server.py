@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import subprocess
@@ -84,6 +85,23 @@ def test_server_command_migrates_the_default_sqlite_database_under_var_and_serve
         assert models["count"] >= 13
         assert httpx.get(f"{url}/docs", timeout=5).status_code == 200
         assert httpx.get(f"{url}/api/v1/gpu-models", timeout=5).status_code == 401
+    finally:
+        _stop(process)
+
+
+def test_server_command_closes_a_connection_idle_for_its_keep_alive(tmp_path: Path) -> None:
+    process, url = _serve({"HYBRIDTRAIN_ADMIN_TOKEN": "keep", "HYBRIDTRAIN_KEEP_ALIVE_S": "1"}, cwd=tmp_path)
+    try:
+        _wait_healthy(process, url)
+        conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=10)
+        try:
+            conn.request("GET", "/healthz")
+            assert conn.getresponse().read() and conn.sock is not None  # kept alive
+            started = time.monotonic()
+            assert conn.sock.recv(1) == b""  # then closed by the server, idle
+            assert 0.8 < time.monotonic() - started < 5
+        finally:
+            conn.close()
     finally:
         _stop(process)
 
