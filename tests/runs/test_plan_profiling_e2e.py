@@ -47,4 +47,5 @@ def test_a_plan_profiles_its_task_one_node_at_a_time_and_prints_its_numbers(clus
     assert min(gaps) >= MIN_PROFILE_S - 0.5, gaps  # one at a time on this host
     rates = [p["samples_per_s"] for p in ours]
     # The same CPU, measured alone each time: the figures agree (at once: 42, 422 and 522).
-    assert max(rates) / min(rates) < 1.5, rates
+    # Concurrent, they split the CPU tenfold; a busy host moves them apart by up to about 1.6x.
+    assert max(rates) / min(rates) < 3, rates
