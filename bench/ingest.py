@@ -51,12 +51,13 @@ class Counter:
 
 
 def _batch(first_step: int, size: int, now: float) -> dict:
-    # `size` records: len(NAMES) metrics for each of size/len(NAMES) steps of rank 1..3.
+    # `size` records: len(NAMES) metrics for each of size/len(NAMES) steps of rank 0, the rank
+    # whose report token the launch order carries (a token reports for its own rank only: 403).
     records = []
     step = first_step
     while len(records) < size:
         for name in NAMES:
-            records.append({"rank": 1 + step % 3, "role": "worker", "step": step, "t": now, "name": name,
+            records.append({"rank": 0, "role": "worker", "step": step, "t": now, "name": name,
                             "value": 0.5})
             if len(records) == size:
                 break
