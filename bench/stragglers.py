@@ -7,14 +7,17 @@ round closes at its deadline (the floor lowered to 30 ms: the threads report no 
 
     .venv/bin/python bench/stragglers.py --sync-every 5 --stall 0.3 --reps 3
 
-Prints per run the wall time, the server's outer_deferred/folded/dropped totals, whether the
-replicas ended equal, and the workers' mean loss over their last 5 steps. The first pair of
-runs warms the process up and is not reported.
+Prints a table of the two servers (medians): the wall time and its ratio to the waiting server,
+the server's outer_deferred/folded/dropped totals, whether the replicas ended equal, and the
+workers' mean loss over their last 5 steps; each run to stderr and all of them to `--out`
+(JSON). The runs alternate; the first pair warms the process up and is not reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,15 +75,30 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.03, help="seconds an inner step takes")
     parser.add_argument("--stall", type=float, default=0.3, help="seconds a round's straggler stalls")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("results-stragglers.json"), help="the runs, as JSON")
     args = parser.parse_args()
     from trainer import late_changes
 
     late_changes.DEADLINE_FLOOR_S = 0.03
+    runs: list[dict] = []
     for rep in range(args.reps + 1):
-        for defer in (False, True):
+        for defer in (False, True):  # alternated, so that the host's drift falls on both alike
             result = run_once(args.sync_every, args.pace, args.stall, defer=defer)
             if rep:
-                print(result, flush=True)
+                runs.append(result)
+                print(result, file=sys.stderr, flush=True)
+    print(f"H = {args.sync_every}, inner step {args.pace} s, a straggler a round stalling {args.stall} s; "
+          f"medians of {args.reps} runs each")
+    print("| server | wall s | x waiting | deferred | folded | dropped | replicas equal | loss, last 5 steps |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    waiting = statistics.median(r["wall_s"] for r in runs if not r["defer"])
+    for defer, name in ((False, "waits for every change"), (True, "goes on without a straggler")):
+        mine = [r for r in runs if r["defer"] == defer]
+        wall = statistics.median(r["wall_s"] for r in mine)
+        counts = " | ".join(str(statistics.median(r[k] for r in mine)) for k in COUNTS)
+        print(f"| {name} | {wall:.2f} | {wall / waiting:.3f} | {counts} | {all(r['replicas_equal'] for r in mine)} "
+              f"| {statistics.median(r['last5_loss'] for r in mine):.3f} |")
+    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
