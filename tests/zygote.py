@@ -30,9 +30,11 @@ import time
 from pathlib import Path
 from typing import IO
 
-# What a role imports before its argv matters: the fork shares it.
-PRELOAD = ("torch", "torch.distributed", "numpy", "sklearn.datasets", "trainer.cli", "trainer.server", "trainer.ps",
-           "trainer.loop", "trainer.taskloop", "hybridtrain.tasks.digits")
+# What a role imports before its argv matters: the fork shares it. torch._dynamo too (and the
+# sympy it imports): a worker's first optimizer imports it (torch.optim's add_param_group is
+# wrapped in torch._disable_dynamo), about 2 s of CPU in every forked worker otherwise.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "sklearn.datasets", "trainer.cli",
+           "trainer.server", "trainer.ps", "trainer.loop", "trainer.taskloop", "hybridtrain.tasks.digits")
 
 
 class ForkedProcess:

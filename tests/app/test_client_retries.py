@@ -61,7 +61,8 @@ class ScriptedServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # Polled every 20 ms, not serve_forever's 500: shutdown() waits for the next poll.
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     def polls(self) -> int:
         return sum(1 for p in self.requests if p == "/api/v1/runs/7")

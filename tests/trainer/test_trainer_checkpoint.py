@@ -77,7 +77,8 @@ class Store:
 
         self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}/api/v1/runs/7/checkpoint"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        # Polled every 20 ms, not serve_forever's 500: close() waits for the next poll.
+        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
 
     def close(self) -> None:
         self.http.shutdown()
