@@ -10,7 +10,10 @@ clients at rising load levels, against 1 and then 2 API processes, in one invoca
    run page (/runs/{id}) every 2 s, N/100 CI clients GET /api/v1/runs?limit=50 every 2 s.
    Agents run in client processes of 250 each, users and CI clients in another; each request's
    lateness against its schedule is kept, to tell a lagging client from a slow server. A first, unreported
-   level of 6 s at the lowest load warms each server up.
+   level of 6 s at the lowest load warms each server up. Before each level, unreported, the
+   nodes of its agents that are not online (a smaller level left them idle) beat until they are,
+   and its load then runs one heartbeat interval (5 s) before its report starts: a whole fleet
+   coming back online at once is not the steady state measured here.
 4. Print per process count and level, per route: requests offered and answered per second,
    the client's p50/p99 (ms), the errors (503s apart), nodes among the active agents that are
    not online afterwards, the server's memory; per level, the CPU the server and Postgres
@@ -86,8 +89,9 @@ def _heartbeat_body() -> dict[str, Any]:
 
 
 async def _periodic(client: Any, route: str, send: Any, offset: float, every: float,
-                    until: float, rows: list[Row]) -> None:
-    """`send(client)` every `every` s from `offset`, each answer's status (or the error's name) in `rows`."""
+                    until: float, rows: list[Row], record_from: float = 0.0) -> None:
+    """`send(client)` every `every` s from `offset`, each answer's status (or the error's name) in
+    `rows` once the loop's clock has reached `record_from`."""
     loop = asyncio.get_running_loop()
     due = loop.time() + offset
     # A beat the lagging client could only send after the level's end is not sent: the answered
@@ -99,12 +103,13 @@ async def _periodic(client: Any, route: str, send: Any, offset: float, every: fl
             status: Any = await send(client)
         except (httpx.HTTPError, aiohttp.ClientError, TimeoutError) as exc:
             status = type(exc).__name__
-        rows.append((route, status, loop.time() - started, started - due))
+        if started >= record_from:
+            rows.append((route, status, loop.time() - started, started - due))
         # Open loop: a late answer does not postpone the next beat, as on a real agent's clock.
         due += every
 
 
-async def _agents(base: str, tokens: list[str], seconds: float) -> list[Row]:
+async def _agents(base: str, tokens: list[str], seconds: float, lead_s: float) -> list[Row]:
     rows: list[Row] = []
     # A connection of its own per agent, kept alive, with the agent's own timeout
     # (agents/client.py), as a fleet of machines would hold them. One pool for all would open
@@ -115,7 +120,8 @@ async def _agents(base: str, tokens: list[str], seconds: float) -> list[Row]:
     sessions = [aiohttp.ClientSession(base_url=base, connector=aiohttp.TCPConnector(limit=1), timeout=timeout)
                 for _ in tokens]
     try:
-        until = asyncio.get_running_loop().time() + seconds
+        record_from = asyncio.get_running_loop().time() + lead_s
+        until = record_from + seconds
 
         def beat(token: str) -> Any:
             async def send(c: aiohttp.ClientSession) -> int:
@@ -127,7 +133,7 @@ async def _agents(base: str, tokens: list[str], seconds: float) -> list[Row]:
 
         await asyncio.gather(*(
             _periodic(session, "POST heartbeat", beat(token), HEARTBEAT_EVERY_S * i / len(tokens), HEARTBEAT_EVERY_S,
-                      until, rows)
+                      until, rows, record_from)
             for i, (token, session) in enumerate(zip(tokens, sessions, strict=True))))
     finally:
         await asyncio.gather(*(session.close() for session in sessions))
@@ -135,11 +141,12 @@ async def _agents(base: str, tokens: list[str], seconds: float) -> list[Row]:
 
 
 async def _readers(base: str, cookies: dict[str, str], token: str, run_ids: list[int], users: int, ci: int,
-                   seconds: float) -> list[Row]:
+                   seconds: float, lead_s: float) -> list[Row]:
     rows: list[Row] = []
     async with httpx.AsyncClient(base_url=base, limits=httpx.Limits(max_connections=users + ci + 2),
                                  timeout=30) as client:
-        until = asyncio.get_running_loop().time() + seconds
+        record_from = asyncio.get_running_loop().time() + lead_s
+        until = record_from + seconds
 
         def page(run_id: int) -> Any:
             async def send(c: httpx.AsyncClient) -> int:
@@ -151,8 +158,9 @@ async def _readers(base: str, cookies: dict[str, str], token: str, run_ids: list
 
         await asyncio.gather(
             *(_periodic(client, "GET run page", page(run_ids[i % len(run_ids)]), PAGE_EVERY_S * i / max(users, 1),
-                        PAGE_EVERY_S, until, rows) for i in range(users)),
-            *(_periodic(client, "GET /api/v1/runs", listing, CI_EVERY_S * i / max(ci, 1), CI_EVERY_S, until, rows)
+                        PAGE_EVERY_S, until, rows, record_from) for i in range(users)),
+            *(_periodic(client, "GET /api/v1/runs", listing, CI_EVERY_S * i / max(ci, 1), CI_EVERY_S, until, rows,
+                        record_from)
               for i in range(ci)),
         )
     return rows
@@ -160,10 +168,10 @@ async def _readers(base: str, cookies: dict[str, str], token: str, run_ids: list
 
 def _client_process(kind: str, spec: dict[str, Any]) -> None:
     if kind == "agents":
-        rows = asyncio.run(_agents(spec["base"], spec["tokens"], spec["seconds"]))
+        rows = asyncio.run(_agents(spec["base"], spec["tokens"], spec["seconds"], spec["lead_s"]))
     else:
         rows = asyncio.run(_readers(spec["base"], spec["cookies"], spec["token"], spec["run_ids"], spec["users"],
-                                    spec["ci"], spec["seconds"]))
+                                    spec["ci"], spec["seconds"], spec["lead_s"]))
     # Its own CPU too: the clients share the host with the server they measure.
     print(json.dumps({"rows": rows, "cpu_s": time.process_time()}))
 
@@ -331,6 +339,30 @@ async def _declare(base: str, count: int, runs: int) -> Fleet:
     return fleet
 
 
+async def _bring_online(base: str, fleet: Fleet, agents: int) -> float:
+    """Beat once for each of the first `agents` nodes that is not online, a few at a time, until
+    all are; the seconds it took. Unreported: nodes left idle by a smaller level went offline,
+    and a whole fleet returning at once is not the steady state a level measures."""
+    started = time.monotonic()
+    wanted = dict(zip(fleet.node_ids[:agents], fleet.agent_tokens[:agents], strict=True))
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        gate = asyncio.Semaphore(8)
+
+        async def beat(token: str) -> None:
+            async with gate:
+                await _post(client, f"{API}/agent/heartbeat", json=_heartbeat_body(),
+                            headers={"Authorization": f"Bearer {token}"})
+
+        for _ in range(20):
+            nodes = (await client.get(f"{API}/nodes?limit=1000", headers=admin)).json()["data"]
+            behind = [wanted[n["id"]] for n in nodes if n["id"] in wanted and n["status"] != "online"]
+            if not behind:
+                return time.monotonic() - started
+            await asyncio.gather(*(beat(token) for token in behind))
+    raise SystemExit(f"{agents} nodes did not all come online")
+
+
 def _sign_in(base: str, token: str) -> dict[str, str]:
     """The cookies of a dashboard session signed in with `token`, through the login form."""
     with httpx.Client(base_url=base, timeout=30) as browser:
@@ -417,16 +449,21 @@ class Level:
 
 
 def _run_level(server: Server, fleet: Fleet, cookies: dict[str, str], processes: int, agents: int,
-               seconds: float) -> Level:
+               seconds: float, lead_s: float = HEARTBEAT_EVERY_S) -> Level:
+    """`agents` agents and their users and CI clients for `lead_s`, unreported, then `seconds`, reported."""
     users, ci = max(1, agents // 20), max(1, agents // 100)
+    asyncio.run(_bring_online(server.base, fleet, agents))
+    tokens = fleet.agent_tokens[:agents]
+    clients = [_spawn("agents", {"base": server.base, "tokens": tokens[i:i + AGENTS_PER_CLIENT], "seconds": seconds,
+                                 "lead_s": lead_s}) for i in range(0, len(tokens), AGENTS_PER_CLIENT)]
+    clients.append(_spawn("readers", {"base": server.base, "cookies": cookies, "token": fleet.read_token,
+                                      "run_ids": fleet.run_ids, "users": users, "ci": ci, "seconds": seconds,
+                                      "lead_s": lead_s}))
+    # The CPU is metered over the reported part only (the clients start within a few ms of each other).
+    time.sleep(lead_s)
     meter = CpuMeter(server.process.pid, server.database)
     meter.begin()
     started = time.monotonic()
-    tokens = fleet.agent_tokens[:agents]
-    clients = [_spawn("agents", {"base": server.base, "tokens": tokens[i:i + AGENTS_PER_CLIENT], "seconds": seconds})
-               for i in range(0, len(tokens), AGENTS_PER_CLIENT)]
-    clients.append(_spawn("readers", {"base": server.base, "cookies": cookies, "token": fleet.read_token,
-                                      "run_ids": fleet.run_ids, "users": users, "ci": ci, "seconds": seconds}))
     rows: list[Row] = []
     client_cpu_s = 0.0
     for process in clients:
@@ -443,7 +480,7 @@ def _run_level(server: Server, fleet: Fleet, cookies: dict[str, str], processes:
     active = set(fleet.node_ids[:agents])
     not_online = sum(1 for n in nodes if n["id"] in active and n["status"] != "online")
     return Level(processes, agents, users, ci, seconds, rows, not_online, rss, server_cores, postgres_cores,
-                 client_cpu_s / elapsed)
+                 client_cpu_s / (elapsed + lead_s))
 
 
 @dataclass
@@ -572,7 +609,7 @@ def main() -> None:
                 print(f"declared {max(levels)} nodes and {args.runs} runs in {time.monotonic() - started:.0f} s",
                       file=sys.stderr)
             # Warm-up, not reported: each process's first requests compile templates and fill caches.
-            _run_level(server, fleet, cookies, count, levels[0], WARM_UP_S)
+            _run_level(server, fleet, cookies, count, levels[0], WARM_UP_S, lead_s=0.0)
             idle_mb = _rss_mb(server.process.pid)
             for agents in levels:
                 level = _run_level(server, fleet, cookies, count, agents, args.seconds)

@@ -162,7 +162,7 @@ def test_plain_beats_beyond_the_heartbeat_slots_are_admitted_and_written_togethe
         updates: list[str] = []
 
         def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-            if statement.startswith("UPDATE nodes"):
+            if "UPDATE nodes" in statement:  # plain beats come as `WITH beats AS (...) UPDATE nodes`
                 updates.append(statement)
 
         async def beat_all() -> list[int]:
