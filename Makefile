@@ -35,8 +35,12 @@ run: install
 doctor: install-dev
 	$(BIN)/python -m tests.doctor
 
+# Two workers, a test file at a time each: most tests wait on processes, sockets and Postgres,
+# so two share the two cores (tests/conftest.py says what runs apart).
+TEST_WORKERS ?= 2
+
 test: install-dev chromium doctor
-	$(BIN)/python -m pytest --durations=30
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 # docs/screenshots/ again, from the real pages: a control plane on a temporary database, filled
 # through its API, photographed in Chromium (docs/screenshots.py; --out DIR writes elsewhere).

@@ -50,9 +50,19 @@ class AgentBroker:
     node_user: bool
 
 
-def node_user_name(node_id: int) -> str:
-    """The Redis ACL user of a node's agent."""
-    return f"{NODE_USER_PREFIX}{node_id}"
+def node_user_name(node_id: int, broker_url: str) -> str:
+    """The Redis ACL user of a node's agent on the broker database of `broker_url`.
+
+    ACL users belong to the whole Redis server, and two control planes may share one on
+    different databases (their queues apart): the database number keeps their nodes' users
+    apart too. Database 0 keeps the plain name, which deployments before this one use."""
+    db = _redis_db(broker_url)
+    return f"{NODE_USER_PREFIX}{node_id}" if db == 0 else f"{NODE_USER_PREFIX}{node_id}-db{db}"
+
+
+def _redis_db(url: str) -> int:
+    path = urlsplit(url).path.strip("/")
+    return int(path) if path.isdigit() else 0
 
 
 def node_password(secret_key: str, node_id: int, agent_token_hash: str) -> str:
@@ -84,7 +94,7 @@ def agent_broker(settings: Settings, *, node_id: int, agent_token_hash: str, cli
         return AgentBroker(url, node_user=False)
     password = node_password(settings.secret_key, node_id, agent_token_hash)
     set_node_user(settings.celery_broker_url, node_id, password)
-    return AgentBroker(_with_user(url, node_user_name(node_id), password), node_user=True)
+    return AgentBroker(_with_user(url, node_user_name(node_id, settings.celery_broker_url), password), node_user=True)
 
 
 def set_node_user(admin_url: str, node_id: int, password: str) -> None:
@@ -95,7 +105,7 @@ def set_node_user(admin_url: str, node_id: int, password: str) -> None:
     try:
         with _admin(admin_url) as admin:
             admin.execute_command(
-                "ACL", "SETUSER", node_user_name(node_id), "reset", "on", f">{password}",
+                "ACL", "SETUSER", node_user_name(node_id, admin_url), "reset", "on", f">{password}",
                 f"~{prefix}*", f"&{prefix}*", *NODE_USER_RULES,
             )
     except redis.RedisError as exc:
@@ -120,7 +130,7 @@ def drop_node_user(settings: Settings, node_id: int) -> None:
 
     try:
         with _admin(settings.celery_broker_url) as admin:
-            admin.execute_command("ACL", "DELUSER", node_user_name(node_id))
+            admin.execute_command("ACL", "DELUSER", node_user_name(node_id, settings.celery_broker_url))
     except redis.RedisError as exc:
         log.warning("could not delete the broker user of node %s: %s", node_id, exc)
 
@@ -134,7 +144,7 @@ def keep_node_user(settings: Settings, *, node_id: int, agent_token_hash: str) -
 
     admin = _beats_admin(settings.celery_broker_url)
     try:
-        if admin.execute_command("ACL", "GETUSER", node_user_name(node_id)) is not None:
+        if admin.execute_command("ACL", "GETUSER", node_user_name(node_id, settings.celery_broker_url)) is not None:
             return False
     except redis.RedisError as exc:
         raise BrokerAccessError(f"could not look up node {node_id}'s broker user: {exc}") from exc

@@ -43,16 +43,20 @@ def postgres_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    """The URL of the real Redis on this machine, on a database the tests may flush."""
+    """The URL of the real Redis on this machine, on a database the tests may flush (this
+    test worker's own: tests/redis_dbs.py)."""
     import redis
 
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5)
+    from tests.redis_dbs import on_database
+
+    url = on_database(REDIS_URL, 9)  # the databases are the suite's to choose, whatever REDIS_URL's is
+    client = redis.Redis.from_url(url, socket_connect_timeout=5)
     try:
         client.ping()
     except redis.RedisError as exc:
-        pytest.fail(f"Redis is required at {REDIS_URL}: {exc}")
+        pytest.fail(f"Redis is required at {url}: {exc}")
     client.flushdb()
-    return REDIS_URL
+    return url
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +66,13 @@ def s3_server():
 
     with moto_server() as server:
         yield server
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` spreads the suite over two pytest-xdist workers a file at a time
+    (`--dist loadgroup`), so a module's fixtures start once; the testbed's tests run in one
+    worker, one after another, as every testbed takes 10.213.0.0/16 and the cgroup tree."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = "testbed" if path.startswith("tests/testbed/") else path
+        item.add_marker(pytest.mark.xdist_group(group))

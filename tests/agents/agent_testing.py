@@ -277,15 +277,6 @@ def role_spec(run_id: int, rank: int = 1, **options: Any) -> dict[str, Any]:
     }
 
 
-def private_redis(redis_url: str, db: int) -> str:
-    """`redis_url` on database `db`, flushed: other suites flush the shared database at their
-    start, and agents of theirs consuming `node.<id>` there would take this suite's orders."""
-    import redis
-
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-    redis.Redis.from_url(url).flushdb()
-    return url
-
 
 def make_bundle(files: dict[str, str | bytes], *, extra: list[tarfile.TarInfo] | None = None) -> bytes:
     """A gzipped tar of `files` (relative path -> content), plus raw `extra` members."""

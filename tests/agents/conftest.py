@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agent_testing import STUB_COMMAND, AgentProcess, FakeControlPlane, private_redis
+from agent_testing import STUB_COMMAND, AgentProcess, FakeControlPlane
+
+from tests.redis_dbs import private_redis
 
 
 @pytest.fixture

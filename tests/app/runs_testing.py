@@ -18,20 +18,12 @@ from fastapi.testclient import TestClient
 from kombu import Connection
 
 from app.api.deps import get_dispatcher
+from tests.redis_dbs import private_redis
 from agents.celery_app import node_transport_options
 from app.dispatch import Dispatcher, node_queue
 
 API = "/api/v1"
 
-
-def private_redis(redis_url: str, db: int) -> str:
-    """`redis_url` on database `db`, flushed: other suites flush the shared database at their
-    start, and agents of theirs consuming `node.<id>` there would take this suite's orders."""
-    import redis
-
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-    redis.Redis.from_url(url).flushdb()
-    return url
 
 
 class Orders:

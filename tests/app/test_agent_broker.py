@@ -20,15 +20,14 @@ from app.broker_access import keep_node_user, node_user_name
 from app.config import Settings
 from app.dispatch import Dispatcher, LaunchOrder, node_queue
 from app.models import NodeAgent
+from tests.redis_dbs import database, private_redis
 
-BROKER_DB = 9
+BROKER_DB = database(9)
 
 
 @pytest.fixture
 def broker_url(redis_url: str) -> str:
-    url = redis_url.rsplit("/", 1)[0] + f"/{BROKER_DB}"
-    redis.Redis.from_url(url).flushdb()
-    return url
+    return private_redis(redis_url, 9)
 
 
 @pytest.fixture
@@ -51,8 +50,8 @@ def on_redis(app: FastAPI, settings: Settings, broker_url: str) -> Iterator[Call
         app.dependency_overrides.pop(get_dispatcher, None)
         dispatcher.close()
         admin = redis.Redis.from_url(broker_url)
-        for name in admin.execute_command("ACL", "USERS"):
-            if name.decode().startswith("hybridtrain-node-"):
+        for name in admin.execute_command("ACL", "USERS"):  # this worker's only (tests/redis_dbs.py)
+            if name.decode().startswith("hybridtrain-node-") and name.decode().endswith(f"-db{BROKER_DB}"):
                 admin.execute_command("ACL", "DELUSER", name)
 
 
@@ -83,7 +82,7 @@ def test_an_agent_on_redis_gets_a_user_of_its_own_node_that_reads_its_orders(on_
     node = online_node()
     broker = _broker(node)
     assert broker["node_user"] is True
-    assert broker["url"].startswith(f"redis://{node_user_name(node.id)}:")
+    assert broker["url"].startswith(f"redis://{node_user_name(node.id, broker_url)}:")
     assert broker["url"].endswith(f"@127.0.0.1:6379/{BROKER_DB}")
 
     _send(broker_url, LaunchOrder(node_id=node.id, run_id=5, rank=1, spec={"x": 1}))
@@ -129,7 +128,7 @@ def test_a_deleted_nodes_broker_user_is_gone(on_redis, online_node, client, brok
 
     assert client.delete(f"{API}/nodes/{node.id}").status_code == 204
 
-    assert redis.Redis.from_url(broker_url).execute_command("ACL", "GETUSER", node_user_name(node.id)) is None
+    assert redis.Redis.from_url(broker_url).execute_command("ACL", "GETUSER", node_user_name(node.id, broker_url)) is None
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis.from_url(url).ping()
 
@@ -137,7 +136,7 @@ def test_a_deleted_nodes_broker_user_is_gone(on_redis, online_node, client, brok
 def test_a_heartbeat_of_an_agent_using_its_user_brings_back_a_user_the_broker_forgot(on_redis, online_node, broker_url):
     node = online_node()
     url = _broker(node)["url"]
-    redis.Redis.from_url(broker_url).execute_command("ACL", "DELUSER", node_user_name(node.id))
+    redis.Redis.from_url(broker_url).execute_command("ACL", "DELUSER", node_user_name(node.id, broker_url))
 
     beat = node.agent.post(f"{API}/agent/heartbeat", json={"roles": [], "broker_user": True})
 
@@ -154,13 +153,13 @@ def test_a_user_still_there_is_left_as_it_is(on_redis, online_node, session):
     assert keep_node_user(settings, node_id=node.id, agent_token_hash=token_hash) is False
 
 
-def test_agents_get_the_broker_at_the_address_the_deployment_gives_them(on_redis, online_node):
+def test_agents_get_the_broker_at_the_address_the_deployment_gives_them(on_redis, online_node, broker_url):
     on_redis(broker_url_for_agents=f"redis://broker.example.org:6390/{BROKER_DB}")
     node = online_node()
 
     url = _broker(node)["url"]
 
-    assert url.startswith(f"redis://{node_user_name(node.id)}:")
+    assert url.startswith(f"redis://{node_user_name(node.id, broker_url)}:")
     assert url.endswith(f"@broker.example.org:6390/{BROKER_DB}")
 
 
@@ -212,3 +211,11 @@ def test_a_broker_refusing_the_acl_commands_answers_503_with_what_to_do(on_redis
 def test_only_an_agent_token_gets_a_broker(on_redis, make_client, admin_token):
     assert make_client(admin_token).post(f"{API}/agent/broker").status_code == 401
     assert make_client(None).post(f"{API}/agent/broker").status_code == 401
+
+
+def test_a_node_user_is_named_after_its_broker_database_beyond_the_first() -> None:
+    # ACL users are the whole server's: two control planes on databases 0 and 3 of one Redis
+    # both have a node 7.
+    assert node_user_name(7, "redis://:pw@h:6379/0") == "hybridtrain-node-7"
+    assert node_user_name(7, "redis://h:6379") == "hybridtrain-node-7"
+    assert node_user_name(7, "redis://h:6379/3") == "hybridtrain-node-7-db3"

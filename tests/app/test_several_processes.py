@@ -23,7 +23,8 @@ import pytest
 from sqlalchemy import create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from runs_testing import Orders, private_redis
+from runs_testing import Orders
+
 from agents.celery_app import LAUNCH_ROLE
 from app.dispatch import Dispatcher
 from app.lifecycle import end_run
@@ -31,6 +32,7 @@ from app.models import RunStatus
 from app.monitor import Monitor, take_liveness_turn
 from app.queries.runs import get_run
 from tests.app.conftest import ADMIN_TOKEN, API, make_settings
+from tests.redis_dbs import private_redis
 
 HYBRIDTRAIN = [sys.executable, "-m", "app.cli"]
 REPO = Path(__file__).resolve().parents[2]

@@ -19,6 +19,8 @@ import psutil
 import pytest
 from sqlalchemy.engine import make_url
 
+from tests.redis_dbs import private_redis
+
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "e2e-admin-" + uuid.uuid4().hex[:8]
 
@@ -175,15 +177,6 @@ def _base_env(**extra: str) -> dict[str, str]:
     env.update(extra)
     return env
 
-
-def private_redis(redis_url: str, db: int) -> str:
-    """`redis_url` on database `db`, flushed: other suites flush the shared database at their
-    start, and agents of theirs consuming `node.<id>` there would take this suite's orders."""
-    import redis
-
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-    redis.Redis.from_url(url).flushdb()
-    return url
 
 
 @pytest.fixture(scope="module")
