@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -86,3 +87,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = item.nodeid.split("::", 1)[0]
         group = "testbed" if path.startswith("tests/testbed/") else path
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """Refuse items that share a node id: xdist schedules by node id and would run the first of
+    them alone. Schemathesis names each operation's item (`test[GET /healthz]`) but gives all one
+    node id, so its file runs in `make test`'s second, one-process pass (ONE_PROCESS_TESTS)."""
+    shared = sorted(nodeid for nodeid, n in Counter(ids).items() if n > 1)
+    if shared:
+        raise pytest.UsageError(f"under xdist only the first item of each of these node ids would run: {shared}; "
+                                "run their files without -n (the Makefile's ONE_PROCESS_TESTS)")
