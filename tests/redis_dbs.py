@@ -4,7 +4,7 @@
 their database when they start, and their agents consume `node.<id>` queues whose node ids
 both workers' fresh databases reuse, so each worker needs databases of its own: a suite names
 a database of 9-15, worker gw0 (and a run without xdist) uses it as it is, worker gw1 the same
-less 8 (1-7). Database 0, the default of `make run`, is never touched.
+less 8 (1-7). Database 0, where a deployment's broker URL points by default, is never touched.
 """
 
 from __future__ import annotations
