@@ -250,10 +250,12 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # applying each outer step as soon as it has arrived instead of a fixed delay later
 # (`local_sgd.asynchronous`, bounded by its default max_staleness, H - 1); `+streaming`, a local
 # SGD strategy whose outer steps go in STREAMING_FRAGMENTS staggered fragments (at most H of them),
-# each exchange 1/P of the model (`local_sgd.fragments`, Streaming DiLoCo).
+# each exchange 1/P of the model (`local_sgd.fragments`, Streaming DiLoCo); `+hN`, a local SGD
+# strategy taking N inner steps between outer steps instead of the workload's H (`local_sgd.sync_every`:
+# the WAN bytes a sample fall as 1/H, the measure of issue 49's 100x and 1000x).
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "replicas", "async", "streaming")
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "hN", "replicas", "async", "streaming")
 STREAMING_FRAGMENTS = 4
 
 
@@ -269,14 +271,22 @@ def chunks_of(variant: str) -> int | None:
     return int(digits) if variant.startswith("chunks") and digits.isdigit() and 1 <= int(digits) <= 64 else None
 
 
+def sync_every_of(variant: str) -> int | None:
+    """N of an `hN` variant (None for any other)."""
+    digits = variant.removeprefix("h")
+    return int(digits) if variant.startswith("h") and digits.isdigit() and int(digits) >= 1 else None
+
+
 def strategy_variant(entry: str) -> tuple[str, str]:
     """`ps-bz-gc+sites` -> (ps-bz-gc, "sites"); a plain strategy's variant is ""."""
     strategy, variant = split_entry(entry)
-    if variant and variant not in VARIANTS and chunks_of(variant) is None and delay_of(variant) is None:
+    if (variant and variant not in VARIANTS and chunks_of(variant) is None and delay_of(variant) is None
+            and sync_every_of(variant) is None):
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if (variant in ("sites", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
-    if (delay_of(variant) is not None or variant in ("replicas", "async", "streaming")) and strategy not in LOCAL_SGD_STRATEGIES:
+    if ((delay_of(variant) is not None or sync_every_of(variant) is not None
+         or variant in ("replicas", "async", "streaming")) and strategy not in LOCAL_SGD_STRATEGIES):
         raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
     if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
@@ -313,6 +323,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if (delay := delay_of(variant)) is not None:
         return body | {"name": f"{body['name']}-{variant}",
                        "local_sgd": body.get("local_sgd", {}) | {"outer_delay": delay}}
+    if (sync_every := sync_every_of(variant)) is not None:
+        return body | {"name": f"{body['name']}-{variant}",
+                       "local_sgd": body.get("local_sgd", {}) | {"sync_every": sync_every}}
     if chunks := chunks_of(variant):
         return body | {"name": f"{body['name']}-{variant}",
                        "compression": body.get("compression", {}) | {"pipeline_chunks": chunks}}

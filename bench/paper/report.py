@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
 from hybridtrain.strategy_defaults import effective
-from bench.paper.paper_workloads import chunks_of, split_entry
+from bench.paper.paper_workloads import chunks_of, split_entry, sync_every_of
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
@@ -32,6 +32,8 @@ def strategy_label(entry: str) -> str:
     label = STRATEGY_LABELS.get(strategy, strategy)
     if chunks := chunks_of(variant):
         return f"{label} + {chunks} chunks"
+    if sync_every := sync_every_of(variant):
+        return f"{label}, H = {sync_every}"
     return f"{label} + {_VARIANT_LABELS.get(variant, variant)}" if variant else label
 
 

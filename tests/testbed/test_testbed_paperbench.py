@@ -348,6 +348,16 @@ def test_a_ps_strategy_with_plus_chunks_n_pipelines_its_step_in_n_chunks() -> No
             strategy_variant(bad)
 
 
+def test_a_local_sgd_strategy_with_plus_h_n_takes_n_inner_steps_between_outer_steps() -> None:
+    assert strategy_variant("diloco-gc+h100") == ("diloco-gc", "h100")
+    body = variant_body({"name": "bench-diloco-gc", "local_sgd": {"sync_every": 20, "outer_density": 0.05}}, "h100")
+    assert body == {"name": "bench-diloco-gc-h100", "local_sgd": {"sync_every": 100, "outer_density": 0.05}}
+    assert strategy_label("diloco+h100") == "DiLoCo, H = 100"
+    for bad in ("ps-bz-gc+h100", "diloco+h0", "diloco+hx"):
+        with pytest.raises(TestbedError):
+            strategy_variant(bad)
+
+
 def test_a_ps_strategy_with_plus_sites_combines_each_remote_sites_gradients_at_its_relay() -> None:
     assert strategy_variant("ps-gc+sites") == ("ps-gc", "sites")
     body = variant_body({"name": "bench-ps-gc", "compression": {"density": 0.05}}, "sites")
@@ -548,6 +558,7 @@ def test_local_sgd_targets_compare_with_the_ideal_ps_bz_gc_and_allreduce() -> No
     targets = check_targets(results, 310.0)
     assert targets["diloco share of ideal"] == {"value": 0.961, "goal": ">= 95%", "met": True}
     assert targets["diloco tta reduction vs ps-bz-gc"]["value"] == 0.55
+    assert targets["diloco tta reduction vs allreduce"] == {"value": 0.775, "goal": ">= 60%", "met": True}
     assert targets["diloco WAN bytes a sample, allreduce's over its"] == {"value": 125.0, "goal": ">= 100x",
                                                                            "met": True}
     assert targets["diloco-gc WAN bytes a sample, allreduce's over its"]["met"] is False
