@@ -66,7 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "STRATEGY+quotaio with each node's communication threads left on its GPU quota, "
                         "a PS STRATEGY+chunksN with its step pipelined in N chunks, a local SGD "
                         "STRATEGY+delayN applying each outer step N inner steps after its exchange began, "
-                        "a local SGD STRATEGY+replicas with each site's workers one replica")
+                        "a local SGD STRATEGY+replicas with each site's workers one replica, "
+                        "STRATEGY+async with asynchronous outer steps, STRATEGY+streaming with its outer "
+                        "steps in staggered fragments, and STRATEGY+hN taking N inner steps between outer steps")
     over = p.add_argument_group("workload overrides (default: the settings in docs/testbed.md)")
     over.add_argument("--task", type=_task, help="module:function, e.g. hybridtrain.tasks.digits:widecnn")
     over.add_argument("--task-args", type=_task_args, help='the task\'s JSON args, e.g. \'{"lr": 0.05}\'')
