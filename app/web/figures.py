@@ -274,13 +274,37 @@ def staleness_trace(points: Iterable[Point], t0: float, rank: int, colour: str) 
                 hovertemplate="outer step %{customdata} landed %{y} inner steps late")
 
 
+# Asynchronous outer steps as the server counts them at each one: legend, hover, colour, symbol.
+LATE_CHANGES = {
+    "outer_deferred": ("outer step: workers deferred", "workers deferred", "#c77700", "triangle-down"),
+    "outer_folded": ("late changes folded", "late changes folded", "#2e7d32", "circle"),
+    "outer_dropped": ("late changes dropped", "late changes dropped", "#c62828", "x"),
+}
+# The batch chart's top band, where those counts are drawn (the batch sizes keep the rest).
+LATE_BAND = (0.72, 1.0)
+
+
+def late_change_hover(name: str) -> str:
+    """'outer step 40: 2 late changes folded' for metric `name` of `LATE_CHANGES`."""
+    return f"outer step %{{customdata}}: %{{y}} {LATE_CHANGES[name][1]}"
+
+
+def late_change_trace(name: str, points: Iterable[Point], t0: float, rank: int) -> dict[str, Any]:
+    """One of the server's counts per asynchronous outer step, as markers in the batch chart's top band."""
+    legend, _, colour, symbol = LATE_CHANGES[name]
+    return line(f"{name}:{rank}", legend, points, t0, colour, yaxis="y3", mode="markers",
+                marker={"size": 6, "color": colour, "symbol": symbol}, hovertemplate=late_change_hover(name))
+
+
 def batch_figure(
     series: Sequence[SeriesLike], t0: float, planned: Mapping[int, int] | None = None, *, servers: Collection[int] = (),
-    outer_steps: bool = False,
+    outer_steps: bool = False, late_changes: bool = False,
 ) -> Figure:
     """Batch size per worker as reported, or the planned constant until a worker reports; under
     local SGD (`outer_steps`) also each worker's outer steps by how many inner steps late they
-    landed (the fixed delay, or an asynchronous step's staleness), on a right axis there from the start."""
+    landed (the fixed delay, or an asynchronous step's staleness), on a right axis there from the
+    start; and under asynchronous outer steps (`late_changes`) the server's counts of the workers
+    each round went on without and the late changes it folded or dropped, in a band of their own."""
     reported = by_name(series, "batch_size", skip=servers)
     seen = {s.rank for s in reported}
     traces = [
@@ -291,11 +315,23 @@ def batch_figure(
     stale = by_name(series, "outer_staleness", skip=servers)
     traces += [staleness_trace(s.points, t0, s.rank, color(ranks.index(s.rank) if s.rank in ranks else len(ranks)))
                for s in stale]
+    # The server alone counts a round's late changes, at its own rank, as the live stream reads them.
+    late = [s for name in LATE_CHANGES for s in by_name(series, name) if s.rank in servers]
+    traces += [late_change_trace(s.name, s.points, t0, s.rank) for s in late]
     layout = base_layout("Batch size per worker" + ("; outer steps" if outer_steps or stale else ""), " s",
                          "samples per step")
     if outer_steps or stale:
         layout["yaxis2"] = {"title": {"text": "inner steps an outer step landed late"}, "overlaying": "y",
                             "side": "right", "rangemode": "tozero", "showgrid": False, "dtick": 1}
+    if late_changes or late:
+        # A band of their own rather than a third scale over the batch sizes and the staleness
+        # markers: workers and changes are neither samples nor inner steps, and three overlaid
+        # scales leave a reader guessing which marker reads on which. Its axis is on the left,
+        # where the margin has room for ticks (the right one's are the staleness axis's); it is
+        # there from the start, as that axis is, for the live points to join.
+        layout["yaxis"]["domain"] = [0.0, LATE_BAND[0] - 0.06]
+        layout["yaxis3"] = {"title": {"text": "count"}, "domain": list(LATE_BAND), "anchor": "x", "side": "left",
+                            "rangemode": "tozero", "gridcolor": "#eef1f6", "zeroline": False, "nticks": 2}
     for i, (rank, size) in enumerate(sorted((planned or {}).items())):
         if rank not in seen:
             traces.append({"type": "scatter", "mode": "lines", "uid": f"batch:{rank}", "name": f"{worker_label(rank)} (planned)",

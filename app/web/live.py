@@ -17,12 +17,14 @@ from typing import Any, Protocol
 from app.billing import egress_usd, round_usd
 from app.web.figures import (
     CLASS_COLORS,
+    LATE_CHANGES,
     OUTER_COLOR,
     TOTAL_COLOR,
     color,
     eval_color,
     eval_uid,
     event_color,
+    late_change_hover,
     loss_label,
     worker_label,
 )
@@ -111,7 +113,9 @@ class LiveState:
     eval_names: list[str] = field(default_factory=list)
 
     def apply(self, rows: Iterable[MetricRow]) -> list[dict[str, Any]]:
-        """Appends for the charts: `{chart, uid, name, color, x, y, customdata}` per trace."""
+        """Appends for the charts: `{chart, uid, name, color, x, y, customdata}` per trace, and
+        how a trace the chart lacks is drawn (`yaxis`, `mode`, `symbol`, `hovertemplate`) where it
+        differs from a line."""
         appends: dict[str, dict[str, Any]] = {}
 
         def add(chart: str, uid: str, name: str, colour: str, step: int, t: float, y: float | None, **extra: Any) -> None:
@@ -130,6 +134,11 @@ class LiveState:
                 if row.rank not in self.server_ranks:
                     add("batch", f"staleness:{row.rank}", f"outer step late, {worker_label(row.rank)}",
                         color(self._index(row.rank)), row.step, row.t, row.value, yaxis="y2", mode="markers")
+            elif row.name in LATE_CHANGES:
+                if row.rank in self.server_ranks:
+                    legend, _, colour, symbol = LATE_CHANGES[row.name]
+                    add("batch", f"{row.name}:{row.rank}", legend, colour, row.step, row.t, row.value, yaxis="y3",
+                        mode="markers", symbol=symbol, hovertemplate=late_change_hover(row.name))
             elif row.name in _CHART_OF:
                 if row.rank in self.server_ranks and row.name != "loss":
                     continue  # the server's own rates would count its workers twice

@@ -27,7 +27,8 @@ from hybridtrain.contract import is_local_sgd
 
 # A chart of more points than a screen is wide shows nothing more and costs the browser time.
 MAX_POINTS = 600
-SERIES_NAMES = ("samples_per_s", "loss", "density", "batch_size", "outer_norm", "outer_staleness")
+SERIES_NAMES = ("samples_per_s", "loss", "density", "batch_size", "outer_norm", "outer_staleness",
+                "outer_deferred", "outer_folded", "outer_dropped")
 # Byte counts are summed, not averaged, and feed the egress chart and the bill.
 SUMMED_NAMES = ("bytes_sent",)
 # A degraded or restarting run is still in flight: its page streams.
@@ -224,7 +225,8 @@ def run_charts(session: Session, run: Run) -> RunCharts:
         "compression": figures.compression_figure(data.series, t0, servers=servers,
                                                   outer_steps=is_local_sgd(run.strategy)),
         "egress": figures.egress_figure(egress_series, t0, unpriced=unpriced),
-        "batch": figures.batch_figure(data.series, t0, planned, servers=servers, outer_steps=is_local_sgd(run.strategy)),
+        "batch": figures.batch_figure(data.series, t0, planned, servers=servers, outer_steps=is_local_sgd(run.strategy),
+                                      late_changes=(run.local_sgd or {}).get("asynchronous") is True),
     }
     charts = {key: figures.with_events(fig, events) for key, fig in charts.items()}
     bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples, prices=prices, nodes=nodes,

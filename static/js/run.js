@@ -47,6 +47,8 @@
             line: { color: a.color, width: a.uid === "sps:total" ? 2.6 : 1.8 },
             hovertemplate: "%{y:.4g} (step %{customdata})" };
           if (a.mode) { trace.mode = a.mode; trace.marker = { size: 5, color: a.color }; }
+          if (a.mode && a.symbol) trace.marker.symbol = a.symbol;
+          if (a.hovertemplate) trace.hovertemplate = a.hovertemplate;
           if (a.yaxis) trace.yaxis = a.yaxis;
           if (key === "egress" || key === "batch") trace.line.shape = "hv";
           Plotly.addTraces(div, trace);

@@ -103,3 +103,26 @@ def test_a_local_sgd_runs_batch_chart_marks_each_workers_outer_steps_by_how_late
     # Before the first outer step the axis is there already; a run without outer steps has none.
     assert "yaxis2" in figures.batch_figure([], t0=0.0, outer_steps=True)["layout"]
     assert "yaxis2" not in figures.batch_figure([], t0=0.0)["layout"]
+
+
+def test_an_asynchronous_runs_batch_chart_draws_the_servers_late_change_counts_in_a_band_of_their_own() -> None:
+    counts = [Series(name, 0, [(10, 10.0, 1), (20, 20.0, 0)]) for name in ("outer_deferred", "outer_folded", "outer_dropped")]
+    worker_echo = Series("outer_folded", 1, [(10, 10.0, 1)])  # only the server's rank counts
+    figure = figures.batch_figure([*counts, worker_echo], 0.0, {1: 32, 2: 32}, servers={0})
+    marks = [t for t in figure["data"] if t.get("yaxis") == "y3"]
+    assert [(t["uid"], t["name"], t["mode"], t["y"], t["customdata"]) for t in marks] == [
+        ("outer_deferred:0", "outer step: workers deferred", "markers", [1.0, 0.0], [10, 20]),
+        ("outer_folded:0", "late changes folded", "markers", [1.0, 0.0], [10, 20]),
+        ("outer_dropped:0", "late changes dropped", "markers", [1.0, 0.0], [10, 20])]
+    assert marks[1]["hovertemplate"] == "outer step %{customdata}: %{y} late changes folded"
+    assert figure["layout"]["yaxis3"]["domain"][1] == 1.0 > figure["layout"]["yaxis"]["domain"][1]
+
+
+def test_an_asynchronous_runs_batch_chart_has_the_late_change_band_before_the_first_outer_step() -> None:
+    assert "yaxis3" in figures.batch_figure([], t0=0.0, outer_steps=True, late_changes=True)["layout"]
+
+
+def test_a_run_without_asynchronous_outer_steps_has_no_late_change_band() -> None:
+    stale = [Series("outer_staleness", 1, [(10, 10.0, 3)])]
+    layout = figures.batch_figure(stale, 0.0, {1: 32}, servers={0}, outer_steps=True)["layout"]
+    assert "yaxis3" not in layout and "domain" not in layout["yaxis"]

@@ -83,3 +83,13 @@ def test_live_outer_steps_go_to_the_compression_charts_right_axis_once() -> None
                            MetricRow(2, "outer_norm", 2, -1, 20, 120.0, 0.5)])
     (outer,) = appends
     assert (outer["chart"], outer["uid"], outer["yaxis"], outer["y"]) == ("compression", "outer_norm:1", "y2", [0.5])
+
+
+def test_live_late_change_counts_go_to_the_batch_charts_band_from_the_server_only() -> None:
+    state = LiveState(t0=100.0, worker_ranks=[1, 2], server_ranks={0})
+    appends = state.apply([MetricRow(1, "outer_folded", 0, -1, 20, 120.0, 2),
+                           MetricRow(2, "outer_folded", 1, -1, 20, 120.0, 2)])
+    (folded,) = appends
+    assert (folded["chart"], folded["uid"], folded["name"], folded["yaxis"], folded["mode"], folded["y"],
+            folded["customdata"]) == ("batch", "outer_folded:0", "late changes folded", "y3", "markers", [2.0], [20])
+    assert folded["hovertemplate"] == "outer step %{customdata}: %{y} late changes folded"

@@ -302,6 +302,20 @@ def test_run_page_and_api_show_the_first_epoch_warming_the_caches_from_stored_me
     assert by_site["site_cache_bytes"] == 100 * 10**6 and len(by_site["node_ids"]) == 2
 
 
+def test_an_asynchronous_runs_page_draws_the_servers_late_change_counts(admin_page: PageClient, session: Session) -> None:
+    seeded = seed_run(session, steps=40, workers=2, finished=True)
+    run = session.get(Run, seeded.run_id)
+    run.strategy, run.compression, run.local_sgd = "diloco", {}, {"sync_every": 10, "asynchronous": True}
+    store_metrics(session, run_id=run.id, records=[
+        MetricRecord(rank=0, role="ps", step=s, t=seeded.t0 + s, name=name, value=1)
+        for s in (10, 20, 30) for name in ("outer_deferred", "outer_folded", "outer_dropped")])
+    session.commit()
+
+    page = admin_page.get(f"/runs/{run.id}").text
+
+    assert all(f'"{name}:0"' in page for name in ("outer_deferred", "outer_folded", "outer_dropped"))
+
+
 def test_run_page_shows_the_options_it_runs_with_marking_its_strategys_defaults(admin_page: PageClient,
                                                                                  session: Session) -> None:
     run = seed_run(session, steps=10, workers=2, finished=True)  # ps-bz-gc, compression {"density": 0.01}
