@@ -233,6 +233,8 @@ def _spans_decades(traces: list[dict[str, Any]]) -> bool:
 
 
 OUTER_COLOR = "#444444"
+# Room for a right axis's tick labels and title: base_layout's 16 px cut them off.
+RIGHT_AXIS_MARGIN = 64
 
 
 def outer_norm_trace(points: Iterable[Point], t0: float, rank: int) -> dict[str, Any]:
@@ -260,6 +262,7 @@ def compression_figure(series: Sequence[SeriesLike], t0: float, *, servers: Coll
     layout = base_layout(title, " s", "density (sent / dense)")
     layout["yaxis"].update(type="log", rangemode="normal")
     if outer_steps:
+        layout["margin"] = layout["margin"] | {"r": RIGHT_AXIS_MARGIN}
         layout["yaxis2"] = {"title": {"text": "|mean change| at an outer step"}, "overlaying": "y", "side": "right",
                             "rangemode": "tozero", "showgrid": False}
     if not traces:
@@ -321,6 +324,7 @@ def batch_figure(
     layout = base_layout("Batch size per worker" + ("; outer steps" if outer_steps or stale else ""), " s",
                          "samples per step")
     if outer_steps or stale:
+        layout["margin"] = layout["margin"] | {"r": RIGHT_AXIS_MARGIN}
         layout["yaxis2"] = {"title": {"text": "inner steps an outer step landed late"}, "overlaying": "y",
                             "side": "right", "rangemode": "tozero", "showgrid": False, "dtick": 1}
     if late_changes or late:

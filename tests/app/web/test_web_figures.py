@@ -105,6 +105,12 @@ def test_a_local_sgd_runs_batch_chart_marks_each_workers_outer_steps_by_how_late
     assert "yaxis2" not in figures.batch_figure([], t0=0.0)["layout"]
 
 
+def test_a_chart_with_a_right_axis_leaves_room_for_its_labels() -> None:
+    assert figures.batch_figure([], t0=0.0, outer_steps=True)["layout"]["margin"]["r"] >= 60
+    assert figures.compression_figure([], t0=0.0, outer_steps=True)["layout"]["margin"]["r"] >= 60
+    assert figures.batch_figure([], t0=0.0)["layout"]["margin"]["r"] < 60
+
+
 def test_an_asynchronous_runs_batch_chart_draws_the_servers_late_change_counts_in_a_band_of_their_own() -> None:
     counts = [Series(name, 0, [(10, 10.0, 1), (20, 20.0, 0)]) for name in ("outer_deferred", "outer_folded", "outer_dropped")]
     worker_echo = Series("outer_folded", 1, [(10, 10.0, 1)])  # only the server's rank counts
