@@ -75,10 +75,15 @@ SLOW_FIRST = ("tests/trainer/", "tests/docs/", "tests/runs/", "tests/testbed/", 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` spreads the suite over two pytest-xdist workers a file at a time
-    (`--dist loadgroup`), so a module's fixtures start once; the testbed's tests run in one
-    worker, one after another, as every testbed takes 10.213.0.0/16 and the cgroup tree. Slow
-    folders go first (a stable sort: a file's own order stays)."""
+    """`make test` spreads the suite over two pytest-xdist workers (`--dist loadgroup`), meant a
+    file at a time so that a module's fixtures start once, the testbed's files in one worker as
+    every testbed takes 10.213.0.0/16 and the cgroup tree. Slow folders go first (a stable sort:
+    a file's own order stays).
+
+    Known (2026-12-07): the groups are not in effect. xdist 3.8 marks a group by rewriting
+    `item._nodeid`, which pytest 9.2 no longer reads (a node id is built from `item._id`), so
+    every test is scheduled on its own: a module's fixtures may start on both workers, and a
+    test must not lean on an earlier test of its file having run in the same process."""
     def rank(item: pytest.Item) -> int:
         return next((i for i, folder in enumerate(SLOW_FIRST) if item.nodeid.startswith(folder)), len(SLOW_FIRST))
 

@@ -62,7 +62,8 @@ def test_registering_reads_the_index_for_size_shards_and_samples(client, with_st
     assert body["name"] in [d["name"] for d in client.get(f"{API}/datasets").json()["data"]]
 
 
-def test_an_unreadable_url_is_refused_naming_the_url(client, with_store):
+def test_an_unreadable_url_is_refused_naming_the_url(client, with_store, s3_url):
+    # s3_url makes the bucket: what is missing is the data set's index, not the bucket.
     answer = _register(client, "s3://datasets-cp/not-there")
     assert answer.status_code == 422
     assert answer.json()["detail"][0]["loc"][-1] == "url"
