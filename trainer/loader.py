@@ -145,9 +145,20 @@ def make_loader(
         return _take(iter(loader), last_step - first_step + 1)
     data = _Transformed(dataset, transform) if transform else dataset
     sampler = StepSampler(first_step, last_step, worker, batch_sizes, len(dataset), seed, dataset_order(dataset))
-    return iter(DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                           pin_memory=pin_memory, prefetch_factor=2 if workers else None,
-                           persistent_workers=False, worker_init_fn=ignore_sigterm if workers else None))
+    loader = DataLoader(data, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                        pin_memory=pin_memory, prefetch_factor=2 if workers else None,
+                        persistent_workers=False, worker_init_fn=ignore_sigterm if workers else None)
+    if not workers:
+        return iter(loader)
+    # iter() starts the loader's processes. A SIGTERM that reached one before its
+    # worker_init_fn ran killed it, so the processes start with SIGTERM blocked (the mask is
+    # inherited) and unblock it once they ignore it; the role gets any SIGTERM that came
+    # meanwhile as soon as its own mask is restored.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def ignore_sigterm(worker_id: int) -> None:
@@ -156,6 +167,7 @@ def ignore_sigterm(worker_id: int) -> None:
     killed by signal") instead of letting it leave at its step boundary. It ends with the role
     (torch's loader stops its processes; the agent's SIGKILL sweeps the group after)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _take(it: Iterator[Any], n: int) -> Iterator[Any]:
