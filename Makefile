@@ -36,7 +36,7 @@ doctor: install-dev
 	$(BIN)/python -m tests.doctor
 
 # Two workers: most tests wait on processes, sockets and Postgres, so two share the two cores
-# (tests/conftest.py says how the suite is split, and why not yet a file at a time). Schemathesis gives its
+# (a file at a time, the testbed's files in one worker: tests/conftest.py). Schemathesis gives its
 # items one node id, of which xdist would run one: its file runs after, in one process.
 TEST_WORKERS ?= 2
 ONE_PROCESS_TESTS := tests/app/test_openapi_conformance.py

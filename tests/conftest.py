@@ -74,16 +74,12 @@ def s3_server():
 SLOW_FIRST = ("tests/trainer/", "tests/docs/", "tests/runs/", "tests/testbed/", "tests/agents/", "tests/examples/")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`make test` spreads the suite over two pytest-xdist workers (`--dist loadgroup`), meant a
     file at a time so that a module's fixtures start once, the testbed's files in one worker as
     every testbed takes 10.213.0.0/16 and the cgroup tree. Slow folders go first (a stable sort:
-    a file's own order stays).
-
-    Known (2026-12-07): the groups are not in effect. xdist 3.8 marks a group by rewriting
-    `item._nodeid`, which pytest 9.2 no longer reads (a node id is built from `item._id`), so
-    every test is scheduled on its own: a module's fixtures may start on both workers, and a
-    test must not lean on an earlier test of its file having run in the same process."""
+    a file's own order stays). `pytest_collection_finish` below makes the groups take effect."""
     def rank(item: pytest.Item) -> int:
         return next((i for i, folder in enumerate(SLOW_FIRST) if item.nodeid.startswith(folder)), len(SLOW_FIRST))
 
@@ -92,6 +88,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = item.nodeid.split("::", 1)[0]
         group = "testbed" if path.startswith("tests/testbed/") else path
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Carry xdist's group suffix into the node id. xdist 3.8 marks a group by rewriting
+    `item._nodeid` ("...::test@group"), which pytest 9.2 no longer reads (the id is `item._id`),
+    so without this every test was scheduled alone: a module's fixtures started on both workers
+    and testbed files ran side by side. Runs before xdist's own hook sends the ids."""
+    from _pytest.nodeid import coerce_node_id
+
+    for item in session.items:
+        grouped = item.__dict__.get("_nodeid")
+        if grouped is not None and grouped != item.nodeid:
+            item._id = coerce_node_id(grouped)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -179,8 +179,9 @@ def test_cli_for_ci_exit_status_says_whether_the_run_succeeded(cluster: Deployme
 
 
 def test_a_server_killed_mid_run_is_restarted_from_its_checkpoint_and_the_run_succeeds(cluster: Deployment):
-    # Steps to spare: on an idle host 80 were done by the time the first checkpoint was listed.
-    run = _launch(cluster, "e2e-server-killed", max_steps=240, checkpoint_every=10, max_restarts=2,
+    # Steps to spare: on an idle host 80 were done by the time the first checkpoint was listed,
+    # and under the full suite's load once all of 240 (the kill then found the run over).
+    run = _launch(cluster, "e2e-server-killed", max_steps=600, checkpoint_every=10, max_restarts=2,
                   node_ids=cluster.nodes[:2])
     checkpointed = wait_until(lambda: (r := cluster.run(run["id"]))["latest_checkpoint"] and r, 180,
                               "a first checkpoint")
