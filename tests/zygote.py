@@ -1,18 +1,18 @@
 """Trainer roles forked from one interpreter that has imported torch already.
 
-Every `python -m trainer --role ...` a test starts spends about 2.5 s of CPU importing torch
-before it does anything, four or five of them at once on the suite's two cores: most of an
-elastic test's time. The zygote is one process, started once per test session, that imports
-torch and the trainer and then forks a child for each role: the child is a process of its own
-(its pid takes signals, its exit status is its own, its stdout and stderr go to the pipe the
-test reads), running `trainer`'s `__main__` with the role's argv, working directory and
-environment, and ending the way the interpreter ends (non-daemon threads joined, atexit
-handlers run, streams flushed).
+Every `python -m trainer --role ...` a test starts spends seconds of CPU importing torch before
+it does anything, four or five of them at once on the suite's two cores: most of an elastic
+test's time. The zygote is one process, started once per test session, that imports torch and
+the trainer and then forks a child for each role that a test starts by itself (the local
+launcher forks its own roles the same way: trainer/forked_role.py, whose `become_role` the
+child runs). The child is a process of its own (its pid takes signals, its exit status is its
+own, its stdout and stderr go to the pipe the test reads), with the role's argv, working
+directory and environment, ending as `python -m trainer` ends.
 
 What a fork cannot be is a fresh interpreter: the child's modules were imported before its
 argv, cwd and environment were set. Tests of interpreter start or exit themselves (a role's
-exit code under finalisation, environment read at import) start real processes instead, as
-`run_cli` and the launcher's own roles do. Run as a script, this file is the zygote.
+exit code under finalisation, environment read at import) start `python -m trainer --role`
+as a real process instead. Run as a script, this file is the zygote.
 """
 
 from __future__ import annotations
@@ -148,40 +148,20 @@ def _recv_request(conn: socket.socket) -> tuple[dict, int]:
 
 def _child(request: dict, fd: int) -> None:
     """In the forked child: become `python -m trainer ARGV` and never return."""
-    import atexit
-    import runpy
-    import threading
-    import traceback
+    from trainer.forked_role import become_role
 
-    code = 1
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
         sys.path[0] = request["cwd"]  # as `python -m` puts the working directory first
-        sys.argv = ["-m", *request["argv"]]
-        try:
-            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001 - the interpreter's own report of an uncaught error
-            traceback.print_exc()
-        # What the interpreter does on its way out.
-        threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001 - non-daemon threads, as Py_Finalize
-        atexit._run_exitfuncs()  # noqa: SLF001
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-    finally:
-        os._exit(code)
+    except BaseException:  # noqa: BLE001 - a child that cannot become the role says so and ends
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    become_role(request["argv"], request["env"])
 
 
 def serve(path: str) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hybridtrain.contract import SYSTEM_METRICS
 from trainer.config import TrainConfig
+from trainer.forked_role import ForkedRole, fork_blocker, fork_role, preload
 
 _TRAINER_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -67,7 +68,7 @@ def _summary(cfg: TrainConfig, records: list[dict], wall_s: float) -> str:
     return "; ".join(parts)
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+def _stop(procs: list[subprocess.Popen | ForkedRole], grace_s: float = 5.0) -> None:
     deadline = time.monotonic() + grace_s
     if grace_s > 5.0:  # a finished run: the roles are on their way out by themselves
         for p in procs:
@@ -87,7 +88,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             p.wait()
 
 
-def _supervise(cfg: TrainConfig, procs: list[subprocess.Popen]) -> int:
+def _supervise(cfg: TrainConfig, procs: list[subprocess.Popen | ForkedRole]) -> int:
     """Wait for the roles; 0 once the run has ended well. Under a parameter server the run
     is the server's: a worker that dies is reported and the others train on without it."""
     told: set[int] = set()
@@ -131,6 +132,18 @@ def _supervise(cfg: TrainConfig, procs: list[subprocess.Popen]) -> int:
         time.sleep(0.1)
 
 
+def _may_fork(threads: int) -> bool:
+    """Whether the roles are forked from this process (trainer/forked_role.py): torch imported
+    once, not once per role. Otherwise, and said so, each role is a fresh interpreter."""
+    blocker = fork_blocker()
+    if blocker is None:
+        preload(threads)
+        blocker = fork_blocker()  # what was imported must not have started a thread
+    if blocker is not None:
+        print(f"hybridtrain train: starting each role in a fresh interpreter: {blocker}", file=sys.stderr, flush=True)
+    return blocker is None
+
+
 def _interrupt(signum: int, frame: object) -> None:
     # Once: a second SIGTERM (a process-group kill reaches the roles and us) must not cut the
     # roles' shutdown short and orphan them.
@@ -154,7 +167,7 @@ def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
     parts = [f"{out}.rank{r}" for r in range(world)]
     for part in parts:
         Path(part).unlink(missing_ok=True)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | ForkedRole] = []
     start = time.monotonic()
     # A SIGTERM to the launcher (`timeout`, a CI job's cancel) stops the roles as Ctrl-C does:
     # they are its children, and left running they would hold the port and the CPU.
@@ -166,12 +179,15 @@ def launch_local(cfg: TrainConfig, argv: list[str]) -> int:
         options, tail = (argv[: argv.index("--")], argv[argv.index("--") :]) if "--" in argv else (argv, [])
         if cfg.code_dir is None:
             options = [*options, "--code-dir", os.getcwd()]
+        forking = _may_fork(cfg.threads)
         for rank in range(world):
-            cmd = [sys.executable, "-m", "trainer", *options, "--role", _role_of(cfg, rank),
-                   "--rank", str(rank), "--world-size", str(world),
-                   "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "--metrics-out", parts[rank], *tail]
-            procs.append(subprocess.Popen(cmd, env=env))
+            role_argv = [*options, "--role", _role_of(cfg, rank), "--rank", str(rank), "--world-size", str(world),
+                         "--master-addr", "127.0.0.1", "--master-port", str(port),
+                         "--metrics-out", parts[rank], *tail]
+            if forking:
+                procs.append(fork_role(role_argv, env))
+            else:
+                procs.append(subprocess.Popen([sys.executable, "-m", "trainer", *role_argv], env=env))
         status = _supervise(cfg, procs)
         if status:
             return status
