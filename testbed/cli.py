@@ -68,7 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "STRATEGY+delayN applying each outer step N inner steps after its exchange began, "
                         "a local SGD STRATEGY+replicas with each site's workers one replica, "
                         "STRATEGY+async with asynchronous outer steps, STRATEGY+streaming with its outer "
-                        "steps in staggered fragments, and STRATEGY+hN taking N inner steps between outer steps")
+                        "steps in staggered fragments, STRATEGY+hN taking N inner steps between outer steps, "
+                        "and diloco-gc+densityN sending N %% of each change; variants chain "
+                        "(diloco-gc+h100+density5)")
     over = p.add_argument_group("workload overrides (default: the settings in docs/testbed.md)")
     over.add_argument("--task", type=_task, help="module:function, e.g. hybridtrain.tasks.digits:widecnn")
     over.add_argument("--task-args", type=_task_args, help='the task\'s JSON args, e.g. \'{"lr": 0.05}\'')

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybridtrain.contract import COMPRESSING_STRATEGIES, DEFAULT_SYNC_EVERY, LOCAL_SGD_STRATEGIES, PS_STRATEGIES
+from hybridtrain.contract import (COMPRESSING_STRATEGIES, DEFAULT_SYNC_EVERY, DILOCO_GC, LOCAL_SGD_STRATEGIES,
+                                  PS_STRATEGIES)
 from testbed.errors import TestbedError
 
 
@@ -252,50 +253,81 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # SGD strategy whose outer steps go in STREAMING_FRAGMENTS staggered fragments (at most H of them),
 # each exchange 1/P of the model (`local_sgd.fragments`, Streaming DiLoCo); `+hN`, a local SGD
 # strategy taking N inner steps between outer steps instead of the workload's H (`local_sgd.sync_every`:
-# the WAN bytes a sample fall as 1/H, the measure of issue 49's 100x and 1000x).
+# the WAN bytes a sample fall as 1/H, the measure of issue 49's 100x and 1000x); `+densityN`,
+# `diloco-gc` with its outer density at N % instead of 10 % (`local_sgd.outer_density`; the
+# server keeps 2.5 times it). Variants chain, applied in order: `diloco-gc+h100+density5`.
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "hN", "replicas", "async", "streaming")
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "hN", "densityN", "replicas", "async",
+            "streaming")
 STREAMING_FRAGMENTS = 4
 
 
-def delay_of(variant: str) -> int | None:
+def number_after(part: str, prefix: str, lo: int, hi: int) -> int | None:
+    """N of a `{prefix}N` variant with lo <= N <= hi (None for any other)."""
+    digits = part.removeprefix(prefix)
+    return int(digits) if part.startswith(prefix) and digits.isdigit() and lo <= int(digits) <= hi else None
+
+
+def delay_of(part: str) -> int | None:
     """N of a `delayN` variant (None for any other)."""
-    digits = variant.removeprefix("delay")
-    return int(digits) if variant.startswith("delay") and digits.isdigit() else None
+    return number_after(part, "delay", 0, 1_000_000)
 
 
-def chunks_of(variant: str) -> int | None:
+def chunks_of(part: str) -> int | None:
     """N of a `chunksN` variant (None for any other)."""
-    digits = variant.removeprefix("chunks")
-    return int(digits) if variant.startswith("chunks") and digits.isdigit() and 1 <= int(digits) <= 64 else None
+    return number_after(part, "chunks", 1, 64)
 
 
-def sync_every_of(variant: str) -> int | None:
+def sync_every_of(part: str) -> int | None:
     """N of an `hN` variant (None for any other)."""
-    digits = variant.removeprefix("h")
-    return int(digits) if variant.startswith("h") and digits.isdigit() and int(digits) >= 1 else None
+    return number_after(part, "h", 1, 1_000_000)
+
+
+def density_of(part: str) -> int | None:
+    """N of a `densityN` variant, a percentage (None for any other)."""
+    return number_after(part, "density", 1, 100)
+
+
+def variant_parts(variant: str) -> list[str]:
+    """`h100+density5` -> [h100, density5]: an entry's variants, applied in order."""
+    return variant.split("+") if variant else []
 
 
 def strategy_variant(entry: str) -> tuple[str, str]:
-    """`ps-bz-gc+sites` -> (ps-bz-gc, "sites"); a plain strategy's variant is ""."""
+    """`ps-bz-gc+sites` -> (ps-bz-gc, "sites"); a plain strategy's variant is "", several
+    variants stay joined (`diloco-gc+h100+density5` -> (diloco-gc, "h100+density5"))."""
     strategy, variant = split_entry(entry)
-    if (variant and variant not in VARIANTS and chunks_of(variant) is None and delay_of(variant) is None
-            and sync_every_of(variant) is None):
-        raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
-    if (variant in ("sites", "inforward") or chunks_of(variant)) and strategy not in PS_STRATEGIES:
-        raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the PS strategies")
-    if ((delay_of(variant) is not None or sync_every_of(variant) is not None
-         or variant in ("replicas", "async", "streaming")) and strategy not in LOCAL_SGD_STRATEGIES):
-        raise TestbedError(f"--strategies: {entry!r}: +{variant} is for the local SGD strategies")
-    if variant == "fp8" and strategy not in COMPRESSING_STRATEGIES:
-        raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
-                           f"({', '.join(COMPRESSING_STRATEGIES)})")
+    for part in variant_parts(variant):
+        _check_variant(entry, strategy, part)
     return strategy, variant
 
 
+def _check_variant(entry: str, strategy: str, part: str) -> None:
+    numbered = (chunks_of(part), delay_of(part), sync_every_of(part), density_of(part))
+    if part not in VARIANTS and all(n is None for n in numbered):
+        raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
+    if (part in ("sites", "inforward") or chunks_of(part)) and strategy not in PS_STRATEGIES:
+        raise TestbedError(f"--strategies: {entry!r}: +{part} is for the PS strategies")
+    if ((delay_of(part) is not None or sync_every_of(part) is not None
+         or part in ("replicas", "async", "streaming")) and strategy not in LOCAL_SGD_STRATEGIES):
+        raise TestbedError(f"--strategies: {entry!r}: +{part} is for the local SGD strategies")
+    if density_of(part) is not None and strategy != DILOCO_GC:
+        raise TestbedError(f"--strategies: {entry!r}: +{part} is for {DILOCO_GC}")
+    if part == "fp8" and strategy not in COMPRESSING_STRATEGIES:
+        raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
+                           f"({', '.join(COMPRESSING_STRATEGIES)})")
+
+
 def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
-    """The run body of `variant` (see VARIANTS) from the strategy's own."""
+    """The run body of `variant` (see VARIANTS; several joined by `+` apply in order) from the
+    strategy's own."""
+    for part in variant_parts(variant):
+        body = _part_body(body, part)
+    return body
+
+
+def _part_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "plain":
         return body | {"name": f"{body['name']}-plain", "encrypt_links": False}
     if variant == "sites":
@@ -326,6 +358,9 @@ def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if (sync_every := sync_every_of(variant)) is not None:
         return body | {"name": f"{body['name']}-{variant}",
                        "local_sgd": body.get("local_sgd", {}) | {"sync_every": sync_every}}
+    if (density := density_of(variant)) is not None:
+        return body | {"name": f"{body['name']}-{variant}",
+                       "local_sgd": body.get("local_sgd", {}) | {"outer_density": density / 100}}
     if chunks := chunks_of(variant):
         return body | {"name": f"{body['name']}-{variant}",
                        "compression": body.get("compression", {}) | {"pipeline_chunks": chunks}}

@@ -53,6 +53,7 @@ from bench.paper.paper_workloads import (
     seeds_of,
     strategy_variant,
     variant_body,
+    variant_parts,
     workdir_of,
     workloads_of,
 )
@@ -76,14 +77,14 @@ def check_strategies(strategies: tuple[str, ...], configs: list[TestbedConfig]) 
                                "each optionally +plain or +quotaio, a PS one +sites or +inforward, a "
                                "compressing one +fp8)")
         without = [c.name for c in configs if not c.cpu.threads_on_host]
-        if variant == "quotaio" and without:
+        if "quotaio" in variant_parts(variant) and without:
             raise TestbedError(f"--strategies: {entry!r}: testbed {', '.join(without)} runs without the thread "
                                "placer (cpu.threads_on_host: false): its threads are on the quotas already")
 
 
 def placer_pause_file(state: TestbedState, variant: str) -> Path | None:
     """The file that pauses the thread placer for `variant`'s run (None: leave it running)."""
-    return Path(state.services["threads_on_quota_file"]) if variant == "quotaio" else None
+    return Path(state.services["threads_on_quota_file"]) if "quotaio" in variant_parts(variant) else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
 from hybridtrain.strategy_defaults import effective
-from bench.paper.paper_workloads import chunks_of, split_entry, sync_every_of
+from bench.paper.paper_workloads import chunks_of, density_of, split_entry, sync_every_of, variant_parts
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
@@ -27,14 +27,20 @@ _VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "fp8
 
 
 def strategy_label(entry: str) -> str:
-    """A table's name for a `--strategies` entry: `ps-bz-gc+sites` -> `PS-bz-gc + per-site aggregation`."""
+    """A table's name for a `--strategies` entry: `ps-bz-gc+sites` -> `PS-bz-gc + per-site
+    aggregation`, `diloco-gc+h100+density5` -> `DiLoCo-gc, H = 100, density 5 %`."""
     strategy, variant = split_entry(entry)
     label = STRATEGY_LABELS.get(strategy, strategy)
-    if chunks := chunks_of(variant):
-        return f"{label} + {chunks} chunks"
-    if sync_every := sync_every_of(variant):
-        return f"{label}, H = {sync_every}"
-    return f"{label} + {_VARIANT_LABELS.get(variant, variant)}" if variant else label
+    for part in variant_parts(variant):
+        if chunks := chunks_of(part):
+            label += f" + {chunks} chunks"
+        elif sync_every := sync_every_of(part):
+            label += f", H = {sync_every}"
+        elif density := density_of(part):
+            label += f", density {density} %"
+        else:
+            label += f" + {_VARIANT_LABELS.get(part, part)}"
+    return label
 
 
 def _fmt(value: Any, spec: str = "") -> str:

@@ -358,6 +358,27 @@ def test_a_local_sgd_strategy_with_plus_h_n_takes_n_inner_steps_between_outer_st
             strategy_variant(bad)
 
 
+def test_diloco_gc_with_plus_density_n_sends_n_percent_of_each_change() -> None:
+    assert strategy_variant("diloco-gc+density5") == ("diloco-gc", "density5")
+    body = variant_body({"name": "bench-diloco-gc", "local_sgd": {"sync_every": 20}}, "density5")
+    assert body == {"name": "bench-diloco-gc-density5", "local_sgd": {"sync_every": 20, "outer_density": 0.05}}
+    assert strategy_label("diloco-gc+density5") == "DiLoCo-gc, density 5 %"
+    for bad in ("diloco+density5", "ps-bz-gc+density5", "diloco-gc+density0", "diloco-gc+density101"):
+        with pytest.raises(TestbedError):
+            strategy_variant(bad)
+
+
+def test_variants_chain_each_applied_in_order() -> None:
+    assert strategy_variant("diloco-gc+h100+density5") == ("diloco-gc", "h100+density5")
+    body = variant_body({"name": "bench-diloco-gc", "local_sgd": {"sync_every": 20}}, "h100+density5")
+    assert body == {"name": "bench-diloco-gc-h100-density5", "local_sgd": {"sync_every": 100, "outer_density": 0.05}}
+    assert strategy_label("diloco-gc+h100+density5") == "DiLoCo-gc, H = 100, density 5 %"
+    assert strategy_label("ps-bz-gc+sites+fp8") == "PS-bz-gc + per-site aggregation + fp8 values"
+    # Each part is checked on its own: one refused part refuses the entry.
+    with pytest.raises(TestbedError, match=r"\+h100 is for the local SGD"):
+        strategy_variant("ps-bz-gc+fp8+h100")
+
+
 def test_a_ps_strategy_with_plus_sites_combines_each_remote_sites_gradients_at_its_relay() -> None:
     assert strategy_variant("ps-gc+sites") == ("ps-gc", "sites")
     body = variant_body({"name": "bench-ps-gc", "compression": {"density": 0.05}}, "sites")
