@@ -80,8 +80,22 @@ class Layout:
 
 
 def float_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """BatchNorm running statistics and other float buffers (not trained, so never in gradients)."""
-    return [b for _, b in model.named_buffers() if b.dtype.is_floating_point]
+    """BatchNorm running statistics and the model's other float buffers that it keeps in its
+    state_dict (not trained, so never in gradients): averaged before an evaluation, carried by
+    a joiner's state and a checkpoint."""
+    # A buffer registered with persistent=False (an attention mask, a rotary table) is what the
+    # model rebuilds at construction and its own state_dict leaves out: the same on every
+    # replica, so averaging it before every evaluation only sent it over the WAN and back
+    # (charlm's 48 x 48 mask: 9.4 kB a worker each way, a third of diloco-gc's WAN bytes at H = 100).
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for module in model.modules():  # named_buffers()'s order, and a shared buffer once
+        for name, b in module._buffers.items():  # noqa: SLF001 - with the persistence named_buffers() drops
+            if (b is not None and b.dtype.is_floating_point and id(b) not in seen
+                    and name not in module._non_persistent_buffers_set):  # noqa: SLF001
+                seen.add(id(b))
+                found.append(b)
+    return found
 
 
 def chunk_count(sparse_numel: int, asked: int) -> int:

@@ -8,7 +8,7 @@ import time
 import torch
 from trainer_testing import config, tiny_mlp
 
-from trainer.algorithm import Layout
+from trainer.algorithm import Layout, float_buffers
 from trainer.compression import Payload
 from trainer.flat_model import FlatModel
 from trainer.frames import LAST_KINDS, Bye, Fetch, Update, pack
@@ -79,3 +79,18 @@ def test_the_servers_bye_before_a_later_fragments_round_ends_the_run_for_the_wor
     hub.transport(SERVER).send(1, pack(Bye(5, SERVER)))
     link.read_update(6, taken.append, start=2, stop=3)
     assert link.ended and ended == [True] and taken == []
+
+
+def test_only_the_buffers_a_model_keeps_in_its_state_dict_are_averaged_and_carried():
+    # An attention mask registered with persistent=False is rebuilt by every replica: sending it
+    # before each evaluation only crossed the WAN and back.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("mask", torch.ones(8, 8), persistent=False)
+    model[0].register_buffer("scale", torch.ones(2))
+    model.register_buffer("shared", model[0].scale)  # the same tensor twice: once
+
+    kept = float_buffers(model)
+
+    assert [tuple(b.shape) for b in kept] == [(2,), (4,), (4,)]
+    assert kept[0] is model[0].scale and kept[1] is model[1].running_mean and kept[2] is model[1].running_var
+    assert Layout.of(model, 0).spec.buffer_numel == 10
