@@ -21,9 +21,24 @@ def test_before_any_rate_the_clock_is_the_writes_own_time():
 
 def test_the_send_time_is_the_bytes_at_the_best_recent_rate():
     clock = LinkClock(window=4)
-    for rate in (1e6, 2.5e6, 0.5e6):  # the lower samples were app- or window-limited
+    for rate in (2.5e6, 1e6, 2.5e6, 0.5e6):  # the lower samples were app- or window-limited
         clock.note(rate)
     assert clock.send_s(1_000_000, write_s=0.003) == pytest.approx(0.4)
+
+
+def test_one_sample_far_above_the_rest_is_outvoted():
+    # ACKs processed in a burst on a loaded host make one sample read above the link.
+    clock = LinkClock()
+    for rate in (2.4e6, 3.9e6, 2.5e6):
+        clock.note(rate)
+    assert clock.rate == 2.5e6
+
+
+def test_with_two_samples_the_larger_counts():
+    clock = LinkClock()
+    for rate in (1e6, 2.5e6):
+        clock.note(rate)
+    assert clock.rate == 2.5e6
 
 
 def test_a_write_slower_than_the_rate_implies_keeps_its_own_time():
