@@ -424,11 +424,15 @@ def evaluate(model: nn.Module, dataset: Any, *, metrics: Sequence[Metric] = (),
     else:
         part = eval_slice(n, ctx.worker, ctx.batch_sizes)
     if ctx.client is not None:
-        # An overlapped outer step still on its way lands first: waiting for it is communication,
-        # not evaluation (the benchmarks take the evaluations' seconds out of the time to target).
+        # An overlapped outer step still on its way lands first, and the buffers' mean waits for
+        # the last worker to reach this evaluation: both are communication, not evaluation (the
+        # benchmarks take the evaluations' seconds out of the time to target). Under local SGD
+        # the workers meet only at outer steps, so the last one can be far behind: a cloud
+        # worker still fetching the initial model over a 10 Mbit/s WAN made the first
+        # evaluation "take" 48 s, and the time to target came out at 0.9 s.
         ctx.client.drain()
-        started = time.perf_counter()
         ctx.client.average_buffers(ctx.step)
+        started = time.perf_counter()
         with ctx.client.global_model():
             sums, count = metric_sums(module, dataset, part=part, metrics=metrics, loss=loss,
                                       batch_size=batch_size, device=ctx.device, collate=collate)
