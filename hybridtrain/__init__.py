@@ -37,7 +37,7 @@ _LAZY = {
     "prepare_model": "trainer.loop",
     "data_loader": "trainer.loop",
     "dataset": "hybridtrain.datasets",
-    "DistributedOptimizer": "trainer.loop",
+    "DistributedOptimizer": "trainer.distributed_optimizer",
     "evaluate": "trainer.loop",
 }
 

@@ -34,7 +34,8 @@ from typing import IO
 # sympy it imports): a worker's first optimizer imports it (torch.optim's add_param_group is
 # wrapped in torch._disable_dynamo), about 2 s of CPU in every forked worker otherwise.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "sklearn.datasets", "trainer.cli",
-           "trainer.server", "trainer.ps", "trainer.loop", "trainer.taskloop", "hybridtrain.tasks.digits")
+           "trainer.server", "trainer.ps", "trainer.loop", "trainer.distributed_optimizer", "trainer.taskloop",
+           "hybridtrain.tasks.digits")
 
 
 class ForkedProcess:

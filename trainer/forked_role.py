@@ -31,7 +31,7 @@ from typing import NoReturn
 
 # What every role imports before its first step; the fork shares it.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "trainer.runtime", "trainer.server", "trainer.ps",
-           "trainer.loop", "trainer.taskloop")
+           "trainer.loop", "trainer.distributed_optimizer", "trainer.taskloop")
 
 _MAIN = str(Path(__file__).resolve().parent / "__main__.py")
 

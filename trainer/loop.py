@@ -176,6 +176,39 @@ class Context:
         print(f"[{self.strategy} worker {self.worker}] step {self.step}{total} loss {loss:.4f}"
               f"{extra} elapsed {self.elapsed():.1f}s", file=sys.stderr, flush=True)
 
+    # -- what DistributedOptimizer (trainer.distributed_optimizer) sets ---------------------------
+    def restart_clock(self) -> None:
+        """Training time counts from now (after DDP's start, or a client's join)."""
+        self._t0 = time.time()
+
+    def attach(self, client: Any) -> None:
+        """Train through `client` (a PSClient), from where the run stands: a joiner, or a worker
+        of a resumed run, starts at the run's step, batch split and step budget."""
+        self.client = client
+        self.step = client.step
+        self.batch_sizes = list(client.batch_sizes)
+        self.max_steps = client.max_steps
+        self.should_stop = client.ended_by_server
+        self.restart_clock()
+
+    def compute_s(self, now: float) -> float:
+        """Seconds since this step's batch was read (0 where the loop read no batch through
+        `data_loader`)."""
+        return now - self._batch_ready_at if self._batch_ready_at is not None else 0.0
+
+    def step_started_at(self, default: float) -> float:
+        """When this step's batch was read, `default` where none was."""
+        return self._batch_ready_at if self._batch_ready_at is not None else default
+
+    def end_step(self, step: int) -> None:
+        """Step `step` is done: log its data-wait seconds and reads, then count it."""
+        self.metrics.log(step, "data_s", self._data_s)
+        _log_data_reads(self, step)
+        self._data_s = 0.0
+        self._batch_ready_at = None
+        self.step = step
+        self.progress()
+
     def request_leave(self) -> None:
         """Leave the run at the next step boundary (a signal handler calls this)."""
         if self.leave_requested_at is None:
@@ -257,117 +290,8 @@ def prepare_model(model: nn.Module) -> nn.Module:
         return model
     wrapped, hook = ddp_baseline.wrap(model, ctx.cfg, ctx.rank, ctx.batch_sizes, ctx.device)
     ctx.ddp_hook = hook
-    ctx._t0 = time.time()
+    ctx.restart_clock()
     return wrapped
-
-
-class DistributedOptimizer:
-    """Wraps any torch optimizer: `step()` is the run's synchronisation (the paper's compressed
-    push and pull under a parameter server; DDP has already all-reduced for the baselines).
-
-    Build LR schedulers on the optimizer you pass in: its parameter groups are used as they are.
-    Other attributes (param_groups, state_dict, ...) are the wrapped optimizer's.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
-        ctx = current()
-        self.optimizer = optimizer
-        self.ctx = ctx
-        module = unwrap(model) if model is not None else ctx.model
-        if module is None:
-            raise RuntimeError("DistributedOptimizer needs the model: pass it, or call prepare_model first")
-        self.module = module
-        if ctx.cfg.is_ps and not ctx.standalone:
-            from trainer.linktls import LinkTls
-            from trainer.ps import PSClient
-            from trainer.sockets import JOIN_CONNECT_S, WorkerSocketTransport
-            from trainer.transport import ThrottledTransport
-
-            transport = WorkerSocketTransport(ctx.rank, ctx.master_addr, ctx.master_port,
-                                              timeout_s=ctx.cfg.timeout_s, listen=bool(ctx.cfg.sites),
-                                              tls=LinkTls.given(ctx.cfg.link_secret), sites=ctx.cfg.sites,
-                                              connect_s=JOIN_CONNECT_S if ctx.cfg.join else None)
-            if ctx.worker < len(ctx.cfg.link_mbps):
-                transport = ThrottledTransport(transport, ctx.cfg.link_mbps[ctx.worker], peer=0)
-            client = PSClient(ctx.cfg, ctx.rank, transport, module, optimizer, ctx.metrics,
-                              device=ctx.device, train_samples=ctx.train_samples)
-            client.start()
-            ctx.client = client
-            # A joiner, or a worker of a resumed run, starts where the run is.
-            ctx.step = client.step
-            ctx.batch_sizes = list(client.batch_sizes)
-            ctx.max_steps = client.max_steps
-            ctx.should_stop = client.ended_by_server
-            ctx._t0 = time.time()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (under a PS they stay views of one flat buffer)."""
-        if self.ctx.client is not None:
-            self.ctx.client.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> None:
-        """One synchronous step of the run; `loss` (optional) is charted."""
-        ctx = self.ctx
-        if closure is not None:
-            raise ValueError("DistributedOptimizer.step does not take a closure: compute the loss and "
-                             "call backward() before step()")
-        step = ctx.step + 1
-        if ctx.fail_at_step == step:
-            raise RuntimeError(f"injected failure at step {step} (--inject-failure)")
-        now = time.perf_counter()
-        compute_s = now - ctx._batch_ready_at if ctx._batch_ready_at is not None else 0.0
-        if ctx.cfg.emulate_speeds and ctx.worker < len(ctx.cfg.speeds):
-            # Stretch compute to what a device of relative speed s_m would take.
-            slow = max(ctx.cfg.speeds) / ctx.cfg.speeds[ctx.worker]
-            time.sleep(compute_s * (slow - 1.0))
-            compute_s *= slow
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (math.nan if loss is None else float(loss))
-        samples = ctx.batch_size
-        if ctx.client is not None:
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-            ctx.client.push_pull(step, loss=value, samples=samples, compute_s=compute_s)
-            ctx.batch_sizes = list(ctx.client.batch_sizes)
-        else:
-            self.optimizer.step()
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-            elapsed = time.perf_counter() - (ctx._batch_ready_at or now)
-            mlog = ctx.metrics.log
-            if math.isfinite(value):
-                mlog(step, "loss", value)
-            mlog(step, "batch_size", samples)
-            mlog(step, "samples_per_s", samples / max(elapsed, 1e-9))
-            w = ctx.workers
-            if ctx.ddp_hook is not None and w > 1:
-                nbytes, comm_s, exposed_s = ctx.ddp_hook.take()
-                # DDP all-reduces during the backward pass: communication is the all-reduces'
-                # span, compute the step less the part of it the backward pass did not hide.
-                mlog(step, "compute_s", max(0.0, elapsed - exposed_s))
-                mlog(step, "comm_s", comm_s)
-                mlog(step, "bytes_sent", nbytes, peer=(ctx.rank + 1) % w)
-                mlog(step, "bytes_recv", nbytes, peer=(ctx.rank - 1) % w)
-            else:
-                mlog(step, "compute_s", elapsed)
-        ctx.metrics.log(step, "data_s", ctx._data_s)
-        _log_data_reads(ctx, step)
-        ctx._data_s = 0.0
-        ctx._batch_ready_at = None
-        ctx.step = step
-        ctx.progress()
-        if ctx.client is not None and ctx.client.ended_by_server:
-            ctx.should_stop = True
-        if ctx.leave_requested_at is not None and ctx.client is not None:
-            ctx.client.leave()
-            ctx.finished = True
-            after = time.monotonic() - ctx.leave_requested_at
-            raise WorkerLeft(f"left the run after step {step} (SIGTERM: a spot notice, {after:.2f} s after it); "
-                             "the run goes on")
 
 
 def _log_data_reads(ctx: Context, step: int) -> None:
