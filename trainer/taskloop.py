@@ -19,6 +19,7 @@ from trainer import checkpoint
 from trainer.checkpoint_store import Uploader, load_latest
 from trainer import loop as ht
 from trainer.devices import to_device
+from trainer.distributed_optimizer import DistributedOptimizer
 
 
 def check_target(task: Task, target: str | None, ref: str) -> None:
@@ -54,7 +55,7 @@ def run_task(ctx: ht.Context, *, task: Task | None = None) -> None:
                         "not a torch.optim.Optimizer")
     loader = ht.data_loader(task.train_data, collate=task.collate, transform=task.transform,
                             workers=cfg.data_workers if cfg.data_workers is not None else task.data_workers)
-    opt = ht.DistributedOptimizer(optimizer, model)
+    opt = DistributedOptimizer(optimizer, model)
     if ctx.client is not None and ctx.step:
         # Under a parameter server the model and optimizer state came with the start (a
         # joiner's, a resumed run's): the schedule replays the run's steps from its base rates.
