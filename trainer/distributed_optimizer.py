@@ -59,7 +59,7 @@ class DistributedOptimizer:
         if ctx.fail_at_step == step:
             raise RuntimeError(f"injected failure at step {step} (--inject-failure)")
         now = time.perf_counter()
-        compute_s = ctx.compute_s(now)
+        compute_s = now - ctx.step_started_at(now)
         if ctx.cfg.emulate_speeds and ctx.worker < len(ctx.cfg.speeds):
             # Stretch compute to what a device of relative speed s_m would take.
             slow = max(ctx.cfg.speeds) / ctx.cfg.speeds[ctx.worker]

@@ -191,13 +191,9 @@ class Context:
         self.should_stop = client.ended_by_server
         self.restart_clock()
 
-    def compute_s(self, now: float) -> float:
-        """Seconds since this step's batch was read (0 where the loop read no batch through
-        `data_loader`)."""
-        return now - self._batch_ready_at if self._batch_ready_at is not None else 0.0
-
     def step_started_at(self, default: float) -> float:
-        """When this step's batch was read, `default` where none was."""
+        """When this step's batch was read, `default` where the loop read none through
+        `data_loader` (so its compute counts as 0 s)."""
         return self._batch_ready_at if self._batch_ready_at is not None else default
 
     def end_step(self, step: int) -> None:
