@@ -58,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--docs", default=None,
                    help="the Markdown file whose paper section is rewritten ('-' to skip; "
                         "default docs/BENCHMARKS.md for a full run, none for --quick)")  # fmt: skip
+    p.add_argument("--charts", type=Path, default=None,
+                   help="a folder to write the run's charts into (HTML, and PNG with kaleido) without "
+                        "rewriting any docs, e.g. for a sweep run with --docs -")
     p.add_argument("--strategies", default=None,
                    help="comma-separated subset; STRATEGY+plain runs it over unencrypted links, "
                         "a PS STRATEGY+sites with per-site aggregation, a PS STRATEGY+inforward "

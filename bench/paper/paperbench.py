@@ -343,6 +343,8 @@ def main(args: argparse.Namespace) -> int:
     if docs and docs != "-":
         written = report.write_docs(doc, Path(docs))
         print("wrote " + ", ".join(str(p) for p in written))
+    if args.charts:
+        print("wrote " + ", ".join(str(p) for p in report.write_charts(doc, args.charts)))
     for part in report.parts_of(doc):
         print(f"\n{report.part_title(part)}\n{report.markdown_table(part)}")
     for (name, base), parts in report.sweep_groups(doc).items():

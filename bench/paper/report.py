@@ -17,6 +17,9 @@ from bench.paper.paper_workloads import chunks_of, density_of, split_entry, sync
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
+# Plotly's own default colorway, so that a strategy keeps its colour in both of the sweep's panels.
+_COLOURS = ["#636efa", "#EF553B", "#00cc96", "#ab63fa", "#FFA15A", "#19d3f3", "#FF6692", "#B6E880",
+            "#FF97FF", "#FECB52"]
 
 
 # What a variant (bench.paper.paper_workloads.VARIANTS) adds to its strategy's label.
@@ -192,15 +195,23 @@ def figures(doc: dict[str, Any]) -> list[Any]:
 
 
 def sweep_figure(name: str, base: str, parts: list[dict[str, Any]], go: Any) -> Any:
-    """Share of the ideal against the WAN's bandwidth (log scale), one line per strategy."""
-    fig = go.Figure()
+    """Share of the ideal (left) and time to target (right) against the WAN's bandwidth, both
+    on a log bandwidth axis, one line per strategy."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("share of the ideal (higher is better)",
+                                                         "time to target, s (lower is better)"))  # fmt: skip
     x = [p["wan_mbit"] for p in parts]
-    for strategy in _sweep_strategies(parts):
-        fig.add_trace(go.Scatter(x=x, y=[share_of_ideal(p, strategy) for p in parts], mode="lines+markers",
-                                 name=strategy_label(strategy)))  # fmt: skip
-    fig.update_layout(title=f"{name} on {base}: share of the ideal against the WAN's bandwidth (higher is better)",
-                      xaxis_title="WAN bandwidth (Mbit/s)", xaxis_type="log",
-                      yaxis_title="share of the ideal")  # fmt: skip
+    for i, strategy in enumerate(_sweep_strategies(parts)):
+        label, colour = strategy_label(strategy), _COLOURS[i % len(_COLOURS)]
+        tta = [(p["results"].get(strategy) or {}).get("tta_s") for p in parts]
+        for col, y in ((1, [share_of_ideal(p, strategy) for p in parts]), (2, tta)):
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=label, legendgroup=label,
+                                     showlegend=col == 1, line={"color": colour}), row=1, col=col)  # fmt: skip
+    fig.update_xaxes(title_text="WAN bandwidth (Mbit/s)", type="log")
+    fig.update_yaxes(title_text="share of the ideal", row=1, col=1)
+    fig.update_yaxes(title_text="seconds", row=1, col=2)
+    fig.update_layout(title=f"{name} on {base} against the WAN's bandwidth", width=1100, height=450)
     return fig
 
 
@@ -323,10 +334,10 @@ def replace_section(document: str, new_section: str, heading: str = SECTION) -> 
     return "".join(lines[:start]) + new_section + ("\n" if tail else "") + tail
 
 
-def write_docs(doc: dict[str, Any], docs_path: Path) -> list[Path]:
-    """Write the charts next to `docs_path` and rewrite its section; the paths written."""
+def write_charts(doc: dict[str, Any], chart_dir: Path) -> list[Path]:
+    """The run's charts in `chart_dir`: one HTML file, and a PNG a chart where kaleido is
+    installed (it draws with the system's chromium); the paths written, the HTML file first."""
     figs = figures(doc)
-    chart_dir = docs_path.parent / "bench"
     chart_dir.mkdir(parents=True, exist_ok=True)
     html = chart_dir / CHART_FILE
     html.write_text(
@@ -338,21 +349,24 @@ def write_docs(doc: dict[str, Any], docs_path: Path) -> list[Path]:
         + "</body></html>"
     )
     written = [html]
-    links = [f"bench/{CHART_FILE}"]
     try:
         import kaleido  # noqa: F401
-
-        names = [f"{part.get('workload', 'bench')}-{part['testbed']['name']}-{kind}"
-                 for part in parts_of(doc) for kind in ("tta", "throughput", "loss")]
-        names += [f"sweep-{name}-{base}" for name, base in sweep_groups(doc)]
-        for fig, name in zip(figs, names):
-            png = chart_dir / f"paper-{name}.png"
-            fig.write_image(png)
-            written.append(png)
-            links.append(f"bench/{png.name}")
     except ImportError:
-        pass  # kaleido is not installed here: the HTML file is the chart
+        return written  # kaleido is not installed here: the HTML file is the chart
+    names = [f"{part.get('workload', 'bench')}-{part['testbed']['name']}-{kind}"
+             for part in parts_of(doc) for kind in ("tta", "throughput", "loss")]
+    names += [f"sweep-{name}-{base}" for name, base in sweep_groups(doc)]
+    for fig, name in zip(figs, names):
+        png = chart_dir / f"paper-{name}.png"
+        fig.write_image(png)
+        written.append(png)
+    return written
+
+
+def write_docs(doc: dict[str, Any], docs_path: Path) -> list[Path]:
+    """Write the charts next to `docs_path` (in bench/) and rewrite its section; the paths written."""
+    written = write_charts(doc, docs_path.parent / "bench")
+    links = [f"bench/{p.name}" for p in written]
     old = docs_path.read_text() if docs_path.exists() else "# Benchmarks\n"
     docs_path.write_text(replace_section(old, section(doc, links)))
-    written.append(docs_path)
-    return written
+    return [*written, docs_path]

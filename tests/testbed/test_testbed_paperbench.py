@@ -40,6 +40,7 @@ from bench.paper.report import (
     sweep_table,
     sweep_winners,
     workload,
+    write_charts,
 )
 from hybridtrain.contract import STRATEGIES
 from testbed.errors import TestbedError
@@ -718,12 +719,32 @@ def test_the_docs_section_ends_with_the_sweep_and_a_run_without_one_has_none() -
     assert "Bandwidth sweep" not in section(plain, []) and sweep_groups(plain) == {}
 
 
-def test_the_sweep_chart_plots_share_of_ideal_against_a_log_bandwidth_axis_a_line_per_strategy() -> None:
+def test_the_sweep_chart_plots_share_of_ideal_and_time_to_target_on_a_log_bandwidth_axis_a_line_per_strategy() -> None:
     chart = figures(_sweep_doc())[-1]
-    assert chart.layout.xaxis.type == "log"
-    assert [(t.name, list(t.x), list(t.y)) for t in chart.data] == [
-        ("PS-bz-gc", [10, 1000], [0.2, 0.95]), ("DiLoCo-gc", [10, 1000], [0.8, 0.9]),
-        ("All-Reduce", [10, 1000], [0.02, 0.8])]  # fmt: skip
+    assert chart.layout.xaxis.type == chart.layout.xaxis2.type == "log"
+    assert [(t.name, t.xaxis, list(t.x), list(t.y)) for t in chart.data] == [
+        ("PS-bz-gc", "x", [10, 1000], [0.2, 0.95]), ("PS-bz-gc", "x2", [10, 1000], [90.0, 20.0]),
+        ("DiLoCo-gc", "x", [10, 1000], [0.8, 0.9]), ("DiLoCo-gc", "x2", [10, 1000], [30.0, 22.0]),
+        ("All-Reduce", "x", [10, 1000], [0.02, 0.8]), ("All-Reduce", "x2", [10, 1000], [None, 18.0])]  # fmt: skip
+
+
+def test_a_strategy_keeps_its_colour_and_one_legend_entry_across_the_sweep_charts_panels() -> None:
+    chart = figures(_sweep_doc())[-1]
+    by_name: dict[str, set[str]] = {}
+    for t in chart.data:
+        by_name.setdefault(t.name, set()).add(t.line.color)
+    assert all(len(colours) == 1 for colours in by_name.values()) and len(by_name) == 3
+    assert [t.name for t in chart.data if t.showlegend] == ["PS-bz-gc", "DiLoCo-gc", "All-Reduce"]
+
+
+def test_charts_go_to_the_named_folder_as_html_and_a_png_each_leaving_the_docs_alone(tmp_path: Path) -> None:
+    doc = _sweep_doc()
+    written = write_charts(doc, tmp_path / "charts")
+    names = [p.name for p in written]
+    assert names[0] == "paper-bench.html" and "paper-sweep-widecnn-paper.png" in names
+    assert len(names) == 1 + 2 * 3 + 1  # the HTML, three charts a part, the sweep's
+    assert all(p.parent == tmp_path / "charts" and p.stat().st_size > 0 for p in written)
+    assert (tmp_path / "charts" / "paper-sweep-widecnn-paper.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_every_local_sgd_run_of_the_quick_smoke_is_one_the_api_takes() -> None:
