@@ -255,11 +255,13 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # strategy taking N inner steps between outer steps instead of the workload's H (`local_sgd.sync_every`:
 # the WAN bytes a sample fall as 1/H, the measure of issue 49's 100x and 1000x); `+densityN`,
 # `diloco-gc` with its outer density at N % instead of 10 % (`local_sgd.outer_density`; the
-# server keeps 2.5 times it). Variants chain, applied in order: `diloco-gc+h100+density5`.
+# server keeps 2.5 times it); `+olrN`, a local SGD strategy whose outer learning rate is N / 100
+# instead of its default 1 (`local_sgd.outer_lr`: `+olr150` moves the model 1.5 times the mean
+# change, past the average). Variants chain, applied in order: `diloco-gc+h100+density5`.
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "hN", "densityN", "replicas", "async",
-            "streaming")
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "hN", "densityN", "olrN", "replicas",
+            "async", "streaming")
 STREAMING_FRAGMENTS = 4
 
 
@@ -289,6 +291,12 @@ def density_of(part: str) -> int | None:
     return number_after(part, "density", 1, 100)
 
 
+def outer_lr_of(part: str) -> float | None:
+    """The outer learning rate of an `olrN` variant, N / 100 (None for any other)."""
+    n = number_after(part, "olr", 1, 1000)
+    return n / 100 if n is not None else None
+
+
 def variant_parts(variant: str) -> list[str]:
     """`h100+density5` -> [h100, density5]: an entry's variants, applied in order."""
     return variant.split("+") if variant else []
@@ -304,12 +312,12 @@ def strategy_variant(entry: str) -> tuple[str, str]:
 
 
 def _check_variant(entry: str, strategy: str, part: str) -> None:
-    numbered = (chunks_of(part), delay_of(part), sync_every_of(part), density_of(part))
+    numbered = (chunks_of(part), delay_of(part), sync_every_of(part), density_of(part), outer_lr_of(part))
     if part not in VARIANTS and all(n is None for n in numbered):
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if (part in ("sites", "inforward") or chunks_of(part)) and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{part} is for the PS strategies")
-    if ((delay_of(part) is not None or sync_every_of(part) is not None
+    if ((delay_of(part) is not None or sync_every_of(part) is not None or outer_lr_of(part) is not None
          or part in ("replicas", "async", "streaming")) and strategy not in LOCAL_SGD_STRATEGIES):
         raise TestbedError(f"--strategies: {entry!r}: +{part} is for the local SGD strategies")
     if density_of(part) is not None and strategy != DILOCO_GC:
@@ -361,6 +369,9 @@ def _part_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if (density := density_of(variant)) is not None:
         return body | {"name": f"{body['name']}-{variant}",
                        "local_sgd": body.get("local_sgd", {}) | {"outer_density": density / 100}}
+    if (outer_lr := outer_lr_of(variant)) is not None:
+        return body | {"name": f"{body['name']}-{variant}",
+                       "local_sgd": body.get("local_sgd", {}) | {"outer_lr": outer_lr}}
     if chunks := chunks_of(variant):
         return body | {"name": f"{body['name']}-{variant}",
                        "compression": body.get("compression", {}) | {"pipeline_chunks": chunks}}

@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
 from hybridtrain.strategy_defaults import effective
-from bench.paper.paper_workloads import chunks_of, density_of, split_entry, sync_every_of, variant_parts
+from bench.paper.paper_workloads import chunks_of, density_of, outer_lr_of, split_entry, sync_every_of, variant_parts
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
@@ -41,6 +41,8 @@ def strategy_label(entry: str) -> str:
             label += f", H = {sync_every}"
         elif density := density_of(part):
             label += f", density {density} %"
+        elif outer_lr := outer_lr_of(part):
+            label += f", outer lr {outer_lr:g}"
         else:
             label += f" + {_VARIANT_LABELS.get(part, part)}"
     return label

@@ -369,6 +369,16 @@ def test_diloco_gc_with_plus_density_n_sends_n_percent_of_each_change() -> None:
             strategy_variant(bad)
 
 
+def test_a_local_sgd_strategy_with_plus_olr_n_takes_an_outer_learning_rate_of_n_hundredths() -> None:
+    assert strategy_variant("diloco+replicas+olr150") == ("diloco", "replicas+olr150")
+    body = variant_body({"name": "bench-diloco", "local_sgd": {"sync_every": 20}}, "olr150")
+    assert body == {"name": "bench-diloco-olr150", "local_sgd": {"sync_every": 20, "outer_lr": 1.5}}
+    assert strategy_label("diloco-gc+olr50") == "DiLoCo-gc, outer lr 0.5"
+    for bad in ("ps-bz-gc+olr100", "allreduce+olr100", "diloco+olr0", "diloco+olr1001"):
+        with pytest.raises(TestbedError):
+            strategy_variant(bad)
+
+
 def test_variants_chain_each_applied_in_order() -> None:
     assert strategy_variant("diloco-gc+h100+density5") == ("diloco-gc", "h100+density5")
     body = variant_body({"name": "bench-diloco-gc", "local_sgd": {"sync_every": 20}}, "h100+density5")
