@@ -747,7 +747,7 @@ def test_a_strategy_keeps_its_colour_and_one_legend_entry_across_the_sweep_chart
     assert [t.name for t in chart.data if t.showlegend] == ["PS-bz-gc", "DiLoCo-gc", "All-Reduce"]
 
 
-def test_charts_go_to_the_named_folder_as_html_and_a_png_each_leaving_the_docs_alone(tmp_path: Path) -> None:
+def test_charts_go_to_the_named_folder_as_one_html_file_and_a_png_a_chart(tmp_path: Path) -> None:
     doc = _sweep_doc()
     written = write_charts(doc, tmp_path / "charts")
     names = [p.name for p in written]
