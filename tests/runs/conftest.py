@@ -168,8 +168,9 @@ def _base_env(**extra: str) -> dict[str, str]:
     env.update(
         HYBRIDTRAIN_ADMIN_TOKEN=ADMIN,
         # Liveness on a short fuse so the dead-agent test takes seconds (the 30 s default is
-        # covered by tests/app/test_runs_api.py).
-        HYBRIDTRAIN_HEARTBEAT_TIMEOUT_S="6",
+        # covered by tests/app/test_runs_api.py); 12 heartbeat intervals, since at 6 a loaded
+        # 2-CPU host once starved a live agent for 8 s and the test lost the server's node too.
+        HYBRIDTRAIN_HEARTBEAT_TIMEOUT_S="12",
         HYBRIDTRAIN_MONITOR_INTERVAL_S="1",
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
