@@ -257,44 +257,59 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # `diloco-gc` with its outer density at N % instead of 10 % (`local_sgd.outer_density`; the
 # server keeps 2.5 times it); `+olrN`, a local SGD strategy whose outer learning rate is N / 100
 # instead of its default 1 (`local_sgd.outer_lr`: `+olr150` moves the model 1.5 times the mean
-# change, past the average). Variants chain, applied in order: `diloco-gc+h100+density5`.
+# change, past the average); `+momN`, a local SGD strategy whose outer Nesterov momentum is
+# N / 100 instead of its default 0 (`local_sgd.outer_momentum`). Variants chain, applied in
+# order: `diloco-gc+h100+density5`.
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "hN", "densityN", "olrN", "replicas",
-            "async", "streaming")
+VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "hN", "densityN", "olrN", "momN",
+            "replicas", "async", "streaming")
 STREAMING_FRAGMENTS = 4
 
 
-def number_after(part: str, prefix: str, lo: int, hi: int) -> int | None:
-    """N of a `{prefix}N` variant with lo <= N <= hi (None for any other)."""
-    digits = part.removeprefix(prefix)
-    return int(digits) if part.startswith(prefix) and digits.isdigit() and lo <= int(digits) <= hi else None
+@dataclass(frozen=True)
+class Numbered:
+    """A `{prefix}N` variant: N in [lo, hi] sets the run's `section.setting` to N * scale."""
+
+    section: str
+    setting: str
+    lo: int
+    hi: int
+    scale: float
+    strategies: tuple[str, ...]
+    # What it adds to the strategy's label, formatted with n (N) and value (N * scale).
+    label: str
+
+    def value(self, n: int) -> float | int:
+        """The setting's value for N: N itself for counts, else N * scale."""
+        return n if self.scale == 1 else n * self.scale
 
 
-def delay_of(part: str) -> int | None:
-    """N of a `delayN` variant (None for any other)."""
-    return number_after(part, "delay", 0, 1_000_000)
+NUMBERED = {
+    "chunks": Numbered("compression", "pipeline_chunks", 1, 64, 1, PS_STRATEGIES, " + {n} chunks"),
+    "delay": Numbered("local_sgd", "outer_delay", 0, 1_000_000, 1, LOCAL_SGD_STRATEGIES, ", outer delay {n}"),
+    "h": Numbered("local_sgd", "sync_every", 1, 1_000_000, 1, LOCAL_SGD_STRATEGIES, ", H = {n}"),
+    "density": Numbered("local_sgd", "outer_density", 1, 100, 0.01, (DILOCO_GC,), ", density {n} %"),
+    "olr": Numbered("local_sgd", "outer_lr", 1, 1000, 0.01, LOCAL_SGD_STRATEGIES, ", outer lr {value:g}"),
+    "mom": Numbered("local_sgd", "outer_momentum", 0, 99, 0.01, LOCAL_SGD_STRATEGIES, ", outer momentum {value:g}"),
+}  # fmt: skip
 
 
-def chunks_of(part: str) -> int | None:
-    """N of a `chunksN` variant (None for any other)."""
-    return number_after(part, "chunks", 1, 64)
+def numbered(part: str) -> tuple[Numbered, int] | None:
+    """A `{prefix}N` variant's kind and N (None for any other part, or N out of its range)."""
+    for prefix, kind in NUMBERED.items():
+        digits = part.removeprefix(prefix)
+        if part.startswith(prefix) and digits.isdigit() and kind.lo <= int(digits) <= kind.hi:
+            return kind, int(digits)
+    return None
 
 
-def sync_every_of(part: str) -> int | None:
-    """N of an `hN` variant (None for any other)."""
-    return number_after(part, "h", 1, 1_000_000)
-
-
-def density_of(part: str) -> int | None:
-    """N of a `densityN` variant, a percentage (None for any other)."""
-    return number_after(part, "density", 1, 100)
-
-
-def outer_lr_of(part: str) -> float | None:
-    """The outer learning rate of an `olrN` variant, N / 100 (None for any other)."""
-    n = number_after(part, "olr", 1, 1000)
-    return n / 100 if n is not None else None
+def numbered_label(part: str) -> str | None:
+    """What a numbered variant adds to its strategy's label (None for any other part)."""
+    if (found := numbered(part)) is None:
+        return None
+    kind, n = found
+    return kind.label.format(n=n, value=kind.value(n))
 
 
 def variant_parts(variant: str) -> list[str]:
@@ -312,19 +327,23 @@ def strategy_variant(entry: str) -> tuple[str, str]:
 
 
 def _check_variant(entry: str, strategy: str, part: str) -> None:
-    numbered = (chunks_of(part), delay_of(part), sync_every_of(part), density_of(part), outer_lr_of(part))
-    if part not in VARIANTS and all(n is None for n in numbered):
+    found = numbered(part)
+    if part not in VARIANTS and found is None:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
-    if (part in ("sites", "inforward") or chunks_of(part)) and strategy not in PS_STRATEGIES:
+    if found is not None and strategy not in found[0].strategies:
+        raise TestbedError(f"--strategies: {entry!r}: +{part} is for {_strategies_named(found[0].strategies)}")
+    if part in ("sites", "inforward") and strategy not in PS_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{part} is for the PS strategies")
-    if ((delay_of(part) is not None or sync_every_of(part) is not None or outer_lr_of(part) is not None
-         or part in ("replicas", "async", "streaming")) and strategy not in LOCAL_SGD_STRATEGIES):
+    if part in ("replicas", "async", "streaming") and strategy not in LOCAL_SGD_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +{part} is for the local SGD strategies")
-    if density_of(part) is not None and strategy != DILOCO_GC:
-        raise TestbedError(f"--strategies: {entry!r}: +{part} is for {DILOCO_GC}")
     if part == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
                            f"({', '.join(COMPRESSING_STRATEGIES)})")
+
+
+def _strategies_named(strategies: tuple[str, ...]) -> str:
+    named = {PS_STRATEGIES: "the PS strategies", LOCAL_SGD_STRATEGIES: "the local SGD strategies"}
+    return named.get(strategies, ", ".join(strategies))
 
 
 def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
@@ -360,21 +379,10 @@ def _part_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
         local_sgd = body.get("local_sgd", {})
         fragments = min(STREAMING_FRAGMENTS, local_sgd.get("sync_every") or DEFAULT_SYNC_EVERY)
         return body | {"name": f"{body['name']}-streaming", "local_sgd": local_sgd | {"fragments": fragments}}
-    if (delay := delay_of(variant)) is not None:
+    if (found := numbered(variant)) is not None:
+        kind, n = found
         return body | {"name": f"{body['name']}-{variant}",
-                       "local_sgd": body.get("local_sgd", {}) | {"outer_delay": delay}}
-    if (sync_every := sync_every_of(variant)) is not None:
-        return body | {"name": f"{body['name']}-{variant}",
-                       "local_sgd": body.get("local_sgd", {}) | {"sync_every": sync_every}}
-    if (density := density_of(variant)) is not None:
-        return body | {"name": f"{body['name']}-{variant}",
-                       "local_sgd": body.get("local_sgd", {}) | {"outer_density": density / 100}}
-    if (outer_lr := outer_lr_of(variant)) is not None:
-        return body | {"name": f"{body['name']}-{variant}",
-                       "local_sgd": body.get("local_sgd", {}) | {"outer_lr": outer_lr}}
-    if chunks := chunks_of(variant):
-        return body | {"name": f"{body['name']}-{variant}",
-                       "compression": body.get("compression", {}) | {"pipeline_chunks": chunks}}
+                       kind.section: body.get(kind.section, {}) | {kind.setting: kind.value(n)}}
     return body
 
 

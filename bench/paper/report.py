@@ -13,13 +13,10 @@ from typing import Any
 
 from hybridtrain.contract import PS_BZ_GC, STRATEGY_LABELS
 from hybridtrain.strategy_defaults import effective
-from bench.paper.paper_workloads import chunks_of, density_of, outer_lr_of, split_entry, sync_every_of, variant_parts
+from bench.paper.paper_workloads import numbered_label, split_entry, variant_parts
 
 SECTION = "## Paper benchmark (hybridtrain bench paper)"
 CHART_FILE = "paper-bench.html"
-# Plotly's own default colorway, so that a strategy keeps its colour in both of the sweep's panels.
-_COLOURS = ["#636efa", "#EF553B", "#00cc96", "#ab63fa", "#FFA15A", "#19d3f3", "#FF6692", "#B6E880",
-            "#FF97FF", "#FECB52"]
 
 
 # What a variant (bench.paper.paper_workloads.VARIANTS) adds to its strategy's label.
@@ -35,16 +32,7 @@ def strategy_label(entry: str) -> str:
     strategy, variant = split_entry(entry)
     label = STRATEGY_LABELS.get(strategy, strategy)
     for part in variant_parts(variant):
-        if chunks := chunks_of(part):
-            label += f" + {chunks} chunks"
-        elif sync_every := sync_every_of(part):
-            label += f", H = {sync_every}"
-        elif density := density_of(part):
-            label += f", density {density} %"
-        elif outer_lr := outer_lr_of(part):
-            label += f", outer lr {outer_lr:g}"
-        else:
-            label += f" + {_VARIANT_LABELS.get(part, part)}"
+        label += numbered_label(part) or f" + {_VARIANT_LABELS.get(part, part)}"
     return label
 
 
@@ -199,13 +187,16 @@ def figures(doc: dict[str, Any]) -> list[Any]:
 def sweep_figure(name: str, base: str, parts: list[dict[str, Any]], go: Any) -> Any:
     """Share of the ideal (left) and time to target (right) against the WAN's bandwidth, both
     on a log bandwidth axis, one line per strategy."""
+    from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
+    # A strategy keeps one colour in both panels (Plotly's default colorway, set per trace).
+    colours = qualitative.Plotly
     fig = make_subplots(rows=1, cols=2, subplot_titles=("share of the ideal (higher is better)",
                                                          "time to target, s (lower is better)"))  # fmt: skip
     x = [p["wan_mbit"] for p in parts]
     for i, strategy in enumerate(_sweep_strategies(parts)):
-        label, colour = strategy_label(strategy), _COLOURS[i % len(_COLOURS)]
+        label, colour = strategy_label(strategy), colours[i % len(colours)]
         tta = [(p["results"].get(strategy) or {}).get("tta_s") for p in parts]
         for col, y in ((1, [share_of_ideal(p, strategy) for p in parts]), (2, tta)):
             fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=label, legendgroup=label,

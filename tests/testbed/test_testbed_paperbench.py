@@ -339,42 +339,31 @@ def test_a_strategy_with_plus_plain_runs_over_unencrypted_links() -> None:
     assert body == {"name": "bench-ps-bz-gc-plain", "encrypt_links": False}
 
 
-def test_a_ps_strategy_with_plus_chunks_n_pipelines_its_step_in_n_chunks() -> None:
-    assert strategy_variant("ps-bz-gc+chunks8") == ("ps-bz-gc", "chunks8")
-    body = variant_body({"name": "bench-ps-bz-gc", "compression": {"pipeline_chunks": 4}}, "chunks8")
-    assert body == {"name": "bench-ps-bz-gc-chunks8", "compression": {"pipeline_chunks": 8}}
-    assert strategy_label("ps-bz-gc+chunks8") == "PS-bz-gc + 8 chunks"
-    for bad in ("allreduce+chunks8", "ps-bz-gc+chunks0", "ps-bz-gc+chunksx"):
-        with pytest.raises(TestbedError):
-            strategy_variant(bad)
+# A numbered variant `{prefix}N`: (entry, its strategy's body, the body it makes, its label, entries refused).
+_NUMBERED_CASES = {
+    "chunks": ("ps-bz-gc+chunks8", {"compression": {"pipeline_chunks": 4}}, {"compression": {"pipeline_chunks": 8}},
+               "PS-bz-gc + 8 chunks", ("allreduce+chunks8", "ps-bz-gc+chunks0", "ps-bz-gc+chunksx")),
+    "h": ("diloco-gc+h100", {"local_sgd": {"sync_every": 20, "outer_density": 0.05}},
+          {"local_sgd": {"sync_every": 100, "outer_density": 0.05}}, "DiLoCo-gc, H = 100",
+          ("ps-bz-gc+h100", "diloco+h0", "diloco+hx")),
+    "density": ("diloco-gc+density5", {"local_sgd": {"sync_every": 20}},
+                {"local_sgd": {"sync_every": 20, "outer_density": 0.05}}, "DiLoCo-gc, density 5 %",
+                ("diloco+density5", "ps-bz-gc+density5", "diloco-gc+density0", "diloco-gc+density101")),
+    "olr": ("diloco+olr150", {"local_sgd": {"sync_every": 20}}, {"local_sgd": {"sync_every": 20, "outer_lr": 1.5}},
+            "DiLoCo, outer lr 1.5", ("ps-bz-gc+olr100", "allreduce+olr100", "diloco+olr0", "diloco+olr1001")),
+    "mom": ("diloco-gc+mom50", {"local_sgd": {"sync_every": 20}},
+            {"local_sgd": {"sync_every": 20, "outer_momentum": 0.5}}, "DiLoCo-gc, outer momentum 0.5",
+            ("ps-bz-gc+mom50", "diloco+mom100", "diloco+momx")),
+}  # fmt: skip
 
 
-def test_a_local_sgd_strategy_with_plus_h_n_takes_n_inner_steps_between_outer_steps() -> None:
-    assert strategy_variant("diloco-gc+h100") == ("diloco-gc", "h100")
-    body = variant_body({"name": "bench-diloco-gc", "local_sgd": {"sync_every": 20, "outer_density": 0.05}}, "h100")
-    assert body == {"name": "bench-diloco-gc-h100", "local_sgd": {"sync_every": 100, "outer_density": 0.05}}
-    assert strategy_label("diloco+h100") == "DiLoCo, H = 100"
-    for bad in ("ps-bz-gc+h100", "diloco+h0", "diloco+hx"):
-        with pytest.raises(TestbedError):
-            strategy_variant(bad)
-
-
-def test_diloco_gc_with_plus_density_n_sends_n_percent_of_each_change() -> None:
-    assert strategy_variant("diloco-gc+density5") == ("diloco-gc", "density5")
-    body = variant_body({"name": "bench-diloco-gc", "local_sgd": {"sync_every": 20}}, "density5")
-    assert body == {"name": "bench-diloco-gc-density5", "local_sgd": {"sync_every": 20, "outer_density": 0.05}}
-    assert strategy_label("diloco-gc+density5") == "DiLoCo-gc, density 5 %"
-    for bad in ("diloco+density5", "ps-bz-gc+density5", "diloco-gc+density0", "diloco-gc+density101"):
-        with pytest.raises(TestbedError):
-            strategy_variant(bad)
-
-
-def test_a_local_sgd_strategy_with_plus_olr_n_takes_an_outer_learning_rate_of_n_hundredths() -> None:
-    assert strategy_variant("diloco+replicas+olr150") == ("diloco", "replicas+olr150")
-    body = variant_body({"name": "bench-diloco", "local_sgd": {"sync_every": 20}}, "olr150")
-    assert body == {"name": "bench-diloco-olr150", "local_sgd": {"sync_every": 20, "outer_lr": 1.5}}
-    assert strategy_label("diloco-gc+olr50") == "DiLoCo-gc, outer lr 0.5"
-    for bad in ("ps-bz-gc+olr100", "allreduce+olr100", "diloco+olr0", "diloco+olr1001"):
+@pytest.mark.parametrize("prefix", list(_NUMBERED_CASES))
+def test_a_numbered_variant_sets_its_one_setting_from_n(prefix: str) -> None:
+    entry, body, expected, label, bad_entries = _NUMBERED_CASES[prefix]
+    strategy, variant = strategy_variant(entry)
+    assert variant_body({"name": f"bench-{strategy}"} | body, variant) == {"name": f"bench-{strategy}-{variant}"} | expected
+    assert strategy_label(entry) == label
+    for bad in bad_entries:
         with pytest.raises(TestbedError):
             strategy_variant(bad)
 
