@@ -72,8 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "a local SGD STRATEGY+replicas with each site's workers one replica, "
                         "STRATEGY+async with asynchronous outer steps, STRATEGY+streaming with its outer "
                         "steps in staggered fragments, STRATEGY+hN taking N inner steps between outer steps, "
-                        "diloco-gc+densityN sending N %% of each change, and a local SGD STRATEGY+olrN "
-                        "with an outer learning rate of N / 100; variants chain "
+                        "diloco-gc+densityN sending N %% of each change, a local SGD STRATEGY+olrN "
+                        "with an outer learning rate of N / 100 and STRATEGY+momN with an outer "
+                        "momentum of N / 100; variants chain "
                         "(diloco-gc+h100+density5)")
     over = p.add_argument_group("workload overrides (default: the settings in docs/testbed.md)")
     over.add_argument("--task", type=_task, help="module:function, e.g. hybridtrain.tasks.digits:widecnn")

@@ -346,14 +346,15 @@ def write_charts(doc: dict[str, Any], chart_dir: Path) -> list[Path]:
         import kaleido  # noqa: F401
     except ImportError:
         return written  # kaleido is not installed here: the HTML file is the chart
+    import plotly.io as pio
+
     names = [f"{part.get('workload', 'bench')}-{part['testbed']['name']}-{kind}"
              for part in parts_of(doc) for kind in ("tta", "throughput", "loss")]
     names += [f"sweep-{name}-{base}" for name, base in sweep_groups(doc)]
-    for fig, name in zip(figs, names):
-        png = chart_dir / f"paper-{name}.png"
-        fig.write_image(png)
-        written.append(png)
-    return written
+    pngs = [chart_dir / f"paper-{name}.png" for name in names]
+    # One browser session for all of them: write_image would start chromium once a chart.
+    pio.write_images(figs[: len(pngs)], pngs)
+    return written + pngs
 
 
 def write_docs(doc: dict[str, Any], docs_path: Path) -> list[Path]:
