@@ -191,6 +191,12 @@ class Context:
         self.should_stop = client.ended_by_server
         self.restart_clock()
 
+    @property
+    def evaluation_would_wait(self) -> bool:
+        """Whether an evaluation now would first wait for an overlapped outer step's exchange
+        (local SGD with --outer-delay): one taken after the step it lands after waits for nothing."""
+        return self.client is not None and self.client.evaluation_would_wait()
+
     def step_started_at(self, default: float) -> float:
         """When this step's batch was read, `default` where the loop read none through
         `data_loader` (so its compute counts as 0 s)."""

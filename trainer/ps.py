@@ -336,6 +336,14 @@ class PSClient:
         with self.outer.global_model(self.step):
             yield
 
+    def evaluation_would_wait(self) -> bool:
+        """Whether an evaluation now would first wait for an outer step on its way that every
+        worker applies after the same later inner step (a fixed --outer-delay, one fragment):
+        the task loop evaluates after that step instead (asynchronous and streaming runs, whose
+        workers land their outer steps at different steps or always have one on its way, wait)."""
+        return (self.outer is not None and bool(self.outer.pending) and not self.cfg.asynchronous
+                and self.outer.local.fragments == 1)
+
     def drain(self) -> None:
         """Apply whatever update is still on its way (apply-in-forward's later chunks; local SGD's
         overlapped outer step), so that the model is the run's current one: before an

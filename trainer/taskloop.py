@@ -70,6 +70,7 @@ def run_task(ctx: ht.Context, *, task: Task | None = None) -> None:
     saved_at = time.monotonic()
     autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.amp
                 else contextlib.nullcontext())
+    eval_held = False
     while ctx.step < ctx.max_steps and not ctx.should_stop:
         progressed = False
         for inputs, target in loader:
@@ -83,9 +84,14 @@ def run_task(ctx: ht.Context, *, task: Task | None = None) -> None:
             if schedule is not None:
                 schedule.step()
             last = ctx.step == ctx.max_steps
-            if task.eval_data is not None and (ctx.step % cfg.eval_every == 0 or last):
-                ht.evaluate(model, task.eval_data, metrics=task.metrics, loss=task.loss,
-                            batch_size=task.eval_batch_size, collate=task.collate)
+            if task.eval_data is not None and (ctx.step % cfg.eval_every == 0 or last or eval_held):
+                # An evaluation at an overlapped outer step would wait for its exchange, which
+                # then overlaps nothing: it is held to the inner step the outer step lands
+                # after, and scores the same common model there.
+                eval_held = ctx.evaluation_would_wait and not last
+                if not eval_held:
+                    ht.evaluate(model, task.eval_data, metrics=task.metrics, loss=task.loss,
+                                batch_size=task.eval_batch_size, collate=task.collate)
             due = (cfg.checkpoint_every and (ctx.step % cfg.checkpoint_every == 0 or last or ctx.should_stop)
                    or cfg.checkpoint_every_s and time.monotonic() - saved_at >= cfg.checkpoint_every_s)
             if due and ctx.client is None and ctx.rank == 0:
