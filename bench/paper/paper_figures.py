@@ -18,7 +18,6 @@ from hybridtrain.contract import (
     PS,
     PS_BZ_GC,
     PS_STRATEGIES,
-    VAL_LOSS,
 )
 from bench.paper.paper_workloads import split_entry
 
@@ -40,14 +39,14 @@ def summarise(
     skip_steps: int,
     rank_node: dict[int, str],
     egress_usd_per_gb: Callable[[str, str], float] | None,
-    target_metric: str = "accuracy",
     site_of: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The benchmark figures of one run from its metric records.
 
     - samples_per_s: global batch over the mean step time of the steady state: the intervals
       between the reference rank's (rank 0's) consecutive `loss` records, after `skip_steps`,
-      leaving out the intervals that hold an evaluation.
+      each less the `eval_s` of an evaluation it holds (only the evaluation's own seconds:
+      what it waited for, an outer step drained first, stays in).
     - tta_s: the trainer's own `time_to_target_s` (training time, start-up excluded; or
       `time_to_accuracy_s` in the records of runs from before task metrics) less the `eval_s`
       of the evaluations up to the target's; `tta_with_eval_s` keeps them.
@@ -67,11 +66,13 @@ def summarise(
     # all wait for each other at an outer step, so any worker's mean step is the run's).
     ref = 1 if strategy in LOCAL_SGD_STRATEGIES else 0
     loss_t = {r["step"]: r["t"] for r in records if r["name"] == "loss" and r["rank"] == ref}
-    eval_names = {"accuracy", VAL_LOSS, target_metric}
-    eval_steps = {r["step"] for r in records if r["name"] in eval_names}
     steps = sorted(loss_t)
-    window = [k for k in steps if k > skip_steps and k - 1 in loss_t and k - 1 not in eval_steps]
-    durations = {k: loss_t[k] - loss_t[k - 1] for k in window}
+    window = [k for k in steps if k > skip_steps and k - 1 in loss_t]
+    # An evaluation after step k - 1 is in step k's interval. Leaving such intervals out, as
+    # this did until 2026-12-07, also left out an overlapped outer step that the evaluation
+    # drained, so a local SGD run whose evaluations fell on its outer steps looked overlapped.
+    evals = _by(records, EVAL_S).get(0, {})
+    durations = {k: loss_t[k] - loss_t[k - 1] - evals.get(k - 1, 0.0) for k in window}
     step_s = statistics.mean(durations.values()) if durations else None
     compute = _by(records, "compute_s")
     workers = [k for k in compute if not (is_ps and k == 0)]
@@ -95,7 +96,6 @@ def summarise(
     # The trainer's time to target counts its evaluations (the bill pays for them); the
     # comparison leaves them out, as it leaves them out of the throughput: how often a run
     # evaluates is the benchmark's choice, not the training algorithm's cost.
-    evals = _by(records, EVAL_S).get(0, {})
     eval_before_target = sum(v for k, v in evals.items() if k <= tta[0]["step"]) if tta else 0.0
     egress: float | None = None
     if egress_usd_per_gb is not None:

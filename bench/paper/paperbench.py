@@ -270,7 +270,6 @@ def _bench_on(
             summary = summarise(records, strategy=strategy, global_batch=s.global_batch,
                                 skip_steps=s.skip_steps, rank_node=rank_node,
                                 egress_usd_per_gb=link_prices(bill) if bill else None,
-                                target_metric=target_metric,
                                 site_of={n: ep["site"] for n, ep in state.endpoints.items()})  # fmt: skip
             if bill:
                 # The control plane's own bill is the figure; ours (the benchmark's per-link

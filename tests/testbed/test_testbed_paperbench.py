@@ -112,6 +112,20 @@ def test_time_to_target_leaves_out_the_evaluations_up_to_the_targets() -> None:
     assert out["tta_with_eval_s"] == 42.0 and out["eval_s"] == 6.0
 
 
+def test_throughput_counts_a_step_that_held_an_evaluation_less_the_evaluations_own_seconds() -> None:
+    # 2 s steps; the evaluation after step 8 scored for 1.5 s and waited 3 s more for an
+    # outer step it drained: step 9 took 6.5 s, of which the 3 s wait is the run's.
+    records = _records(2.0, 12, ps=True)
+    for r in records:
+        if r["name"] == "loss" and r["step"] >= 9:
+            r["t"] += 4.5
+    records.append({"rank": 0, "peer": None, "name": "eval_s", "step": 8, "t": 0.0, "value": 1.5})
+    out = summarise(records, strategy="ps", global_batch=512, skip_steps=6, rank_node={},
+                    egress_usd_per_gb=None)  # fmt: skip
+    # Steps 7-12: five of 2 s and one of 2 + 3 s.
+    assert out["step_s"] == pytest.approx(15.0 / 6)
+
+
 def test_summarise_leaves_egress_unknown_without_the_bills_prices() -> None:
     out = summarise(_records(2.0, 12, ps=True), strategy="ps", global_batch=512, skip_steps=6,
                     rank_node={0: "lab-ps", 1: "lab-a", 2: "cloud-a"}, egress_usd_per_gb=None)  # fmt: skip
