@@ -32,11 +32,13 @@ from hybridtrain.contract import (
 # local_sgd.outer_density).
 _COMPRESSING_PS = (PS_GC, PS_BZ_GC)
 
-# The inner steps an outer step lands after its exchange began, so the exchange overlaps them:
-# 3 took diloco from 0.871 to 0.962 of the ideal on the paper testbed's 100 Mbit/s WAN and
-# diloco-gc to 0.985, 0.2 points of accuracy apart (docs/BENCHMARKS.md, "widecnn: diloco and
-# diloco-gc against ps-bz-gc").
-DEFAULT_OUTER_DELAY = 3
+# The inner steps an outer step lands after its exchange began: none, so the next inner steps
+# start from the new common model. Overlapping the exchange with 3 of them hid the workers'
+# wait (0.03-0.18 s at an outer step against 0.4-1.6 s) but the stale steps cost more samples
+# than the wait: widecnn crossed 0.95 at step 30 without, 33-36 with (16 % and 7 % more time,
+# diloco and diloco-gc), and charlm with sites as replicas reached val_loss 0.9 in 19.5 s
+# against 22.4 s (3 seeds; docs/CHANGELOG.md, 2026-12-07).
+DEFAULT_OUTER_DELAY = 0
 
 # option path -> {strategy: value}. Where a value comes from: docs/testbed.md, "Choosing the
 # workload" (the widecnn workload these were chosen on) and docs/BENCHMARKS.md, "Paper benchmark".
@@ -72,22 +74,16 @@ TABLE: dict[str, dict[str, Any]] = {
 
 # Defaults that follow another option when the run gives that one: option path -> (the option it
 # follows, the rule). A density given alone keeps the benchmarked band around it ([0.4 d, 2 d]),
-# rather than bounds that may not contain it; an overlap stays below the H given.
+# rather than bounds that may not contain it.
 DERIVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "compression.density_min": ("compression.density", lambda d: d / 2.5),
     "compression.density_max": ("compression.density", lambda d: min(1.0, 2 * d)),
-    "local_sgd.outer_delay": ("local_sgd.sync_every", lambda h: default_outer_delay(h)),
 }
 
 
 # Defaults that an option given switches off: option path -> the option that replaces it.
 # Asynchronous outer steps land when they arrive, not a fixed delay later.
 REPLACED_BY: dict[str, str] = {"local_sgd.outer_delay": "local_sgd.asynchronous"}
-
-
-def default_outer_delay(sync_every: int) -> int:
-    """The outer delay a run of H = `sync_every` gets when it names none: DEFAULT_OUTER_DELAY, below H."""
-    return min(DEFAULT_OUTER_DELAY, sync_every - 1)
 
 
 def defaults(strategy: str, given: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -137,8 +137,8 @@ class LocalSgdOptions(_Section):
     outer_delay: Annotated[int, Field(ge=0, le=1_000_000, strict=True)] | None = Field(
         default=None,
         description="apply each outer step this many inner steps after the change was sent, so the "
-        f"exchange overlaps them (below `sync_every`; default {describe('local_sgd.outer_delay')}, or H - 1 "
-        "when H is smaller; 0 waits for it)",
+        f"exchange overlaps them (below `sync_every`; default {describe('local_sgd.outer_delay')}: the workers "
+        "wait for it, as the stale steps cost more samples than the wait on the benchmarked runs)",
     )
     asynchronous: Flag | None = Field(
         default=None,

@@ -93,7 +93,7 @@ FULL = BenchSettings(
     balanced_step_s=1.5,
     # Five outer steps in 50: H = 5 and 10 both end within 0.2 points of ps-bz-gc's accuracy
     # trained alone (0.980, 0.978 against 0.981), H = 20 (the default, for runs of hundreds of
-    # steps) leaves too few outer steps. Each outer exchange overlaps the default 3 inner steps.
+    # steps) leaves too few outer steps. The outer delay is the default, 0.
     local_sgd={"sync_every": 10},
     seeds=3,
 )  # fmt: skip
@@ -245,7 +245,7 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # before 2026-12-01, testbed/thread_placer.py); `+chunksN`, a PS strategy with its step
 # pipelined in N chunks instead of the workload's (the default 4); `+delayN`, a local SGD strategy
 # applying each outer step N inner steps after its exchange began (`local_sgd.outer_delay`;
-# `+delay0` waits for it, against the default of 3); `+replicas`, a local SGD strategy whose
+# `+delay3` overlaps 3, against the default of 0); `+replicas`, a local SGD strategy whose
 # sites are its replicas, each site's workers averaging every inner step over their LAN and one
 # change per site crossing the WAN (`local_sgd.site_replicas`); `+async`, a local SGD strategy
 # applying each outer step as soon as it has arrived instead of a fixed delay later
