@@ -68,9 +68,9 @@ def summarise(
     loss_t = {r["step"]: r["t"] for r in records if r["name"] == "loss" and r["rank"] == ref}
     steps = sorted(loss_t)
     window = [k for k in steps if k > skip_steps and k - 1 in loss_t]
-    # An evaluation after step k - 1 is in step k's interval. Leaving such intervals out, as
-    # this did until 2026-12-07, also left out an overlapped outer step that the evaluation
-    # drained, so a local SGD run whose evaluations fell on its outer steps looked overlapped.
+    # An evaluation after step k - 1 is in step k's interval. Leaving such intervals out would
+    # also leave out the wait for an overlapped outer step that the evaluation drained, and a
+    # local SGD run whose evaluations fall on its outer steps would look overlapped.
     evals = _by(records, EVAL_S).get(0, {})
     durations = {k: loss_t[k] - loss_t[k - 1] - evals.get(k - 1, 0.0) for k in window}
     step_s = statistics.mean(durations.values()) if durations else None
