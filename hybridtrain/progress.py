@@ -115,12 +115,13 @@ def progress_details(run: Mapping[str, Any], snapshot: Snapshot, now: float) -> 
 
 def run_samples_per_s(run: Mapping[str, Any], latest: Mapping[str, Point]) -> float | None:
     """The run's throughput from rank 0's latest step: its samples/s times the global batch over
-    its own (rank 0 of an all-reduce run is one worker; a PS server's batch is the global one)."""
+    its own when that is a share of it (rank 0 of an all-reduce run is one worker). A PS server's
+    batch is the global one, a local SGD server's a round's: their speed is the run's already."""
     speed, batch = latest.get("samples_per_s"), latest.get("batch_size")
     if speed is None or speed.value is None:
         return None
     total = run.get("global_batch_size")
-    if total and batch is not None and batch.step == speed.step and batch.value:
+    if total and batch is not None and batch.step == speed.step and 0 < batch.value < total:
         return speed.value * total / batch.value
     return speed.value
 

@@ -48,6 +48,12 @@ def test_a_ps_servers_speed_is_the_runs_already():
     assert " 240.0 samples/s " in progress_line(_run(global_batch_size=368), snap, now=T0)
 
 
+def test_a_local_sgd_servers_speed_over_a_round_of_inner_steps_is_the_runs_already():
+    # H = 20 inner steps of a global batch of 64 each: the outer step's record is of 1280 samples.
+    snap = _snapshot(_series("samples_per_s", (40, T0, 474.5)), _series("batch_size", (40, T0, 1280.0)))
+    assert " 474.5 samples/s " in progress_line(_run(global_batch_size=64), snap, now=T0)
+
+
 def test_without_a_target_the_tasks_own_metric_is_shown_before_val_loss():
     snap = _snapshot(_series("val_loss", (50, T0, 0.3)), _series("r2", (50, T0, 0.71)), _series("loss", (50, T0, 0.2)))
     assert " r2 0.710 " in progress_line(_run(), snap, now=T0)
