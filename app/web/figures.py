@@ -191,7 +191,7 @@ def loss_figure(series: Sequence[SeriesLike], t0: float, *, servers: Collection[
         for i, s in enumerate(by_name(series, "loss"))
     ]
     layout = base_layout("Loss (training)", " s", "loss")
-    layout["yaxis"]["type"] = "log" if _spans_decades(traces) else "linear"
+    layout["yaxis"]["type"] = "log" if spans_decades(traces) else "linear"
     return {"data": traces, "layout": layout}
 
 
@@ -227,7 +227,8 @@ def loss_label(rank: int, servers: Collection[int] = ()) -> str:
     return "loss, server" if rank in servers else f"loss, {worker_label(rank)}"
 
 
-def _spans_decades(traces: list[dict[str, Any]]) -> bool:
+def spans_decades(traces: list[dict[str, Any]]) -> bool:
+    """Whether the left axis's values span more than two decades (a log axis then reads better)."""
     values = [y for t in traces if t.get("yaxis") != "y2" for y in t["y"] if y is not None and y > 0]
     return bool(values) and max(values) / min(values) > 100
 
@@ -401,64 +402,3 @@ def with_events(figure: Figure, events: Sequence[Mapping[str, Any]]) -> Figure:
 def _no_data(text: str) -> dict[str, Any]:
     return {"text": text, "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5, "showarrow": False,
             "font": {"size": 13, "color": "#6b7585"}}
-
-
-# --- comparing runs --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """What the comparison shows of one run."""
-
-    run_id: int
-    label: str
-    t0: float
-    loss: Sequence[Point]
-    throughput: Sequence[Point]
-    time_to_target_s: float | None
-    egress_usd: float
-    compute_usd: float
-    target: str | None = None
-    samples_per_s: float | None = None
-    usd_per_million_samples: float | None = None
-    granularity: float | None = None
-
-
-def compare_loss_figure(runs: Sequence[RunSummary]) -> Figure:
-    """Loss against time, one line per run."""
-    traces = [line(f"run:{r.run_id}", r.label, r.loss, r.t0, color(i)) for i, r in enumerate(runs)]
-    layout = base_layout("Loss against time", " s", "loss (mean over workers)")
-    layout["yaxis"]["type"] = "log" if _spans_decades(traces) else "linear"
-    return {"data": traces, "layout": layout}
-
-
-def compare_throughput_figure(runs: Sequence[RunSummary]) -> Figure:
-    """Throughput (total samples/s) against time, one line per run."""
-    traces = [line(f"run:{r.run_id}", r.label, r.throughput, r.t0, color(i)) for i, r in enumerate(runs)]
-    return {"data": traces, "layout": base_layout("Throughput (samples/s, all workers)", " s", "samples/s")}
-
-
-def time_to_target_figure(runs: Sequence[RunSummary]) -> Figure:
-    """Time to each run's target, one bar per run (runs that never reached it are marked)."""
-    labels = [r.label for r in runs]
-    values = [r.time_to_target_s for r in runs]
-    text = ["not reached" if v is None else f"{v:.0f} s" for v in values]
-    trace = {"type": "bar", "uid": "tta", "x": labels, "y": [v or 0 for v in values], "text": text,
-             "textposition": "outside", "marker": {"color": [color(i) for i in range(len(runs))]},
-             "hovertemplate": "%{x}: %{text}<extra></extra>"}
-    layout = base_layout("Time to target", "", "seconds", hovermode="closest", showlegend=False)
-    return {"data": [trace], "layout": layout}
-
-
-def spend_figure(runs: Sequence[RunSummary]) -> Figure:
-    """Spend per run, stacked: compute and egress."""
-    labels = [r.label for r in runs]
-    traces = [
-        {"type": "bar", "uid": "spend:compute", "name": "compute", "x": labels, "y": [round(r.compute_usd, 6) for r in runs],
-         "marker": {"color": "#2f6fed"}, "hovertemplate": "compute $%{y:.4f}<extra></extra>"},
-        {"type": "bar", "uid": "spend:egress", "name": "egress", "x": labels, "y": [round(r.egress_usd, 6) for r in runs],
-         "marker": {"color": "#e4572e"}, "hovertemplate": "egress $%{y:.4f}<extra></extra>"},
-    ]
-    layout = base_layout("Spend", "", "USD", barmode="stack", hovermode="closest")
-    layout["yaxis"]["tickprefix"] = "$"
-    return {"data": traces, "layout": layout}

@@ -12,7 +12,7 @@ from app.api.deps import SessionDep
 from app.errors import NotFoundError
 from app.queries import costs, dashboard
 from app.queries import runs as run_queries
-from app.web import figures, run_data
+from app.web import compare_figures, figures, run_data
 from app.web.auth import ViewerDep
 from app.web.templating import render
 
@@ -36,13 +36,13 @@ def parse_run_ids(values: list[str]) -> tuple[list[int], list[str]]:
     return ids, bad
 
 
-def summary(session, run) -> figures.RunSummary:  # type: ignore[no-untyped-def]
+def summary(session, run) -> compare_figures.RunSummary:  # type: ignore[no-untyped-def]
     """What the comparison shows of one run."""
     data = run_data.run_series(session, run, names=("loss", "samples_per_s"), max_points=MAX_POINTS)
     series = data.series
     servers = run_data.server_ranks(run)
     bill = costs.run_bill(session, run=run, links=data.link_totals, samples=data.samples)
-    return figures.RunSummary(
+    return compare_figures.RunSummary(
         run_id=run.id,
         label=f"#{run.id} {run.name}",
         t0=run_data.run_t0(session, run),
@@ -89,10 +89,10 @@ def read_compare_page(
         "selected": {run.id for run in chosen},
         "summaries": summaries,
         "figures": {
-            "loss": figures.compare_loss_figure(summaries),
-            "throughput": figures.compare_throughput_figure(summaries),
-            "tta": figures.time_to_target_figure(summaries),
-            "spend": figures.spend_figure(summaries),
+            "loss": compare_figures.compare_loss_figure(summaries),
+            "throughput": compare_figures.compare_throughput_figure(summaries),
+            "tta": compare_figures.time_to_target_figure(summaries),
+            "spend": compare_figures.spend_figure(summaries),
         } if summaries else {},
     }
     return render(request, "compare.html", context, cookie=viewer.session)

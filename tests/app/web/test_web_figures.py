@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.web import figures
+from app.web import compare_figures, figures
 from app.web.figures import Series
 
 
@@ -74,13 +74,13 @@ def test_elapsed_rounds_and_keeps_missing_values() -> None:
 
 def test_comparison_figures_one_trace_or_bar_per_run() -> None:
     runs = [
-        figures.RunSummary(1, "#1 a", 0.0, [(0, 1.0, 2.0)], [(0, 1.0, 100.0)], 42.0, 0.5, 1.0),
-        figures.RunSummary(2, "#2 b", 0.0, [(0, 1.0, 3.0)], [(0, 1.0, 90.0)], None, 0.1, 2.0),
+        compare_figures.RunSummary(1, "#1 a", 0.0, [(0, 1.0, 2.0)], [(0, 1.0, 100.0)], 42.0, 0.5, 1.0),
+        compare_figures.RunSummary(2, "#2 b", 0.0, [(0, 1.0, 3.0)], [(0, 1.0, 90.0)], None, 0.1, 2.0),
     ]
-    assert len(figures.compare_loss_figure(runs)["data"]) == 2
-    assert len(figures.compare_throughput_figure(runs)["data"]) == 2
-    assert figures.time_to_target_figure(runs)["data"][0]["text"] == ["42 s", "not reached"]
-    spend = figures.spend_figure(runs)
+    assert len(compare_figures.compare_loss_figure(runs)["data"]) == 2
+    assert len(compare_figures.compare_throughput_figure(runs)["data"]) == 2
+    assert compare_figures.time_to_target_figure(runs)["data"][0]["text"] == ["42 s", "not reached"]
+    spend = compare_figures.spend_figure(runs)
     assert [t["name"] for t in spend["data"]] == ["compute", "egress"] and spend["layout"]["barmode"] == "stack"
 
 
