@@ -277,6 +277,8 @@ class Numbered:
     hi: int
     scale: float
     strategies: tuple[str, ...]
+    # The strategies, as an error message names them.
+    who: str
     # What it adds to the strategy's label, formatted with n (N) and value (N * scale).
     label: str
 
@@ -285,13 +287,14 @@ class Numbered:
         return n if self.scale == 1 else n * self.scale
 
 
+_PS, _LOCAL = "the PS strategies", "the local SGD strategies"
 NUMBERED = {
-    "chunks": Numbered("compression", "pipeline_chunks", 1, 64, 1, PS_STRATEGIES, " + {n} chunks"),
-    "delay": Numbered("local_sgd", "outer_delay", 0, 1_000_000, 1, LOCAL_SGD_STRATEGIES, ", outer delay {n}"),
-    "h": Numbered("local_sgd", "sync_every", 1, 1_000_000, 1, LOCAL_SGD_STRATEGIES, ", H = {n}"),
-    "density": Numbered("local_sgd", "outer_density", 1, 100, 0.01, (DILOCO_GC,), ", density {n} %"),
-    "olr": Numbered("local_sgd", "outer_lr", 1, 1000, 0.01, LOCAL_SGD_STRATEGIES, ", outer lr {value:g}"),
-    "mom": Numbered("local_sgd", "outer_momentum", 0, 99, 0.01, LOCAL_SGD_STRATEGIES, ", outer momentum {value:g}"),
+    "chunks": Numbered("compression", "pipeline_chunks", 1, 64, 1, PS_STRATEGIES, _PS, " + {n} chunks"),
+    "delay": Numbered("local_sgd", "outer_delay", 0, 1_000_000, 1, LOCAL_SGD_STRATEGIES, _LOCAL, ", outer delay {n}"),
+    "h": Numbered("local_sgd", "sync_every", 1, 1_000_000, 1, LOCAL_SGD_STRATEGIES, _LOCAL, ", H = {n}"),
+    "density": Numbered("local_sgd", "outer_density", 1, 100, 0.01, (DILOCO_GC,), DILOCO_GC, ", density {n} %"),
+    "olr": Numbered("local_sgd", "outer_lr", 1, 1000, 0.01, LOCAL_SGD_STRATEGIES, _LOCAL, ", outer lr {value:g}"),
+    "mom": Numbered("local_sgd", "outer_momentum", 0, 99, 0.01, LOCAL_SGD_STRATEGIES, _LOCAL, ", outer momentum {value:g}"),
 }  # fmt: skip
 
 
@@ -331,19 +334,14 @@ def _check_variant(entry: str, strategy: str, part: str) -> None:
     if part not in VARIANTS and found is None:
         raise TestbedError(f"--strategies: {entry!r}: the variants are {', '.join('+' + v for v in VARIANTS)}")
     if found is not None and strategy not in found[0].strategies:
-        raise TestbedError(f"--strategies: {entry!r}: +{part} is for {_strategies_named(found[0].strategies)}")
+        raise TestbedError(f"--strategies: {entry!r}: +{part} is for {found[0].who}")
     if part in ("sites", "inforward") and strategy not in PS_STRATEGIES:
-        raise TestbedError(f"--strategies: {entry!r}: +{part} is for the PS strategies")
+        raise TestbedError(f"--strategies: {entry!r}: +{part} is for {_PS}")
     if part in ("replicas", "async", "streaming") and strategy not in LOCAL_SGD_STRATEGIES:
-        raise TestbedError(f"--strategies: {entry!r}: +{part} is for the local SGD strategies")
+        raise TestbedError(f"--strategies: {entry!r}: +{part} is for {_LOCAL}")
     if part == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
                            f"({', '.join(COMPRESSING_STRATEGIES)})")
-
-
-def _strategies_named(strategies: tuple[str, ...]) -> str:
-    named = {PS_STRATEGIES: "the PS strategies", LOCAL_SGD_STRATEGIES: "the local SGD strategies"}
-    return named.get(strategies, ", ".join(strategies))
 
 
 def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:

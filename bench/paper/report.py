@@ -353,7 +353,9 @@ def write_charts(doc: dict[str, Any], chart_dir: Path) -> list[Path]:
     names += [f"sweep-{name}-{base}" for name, base in sweep_groups(doc)]
     pngs = [chart_dir / f"paper-{name}.png" for name in names]
     # One browser session for all of them: write_image would start chromium once a chart.
-    pio.write_images(figs[: len(pngs)], pngs)
+    if len(figs) != len(pngs):  # a chart would land under another's name
+        raise RuntimeError(f"{len(figs)} charts for {len(pngs)} file names")
+    pio.write_images(figs, pngs)
     return written + pngs
 
 
