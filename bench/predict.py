@@ -10,7 +10,8 @@ benchmark's widecnn on digits, ResNet-18 on shapes' 32x32 images), in one invoca
    call per strategy, see `plan_body`);
 4. run every strategy for real (POST /api/v1/runs, as `hybridtrain bench paper` does) and reduce
    the metrics: rank 0's median samples/s over the steady steps and the bytes per step on links
-   that cross sites (the run's bytes_sent records by peer);
+   that cross sites (the run's bytes_sent records by peer); local SGD's over whole rounds of H
+   steps after its first (`steady_rounds`), its bytes the rounds' mean a step;
    Steps 2-4 are repeated (--repeats, 3 by default) and each cell is the median of its runs;
 5. print predicted against measured with the error of each cell (goal 10 %, bar 15 %), write the
    JSON (--out) and the "Prediction accuracy" section of docs/BENCHMARKS.md.
@@ -47,7 +48,7 @@ if __package__ in (None, ""):
 
 import httpx  # noqa: E402
 
-from hybridtrain.contract import PS_STRATEGIES, STRATEGIES  # noqa: E402
+from hybridtrain.contract import DEFAULT_SYNC_EVERY, LOCAL_SGD_STRATEGIES, PS_STRATEGIES, STRATEGIES  # noqa: E402
 from bench.paper.api_runs import cancel_quietly, strategy_fields  # noqa: E402
 from bench.paper.paper_workloads import FULL  # noqa: E402
 from testbed.services import check_response  # noqa: E402
@@ -66,6 +67,9 @@ VARIANTS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
 # The trainer starts PowerSGD at step 10 (--powersgd-start, not exposed by the API): its runs
 # need 10 more steps before the steady state.
 POWERSGD_START = 10
+# Local SGD's runs: the first round (start-up, the first fetch) is left out and this many whole
+# rounds are measured: a round, H inner steps and one outer step, is what repeats.
+LOCAL_SGD_ROUNDS = 3
 # A plan's max_steps for the steady state: far enough out that the warm-up steps, which the
 # measured window leaves out, do not dilute the predicted samples/s.
 STEADY_MAX_STEPS = 100_000
@@ -85,6 +89,9 @@ class TaskSettings:
     compression: dict[str, Any] = field(default_factory=dict)
     pipeline_chunks: int | None = None
     rebalance_every: int | None = None
+    # Local SGD's options (bench.paper.api_runs.strategy_fields): H = 10, as the paper benchmark's
+    # widecnn, so that a run of a few rounds takes about a minute.
+    local_sgd: dict[str, Any] = field(default_factory=lambda: {"sync_every": 10})
     run_timeout_s: float = 600.0
     profile_seconds: float = 3.0
 
@@ -146,9 +153,13 @@ def strategy_of(label: str) -> str:
 
 
 def steps_for(settings: TaskSettings, strategy: str) -> tuple[int, int]:
-    """(max_steps, skip_steps) of one strategy's run: PowerSGD's run waits for its start step."""
+    """(max_steps, skip_steps) of one strategy's run: PowerSGD's run waits for its start step,
+    local SGD's skips its first round and measures LOCAL_SGD_ROUNDS more."""
     if strategy == "allreduce-powersgd":
         return settings.max_steps + POWERSGD_START, settings.skip_steps + POWERSGD_START
+    if strategy in LOCAL_SGD_STRATEGIES:
+        every = settings.local_sgd.get("sync_every", DEFAULT_SYNC_EVERY)
+        return (LOCAL_SGD_ROUNDS + 1) * every, every
     return settings.max_steps, settings.skip_steps
 
 
@@ -222,16 +233,33 @@ def steady_steps(loss_t: Mapping[int, float], skip_steps: int, eval_steps: set[i
             if k > skip_steps and k - 1 in loss_t and k - 1 not in eval_steps}  # fmt: skip
 
 
+def steady_rounds(outer_t: Mapping[int, float], skip_steps: int) -> dict[int, tuple[int, float]]:
+    """Local SGD: outer step -> (the outer step before it, seconds a step over the round between
+    them), for rounds that begin at or after `skip_steps`. Its server records the outer steps
+    only, and a round's exchange belongs to its H steps, so the round is what is timed."""
+    steps = sorted(outer_t)
+    return {b: (a, (outer_t[b] - outer_t[a]) / (b - a)) for a, b in zip(steps, steps[1:]) if a >= skip_steps}
+
+
 def measure_run(records: list[dict[str, Any]], *, strategy: str, global_batch: int, skip_steps: int,
                 rank_site: Mapping[int, str]) -> dict[str, Any]:
     """A run's measured figures from its metric records ({rank, peer, name, step, t, value}):
     median samples/s of rank 0's steady steps, cross-site bytes per steady step, the step
-    profile (means over workers and steps) and granularity both ways."""
+    profile (means over workers and steps) and granularity both ways. Local SGD's steps are
+    its rounds' (`steady_rounds`), and its bytes a step the window's mean: they cross the WAN
+    at outer steps only, so the median step would carry none."""
     loss_t = {r["step"]: r["t"] for r in records if r["name"] == "loss" and r["rank"] == 0}
     eval_steps = {r["step"] for r in records if r["name"] in ("accuracy", "val_loss")}
-    durations = steady_steps(loss_t, skip_steps, eval_steps)
-    window = set(durations)
+    local = strategy in LOCAL_SGD_STRATEGIES
+    if local:
+        rounds = steady_rounds(loss_t, skip_steps)
+        durations = {b: per_step for b, (_, per_step) in rounds.items()}
+        window = {k for b, (a, _) in rounds.items() for k in range(a + 1, b + 1)}
+    else:
+        durations = steady_steps(loss_t, skip_steps, eval_steps)
+        window = set(durations)
     step_s = statistics.median(durations.values()) if durations else None
+    reduce = statistics.mean if local else statistics.median
     egress: dict[int, float] = {}
     total: dict[int, float] = {}
     for r in records:
@@ -262,9 +290,9 @@ def measure_run(records: list[dict[str, Any]], *, strategy: str, global_batch: i
         "densities": densities,
         "samples_per_s": round(global_batch / step_s, 2) if step_s else None,
         "step_s": round(step_s, 4) if step_s else None,
-        "steady_steps": len(durations),
-        "egress_bytes_per_step": round(statistics.median(egress.get(k, 0.0) for k in window)) if window else None,
-        "bytes_per_step": round(statistics.median(total.get(k, 0.0) for k in window)) if window else None,
+        "steady_steps": len(window),
+        "egress_bytes_per_step": round(reduce(egress.get(k, 0.0) for k in window)) if window else None,
+        "bytes_per_step": round(reduce(total.get(k, 0.0) for k in window)) if window else None,
         "profile": profile,
         # The trainer's comm_s is the send only; the step minus compute counts everything else.
         "granularity_trainer": round(compute / profile["comm_s"], 3) if compute and profile["comm_s"] else None,
@@ -886,7 +914,8 @@ def docs_section(doc: dict[str, Any]) -> str:
     lines = [SECTION, "",
              "The performance model (app/perfmodel/predict.py, docs/predict.md) against real runs on the in-box testbed",
              "(docs/testbed.md): rank 0's median samples/s over the steady steps, and the bytes per step on",
-             "links that cross sites, predicted by POST /api/v1/runs/plan against measured. Goal within 10 %,",
+             "links that cross sites, predicted by POST /api/v1/runs/plan against measured (local SGD: over",
+             "whole rounds of H steps after the first, the bytes their mean a step). Goal within 10 %,",
              "bar 15 %. \"on probe links\" is the same model (app.perfmodel.predict, the control plane's task profiles)",
              "on the testbed's own TCP probe of each site pair, one direction at a time: where it is close and",
              "the API's prediction is not, the links the agents measured are at fault, not the model.",

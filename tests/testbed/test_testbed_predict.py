@@ -34,6 +34,13 @@ def test_powersgd_runs_wait_for_the_start_step() -> None:
     assert max_steps - skip == bp.WIDECNN.max_steps - bp.WIDECNN.skip_steps
 
 
+def test_local_sgd_runs_leave_out_their_first_round_and_measure_three_more() -> None:
+    every = bp.WIDECNN.local_sgd["sync_every"]
+    assert bp.steps_for(bp.WIDECNN, "diloco-gc") == ((bp.LOCAL_SGD_ROUNDS + 1) * every, every)
+    assert bp.run_body("diloco+replicas", bp.WIDECNN, [1, 2], 3, "x")["local_sgd"] == \
+        {"sync_every": every, "site_replicas": True}
+
+
 def test_run_body_compresses_only_the_compressing_strategies() -> None:
     settings = replace(bp.WIDECNN, compression={"density": 0.03}, pipeline_chunks=2, rebalance_every=3)
     ps = bp.run_body("ps", settings, [1, 2], 3, "x")
@@ -115,6 +122,33 @@ def test_measure_run_leaves_out_steps_after_an_evaluation() -> None:
     recs = _ps_run() + [_rec("accuracy", 0, 4, 0.5)]
     m = bp.measure_run(recs, strategy="ps", global_batch=10, skip_steps=2, rank_site={})
     assert m["steady_steps"] == 3
+
+
+def _local_sgd_run() -> list[dict]:
+    """A diloco run, H = 10: the server (rank 0, site a) records its outer steps only, 15, 12 and
+    12 s apart after the first; rank 2 (site b) sends 3000 bytes across at each outer step and
+    the server 600 back, rank 1 (site a) 100 bytes to rank 2 every inner step."""
+    times = {10: 20.0, 20: 35.0, 30: 47.0, 40: 59.0}
+    recs = [_rec("loss", 0, k, 1.0, t) for k, t in times.items()]
+    for k in range(1, 41):
+        recs += [_rec("compute_s", r, k, 1.0) for r in (1, 2)] + [_rec("bytes_sent", 1, k, 100.0, peer=2)]
+    for k in times:
+        recs += [_rec("bytes_sent", 2, k, 3000.0, peer=0), _rec("bytes_sent", 0, k, 600.0, peer=2)]
+    return recs
+
+
+def test_measure_run_times_local_sgd_by_whole_rounds_after_the_first() -> None:
+    m = bp.measure_run(_local_sgd_run(), strategy="diloco", global_batch=12, skip_steps=10,
+                       rank_site={0: "a", 1: "a", 2: "b"})
+    # Rounds 11-20, 21-30, 31-40 took 1.5, 1.2 and 1.2 s a step: the median 1.2 s.
+    assert m["steady_steps"] == 30 and m["step_s"] == 1.2 and m["samples_per_s"] == 10.0
+
+
+def test_measure_run_spreads_local_sgds_outer_bytes_over_its_rounds_steps() -> None:
+    m = bp.measure_run(_local_sgd_run(), strategy="diloco", global_batch=12, skip_steps=10,
+                       rank_site={0: "a", 1: "a", 2: "b"})
+    # Three outer steps of 3600 bytes across, and 100 every step, over 30 steps.
+    assert m["egress_bytes_per_step"] == 460 and m["bytes_per_step"] == 460
 
 
 def test_compare_gives_both_errors_and_the_worse_verdict() -> None:
