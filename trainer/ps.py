@@ -217,10 +217,13 @@ class PSClient:
         # The forward pass's waits for the last update's chunks are communication exposed in
         # this step, not per-sample work.
         blocked = self._take_blocked()
-        upload = Upload(step, samples, loss, max(0.0, compute_s - blocked))
+        own_s = max(0.0, compute_s - blocked)
+        upload = Upload(step, samples, loss, own_s)
         if self.outer is not None:
-            if not self._inner_step(step, loss=loss, samples=samples, compute_s=upload.compute_s):
+            inner = self._inner_step(step, loss=loss, samples=samples, compute_s=own_s)
+            if inner is None:
                 return
+            own_s = inner
             self.outer.send(upload, self.max_steps)
         density = self.densities[self.index]
         self.uplink.send(upload, self.inbox, density, self._round(step))  # step 2
@@ -233,7 +236,7 @@ class PSClient:
         self.uplink.delivered(upload)
         if self.in_forward is None or self.in_forward.pending is None:
             self.step = step
-        self._account(upload, step, loss=loss, samples=samples, compute_s=max(0.0, compute_s - blocked),
+        self._account(upload, step, loss=loss, samples=samples, compute_s=own_s,
                       total_s=compute_s + time.perf_counter() - t0, wait_s=arrived - sent + blocked,
                       density=1.0 if self.uplink.dense_step(step) else density)
 
@@ -309,22 +312,27 @@ class PSClient:
         mlog(step, "comm_s", comm_s)
 
     # -- local SGD ------------------------------------------------------------------------------
-    def _inner_step(self, step: int, *, loss: float, samples: int, compute_s: float) -> bool:
+    def _inner_step(self, step: int, *, loss: float, samples: int, compute_s: float) -> float | None:
         """The task's optimizer steps on this worker's gradient alone, or under site replicas on
-        its site's mean gradient (trainer.outer_steps does the rest). True when the outer step
-        follows (the caller sends the pseudo-gradient); else the step is done here."""
+        its site's mean gradient (trainer.outer_steps does the rest). When the outer step follows
+        (the caller sends the pseudo-gradient), the step's compute, its optimizer step included;
+        else None: the step is done here."""
         waited = self.site.average(step, samples) if self.site is not None else 0.0
+        started = time.perf_counter()
         self.optimizer.step()
+        # The task's optimizer step is this worker's own work, slower on a slower device: it
+        # counts as compute, so that the re-split at the outer step sees it (docs/trainer.md).
+        compute_s += time.perf_counter() - started
         due, late = self.outer.after_inner_step(step, self.max_steps, loss=loss, samples=samples,
                                                 compute_s=compute_s)
         if due:
-            return True
+            return compute_s
         waited += late
         self.step = step
         self.uplink.step_times.append(compute_s + waited)
         self._log_step(step, loss=loss, samples=samples, total_s=compute_s + waited, compute_s=compute_s,
                        comm_s=waited)
-        return False
+        return None
 
     @contextmanager
     def global_model(self) -> Iterator[None]:

@@ -50,6 +50,7 @@ from trainer.local_sgd import LocalSGD, Progress, outer_step, pseudo_gradient
 from trainer.metrics import MetricsLogger
 from trainer.outer_steps import OuterSteps
 from trainer.ps import PSClient
+from trainer.server import ParameterServer
 from trainer.transport import InMemoryHub, InMemoryTransport
 from trainer.wire import peek_kind
 
@@ -261,6 +262,36 @@ def test_diloco_with_h_1_and_an_outer_sgd_of_rate_1_equals_synchronous_sgd_on_th
         ref_opt.step()
     for model in run.models:
         torch.testing.assert_close(flat_parameters(model), flat_parameters(ref), rtol=1e-5, atol=1e-6)
+
+
+class _SlowStepSGD(torch.optim.SGD):
+    """A slower device's optimizer: its step takes 20 ms."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        time.sleep(0.02)
+        return super().step(closure)
+
+
+def test_a_workers_outer_step_reports_its_optimizer_steps_as_compute_for_the_re_split(monkeypatch):
+    # No forward or backward time is reported (compute_s=0); worker 2's optimizer steps are slow.
+    cfg = config(strategy="diloco", workers=2, global_batch=32, sync_every=4, max_steps=8)
+    made: list[torch.optim.Optimizer] = []
+
+    def optimizer(model):
+        made.append((torch.optim.SGD if not made else _SlowStepSGD)(model.parameters(), lr=0.1))
+        return made[-1]
+
+    reported: dict[tuple[int, int], float] = {}
+    aggregate_ = ParameterServer.aggregate
+
+    def spy(self, step, grads, chunk, arrival=None):
+        reported.update({(step, g.sender): g.compute_s for g in grads})
+        return aggregate_(self, step, grads, chunk, arrival)
+
+    monkeypatch.setattr(ParameterServer, "aggregate", spy)
+    run_in_process(cfg, 8, optimizer=optimizer)
+    for step in (4, 8):  # each round's four inner steps
+        assert reported[(step, 2)] >= 4 * 0.02 and reported[(step, 1)] < 0.02, reported
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "diloco-gc"])
