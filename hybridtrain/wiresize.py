@@ -37,7 +37,7 @@ _MAX_GAP = {DELTA8: 255, DELTA16: 65535}
 GRAD_SCALARS = 6
 UPDATE_SCALARS = 3
 # Sites as replicas (trainer.site_replica): a gradient crosses the site's LAN in pieces of this
-# many fp32 elements, SITE_GRAD carrying piece and samples, SITE_MEAN the piece.
+# many elements, SITE_GRAD carrying piece and samples, SITE_MEAN the piece.
 SITE_PIECE = 1 << 20
 SITE_GRAD_SCALARS = 2
 SITE_MEAN_SCALARS = 1
@@ -140,14 +140,20 @@ def site_pieces(numel: int) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def site_grad_bytes(numel: int) -> float:
-    """A member's SITE_GRAD frames of one inner step: its whole gradient, fp32, piece by piece."""
-    return sum(frame_bytes(SITE_GRAD_SCALARS, payload_bytes(n, None, 4)) for n in site_pieces(numel))
+def site_value_bytes(value_bytes: int) -> int:
+    """Bytes a value of the in-site exchange takes in a run whose values take `value_bytes`:
+    bf16's 2, or fp32's 4 in a run of fp32 values (`trainer.site_replica.site_dtype`)."""
+    return 4 if value_bytes == 4 else 2
 
 
-def site_mean_bytes(numel: int) -> float:
-    """The relay's SITE_MEAN frames of one inner step to one member: the site's mean, fp32."""
-    return sum(frame_bytes(SITE_MEAN_SCALARS, payload_bytes(n, None, 4)) for n in site_pieces(numel))
+def site_grad_bytes(numel: int, value_bytes: int = 2) -> float:
+    """A member's SITE_GRAD frames of one inner step: its whole gradient, piece by piece."""
+    return sum(frame_bytes(SITE_GRAD_SCALARS, payload_bytes(n, None, value_bytes)) for n in site_pieces(numel))
+
+
+def site_mean_bytes(numel: int, value_bytes: int = 2) -> float:
+    """The relay's SITE_MEAN frames of one inner step to one member: the site's mean."""
+    return sum(frame_bytes(SITE_MEAN_SCALARS, payload_bytes(n, None, value_bytes)) for n in site_pieces(numel))
 
 
 def eval_frame_bytes(metric_text_bytes: int) -> float:

@@ -46,6 +46,12 @@ def _dense(values: torch.Tensor) -> Payload:
     return Payload(values.numel(), values)
 
 
+def _as_given(values: torch.Tensor) -> Payload:
+    """Dense at the values' own float width (fp32 or bf16: the in-site exchange's choice)."""
+    values = values.detach().reshape(-1).cpu()
+    return Payload(values.numel(), values if values.dtype == torch.bfloat16 else values.float())
+
+
 @dataclass(frozen=True)
 class LayoutSpec:
     """What a worker's model looks like on the wire: parameter names and sizes in flat order,
@@ -386,7 +392,8 @@ class Route:
 @dataclass(frozen=True)
 class SiteGrad:
     """Site replicas: one piece of a member's gradient of an inner step, to its site's relay,
-    with the samples it was computed on (its weight in the site's mean). fp32: the mean is exact."""
+    with the samples it was computed on (its weight in the site's mean); bf16 or fp32 as given
+    (`trainer.site_replica.site_dtype`)."""
 
     step: int
     sender: int
@@ -396,7 +403,7 @@ class SiteGrad:
     kind: ClassVar[int] = SITE_GRAD
 
     def message(self) -> Message:
-        return Message(SITE_GRAD, self.step, self.sender, [self.piece, self.samples], [_dense(self.values)])
+        return Message(SITE_GRAD, self.step, self.sender, [self.piece, self.samples], [_as_given(self.values)])
 
     @classmethod
     def parse(cls, m: Message) -> SiteGrad:
@@ -407,7 +414,8 @@ class SiteGrad:
 @dataclass(frozen=True)
 class SiteMean:
     """Site replicas: one piece of the site's mean gradient of an inner step, from its relay to
-    each member (the relay steps on the same values, so the site's replicas stay equal)."""
+    each member (the relay steps on the same values, so the site's replicas stay equal); bf16 or
+    fp32 as given."""
 
     step: int
     sender: int
@@ -416,7 +424,7 @@ class SiteMean:
     kind: ClassVar[int] = SITE_MEAN
 
     def message(self) -> Message:
-        return Message(SITE_MEAN, self.step, self.sender, [self.piece], [_dense(self.values)])
+        return Message(SITE_MEAN, self.step, self.sender, [self.piece], [_as_given(self.values)])
 
     @classmethod
     def parse(cls, m: Message) -> SiteMean:

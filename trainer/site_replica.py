@@ -7,17 +7,18 @@ relay alone compresses the site's change and sends the server one frame for the 
 (`trainer.site_combine`), and the server's reply crosses once per site for the relay to fan out.
 
 Per inner step (the relay: `SiteReplica._combine`; a member: `SiteReplica._exchange`):
- 1. A member posts its gradient to the relay piece by piece (`PIECE` elements, fp32) and reads
-    the site's mean back piece by piece; the relay averages piece p while piece p+1 is on the
-    wire, so both directions of the LAN work at once.
+ 1. A member posts its gradient to the relay piece by piece (`PIECE` elements, bf16: `site_dtype`)
+    and reads the site's mean back piece by piece; the relay averages piece p while piece p+1
+    is on the wire, so both directions of the LAN work at once.
  2. The relay takes each member's piece within the wait per-site aggregation gives its members
     (`trainer.membership.relay_wait_s`: three quarters of a step time, at least 1 s): a relay
     that waited longer would reach the next outer step later than the server waits for it, and
     be dropped itself. A member that is silent, gone or leaving is left out from then on, and
     the server, missing it from the site's next outer frame, drops it or lets it go.
  3. The mean is eq. 1-2 within the site, `site_mean`: sum_m n_m g_m / sum_m n_m over the members
-    heard. The relay sends it and copies the same fp32 values into its own gradient, so every
-    replica of the site steps on identical numbers and stays identical.
+    heard, in fp32, then rounded to the exchange's width. The relay sends it and copies the same
+    rounded values into its own gradient, so every replica of the site steps on identical
+    numbers and stays identical.
 
 Choice (issue 49 leaves it open): through the site's relay, not an all-reduce among the site's
 workers. The relay and its links exist already (it fans out the server's reply and, under
@@ -45,7 +46,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridtrain.wiresize import SITE_PIECE
+from hybridtrain.contract import VALUE_BYTES
+from hybridtrain.wiresize import SITE_PIECE, site_value_bytes
 from trainer.algorithm import chunks
 from trainer.config import TrainConfig
 from trainer.flat_model import FlatModel
@@ -56,12 +58,20 @@ from trainer.site_relay import SiteRelay
 from trainer.transport import Transport
 from trainer.wire import peek_kind
 
-# Elements a piece: 4 MB of fp32, 34 ms at 1 Gbit/s, so the relay's first mean leaves while the
+# Elements a piece: 2 MB of bf16, 17 ms at 1 Gbit/s, so the relay's first mean leaves while the
 # rest of a large model is still on its way to it; a small model is one piece. The performance
 # model sizes the frames with the same constant.
 PIECE = SITE_PIECE
 # How often a member waiting for its mean looks whether its relay or the server is gone.
 POLL_S = 0.05
+
+
+def site_dtype(value_dtype: str) -> torch.dtype:
+    """The in-site exchange's width in a run of `value_dtype` values: bf16, half of fp32's bytes
+    with its range (these gradients have no error feedback, and fp16 would flush the small ones
+    to zero; the rounding is DDP's bf16 compression hook's), or fp32 in a run that asks for
+    exact values (`--value-dtype fp32`)."""
+    return torch.float32 if site_value_bytes(VALUE_BYTES[value_dtype]) == 4 else torch.bfloat16
 
 
 def site_mean(parts: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -93,6 +103,7 @@ class SiteReplica:
         # This worker's recent inner-step times: the relay's wait for a member scales with them.
         self.step_times = step_times
         self.pieces = pieces(flat.layout.numel)
+        self.dtype = site_dtype(cfg.value_dtype)
         # The relay's means, kept apart from the server's updates the relay forwards: those go
         # out whenever they arrive (an overlapped outer step's amid inner steps) and must not
         # stand in a mean's way.
@@ -131,7 +142,7 @@ class SiteReplica:
                 if got is not None:
                     parts.append((got.samples, got.values))
                     heard.append(m)
-            mean = site_mean(parts)
+            mean = site_mean(parts).to(self.dtype)
             grad[a:b].copy_(mean)
             if heard:
                 posted.append(self.transport.post_many(heard, pack(SiteMean(step, self.rank, p, mean))))
@@ -161,7 +172,8 @@ class SiteReplica:
     def _exchange(self, step: int, samples: int) -> None:
         relay = self.relay.up
         grad = self.flat.grad
-        posted = [self.transport.post_many([relay], pack(SiteGrad(step, self.rank, p, samples, grad[a:b])))
+        posted = [self.transport.post_many([relay], pack(SiteGrad(step, self.rank, p, samples,
+                                                                   grad[a:b].to(self.dtype))))
                   for p, (a, b) in enumerate(self.pieces)]
         for p, (a, b) in enumerate(self.pieces):
             mean = self._mean(relay, step, p)

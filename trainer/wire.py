@@ -12,7 +12,7 @@ at most 6 bytes (int32 index + fp16 value) and usually less:
 | 4 | delta16  | (k+f16)*(2+v), f16 = filler entries for gaps over 65535 |
 | 5 | seed     | 8 + k*v (random-k: indices regenerated from the seed) |
 
-Values are fp32, fp16 or fp8, or raw bytes (uint8, dense: a checkpoint's optimizer state).
+Values are fp32, fp16, bf16 or fp8, or raw bytes (uint8, dense: a checkpoint's optimizer state).
 
 A delta filler is a zero value at an intermediate position, so decoding by summation is exact.
 fp8 values (e4m3) carry their payload's scale as an fp32 right after the payload header.
@@ -32,8 +32,9 @@ MAGIC = 0x4854
 # Version 3 adds a UTF-8 text section (names of evaluation metrics, a model's layout, a reason
 # to abort), empty and 4 bytes long on every per-step frame; version 4 raw-byte values (a
 # STATE's optimizer state, which version 3 carried as base64 text: a third larger, and slow
-# to pack and unpack, on the donor's step and the server's thread).
-VERSION = 4
+# to pack and unpack, on the donor's step and the server's thread); version 5 bf16 values (the
+# in-site exchange of sites as replicas).
+VERSION = 5
 _MSG = struct.Struct("<HBBqiHBI")
 KIND_OFFSET = 3  # the kind byte, after the magic (2) and the version (1)
 # numel and count as uint32: no single tensor reaches 2**32 elements, and on a small model the
@@ -44,10 +45,13 @@ _SEED = struct.Struct("<q")
 _SCALE = struct.Struct("<f")
 
 DENSE, INT32, BITMAP, DELTA8, DELTA16, SEED = range(6)
-_VALUE_DTYPES = {0: torch.float32, 1: torch.float16, 2: FP8, 3: torch.uint8}
+_VALUE_DTYPES = {0: torch.float32, 1: torch.float16, 2: FP8, 3: torch.uint8, 4: torch.bfloat16}
 _VALUE_CODES = {v: k for k, v in _VALUE_DTYPES.items()}
-# numpy has no fp8: its bytes travel as uint8 and are viewed as fp8 again on arrival.
-_NP = {torch.float32: np.float32, torch.float16: np.float16, FP8: np.uint8, torch.uint8: np.uint8}
+# numpy has neither fp8 nor bf16: their bits travel as unsigned integers of their width and are
+# viewed as the float again on arrival (both encode zero as all bits zero, as delta fillers need).
+_NP = {torch.float32: np.float32, torch.float16: np.float16, FP8: np.uint8, torch.uint8: np.uint8,
+       torch.bfloat16: np.int16}
+_AS_BITS = {FP8: torch.uint8, torch.bfloat16: torch.int16}
 
 
 def _scaled(dtype: torch.dtype) -> bool:
@@ -163,8 +167,8 @@ def _encode_payload(p: Payload, out: list) -> None:
     scale = [_SCALE.pack(p.scale)] if _scaled(values.dtype) else []
     if values.dtype == torch.uint8 and enc != DENSE:
         raise ValueError("raw-byte values travel dense only")
-    if values.dtype == FP8:
-        values = values.view(torch.uint8)  # fp8 zero is the byte 0: delta fillers stay zeros
+    if values.dtype in _AS_BITS:
+        values = values.view(_AS_BITS[values.dtype])
     count = values.numel()
     if enc in (DELTA8, DELTA16):
         gaps, values = _delta(p.indices.cpu(), values, 255 if enc == DELTA8 else 65535)
@@ -228,8 +232,8 @@ def _decode_payload(buf: memoryview, offset: int) -> tuple[Payload, int]:
         if real is not None and not bool(real.all()):
             indices, values = indices[real], values[real]
             count = values.numel()
-    if vdtype == FP8:
-        values = values.view(FP8)
+    if vdtype in _AS_BITS:
+        values = values.view(vdtype)
     return Payload(numel=numel, values=values, indices=indices, seed=seed, scale=scale), offset
 
 

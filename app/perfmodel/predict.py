@@ -71,6 +71,7 @@ from hybridtrain.contract import (
     outer_density_plan,
 )
 from hybridtrain.contract import compresses as contract_compresses
+from hybridtrain.wiresize import site_value_bytes
 
 # Evaluation runs the forward pass only: about 3x the training rate (forward ~ 1/3 of a step).
 EVAL_SPEEDUP = 3.0
@@ -261,10 +262,11 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
         share = 1.0 if contract_compresses(strategy, comp.compressor) else comp.value_bytes / 4
         if comp.site_replicas:
             # One replica per site: the outer step's PS step is the sites' relays'.
-            site = site_exchange(workers, links, task)
+            site_bytes = site_value_bytes(comp.value_bytes)
+            site = site_exchange(workers, links, task, site_bytes)
             rounds = _ps_phases(site_replicas(workers, site), server, links, task, outer, relay, strategy, densities)
             step = site_replicas_step(workers, links, task, comp, rounds[-1].step, site, share)
-            notes.append(f"sites as replicas: every step each site's workers send their fp32 gradient to the "
+            notes.append(f"sites as replicas: every step each site's workers send their gradient ({'fp32' if site_bytes == 4 else 'bf16'}) to the "
                          f"site's relay and take the mean back over the LAN ({len(site.sites)} replicas; "
                          "pieces pipelined, the relay's averaging at the profile's dense decode and encode "
                          "costs); the slowest site paces the step")

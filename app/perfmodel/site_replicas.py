@@ -37,9 +37,10 @@ class SiteExchange:
 
 
 def site_exchange(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[tuple[int, int], LinkSpec],
-                  task: TaskSpec) -> SiteExchange:
-    """Each site's in-site exchange of an inner step: every member's fp32 gradient to the relay
-    at once, the relay's sum weighted by samples, the mean back to every member at once.
+                  task: TaskSpec, value_bytes: int = 2) -> SiteExchange:
+    """Each site's in-site exchange of an inner step: every member's gradient (`value_bytes` a
+    value: bf16, fp32 in a run of fp32 values) to the relay at once, the relay's sum weighted by
+    samples, the mean back to every member at once.
 
     The stages (the members' encode, the uploads, the relay's decode-and-add of each of the k
     gradients and its encode of the mean, the downloads, the members' decode) pipeline over the
@@ -52,7 +53,7 @@ def site_exchange(workers: Sequence[tuple[NodeSpec, int]], links: Mapping[tuple[
     for i, w in enumerate(nodes):
         by_site.setdefault(w.site_id, []).append(i)
     numel, count = task.params, len(site_pieces(task.params))
-    grad_b, mean_b = site_grad_bytes(numel), site_mean_bytes(numel)
+    grad_b, mean_b = site_grad_bytes(numel, value_bytes), site_mean_bytes(numel, value_bytes)
     sites, site_compute, site_exchange_s, transfers = [], [], [], []
     for idx in by_site.values():
         relay, members = nodes[idx[0]], [nodes[i] for i in idx[1:]]

@@ -486,7 +486,7 @@ def test_sites_as_replicas_cut_the_wan_uploads_by_the_workers_per_site():
 
 
 def test_sites_as_replicas_pipeline_the_in_site_exchange_over_the_gradients_pieces():
-    # 3 pieces of 2^20 fp32 elements: one piece through upload and download, then two more at
+    # 3 pieces of 2^20 bf16 elements: one piece through upload and download, then two more at
     # the pace of the slower stage (both equal here), so 4/3 of one direction, not 2.
     s, a, b = node(1, site=1, sps=1e6), node(2, site=2, sps=1e6), node(3, site=2, sps=1e6)
     task = TaskSpec(params=3 * 2**20, dense_params=0)
@@ -494,9 +494,18 @@ def test_sites_as_replicas_pipeline_the_in_site_exchange_over_the_gradients_piec
     spec = CompressionSpec(sync_every=10, site_replicas=True)
     p = predict("diloco", workers=[(a, 1), (b, 1)], server=s, links=mesh([s, a, b], lan=lan), task=task,
                 compression=spec)
-    site_grad = 3 * (8 + 23 + 2 * 8 + 10 + 4 * 2**20)  # SITE_MEAN: one scalar fewer a piece
+    site_grad = 3 * (8 + 23 + 2 * 8 + 10 + 2 * 2**20)  # SITE_MEAN: one scalar fewer a piece
     up, down = xfer(site_grad, 1000, 0), xfer(site_grad - 3 * 8, 1000, 0)
     assert p.breakdown["site_exchange_s"] == pytest.approx((up + down) / 3 + 2 / 3 * up, rel=1e-12)
+
+
+def test_sites_as_replicas_exchange_fp32_in_a_run_of_fp32_values():
+    s, a, b = node(1, site=1, sps=1e6), node(2, site=2, sps=1e6), node(3, site=2, sps=1e6)
+    task, lan = TaskSpec(params=2**20, dense_params=0), LinkSpec(1000, 0.0, "assumed")
+    seconds = [predict("diloco", workers=[(a, 1), (b, 1)], server=s, links=mesh([s, a, b], lan=lan), task=task,
+                       compression=CompressionSpec(sync_every=10, site_replicas=True, value_bytes=v)
+                       ).breakdown["site_exchange_s"] for v in (2, 4)]
+    assert seconds[1] == pytest.approx(2 * seconds[0], rel=1e-4)
 
 
 def test_local_sgds_inner_steps_are_paced_by_the_slowest_compute_not_the_last_upload():

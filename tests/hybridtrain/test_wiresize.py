@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from hybridtrain import wiresize
+from hybridtrain.contract import VALUE_BYTES
 from trainer.compression import Payload, random_indices
 from trainer.frames import Buffers, Grad, SiteGrad, SiteMean, Update, pack
 from trainer.site_replica import PIECE as SITE_PIECE
 from trainer.site_replica import pieces as site_pieces
+from trainer.site_replica import site_dtype
 from trainer.wire import _encoding
 
 WIRE = 8  # the transport's length prefix
@@ -106,9 +108,11 @@ def test_expected_fillers_are_zero_when_no_gap_can_exceed_the_limit():
 
 
 @pytest.mark.parametrize("numel", [1, 5000, SITE_PIECE, SITE_PIECE + 1, 3 * SITE_PIECE - 7])
-def test_site_frames_bytes_match_a_members_pieces_and_the_relays_means(numel):
-    flat = torch.randn(numel)
+@pytest.mark.parametrize("value_dtype", ["fp16", "fp32"])
+def test_site_frames_bytes_match_a_members_pieces_and_the_relays_means(numel, value_dtype):
+    flat = torch.randn(numel).to(site_dtype(value_dtype))
     parts = [flat[a:b] for a, b in site_pieces(numel)]
     grads = sum(pack(SiteGrad(4, 2, p, 32, part)).numel() + WIRE for p, part in enumerate(parts))
     means = sum(pack(SiteMean(4, 1, p, part)).numel() + WIRE for p, part in enumerate(parts))
-    assert (wiresize.site_grad_bytes(numel), wiresize.site_mean_bytes(numel)) == (grads, means)
+    width = wiresize.site_value_bytes(VALUE_BYTES[value_dtype])
+    assert (wiresize.site_grad_bytes(numel, width), wiresize.site_mean_bytes(numel, width)) == (grads, means)

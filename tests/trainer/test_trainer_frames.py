@@ -176,6 +176,14 @@ def test_a_sites_mean_piece_round_trips_its_exact_values():
     assert (out.step, out.sender, out.piece) == (7, 3, 1) and torch.equal(out.values, values)
 
 
+def test_bf16_site_pieces_round_trip_exactly_at_two_bytes_a_value():
+    values = torch.randn(1000).to(torch.bfloat16)
+    grad, mean = SiteGrad(7, 4, 2, 24, values), SiteMean(7, 3, 1, values)
+    assert pack(grad).numel() == pack(SiteGrad(7, 4, 2, 24, values.float())).numel() - 2 * 1000
+    for out in (roundtrip(grad), roundtrip(mean)):
+        assert out.values.dtype == torch.bfloat16 and torch.equal(out.values, values)
+
+
 def test_eval_round_trips_sums_with_unicode_metric_names():
     frame = Eval(50, 2, {"accuracy": 97.0, "val_loss": 12.5, "précision_µ": 3.0, "損失": 1.5}, 120)
     assert roundtrip(frame) == frame

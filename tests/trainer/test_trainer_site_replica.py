@@ -188,6 +188,17 @@ def test_a_sites_workers_are_identical_after_every_inner_step_and_the_sites_meet
         assert torch.equal(snapshots[(1, step)], snapshots[(3, step)]) == (step in meet), step
 
 
+@pytest.mark.parametrize("value_dtype, bf16", [("fp16", True), ("fp32", False)])
+def test_a_sites_mean_crosses_its_lan_in_bf16_unless_the_runs_values_are_fp32(value_dtype, bf16):
+    cfg = _config(sync_every=4, max_steps=2, value_dtype=value_dtype)
+    grads: dict[int, torch.Tensor] = {}
+    run_in_process(cfg, 1, optimizer=adamw,
+                   after_step=lambda rank, step, run: grads.__setitem__(rank, run.clients[rank - 1].flat.grad.clone()))
+    # The relay (rank 1) steps on the mean it sent its member (rank 2), rounded as sent.
+    assert torch.equal(grads[1], grads[2])
+    assert torch.equal(grads[1], grads[1].to(torch.bfloat16).float()) == bf16
+
+
 def test_the_server_hears_one_frame_per_site_per_outer_step_and_a_member_only_its_relay():
     cfg = _config(sync_every=3, max_steps=9)
     run = run_in_process(cfg, 9, optimizer=adamw)
