@@ -239,6 +239,8 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # TLS costs; runs encrypt by default); `+sites`, a PS strategy with each remote site's gradients
 # combined at its relay (`compression.aggregate_at_sites`, what per-site aggregation gains);
 # `+fp8`, a compressing PS strategy whose values travel as fp8 (`compression.value_dtype`);
+# `+fp32`, a local SGD or compressing strategy whose values travel as fp32 (under sites as
+# replicas the in-site exchange too, which is bf16 otherwise);
 # `+inforward`, a PS strategy applying its update's later chunks during the next forward pass
 # (`compression.apply_in_forward`); `+quotaio`, any strategy with each node's communication
 # threads left on its GPU quota (the testbed's thread placer paused for the run: the emulation
@@ -262,7 +264,7 @@ def configs_of(args: argparse.Namespace) -> list[str]:
 # order: `diloco-gc+h100+density5`.
 # (`+overlap`, a PS strategy sending its chunks during the backward pass, went with the option:
 # it never paid, docs/CHANGELOG.md.)
-VARIANTS = ("plain", "sites", "fp8", "inforward", "quotaio", "chunksN", "delayN", "hN", "densityN", "olrN", "momN",
+VARIANTS = ("plain", "sites", "fp8", "fp32", "inforward", "quotaio", "chunksN", "delayN", "hN", "densityN", "olrN", "momN",
             "replicas", "async", "streaming")
 STREAMING_FRAGMENTS = 4
 
@@ -342,6 +344,8 @@ def _check_variant(entry: str, strategy: str, part: str) -> None:
     if part == "fp8" and strategy not in COMPRESSING_STRATEGIES:
         raise TestbedError(f"--strategies: {entry!r}: +fp8 is for the PS strategies that compress "
                            f"({', '.join(COMPRESSING_STRATEGIES)})")
+    if part == "fp32" and strategy not in (*COMPRESSING_STRATEGIES, *LOCAL_SGD_STRATEGIES):
+        raise TestbedError(f"--strategies: {entry!r}: +fp32 is for {_LOCAL} and the PS strategies that compress")
 
 
 def variant_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
@@ -358,9 +362,9 @@ def _part_body(body: dict[str, Any], variant: str) -> dict[str, Any]:
     if variant == "sites":
         return body | {"name": f"{body['name']}-sites",
                        "compression": body.get("compression", {}) | {"aggregate_at_sites": True}}
-    if variant == "fp8":
-        return body | {"name": f"{body['name']}-fp8",
-                       "compression": body.get("compression", {}) | {"value_dtype": "fp8"}}
+    if variant in ("fp8", "fp32"):
+        return body | {"name": f"{body['name']}-{variant}",
+                       "compression": body.get("compression", {}) | {"value_dtype": variant}}
     if variant == "inforward":
         return body | {"name": f"{body['name']}-inforward",
                        "compression": body.get("compression", {}) | {"apply_in_forward": True}}

@@ -75,7 +75,7 @@ def check_strategies(strategies: tuple[str, ...], configs: list[TestbedConfig]) 
         if strategy not in STRATEGIES:
             raise TestbedError(f"--strategies: unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)}, "
                                "each optionally +plain or +quotaio, a PS one +sites or +inforward, a "
-                               "compressing one +fp8)")
+                               "compressing one +fp8, a local SGD or compressing one +fp32)")
         without = [c.name for c in configs if not c.cpu.threads_on_host]
         if "quotaio" in variant_parts(variant) and without:
             raise TestbedError(f"--strategies: {entry!r}: testbed {', '.join(without)} runs without the thread "

@@ -20,7 +20,7 @@ CHART_FILE = "paper-bench.html"
 
 
 # What a variant (bench.paper.paper_workloads.VARIANTS) adds to its strategy's label.
-_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "fp8": "fp8 values",
+_VARIANT_LABELS = {"plain": "unencrypted", "sites": "per-site aggregation", "fp8": "fp8 values", "fp32": "fp32 values",
                    "inforward": "apply-in-forward", "quotaio": "threads on the quota",
                    "async": "asynchronous outer steps",
                    "streaming": "streaming fragments"}

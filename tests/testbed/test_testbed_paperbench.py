@@ -418,6 +418,16 @@ def test_fp8_for_a_strategy_that_sends_dense_gradients_is_refused() -> None:
         strategy_variant("ps+fp8")
 
 
+def test_a_local_sgd_strategy_with_plus_fp32_sends_exact_values_and_a_dense_ps_is_refused() -> None:
+    from testbed.errors import TestbedError
+
+    body = variant_body({"name": "bench-diloco", "local_sgd": {"site_replicas": True}}, "replicas+fp32")
+    assert body["compression"] == {"value_dtype": "fp32"} and body["name"].endswith("-fp32")
+    assert strategy_label("diloco+replicas+fp32") == "DiLoCo + replicas + fp32 values"
+    with pytest.raises(TestbedError, match=r"\+fp32 is for the local SGD strategies"):
+        strategy_variant("ps+fp32")
+
+
 def test_a_variant_is_named_after_its_strategy_in_the_tables() -> None:
     assert strategy_label("ps-bz-gc") == "PS-bz-gc"
     assert strategy_label("ps-bz-gc+sites") == "PS-bz-gc + per-site aggregation"
