@@ -152,9 +152,10 @@ def strategy_of(label: str) -> str:
     return VARIANTS[label][0] if label in VARIANTS else label
 
 
-def steps_for(settings: TaskSettings, strategy: str) -> tuple[int, int]:
-    """(max_steps, skip_steps) of one strategy's run: PowerSGD's run waits for its start step,
-    local SGD's skips its first round and measures LOCAL_SGD_ROUNDS more."""
+def steps_for(settings: TaskSettings, label: str) -> tuple[int, int]:
+    """(max_steps, skip_steps) of one strategy's (or variant's) run: PowerSGD's run waits for its
+    start step, local SGD's skips its first round and measures LOCAL_SGD_ROUNDS more."""
+    strategy = strategy_of(label)
     if strategy == "allreduce-powersgd":
         return settings.max_steps + POWERSGD_START, settings.skip_steps + POWERSGD_START
     if strategy in LOCAL_SGD_STRATEGIES:
@@ -168,7 +169,7 @@ def run_body(label: str, s: TaskSettings, node_ids: list[int], ps_node_id: int |
     """The POST /api/v1/runs body of one strategy or variant (bench.paper.api_runs's, without a target,
     evaluation off: an evaluation interval is not a training step, and the model times training)."""
     strategy = strategy_of(label)
-    max_steps, _ = steps_for(s, strategy)
+    max_steps, _ = steps_for(s, label)
     body: dict[str, Any] = {
         "name": name, "node_ids": node_ids, "strategy": strategy, "task": s.task,
         "task_args": dict(s.task_args), "global_batch_size": s.global_batch,

@@ -37,6 +37,7 @@ def test_powersgd_runs_wait_for_the_start_step() -> None:
 def test_local_sgd_runs_leave_out_their_first_round_and_measure_three_more() -> None:
     every = bp.WIDECNN.local_sgd["sync_every"]
     assert bp.steps_for(bp.WIDECNN, "diloco-gc") == ((bp.LOCAL_SGD_ROUNDS + 1) * every, every)
+    assert bp.steps_for(bp.WIDECNN, "diloco+replicas") == bp.steps_for(bp.WIDECNN, "diloco")
     assert bp.run_body("diloco+replicas", bp.WIDECNN, [1, 2], 3, "x")["local_sgd"] == \
         {"sync_every": every, "site_replicas": True}
 
