@@ -266,7 +266,8 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
             site = site_exchange(workers, links, task, site_bytes)
             rounds = _ps_phases(site_replicas(workers, site), server, links, task, outer, relay, strategy, densities)
             step = site_replicas_step(workers, links, task, comp, rounds[-1].step, site, share)
-            notes.append(f"sites as replicas: every step each site's workers send their gradient ({'fp32' if site_bytes == 4 else 'bf16'}) to the "
+            width = "fp32" if site_bytes == 4 else "bf16"
+            notes.append(f"sites as replicas: every step each site's workers send their {width} gradient to the "
                          f"site's relay and take the mean back over the LAN ({len(site.sites)} replicas; "
                          "pieces pipelined, the relay's averaging at the profile's dense decode and encode "
                          "costs); the slowest site paces the step")
