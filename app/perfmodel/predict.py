@@ -25,7 +25,7 @@ out every equation and assumption; in short:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 
@@ -213,6 +213,14 @@ def _ps_phases(workers: Sequence[tuple[NodeSpec, int]], server: NodeSpec,
     return phases
 
 
+def _round_phases(rounds: list[_Phase], every: int, step_of: Callable[[Step], Step]) -> list[_Phase]:
+    """Local SGD's phases from its outer steps' (`rounds`, one PS step each: the densities' path,
+    then the settled state): the k-th outer step's round is inner steps (k - 1) H + 1 .. k H,
+    each a step of `step_of` that round's exchange."""
+    return [_Phase((r.first - 1) * every + 1, None if r.last is None else r.last * every, step_of(r.step))
+            for r in rounds]
+
+
 def _within(phases: list[_Phase], max_steps: int | None) -> list[tuple[_Phase, int]]:
     """Each phase that starts by `max_steps`, with how many of its steps are run (None: the
     last phase, unbounded)."""
@@ -265,7 +273,8 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
             site_bytes = site_value_bytes(comp.value_bytes)
             site = site_exchange(workers, links, task, site_bytes)
             rounds = _ps_phases(site_replicas(workers, site), server, links, task, outer, relay, strategy, densities)
-            step = site_replicas_step(workers, links, task, comp, rounds[-1].step, site, share)
+            phases = _round_phases(rounds, comp.sync_every,
+                                   lambda r: site_replicas_step(workers, links, task, comp, r, site, share))
             width = "fp32" if site_bytes == 4 else "bf16"
             notes.append(f"sites as replicas: every step each site's workers send their {width} gradient to the "
                          f"site's relay and take the mean back over the LAN ({len(site.sites)} replicas; "
@@ -278,13 +287,16 @@ def predict(strategy: str, *, workers: Sequence[tuple[NodeSpec, int]], server: N
                              "the in-site exchange's encode and decode")
         else:
             rounds = _ps_phases(workers, server, links, task, outer, relay, strategy, densities)
-            step = local_sgd_step(rounds[-1].step, comp.sync_every, share, comp.outer_delay, comp.fragments)
+            phases = _round_phases(rounds, comp.sync_every,
+                                   lambda r: local_sgd_step(r, comp.sync_every, share, comp.outer_delay, comp.fragments))
             notes.append(f"an outer step every {comp.sync_every} steps: each step pays its compute and 1/"
                          f"{comp.sync_every} of a PS step's exchange of the pseudo-gradient")
             if comp.fragments > 1:
                 notes.append(f"streaming: {comp.fragments} fragments, each exchange 1/{comp.fragments} of the "
                              f"model every {comp.sync_every // comp.fragments} steps (frame headers not counted)")
-        phases = [_Phase(1, None, step)]
+        if len(phases) > 1:
+            notes.append("diloco-gc's densities follow the adaptive rule one outer step at a time to their "
+                         "fixed point; each round is predicted at its own")
         if comp.outer_delay:
             notes.append(f"the outer exchange overlaps {comp.outer_delay} inner steps (outer_delay)")
     else:

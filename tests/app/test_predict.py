@@ -269,6 +269,23 @@ def test_densities_follow_the_rules_path_from_the_target():
         sum((ph["last_step"] - ph["first_step"] + 1) * ph["step_s"] for ph in p.phases))
 
 
+def test_diloco_gcs_densities_follow_the_rules_path_one_outer_step_a_round():
+    s, fast, slow = node(1, site=1), node(2, site=2), node(3, site=3)
+    task = TaskSpec(params=2_000_000, dense_params=0)
+    links = mesh([s, fast, slow], wan=LinkSpec(200, 0.0, "measured"))
+    links[(3, 1)] = LinkSpec(50, 0.0, "measured")
+    comp = CompressionSpec(sync_every=10, density_time_floor_s=0.0)
+    p = predict("diloco-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp,
+                max_steps=100)
+    # Rounds of H = 10 inner steps: the first two at outer_density (the rule reads the step
+    # before), then each round's densities one adaptation further, as the ps-gc path above.
+    first, second = p.phases[:2]
+    assert (first["first_step"], first["last_step"], first["densities"]) == (1, 20, [0.1, 0.1])
+    assert (second["first_step"], second["last_step"]) == (21, 30)
+    assert second["densities"] == pytest.approx([0.1 * 2 ** 0.5, 0.1 / 2 ** 0.5])
+    assert p.phases[-1]["last_step"] == 100 and p.phases[-1]["densities"] == pytest.approx([0.2, 0.05])
+
+
 def test_a_short_run_averages_its_transient_not_just_the_fixed_point():
     s, fast, slow = node(1, site=1), node(2, site=2), node(3, site=3)
     task = TaskSpec(params=2_000_000, dense_params=0)
