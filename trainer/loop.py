@@ -357,9 +357,10 @@ def evaluate(model: nn.Module, dataset: Any, *, metrics: Sequence[Metric] = (),
         # worker still fetching the initial model over a 10 Mbit/s WAN made the first
         # evaluation "take" 48 s, and the time to target came out at 0.9 s.
         ctx.client.drain()
-        ctx.client.average_buffers(ctx.step)
-        started = time.perf_counter()
+        # Under local SGD between outer steps, the common model's buffers are the ones averaged.
         with ctx.client.global_model():
+            ctx.client.average_buffers(ctx.step)
+            started = time.perf_counter()
             sums, count = metric_sums(module, dataset, part=part, metrics=metrics, loss=loss,
                                       batch_size=batch_size, device=ctx.device, collate=collate)
         values, stop = ctx.client.combine_eval(ctx.step, sums, count, time.perf_counter() - started)

@@ -120,7 +120,8 @@ class PSClient:
         # Local SGD's rounds: the inner steps' ends, the pseudo-gradient's send and the outer steps
         # on their way back (trainer.outer_steps).
         self.outer = (OuterSteps(cfg, local, self.flat, metrics, read_round=self._read_round,
-                                 update_arrived=self._update_arrived, ended=lambda: self.link.ended)
+                                 update_arrived=self._update_arrived, ended=lambda: self.link.ended,
+                                 buffers=lambda: float_buffers(model))
                       if local is not None else None)
         self._flushed_for: int | None = None
 
@@ -149,6 +150,11 @@ class PSClient:
     def start(self) -> None:
         """HELLO, then the server's plan, then the run's state: the replicas' common starting
         weights, or (joining, resuming) the run's current model and optimizer state."""
+        self._start()
+        if self.outer is not None:
+            self.outer.keep_buffers()  # the common model's, until the next outer step
+
+    def _start(self) -> None:
         cfg = self.cfg
         listen = getattr(self.transport, "listen_port", None)
         site = cfg.sites[self.rank] if self.rank < len(cfg.sites) else None

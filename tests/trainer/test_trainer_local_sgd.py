@@ -40,7 +40,7 @@ from hybridtrain.contract import (
     sync_fragments,
 )
 from trainer import late_changes
-from trainer.algorithm import Layout, aggregate
+from trainer.algorithm import Layout, aggregate, float_buffers
 from trainer.cli import UsageError, build_parser, config_from_args
 from trainer.codec_state import codec
 from trainer.compression import CompressionState, Payload
@@ -457,6 +457,23 @@ def _fragments_on_their_way(arrived: set[int]) -> tuple[OuterSteps, list[int]]:
                        update_arrived=arrived.__contains__, ended=lambda: False)
     outer.pending.extend([2, 4])
     return outer, reads
+
+
+def test_between_outer_steps_the_global_model_has_the_buffers_of_the_last_outer_step():
+    cfg = config(strategy="diloco", workers=1, global_batch=8, sync_every=4, max_steps=8)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    flat = FlatModel(model, Layout.of(model, 16), torch.device("cpu"))
+    local = LocalSGD(4, lr=1.0, momentum=0.0, numel=flat.layout.numel)
+    local.reset(flat.values(), 0)
+    outer = OuterSteps(cfg, local, flat, MetricsLogger(1, "worker"), read_round=lambda step: None,
+                       update_arrived=lambda step: False, ended=lambda: False, buffers=lambda: float_buffers(model))
+    statistics = model[1].running_mean
+    at_outer_step = statistics.clone()
+    model(torch.randn(16, 4) + 3.0)  # inner step 1's forward pass moves this worker's statistics
+    drifted = statistics.clone()
+    with outer.global_model(1):  # what an evaluation after inner step 1 scores
+        assert torch.equal(statistics, at_outer_step)
+    assert torch.equal(statistics, drifted)
 
 
 def test_asynchronous_fragments_outer_steps_whose_updates_are_here_land_together_oldest_first():
