@@ -248,11 +248,16 @@ def test_a_profile_without_dense_costs_is_named_in_the_assumptions():
     assert "of n1:" in note and "n2" not in note
 
 
-def test_densities_follow_the_rules_path_from_the_target():
+def _fast_and_slow_uplink():
+    """A server and two workers, each in its own site: one uploads at 200 Mbit/s, one at 50."""
     s, fast, slow = node(1, site=1), node(2, site=2), node(3, site=3)
-    task = TaskSpec(params=2_000_000, dense_params=0)
     links = mesh([s, fast, slow], wan=LinkSpec(200, 0.0, "measured"))
     links[(3, 1)] = LinkSpec(50, 0.0, "measured")
+    return s, fast, slow, links, TaskSpec(params=2_000_000, dense_params=0)
+
+
+def test_densities_follow_the_rules_path_from_the_target():
+    s, fast, slow, links, task = _fast_and_slow_uplink()
     comp = CompressionSpec(warmup_steps=2, density_time_floor_s=0.0)
     p = predict("ps-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp,
                 max_steps=40)
@@ -270,10 +275,7 @@ def test_densities_follow_the_rules_path_from_the_target():
 
 
 def test_diloco_gcs_densities_follow_the_rules_path_one_outer_step_a_round():
-    s, fast, slow = node(1, site=1), node(2, site=2), node(3, site=3)
-    task = TaskSpec(params=2_000_000, dense_params=0)
-    links = mesh([s, fast, slow], wan=LinkSpec(200, 0.0, "measured"))
-    links[(3, 1)] = LinkSpec(50, 0.0, "measured")
+    s, fast, slow, links, task = _fast_and_slow_uplink()
     comp = CompressionSpec(sync_every=10, density_time_floor_s=0.0)
     p = predict("diloco-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp,
                 max_steps=100)
@@ -287,10 +289,7 @@ def test_diloco_gcs_densities_follow_the_rules_path_one_outer_step_a_round():
 
 
 def test_a_short_run_averages_its_transient_not_just_the_fixed_point():
-    s, fast, slow = node(1, site=1), node(2, site=2), node(3, site=3)
-    task = TaskSpec(params=2_000_000, dense_params=0)
-    links = mesh([s, fast, slow], wan=LinkSpec(200, 0.0, "measured"))
-    links[(3, 1)] = LinkSpec(50, 0.0, "measured")
+    s, fast, slow, links, task = _fast_and_slow_uplink()
     comp = CompressionSpec(warmup_steps=0, density_time_floor_s=0.0)
     settled = predict("ps-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp)
     short = predict("ps-gc", workers=[(fast, 10), (slow, 10)], server=s, links=links, task=task, compression=comp,
