@@ -31,10 +31,10 @@ DENSE, INT32, BITMAP, DELTA8, DELTA16, SEED = "dense", "int32", "bitmap", "delta
 _CODE = {DENSE: 0, INT32: 1, BITMAP: 2, DELTA8: 3, DELTA16: 4, SEED: 5}
 _MAX_GAP = {DELTA8: 255, DELTA16: 65535}
 
-# trainer.frames: GRAD carries chunk, loss, samples, compute_s, last_tx_s, topk_s; UPDATE
+# trainer.frames: GRAD carries chunk, loss, samples, compute_s, last_tx_s, topk_s, site_s; UPDATE
 # carries chunk, loss, the worker count M, then M densities and M batch sizes on the last
 # chunk of a step (M = 0 on the others).
-GRAD_SCALARS = 6
+GRAD_SCALARS = 7
 UPDATE_SCALARS = 3
 # Sites as replicas (trainer.site_replica): a gradient crosses the site's LAN in pieces of this
 # many elements, SITE_GRAD carrying piece and samples, SITE_MEAN the piece.

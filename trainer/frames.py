@@ -212,25 +212,28 @@ class Grad:
     dense: Payload
     sparse: Payload
     # A site's combined frame (per-site aggregation): each worker's own figures, which the
-    # server plans from, as (rank, loss, samples, compute_s, last_tx_s, topk_s).
+    # server plans from, as (rank, loss, samples, compute_s, last_tx_s, topk_s, site_s).
     members: tuple[tuple[float, ...], ...] = ()
+    # Sites as replicas: the seconds the round's inner steps spent averaging over the site's LAN
+    # (waits for the site's other workers included; the server takes the site's least).
+    site_s: float = 0.0
     kind: ClassVar[int] = GRAD
 
     def message(self) -> Message:
-        scalars = [self.chunk, self.loss, self.samples, self.compute_s, self.last_tx_s, self.topk_s]
+        scalars = [self.chunk, self.loss, self.samples, self.compute_s, self.last_tx_s, self.topk_s, self.site_s]
         text = json.dumps(self.members) if self.members else ""
         return Message(GRAD, self.step, self.sender, scalars, [self.dense, self.sparse], text)
 
     @classmethod
     def parse(cls, m: Message) -> Grad:
-        chunk, loss, samples, compute_s, last_tx_s, topk_s = m.scalars
+        chunk, loss, samples, compute_s, last_tx_s, topk_s, site_s = m.scalars
         members = tuple(tuple(r) for r in json.loads(m.text)) if m.text else ()
         return cls(m.step, m.sender, int(chunk), loss, int(samples), compute_s, last_tx_s, topk_s,
-                   m.payloads[0], m.payloads[1], members)
+                   m.payloads[0], m.payloads[1], members, site_s)
 
     def own(self) -> tuple[float, ...]:
         """This frame's sender's own figures, in the shape of `members`' rows."""
-        return (self.sender, self.loss, self.samples, self.compute_s, self.last_tx_s, self.topk_s)
+        return (self.sender, self.loss, self.samples, self.compute_s, self.last_tx_s, self.topk_s, self.site_s)
 
 
 @dataclass(frozen=True)

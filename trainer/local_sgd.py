@@ -53,19 +53,22 @@ def outer_step(params: torch.Tensor, velocity: torch.Tensor, delta: torch.Tensor
 @dataclass
 class Progress:
     """What a worker did since the last outer step: the samples weigh its pseudo-gradient, the
-    loss and compute time report the whole round."""
+    loss, compute time and time averaging within its site (sites as replicas) report the whole
+    round."""
 
     steps: int = 0
     samples: int = 0
     loss_sum: float = 0.0
     loss_count: int = 0
     compute_s: float = 0.0
+    site_s: float = 0.0
 
-    def note(self, loss: float, samples: int, compute_s: float) -> None:
+    def note(self, loss: float, samples: int, compute_s: float, site_s: float = 0.0) -> None:
         """One inner step."""
         self.steps += 1
         self.samples += samples
         self.compute_s += compute_s
+        self.site_s += site_s
         if math.isfinite(loss):
             self.loss_sum += loss
             self.loss_count += 1
@@ -141,10 +144,10 @@ class LocalSGD:
         self.rounds = [Progress() for _ in self.spans]
         self.drift_from = {}
 
-    def note(self, loss: float, samples: int, compute_s: float) -> None:
+    def note(self, loss: float, samples: int, compute_s: float, site_s: float = 0.0) -> None:
         """One inner step: it counts towards every fragment's next outer step."""
         for progress in self.rounds:
-            progress.note(loss, samples, compute_s)
+            progress.note(loss, samples, compute_s, site_s)
 
     def _slice(self, tensor: torch.Tensor, fragment: int) -> torch.Tensor:
         a, b = self.spans[fragment]

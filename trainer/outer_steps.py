@@ -49,10 +49,11 @@ class OuterSteps:
         self._landing_at: int | None = None
 
     def after_inner_step(self, step: int, max_steps: int, *, loss: float, samples: int,
-                         compute_s: float) -> tuple[bool, float]:
-        """Count inner step `step` and apply the outer steps that land after it. Returns whether
-        the pseudo-gradient goes up now, and the seconds spent waiting for a late outer step."""
-        self.local.note(loss, samples, compute_s)
+                         compute_s: float, site_s: float = 0.0) -> tuple[bool, float]:
+        """Count inner step `step` (`site_s`: its averaging within the site) and apply the outer
+        steps that land after it. Returns whether the pseudo-gradient goes up now, and the
+        seconds spent waiting for a late outer step."""
+        self.local.note(loss, samples, compute_s, site_s)
         late = 0.0
         # Outer steps that land now first: streaming's next fragment may be due at the same step.
         if self.pending and self._lands(step):
@@ -79,7 +80,7 @@ class OuterSteps:
             self.land(step, upto=owed[-1])
         round_ = local.rounds[fragments[0]]
         upload.samples, upload.loss = round_.samples, round_.loss
-        upload.compute_s = round_.compute_s
+        upload.compute_s, upload.site_s = round_.compute_s, round_.site_s
         if local.fragments > 1:  # each fragment's change weighs its own round's samples
             upload.chunk_samples = {p: local.rounds[p].samples for p in fragments}
         # Overlapped: the outer step is applied --outer-delay inner steps later, or asynchronous

@@ -25,12 +25,21 @@ class WorkerRow:
     compute_s: float
     last_tx_s: float
     topk_s: float
+    # Sites as replicas: the round's averaging within the worker's site, a cost of the site's.
+    site_s: float = 0.0
 
 
 def worker_rows(grads: list[Grad]) -> list[WorkerRow]:
-    """Each worker's figures in rank order, a site's combined frame expanded into its members."""
-    rows = [WorkerRow(int(r[0]), r[1], int(r[2]), r[3], r[4], r[5])
-            for g in grads for r in (g.members or (g.own(),))]
+    """Each worker's figures in rank order, a site's combined frame expanded into its members.
+
+    A site's averaging time is its members' least: each member's own includes its waits for
+    the others, and the one the others wait for waits only for the exchange itself.
+    """
+    rows = []
+    for g in grads:
+        figures = g.members or (g.own(),)
+        site_s = min(r[6] for r in figures)
+        rows += [WorkerRow(int(r[0]), r[1], int(r[2]), r[3], r[4], r[5], site_s) for r in figures]
     return sorted(rows, key=lambda r: r.rank)
 
 
@@ -97,7 +106,10 @@ class Planner:
                 if ranks != self.roster.ranks():
                     return
             self.compute_window.append([r.compute_s for r in rows])
-            self.overhead_window.append([r.topk_s for r in rows])
+            # A site's averaging takes as long whatever the split within it: a fixed cost, as
+            # compression is, which the split across sites must count (the slower site's
+            # averaging made every other site wait for it at the outer step).
+            self.overhead_window.append([r.topk_s + r.site_s for r in rows])
             if len(self.compute_window) >= self.cfg.rebalance_every:
                 means = [sum(col) / len(col) for col in zip(*self.compute_window)]
                 overheads = [sum(col) / len(col) for col in zip(*self.overhead_window)]

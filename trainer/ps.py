@@ -330,7 +330,7 @@ class PSClient:
         # counts as compute, so that the re-split at the outer step sees it (docs/trainer.md).
         compute_s += time.perf_counter() - started
         due, late = self.outer.after_inner_step(step, self.max_steps, loss=loss, samples=samples,
-                                                compute_s=compute_s)
+                                                compute_s=compute_s, site_s=waited)
         if due:
             return compute_s
         waited += late

@@ -64,11 +64,11 @@ class SiteCombiner:
                                                dense_step=dense_step)
         last = own.chunk == len(self.bounds) - 1
         spent = own.topk_s + time.perf_counter() - t0 - waited
-        mine = (own.sender, own.loss, own.samples, own.compute_s, own.last_tx_s, spent)
+        mine = (own.sender, own.loss, own.samples, own.compute_s, own.last_tx_s, spent, own.site_s)
         return Grad(own.step, self.rank, own.chunk, own.loss, sum(g.samples for g in group), own.compute_s,
                     own.last_tx_s, spent, Payload(dense.numel(), dense),
                     combined,
-                    (mine, *(m.own() for m in members)) if last else ())
+                    (mine, *(m.own() for m in members)) if last else (), own.site_s)
 
     def _chunks(self, step: int, chunk: int, inbox: Inbox, wait_s: float) -> tuple[list[Grad], float]:
         """The members' frames of `chunk`, and the seconds spent waiting for them. A member whose

@@ -40,6 +40,8 @@ class Upload:
     encode_s: float = 0.0
     tx_s: float = 0.0
     nbytes: int = 0
+    # Sites as replicas: the round's seconds averaging within the site (the re-split's fixed cost).
+    site_s: float = 0.0
     # Streaming local SGD: each fragment's (chunk's) own round of samples, its change's weight.
     chunk_samples: dict[int, int] = field(default_factory=dict)
 
@@ -106,7 +108,7 @@ class Uplink:
         upload.topk_s += te - tc
         samples = upload.chunk_samples.get(c, upload.samples)
         grad = Grad(upload.step, self.rank, c, upload.loss, samples, upload.compute_s, self.last_tx_s,
-                    upload.topk_s, dense, sparse)
+                    upload.topk_s, dense, sparse, site_s=upload.site_s)
         combiner = self.relay.combiner
         if combiner is not None:
             grad = combiner.combine(grad, inbox, density=density, dense_step=self.dense_step(upload.step),

@@ -33,8 +33,8 @@ MAGIC = 0x4854
 # to abort), empty and 4 bytes long on every per-step frame; version 4 raw-byte values (a
 # STATE's optimizer state, which version 3 carried as base64 text: a third larger, and slow
 # to pack and unpack, on the donor's step and the server's thread); version 5 bf16 values (the
-# in-site exchange of sites as replicas).
-VERSION = 5
+# in-site exchange of sites as replicas); version 6 GRAD's seventh scalar, site_s.
+VERSION = 6
 _MSG = struct.Struct("<HBBqiHBI")
 KIND_OFFSET = 3  # the kind byte, after the magic (2) and the version (1)
 # numel and count as uint32: no single tensor reaches 2**32 elements, and on a small model the

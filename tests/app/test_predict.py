@@ -30,7 +30,7 @@ from hybridtrain.wiresize import grad_frame_bytes, kept_for, update_frame_bytes
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 TASK = TaskSpec(params=1000, dense_params=100, buffer_numel=0)
-DENSE_UP = 8 + 23 + 6 * 8 + (10 + 100 * 4) + (10 + 900 * 4)  # GRAD, both payloads fp32
+DENSE_UP = 8 + 23 + 7 * 8 + (10 + 100 * 4) + (10 + 900 * 4)  # GRAD, both payloads fp32
 
 
 def node(i: int, site: int = 1, sps: float = 100.0, *, agg: float = 0.0, wc: float = 0.0, sc: float = 0.0,

@@ -97,9 +97,9 @@ def test_state_flattens_parameters_to_fp32():
 
 def test_grad_round_trips_its_scalars_and_both_payloads():
     d, s = dense([1.0, -2.0, 3.5]), sparse(1000, [3, 400, 999], [0.5, -0.25, 8.0])
-    out = roundtrip(Grad(7, 2, 1, 0.693, 32, 0.012, 0.004, 0.001, d, s))
+    out = roundtrip(Grad(7, 2, 1, 0.693, 32, 0.012, 0.004, 0.001, d, s, site_s=0.25))
     assert (out.step, out.sender, out.chunk, out.samples) == (7, 2, 1, 32)
-    assert (out.loss, out.compute_s, out.last_tx_s, out.topk_s) == (0.693, 0.012, 0.004, 0.001)
+    assert (out.loss, out.compute_s, out.last_tx_s, out.topk_s, out.site_s) == (0.693, 0.012, 0.004, 0.001, 0.25)
     assert_payload_equal(out.dense, d)
     assert_payload_equal(out.sparse, s)
 

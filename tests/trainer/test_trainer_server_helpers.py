@@ -24,7 +24,7 @@ from trainer.joiner import Joiner
 from trainer.late_changes import LateChanges
 from trainer.membership import Member, Roster
 from trainer.metrics import MetricsLogger
-from trainer.planner import Planner, WorkerRow
+from trainer.planner import Planner, WorkerRow, worker_rows
 from trainer.server import step_loss
 from trainer.transport import InMemoryHub, Inbox
 
@@ -143,6 +143,33 @@ def test_a_planner_restores_its_plan_only_for_the_workers_it_was_made_for():
     Planner(cfg, other).load_state_dict(state)
     assert (same.densities, same.batch_sizes) == ([0.05, 0.02, 0.01], [30, 20, 10])
     assert other.batch_sizes != [30, 20, 10]
+
+
+def _site_frame(rows: list[tuple[float, ...]]) -> Grad:
+    empty = Payload(0, torch.zeros(0))
+    return Grad(10, int(rows[0][0]), 0, 1.0, sum(int(r[2]) for r in rows), 1.0, 0.0, 0.0, empty, empty, tuple(rows))
+
+
+def test_a_sites_averaging_time_is_the_least_any_of_its_workers_reports():
+    # Rank 2 waited 0.2 s for rank 1 besides the exchange; rank 1 waited for the exchange alone.
+    site = _site_frame([(1, 1.0, 20, 2.0, 0.0, 0.05, 0.3), (2, 1.0, 20, 1.8, 0.0, 0.0, 0.5)])
+    alone = _site_frame([(3, 1.0, 8, 2.0, 0.0, 0.0, 0.0)])
+    assert [(r.rank, r.site_s) for r in worker_rows([site, alone])] == [(1, 0.3), (2, 0.3), (3, 0.0)]
+
+
+def test_the_re_split_moves_samples_away_from_the_site_whose_averaging_takes_longer():
+    # Two sites of two workers, equally fast, the same split; site B's averaging takes 0.4 s a
+    # round longer, so its workers get fewer samples and the sites reach the outer step together.
+    cfg = TrainConfig(strategy="diloco", workers=4, global_batch=80, allocation="measured", rebalance_every=1)
+    roster = Roster(cfg)
+    for rank in (1, 2, 3, 4):
+        roster.add(Member(rank))
+    roster.batch_sizes = [20, 20, 20, 20]
+    a = _site_frame([(1, 1.0, 20, 2.0, 0.0, 0.0, 0.2), (2, 1.0, 20, 2.0, 0.0, 0.0, 0.2)])
+    b = _site_frame([(3, 1.0, 20, 2.0, 0.0, 0.0, 0.6), (4, 1.0, 20, 2.0, 0.0, 0.0, 0.6)])
+    Planner(cfg, roster).plan(10, worker_rows([a, b]), {}, densities=False)
+    # 10 samples/s each: 22 / 10 + 0.2 = 18 / 10 + 0.6 = 2.4 s a round.
+    assert roster.batch_sizes == [22, 22, 18, 18]
 
 
 def test_a_steps_loss_weighs_each_workers_loss_by_its_samples():

@@ -6,6 +6,7 @@ real processes over loopback."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -33,10 +34,11 @@ from trainer.compression import Identity, Payload
 from trainer.departures import Departures
 from trainer.frames import BYE, Grad, Route, Welcome, pack, unpack
 from trainer.relay import SERVER
+from trainer.planner import worker_rows
 from trainer.server import ParameterServer
 from trainer.site_combine import SiteCombiner
 from trainer.site_relay import SiteRelay
-from trainer.site_replica import PIECE, pieces, site_mean
+from trainer.site_replica import PIECE, SiteReplica, pieces, site_mean
 from trainer.transport import InMemoryHub, InMemoryTransport, Inbox
 
 # The server and ranks 1, 2 at "home", ranks 3, 4 "away": two sites of two, each a replica,
@@ -186,6 +188,30 @@ def test_a_sites_workers_are_identical_after_every_inner_step_and_the_sites_meet
         # Overlapped, an outer step lands `outer_delay` steps late, on top of the steps since.
         meet = (4, 8, 10) if not options.get("outer_delay") else (10,)
         assert torch.equal(snapshots[(1, step)], snapshots[(3, step)]) == (step in meet), step
+
+
+def test_each_outer_step_tells_the_server_how_long_each_site_averaged_over_its_round(monkeypatch):
+    # The away site's member (rank 4) takes 20 ms longer to exchange each inner step.
+    exchange = SiteReplica._exchange
+
+    def slow_away(self, step, samples):
+        if self.rank == 4:
+            time.sleep(0.02)
+        exchange(self, step, samples)
+
+    seen: dict[tuple[int, int], float] = {}
+    aggregate_ = ParameterServer.aggregate
+
+    def spy(self, step, grads, chunk, arrival=None):
+        seen.update({(step, r.rank): r.site_s for r in worker_rows(grads)})
+        return aggregate_(self, step, grads, chunk, arrival)
+
+    monkeypatch.setattr(SiteReplica, "_exchange", slow_away)
+    monkeypatch.setattr(ParameterServer, "aggregate", spy)
+    run_in_process(_config(sync_every=4, max_steps=8), 8, optimizer=adamw)
+    for step in (4, 8):  # a round of four inner steps: the away site's relay waited for it each
+        assert seen[(step, 3)] == seen[(step, 4)] >= 4 * 0.02, seen
+        assert seen[(step, 1)] == seen[(step, 2)] < seen[(step, 3)], seen
 
 
 @pytest.mark.parametrize("value_dtype, bf16", [("fp16", True), ("fp32", False)])
