@@ -29,17 +29,21 @@ class WorkerRow:
     site_s: float = 0.0
 
 
-def worker_rows(grads: list[Grad]) -> list[WorkerRow]:
+def worker_rows(grads: list[Grad], *, replicas: bool = False) -> list[WorkerRow]:
     """Each worker's figures in rank order, a site's combined frame expanded into its members.
 
-    A site's averaging time is its members' least: each member's own includes its waits for
-    the others, and the one the others wait for waits only for the exchange itself.
+    Under sites as replicas (`replicas`) a site's costs are its workers' alike: every inner step
+    they average over the LAN, whose time is their least (each other one's includes waiting
+    for that one), and at the outer step the relay compresses the site's change, which the
+    members wait for (its compression is theirs).
     """
     rows = []
     for g in grads:
         figures = g.members or (g.own(),)
         site_s = min(r[6] for r in figures)
-        rows += [WorkerRow(int(r[0]), r[1], int(r[2]), r[3], r[4], r[5], site_s) for r in figures]
+        compress_s = max(r[5] for r in figures)
+        rows += [WorkerRow(int(r[0]), r[1], int(r[2]), r[3], r[4], compress_s if replicas else r[5], site_s)
+                 for r in figures]
     return sorted(rows, key=lambda r: r.rank)
 
 
@@ -60,13 +64,14 @@ class Planner:
         """Apply-in-forward: the workers take the next batch split from the first chunk, before the
         rest arrives, so it is planned then: from this step's compute times (every chunk's frame
         carries them) and each worker's compression of its last whole step."""
-        rows = [replace(r, topk_s=self.compress_s.get(r.rank, r.topk_s * chunks)) for r in worker_rows(grads)]
+        rows = [replace(r, topk_s=self.compress_s.get(r.rank, r.topk_s * chunks))
+                for r in worker_rows(grads, replicas=self.cfg.site_replicas)]
         self.plan(step, rows, {}, densities=False)
 
     def plan_step(self, step: int, grads: list[Grad], arrival: dict[int, float]) -> list[WorkerRow]:
         """The plan from a step's last chunk, whose frames carry the step's full timings
         (compression summed; a site's combined frame each of its workers' own); returns them."""
-        rows = worker_rows(grads)
+        rows = worker_rows(grads, replicas=self.cfg.site_replicas)
         ahead = self.cfg.applies_in_forward
         if ahead:
             self.compress_s.update({r.rank: r.topk_s for r in rows})

@@ -157,6 +157,13 @@ def test_a_sites_averaging_time_is_the_least_any_of_its_workers_reports():
     assert [(r.rank, r.site_s) for r in worker_rows([site, alone])] == [(1, 0.3), (2, 0.3), (3, 0.0)]
 
 
+def test_as_replicas_a_sites_workers_share_its_relays_compression_and_otherwise_keep_their_own():
+    # The relay (rank 1) compresses the site's change at the outer step; its member waits for it.
+    site = _site_frame([(1, 1.0, 20, 2.0, 0.0, 0.05, 0.3), (2, 1.0, 20, 1.8, 0.0, 0.0, 0.5)])
+    assert [r.topk_s for r in worker_rows([site], replicas=True)] == [0.05, 0.05]
+    assert [r.topk_s for r in worker_rows([site])] == [0.05, 0.0]  # per-site aggregation: each its own
+
+
 def test_the_re_split_moves_samples_away_from_the_site_whose_averaging_takes_longer():
     # Two sites of two workers, equally fast, the same split; site B's averaging takes 0.4 s a
     # round longer, so its workers get fewer samples and the sites reach the outer step together.
