@@ -12,6 +12,7 @@ from trainer.allocation import (
     equal_batch_sizes,
     proportional_batch_sizes,
     rebalance,
+    soonest_finish,
 )
 from trainer.loader import eval_slice
 
@@ -55,8 +56,9 @@ def test_aggregation_weights_are_batch_shares():
 
 
 def test_measured_rebalance_moves_samples_to_the_faster_worker():
-    # Equal batches, but worker 0 computes its batch in half the time.
-    assert rebalance(64, [32, 32], [0.1, 0.2]) == [42, 22]
+    # Equal batches, but worker 0 computes its batch in half the time: 43 / 320 samples/s is
+    # 0.134 s, where the nearest shares, 42 and 22, would leave worker 1 at 22 / 160 = 0.1375 s.
+    assert rebalance(64, [32, 32], [0.1, 0.2]) == [43, 21]
 
 
 def test_rebalance_evens_out_finishing_times_including_a_fixed_per_step_cost():
@@ -67,7 +69,21 @@ def test_rebalance_evens_out_finishing_times_including_a_fixed_per_step_cost():
 
 
 def test_rebalance_with_equal_overheads_is_the_compute_only_split():
-    assert rebalance(64, [32, 32], [0.1, 0.2], [0.03, 0.03]) == rebalance(64, [32, 32], [0.1, 0.2]) == [42, 22]
+    assert rebalance(64, [32, 32], [0.1, 0.2], [0.03, 0.03]) == rebalance(64, [32, 32], [0.1, 0.2]) == [43, 21]
+
+
+def test_the_whole_samples_are_those_whose_slowest_worker_finishes_first_not_the_nearest_shares():
+    # charlm's round under sites as replicas: two on-prem workers, two cloud workers of 3.6
+    # samples a round-second whose site averages 0.17 s a round longer. Their exact shares are
+    # 7.4 each; an eighth sample is 0.28 s more for the cloud, a 27th or 23rd 0.09 s on-prem.
+    sizes = rebalance(64, [25, 23, 8, 8], [25 / 11.72, 23 / 10.25, 8 / 3.61, 8 / 3.58], [0.3, 0.3, 0.47, 0.47])
+    assert sizes == [27, 23, 7, 7]
+    assert proportional_batch_sizes(64, [26.2, 22.9, 7.45, 7.39]) == [26, 22, 8, 8]  # the nearest
+
+
+def test_the_soonest_finish_starts_from_a_split_of_the_whole_batch():
+    with pytest.raises(ValueError, match="start"):
+        soonest_finish(64, [1.0, 1.0], [0.0, 0.0], start=[32, 31])
 
 
 def test_a_worker_whose_overhead_exceeds_the_step_keeps_one_sample():
