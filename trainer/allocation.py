@@ -51,7 +51,7 @@ def soonest_finish(global_batch: int, speeds: Sequence[float], overhead_s: Seque
 
     Rounding the exact shares to the nearest can leave the last worker a sample over its share
     at the slowest per-sample speed: under sites as replicas a cloud worker's eighth sample on
-    charlm is 0.3 s a round that every site waits for, where the on-prem worker that gets it
+    charlm is 0.28 s a round that every site waits for, where the on-prem worker that gets it
     instead adds 0.09 s (docs/trainer.md).
     """
     sizes = list(start)
