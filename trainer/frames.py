@@ -41,15 +41,10 @@ KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", STATE: "STATE", GRAD: "GRAD", 
 LAST_KINDS = frozenset({BYE, ABORT})
 
 
-def _dense(values: torch.Tensor) -> Payload:
-    values = values.detach().reshape(-1).float().cpu()
-    return Payload(values.numel(), values)
-
-
-def _as_given(values: torch.Tensor) -> Payload:
-    """Dense at the values' own float width (fp32 or bf16: the in-site exchange's choice)."""
+def _dense(values: torch.Tensor, *, keep_bf16: bool = False) -> Payload:
+    """Dense fp32, or with `keep_bf16` bf16 values kept at their width (the in-site exchange's choice)."""
     values = values.detach().reshape(-1).cpu()
-    return Payload(values.numel(), values if values.dtype == torch.bfloat16 else values.float())
+    return Payload(values.numel(), values if keep_bf16 and values.dtype == torch.bfloat16 else values.float())
 
 
 @dataclass(frozen=True)
@@ -406,7 +401,7 @@ class SiteGrad:
     kind: ClassVar[int] = SITE_GRAD
 
     def message(self) -> Message:
-        return Message(SITE_GRAD, self.step, self.sender, [self.piece, self.samples], [_as_given(self.values)])
+        return Message(SITE_GRAD, self.step, self.sender, [self.piece, self.samples], [_dense(self.values, keep_bf16=True)])
 
     @classmethod
     def parse(cls, m: Message) -> SiteGrad:
@@ -427,7 +422,7 @@ class SiteMean:
     kind: ClassVar[int] = SITE_MEAN
 
     def message(self) -> Message:
-        return Message(SITE_MEAN, self.step, self.sender, [self.piece], [_as_given(self.values)])
+        return Message(SITE_MEAN, self.step, self.sender, [self.piece], [_dense(self.values, keep_bf16=True)])
 
     @classmethod
     def parse(cls, m: Message) -> SiteMean:
